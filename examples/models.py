@@ -1,0 +1,494 @@
+"""Example models for soybean.
+
+Every factory has the signature ``fn(**kwargs) -> (model, example_inputs)``:
+
+* ``model`` is a plain ``torch.nn.Module`` built from ``torch.nn`` /
+  ``torch.nn.functional`` only, in training mode;
+* ``example_inputs`` is a tuple of tensors whose LAST element is the
+  target (regression target or integer labels), so ``model(*example_inputs)``
+  returns the scalar training LOSS and a training loop can call
+  ``loss.backward()`` directly.  Called without the target, every model
+  returns its output (logits / activations) instead.
+
+Factories are deterministic: they call ``torch.manual_seed(seed)`` first,
+then build the parameters, then the inputs.  All sizes are keywords with
+realistic defaults; pass small values for tests.  Dropout defaults to 0.0
+everywhere (and a dropout of 0 inserts no dropout op at all), so a parallel
+run can reproduce a serial run exactly.  No model has data-dependent Python
+control flow: every branch depends only on constructor arguments, so all of
+them capture with ``torch.export.export(model, inputs, strict=False)``.
+
+Image models keep working for images as small as 32x32: a max-pool whose
+input would be smaller than its window (known at construction time) is
+replaced by ``nn.Identity``, and the classifier heads use adaptive average
+pooling, exactly as torchvision does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["mlp", "alexnet", "vgg16", "resnet", "transformer", "FACTORIES"]
+
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+
+def _scale(n: int, width: float) -> int:
+    """Scale a channel / feature count by ``width`` (at least 1)."""
+    return max(1, int(round(n * width)))
+
+
+def _dropout(p: float) -> nn.Module:
+    """A dropout layer, or Identity when p == 0 (keeps the graph op-free)."""
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+def _conv_out(size: int, kernel: int, stride: int = 1, padding: int = 0) -> int:
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+def _maxpool(size: int, kernel: int = 3, stride: int = 2, padding: int = 0):
+    """MaxPool2d(kernel, stride, padding), or Identity when the input (of
+    spatial size ``size``) is too small for the window.  Returns the module
+    and the output spatial size."""
+    if size + 2 * padding < kernel:
+        return nn.Identity(), size
+    return nn.MaxPool2d(kernel, stride, padding), _conv_out(size, kernel, stride, padding)
+
+
+class _Classifier(nn.Module):
+    """Base for image classifiers: ``forward(images, labels=None)``."""
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None):
+        out = self.logits(images)
+        if labels is None:
+            return out
+        return F.cross_entropy(out, labels)
+
+
+def _image_inputs(batch: int, in_channels: int, image: int, classes: int):
+    images = torch.randn(batch, in_channels, image, image)
+    labels = torch.randint(0, classes, (batch,))
+    return images, labels
+
+
+# --------------------------------------------------------------------------
+# MLP
+# --------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    """``inp`` Linear(in->hidden), ReLU, then ``layers`` x [Linear(hidden->
+    hidden), ReLU] in ``hidden``, then ``out`` Linear(hidden->out).
+
+    ``layers`` counts the hidden->hidden Linear layers only, so ``layers=2``
+    means two hidden->hidden layers and ``layers + 2`` Linear layers in
+    total (``layers=0``: in -> hidden -> out).
+    """
+
+    def __init__(self, in_features: int, hidden: int, out_features: int,
+                 layers: int, classification: bool):
+        super().__init__()
+        self.inp = nn.Linear(in_features, hidden)
+        self.hidden = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
+        self.out = nn.Linear(hidden, out_features)
+        self.classification = classification
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None):
+        h = F.relu(self.inp(x))
+        for layer in self.hidden:
+            h = F.relu(layer(h))
+        out = self.out(h)
+        if y is None:
+            return out
+        if self.classification:
+            return F.cross_entropy(out, y)
+        return F.mse_loss(out, y)
+
+
+def mlp(batch: int = 32, hidden: int = 4096, layers: int = 2,
+        in_features: int | None = None, out_features: int | None = None,
+        classes: int | None = None, seed: int = 0):
+    """MLP with ``layers`` hidden->hidden Linear layers (``layers + 2``
+    Linear layers in all).  Inputs ``(x, y)``: x is (batch, in_features);
+    y is a (batch, out_features) regression target (MSE loss) or, when
+    ``classes`` is given, (batch,) integer labels (cross-entropy loss, and
+    out_features defaults to ``classes``).  in/out features default to
+    ``hidden``."""
+    if layers < 0:
+        raise ValueError(f"layers must be >= 0, got {layers}")
+    in_features = hidden if in_features is None else in_features
+    if classes is not None:
+        if out_features is not None and out_features != classes:
+            raise ValueError("out_features must equal classes when both are given")
+        out_features = classes
+    out_features = hidden if out_features is None else out_features
+
+    torch.manual_seed(seed)
+    model = MLP(in_features, hidden, out_features, layers, classes is not None)
+    x = torch.randn(batch, in_features)
+    if classes is not None:
+        y = torch.randint(0, classes, (batch,))
+    else:
+        y = torch.randn(batch, out_features)
+    return model, (x, y)
+
+
+# --------------------------------------------------------------------------
+# AlexNet
+# --------------------------------------------------------------------------
+
+
+class AlexNet(_Classifier):
+    """Single-tower AlexNet ("One weird trick", Krizhevsky 2014), the
+    torchvision layout: ``features`` (5 convs, 3 max-pools), ``avgpool``
+    (adaptive, 6x6), ``classifier`` (FC 4096-4096-classes)."""
+
+    def __init__(self, image: int, classes: int, width: float, dropout: float,
+                 in_channels: int = 3):
+        super().__init__()
+        c1, c2, c3, c4, c5 = (_scale(c, width) for c in (64, 192, 384, 256, 256))
+        fc = _scale(4096, width)
+
+        s = _conv_out(image, 11, 4, 2)
+        if s < 1:
+            raise ValueError(f"image {image} too small for AlexNet")
+        pool1, s = _maxpool(s)
+        pool2, s = _maxpool(s)  # conv2 (k5, p2) keeps the size
+        pool3, s = _maxpool(s)  # conv3-5 (k3, p1) keep the size
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, c1, kernel_size=11, stride=4, padding=2),
+            nn.ReLU(inplace=False),
+            pool1,
+            nn.Conv2d(c1, c2, kernel_size=5, padding=2),
+            nn.ReLU(),
+            pool2,
+            nn.Conv2d(c2, c3, kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(c3, c4, kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(c4, c5, kernel_size=3, padding=1),
+            nn.ReLU(),
+            pool3,
+        )
+        self.avgpool = nn.AdaptiveAvgPool2d((6, 6))
+        self.classifier = nn.Sequential(
+            _dropout(dropout),
+            nn.Linear(c5 * 6 * 6, fc),
+            nn.ReLU(),
+            _dropout(dropout),
+            nn.Linear(fc, fc),
+            nn.ReLU(),
+            nn.Linear(fc, classes),
+        )
+
+    def logits(self, x):
+        x = self.avgpool(self.features(x))
+        return self.classifier(torch.flatten(x, 1))
+
+
+def alexnet(batch: int = 128, image: int = 224, classes: int = 1000,
+            width: float = 1.0, dropout: float = 0.0, in_channels: int = 3,
+            seed: int = 0):
+    """AlexNet; inputs ``(images (batch, in_channels, image, image), labels
+    (batch,))``, cross-entropy loss.  ``width`` scales every conv channel
+    count and FC width (4096)."""
+    torch.manual_seed(seed)
+    model = AlexNet(image, classes, width, dropout, in_channels)
+    return model, _image_inputs(batch, in_channels, image, classes)
+
+
+# --------------------------------------------------------------------------
+# VGG-16
+# --------------------------------------------------------------------------
+
+_VGG16_CFG = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M",
+              512, 512, 512, "M", 512, 512, 512, "M"]
+
+
+class VGG(_Classifier):
+    """VGG (Simonyan & Zisserman), torchvision layout without BatchNorm:
+    ``features`` (3x3 convs + ReLU, 2x2 max-pools), ``avgpool`` (adaptive,
+    7x7), ``classifier`` (FC 4096-4096-classes)."""
+
+    def __init__(self, cfg, image: int, classes: int, width: float,
+                 dropout: float, in_channels: int = 3):
+        super().__init__()
+        layers: list[nn.Module] = []
+        c, s = in_channels, image
+        for v in cfg:
+            if v == "M":
+                pool, s = _maxpool(s, kernel=2, stride=2)
+                layers.append(pool)
+            else:
+                out = _scale(v, width)
+                layers += [nn.Conv2d(c, out, kernel_size=3, padding=1), nn.ReLU()]
+                c = out
+        fc = _scale(4096, width)
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
+        self.classifier = nn.Sequential(
+            nn.Linear(c * 7 * 7, fc),
+            nn.ReLU(),
+            _dropout(dropout),
+            nn.Linear(fc, fc),
+            nn.ReLU(),
+            _dropout(dropout),
+            nn.Linear(fc, classes),
+        )
+
+    def logits(self, x):
+        x = self.avgpool(self.features(x))
+        return self.classifier(torch.flatten(x, 1))
+
+
+def vgg16(batch: int = 64, image: int = 224, classes: int = 1000,
+          width: float = 1.0, dropout: float = 0.0, in_channels: int = 3,
+          seed: int = 0):
+    """VGG-16 (configuration D: 13 convs + 3 FC); inputs ``(images, labels)``,
+    cross-entropy loss.  ``width`` scales conv channels and FC width."""
+    torch.manual_seed(seed)
+    model = VGG(_VGG16_CFG, image, classes, width, dropout, in_channels)
+    return model, _image_inputs(batch, in_channels, image, classes)
+
+
+# --------------------------------------------------------------------------
+# ResNet-18 / 34
+# --------------------------------------------------------------------------
+
+
+class BasicBlock(nn.Module):
+    """conv3x3-BN-ReLU-conv3x3-BN + shortcut (1x1 conv + BN when the shape
+    changes), then ReLU."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        else:
+            self.downsample = None
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + identity)
+
+
+_RESNET_BLOCKS = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3)}
+
+
+class ResNet(_Classifier):
+    """ResNet (He et al.), torchvision layout: ``conv1``/``bn1`` 7x7 stem,
+    ``maxpool``, ``layer1``..``layer4`` of basic blocks, ``avgpool``
+    (adaptive 1x1), ``fc``.  BatchNorm runs in training mode (batch
+    statistics; running-stat buffers are updated)."""
+
+    def __init__(self, depth: int, classes: int, width: float, in_channels: int = 3):
+        super().__init__()
+        if depth not in _RESNET_BLOCKS:
+            raise ValueError(f"depth must be one of {sorted(_RESNET_BLOCKS)}, got {depth}")
+        chans = [_scale(c, width) for c in (64, 128, 256, 512)]
+        self.conv1 = nn.Conv2d(in_channels, chans[0], 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(chans[0])
+        # padding=1 keeps this pool valid for any input size >= 1
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        cin = chans[0]
+        for i, (n, c) in enumerate(zip(_RESNET_BLOCKS[depth], chans)):
+            blocks = []
+            for j in range(n):
+                stride = 2 if (j == 0 and i > 0) else 1
+                blocks.append(BasicBlock(cin, c, stride))
+                cin = c
+            setattr(self, f"layer{i + 1}", nn.Sequential(*blocks))
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(cin, classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def logits(self, x):
+        x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def resnet(batch: int = 32, image: int = 224, classes: int = 1000,
+           depth: int = 18, width: float = 1.0, in_channels: int = 3,
+           seed: int = 0):
+    """ResNet-18 or -34 (``depth``) with BatchNorm2d in training mode; inputs
+    ``(images, labels)``, cross-entropy loss.  ``width`` scales the stage
+    channel counts (64/128/256/512)."""
+    torch.manual_seed(seed)
+    model = ResNet(depth, classes, width, in_channels)
+    return model, _image_inputs(batch, in_channels, image, classes)
+
+
+# --------------------------------------------------------------------------
+# GPT-2-style transformer
+# --------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention with separate ``q``, ``k``, ``v``
+    and output ``o`` projections; SDPA on (B, heads, S, head_dim)."""
+
+    def __init__(self, hidden: int, heads: int, dropout: float):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+        self.heads = heads
+        self.head_dim = hidden // heads
+        self.dropout = dropout
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
+        self.o = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        B, S, H = x.shape
+        q = self.q(x).view(B, S, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, S, self.heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, S, self.heads, self.head_dim).transpose(1, 2)
+        p = self.dropout if (self.training and self.dropout > 0) else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = y.transpose(1, 2).reshape(B, S, H)
+        return self.o(y)
+
+
+class FeedForward(nn.Module):
+    """``fc1`` (hidden->ffn), GELU, ``fc2`` (ffn->hidden)."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm decoder block:
+    x + drop(attn(ln1(x))), then x + drop(mlp(ln2(x)))."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int, dropout: float):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, heads, dropout)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.mlp = FeedForward(hidden, ffn)
+        self.drop1 = _dropout(dropout)
+        self.drop2 = _dropout(dropout)
+
+    def forward(self, x):
+        x = x + self.drop1(self.attn(self.ln1(x)))
+        x = x + self.drop2(self.mlp(self.ln2(x)))
+        return x
+
+
+class Transformer(nn.Module):
+    """GPT-2-style decoder stack.
+
+    Module names: ``blocks.{i}.ln1``, ``blocks.{i}.attn.{q,k,v,o}``,
+    ``blocks.{i}.ln2``, ``blocks.{i}.mlp.{fc1,fc2}``, ``ln_f``; with a
+    vocabulary also ``wte`` (token embedding), ``wpe`` (learned positions,
+    ``seq`` of them) and ``lm_head`` (bias-free, weight tied to
+    ``wte.weight``).
+
+    Without a vocabulary ``forward(x, target=None)`` takes float activations
+    (batch, seq, hidden) and returns ln_f's output, or the MSE against
+    ``target``.  With one, ``forward(ids, targets=None)`` returns logits
+    (batch, seq, vocab) or the cross-entropy against ``targets``.
+    """
+
+    def __init__(self, seq: int, hidden: int, layers: int, heads: int, ffn: int,
+                 vocab: int | None, dropout: float):
+        super().__init__()
+        self.vocab = vocab
+        if vocab is not None:
+            self.wte = nn.Embedding(vocab, hidden)
+            self.wpe = nn.Embedding(seq, hidden)
+        self.drop = _dropout(dropout)
+        self.blocks = nn.ModuleList(Block(hidden, heads, ffn, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        if vocab is not None:
+            self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self._init_weights(layers)
+        if vocab is not None:
+            self.lm_head.weight = self.wte.weight  # tie after init
+
+    def _init_weights(self, layers: int):
+        # GPT-2 initialisation: N(0, 0.02), zero biases, residual output
+        # projections scaled by 1/sqrt(2 * layers).
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+        std = 0.02 / math.sqrt(2 * max(1, layers))
+        for b in self.blocks:
+            nn.init.normal_(b.attn.o.weight, mean=0.0, std=std)
+            nn.init.normal_(b.mlp.fc2.weight, mean=0.0, std=std)
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None):
+        if self.vocab is not None:
+            S = inputs.shape[1]
+            pos = torch.arange(S, device=inputs.device)
+            x = self.wte(inputs) + self.wpe(pos)
+        else:
+            x = inputs
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        if self.vocab is None:
+            return x if targets is None else F.mse_loss(x, targets)
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def transformer(batch: int = 8, seq: int = 1024, hidden: int = 768,
+                layers: int = 12, heads: int = 12, ffn: int | None = None,
+                vocab: int | None = None, dropout: float = 0.0, seed: int = 0):
+    """GPT-2-style decoder (defaults: GPT-2 small body, 1024 context).
+
+    ``vocab=None``: inputs ``(x, target)``, both float (batch, seq, hidden),
+    MSE loss.  Otherwise inputs ``(ids, targets)``, both int64 (batch, seq),
+    cross-entropy loss; token embedding + ``seq`` learned positions, LM head
+    tied to the token embedding.  ``ffn`` defaults to ``4 * hidden``."""
+    ffn = 4 * hidden if ffn is None else ffn
+    torch.manual_seed(seed)
+    model = Transformer(seq, hidden, layers, heads, ffn, vocab, dropout)
+    if vocab is None:
+        inputs = (torch.randn(batch, seq, hidden), torch.randn(batch, seq, hidden))
+    else:
+        inputs = (torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq)))
+    return model, inputs
+
+
+FACTORIES = {
+    "mlp": mlp,
+    "alexnet": alexnet,
+    "vgg16": vgg16,
+    "resnet": resnet,
+    "transformer": transformer,
+}

@@ -1,0 +1,84 @@
+"""``soybean`` command line: plan (and, as they land, run | bench | calibrate | explain)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="pkg.module:fn or path/file.py:fn; fn(**args) returns (model, example_inputs)")
+    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="keyword for the model factory (repeatable)")
+
+
+def _cmd_plan(a: argparse.Namespace) -> int:
+    from . import modelref
+    from .mesh import Mesh
+    from .planner import plan
+    from .profiles import load_profile
+    from .report import table
+
+    if a.devices < 1:
+        raise ValueError(f"--devices must be >= 1, got {a.devices}")
+    mesh = Mesh.parse(a.mesh) if a.mesh else None
+    if mesh is not None and mesh.size != a.devices:
+        raise ValueError(f"--mesh {a.mesh} has {mesh.size} devices but --devices is {a.devices}: make them agree")
+    profile = load_profile(a.profile)
+    model, inputs = modelref.load(a.model, modelref.parse_args(a.arg))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = plan(model, inputs, a.devices, mesh=mesh, objective=a.objective, profile=profile, solver=a.solver, memory_gb=a.memory_gb)
+    for w in caught:
+        if "soybean" in str(w.message):
+            print(f"warning: {w.message}", file=sys.stderr)
+    text = p.to_json() if a.format == "json" else table(p)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(p.to_json() if a.out.endswith(".json") else text)
+    if not a.out or a.format == "table":
+        sys.stdout.write(text)
+    if a.emit_code:
+        from .codegen import emit_files
+
+        for path in emit_files(model, inputs, p, a.emit_code):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="soybean", description="Automatic tensor-tiling parallelizer for PyTorch")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan", help="find the optimal tiling of every tensor and show it")
+    _add_model_args(p)
+    p.add_argument("--devices", type=int, required=True, help="number of devices P")
+    p.add_argument("--mesh", help="mesh shape such as 8 or 2x4 (default: try every factorisation into 1-3 axes)")
+    p.add_argument("--objective", choices=["comm", "time"], default="time")
+    p.add_argument("--profile", default="cpu-gloo", help="cpu-gloo, h100-nvlink or a JSON file from `soybean calibrate`")
+    p.add_argument("--memory-gb", type=float, default=None, help="per-device memory budget")
+    p.add_argument("--solver", choices=["ilp", "dp"], default="ilp")
+    p.add_argument("--format", choices=["table", "json"], default="table")
+    p.add_argument("--out", help="write the plan here (JSON when the name ends in .json)")
+    p.add_argument("--emit-code", metavar="DIR", help="write each rank's generated program to DIR")
+    p.set_defaults(fn=_cmd_plan)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    try:
+        return a.fn(a)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"soybean {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # capture errors and the like: one line, not a traceback
+        from .capture import CaptureError
+
+        if isinstance(e, CaptureError):
+            print(f"soybean {a.cmd}: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Cost model: bytes and seconds of collectives, compute and memory.
+
+Ring collectives on a group of ``p`` devices, message of ``m`` bytes
+(``m`` = the full result for all-gather, the full input for reduce-scatter,
+the local buffer for all-reduce and all-to-all):
+
+==============  =======================  ===========================
+collective      bytes sent per device    time
+==============  =======================  ===========================
+all_reduce      2 (p-1)/p * m            2 (p-1) alpha + bytes beta
+all_gather      (p-1)/p * m              (p-1) alpha + bytes beta
+reduce_scatter  (p-1)/p * m              (p-1) alpha + bytes beta
+all_to_all      (p-1)/p * m              (p-1) alpha + bytes beta
+==============  =======================  ===========================
+
+Each forward step has a backward (its adjoint, see ``reshard``) that is priced
+too when the tensor needs a gradient: training comm per step = forward + backward.
+Compute: a training step is about 3x the forward FLOPs (backward ~ 2x forward);
+an op's work is divided by the product of the mesh axes its strategy splits.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+from .mesh import Mesh
+from .profiles import Profile
+from .reshard import Step, apply_step, plan_reshard
+from .tiling import Placement, max_local_numel
+
+RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
+# The adjoint of each forward step, as the collective that runs in backward (None: free).
+BACKWARD = {
+    "all_gather": None,  # slice; reduce_scatter when grad_partial (handled below)
+    "shard": "all_gather", "all_reduce": None, "reduce_scatter": "all_gather",
+    "all_to_all": "all_to_all", "to_partial": None, "grad_all_reduce": "all_reduce",
+}
+
+
+@dataclass(frozen=True)
+class Cost:
+    bytes: float = 0.0
+    seconds: float = 0.0
+
+    def __add__(self, o: "Cost") -> "Cost":
+        return Cost(self.bytes + o.bytes, self.seconds + o.seconds)
+
+
+def collective(kind: str, m: float, p: int, alpha: float, beta: float) -> Cost:
+    """Ring cost of one collective of message ``m`` bytes on ``p`` devices."""
+    if p <= 1 or kind not in RING_FACTOR:
+        return Cost()
+    f = RING_FACTOR[kind]
+    sent = f * (p - 1) / p * m
+    return Cost(sent, f * (p - 1) * alpha + sent * beta)
+
+
+def step_message(step: Step, before: Sequence[Placement], after: Sequence[Placement], shape: Sequence[int], itemsize: int, mesh: Mesh) -> float:
+    """The ``m`` of the table above for ``step`` (bytes)."""
+    big = after if step.kind == "all_gather" else before
+    return float(max_local_numel(shape, big, mesh) * itemsize)
+
+
+@lru_cache(maxsize=200_000)
+def reshard_cost(src: tuple, dst: tuple, shape: tuple, itemsize: int, mesh: Mesh, profile: Profile, partial_grad_axes: tuple, needs_grad: bool) -> Cost:
+    """Forward + backward cost of turning ``src`` into ``dst`` for one tensor."""
+    total = Cost()
+    cur = src
+    for step in plan_reshard(src, dst, partial_grad_axes if needs_grad else ()):
+        nxt = apply_step(cur, step)
+        m = step_message(step, cur, nxt, shape, itemsize, mesh)
+        p = mesh.shape[step.axis]
+        a, b = profile.ab(step.axis)
+        if step.kind != "grad_all_reduce":
+            total = total + collective(step.kind, m, p, a, b)
+        if needs_grad:
+            bwd = "reduce_scatter" if step.kind == "all_gather" and step.grad_partial else BACKWARD[step.kind]
+            if bwd is not None:
+                # a backward all_gather rebuilds the gradient of the tensor before the step
+                mb = float(max_local_numel(shape, cur, mesh) * itemsize) if bwd == "all_gather" else m
+                total = total + collective(bwd, mb, p, a, b)
+        cur = nxt
+    return total
+
+
+def compute_seconds(flops: float, bytes_moved: float, work_fraction: float, profile: Profile) -> float:
+    """Roofline time of one training step of an op (forward + backward = 3x forward)."""
+    return 3.0 * work_fraction * max(flops / profile.flops, bytes_moved / profile.mem_bw)
+
+
+def work_fraction(split_axes: Sequence[bool], mesh: Mesh) -> float:
+    return 1.0 / math.prod(p for p, s in zip(mesh.shape, split_axes) if s) if any(split_axes) else 1.0

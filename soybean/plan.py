@@ -1,0 +1,85 @@
+"""Plan: the chosen tiling of every tensor, as versioned, deterministic JSON.
+
+The JSON is what users read and diff and what the runtime executes:
+``params`` (FQN -> one placement string per mesh axis), ``inputs``, ``nodes``
+(every op's input and output tilings), the modelled ``cost``, the
+``baselines``, and the ``solver`` record.  Keys are sorted and floats rounded,
+so the same model, inputs and options give the same bytes; the one wall-clock
+field, ``solver.seconds``, is rounded to 0.1 s.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .tiling import Placement, parse_placement
+
+SCHEMA_VERSION = 1
+
+
+def _sig(x: float) -> float:
+    """Round to 6 significant digits: stable across platforms, precise enough to compare."""
+    return float(f"{x:.6g}")
+
+
+@dataclass
+class Plan:
+    devices: int
+    mesh: list[int]
+    objective: str
+    profile: str
+    fingerprint: str
+    params: dict[str, list[str]]
+    inputs: dict[str, list[str]]
+    nodes: dict[str, dict[str, list[list[str]]]]
+    cost: dict[str, float]
+    baselines: dict[str, dict[str, float]] = field(default_factory=dict)
+    solver: dict[str, Any] = field(default_factory=dict)
+    meshes: list[dict[str, Any]] = field(default_factory=list)
+    fallback_ops: list[str] = field(default_factory=list)
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    # ---- placements as objects ----
+    def param_tiling(self, fqn: str) -> tuple[Placement, ...]:
+        return tuple(parse_placement(s) for s in self.params[fqn])
+
+    def node_tilings(self, name: str) -> tuple[list[tuple[Placement, ...]], list[tuple[Placement, ...]]]:
+        rec = self.nodes[name]
+        conv = lambda ts: [tuple(parse_placement(s) for s in t) for t in ts]  # noqa: E731
+        return conv(rec["in"]), conv(rec["out"])
+
+    # ---- JSON ----
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["cost"] = {k: _sig(v) for k, v in self.cost.items()}
+        d["baselines"] = {k: {kk: _sig(vv) for kk, vv in v.items()} for k, v in self.baselines.items()}
+        d["solver"] = {**self.solver, "seconds": round(float(self.solver.get("seconds", 0.0)), 1)}
+        for k in ("objective", "bound"):
+            if k in d["solver"]:
+                d["solver"][k] = _sig(d["solver"][k])
+        d["meshes"] = [{**m, "objective": _sig(m["objective"])} for m in self.meshes]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Plan":
+        v = d.get("schema_version")
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"plan schema_version {v} is not {SCHEMA_VERSION}: re-run `soybean plan` with this soybean")
+        keys = set(Plan.__dataclass_fields__)
+        return Plan(**{k: d[k] for k in d if k in keys})
+
+    @staticmethod
+    def load(path: str | Path) -> "Plan":
+        try:
+            return Plan.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError, TypeError, KeyError) as e:
+            raise ValueError(f"cannot read plan {path}: {e}") from e

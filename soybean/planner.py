@@ -1,0 +1,197 @@
+"""The planning pipeline: capture -> annotate/enumerate -> cost -> solve -> Plan.
+
+``plan`` runs it for every candidate mesh shape (the factorisations of the
+device count into 1-3 axes, unless a mesh is given) and keeps the cheapest
+under the objective; it also solves the two baselines on the 1-D mesh:
+
+* ``data_parallel``: every parameter replicated, every input split on dim 0;
+* ``model_parallel``: inputs replicated, every parameter with 2+ dims split on
+  every axis (the best Megatron-style plan the rules allow).
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .capture import Captured, capture
+from .graph import PlanGraph, build
+from .mesh import Mesh, factorizations
+from .plan import Plan
+from .profiles import Profile, load_profile
+from .reshard import plan_reshard
+from .search import Solution, solve, to_problem
+from .tiling import R, Replicate, Shard, fmt, is_valid
+
+MODES = ("auto", "dp", "mp")
+
+
+@dataclass
+class Result:
+    graph: PlanGraph
+    solution: Solution
+    comm_bytes: float
+    comm_s: float
+    compute_s: float
+    memory: float
+
+    @property
+    def step_time_s(self) -> float:
+        return self.comm_s + self.compute_s
+
+    def value(self, objective: str) -> float:
+        return self.comm_bytes if objective == "comm" else self.step_time_s
+
+
+def _domains(cap: Captured, mesh: Mesh, mode: str) -> dict[str, list[tuple]]:
+    n = mesh.ndim
+    doms: dict[str, list[tuple]] = {}
+    vals = {node.name: node.meta.get("val") for node in cap.graph.nodes if node.op == "placeholder"}
+    if mode == "dp":
+        for name, fqn in cap.params.items():
+            doms[fqn] = [(R,) * n]
+        for name in cap.inputs:
+            v = vals.get(name)
+            if isinstance(v, torch.Tensor) and v.dim() and is_valid((Shard(0),) * n, tuple(v.shape), mesh):
+                doms[name] = [(Shard(0),) * n]
+            else:
+                doms[name] = [(R,) * n]
+    elif mode == "mp":
+        for name in cap.inputs:
+            doms[name] = [(R,) * n]
+        for name, fqn in cap.params.items():
+            v = vals.get(name)
+            if isinstance(v, torch.Tensor) and v.dim() >= 2:
+                opts = [tuple(t) for t in _all_shard_tilings(tuple(v.shape), mesh)]
+                if opts:
+                    doms[fqn] = opts
+    return doms
+
+
+def _all_shard_tilings(shape: tuple[int, ...], mesh: Mesh) -> list[tuple]:
+    import itertools
+
+    out = []
+    for t in itertools.product([Shard(d) for d in range(len(shape))], repeat=mesh.ndim):
+        if is_valid(t, shape, mesh):
+            out.append(t)
+    return out
+
+
+def solve_on(cap: Captured, mesh: Mesh, profile: Profile, objective: str, solver: str = "ilp", memory_bytes: float | None = None, mode: str = "auto") -> Result:
+    """Build the candidate table on ``mesh`` and solve it."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
+    g = build(cap, mesh, profile, objective=objective, domains=_domains(cap, mesh, mode))
+    sol = solve(to_problem(g, objective, memory_bytes), solver)
+    return evaluate(g, sol)
+
+
+def evaluate(g: PlanGraph, sol: Solution) -> Result:
+    b = s = 0.0
+    for e in g.edges:
+        i, j = sol.choice[e.src], sol.choice[e.dst]
+        b += e.bytes[i, j]
+        s += e.seconds[i, j]
+    comp = sum(float(v.compute_s[c]) for v, c in zip(g.vars, sol.choice))
+    mem = sum(float(v.memory[c]) for v, c in zip(g.vars, sol.choice))
+    return Result(g, sol, b, s, comp, mem)
+
+
+def plan(model: torch.nn.Module | None, example_inputs: tuple = (), devices: int | None = None, *, mesh: Mesh | tuple | None = None,
+         objective: str = "time", profile: str | Profile | None = None, solver: str = "ilp", memory_gb: float | None = None,
+         mode: str = "auto", baselines: bool = True, captured: Captured | None = None) -> Plan:
+    """The best plan for ``model`` on ``devices`` (or on ``mesh``)."""
+    if mesh is not None and not isinstance(mesh, Mesh):
+        mesh = Mesh(tuple(mesh))
+    if devices is None:
+        devices = mesh.size if mesh is not None else 1
+    if devices < 1:
+        raise ValueError(f"--devices must be >= 1, got {devices}")
+    if mesh is not None and mesh.size != devices:
+        raise ValueError(f"mesh {mesh} has {mesh.size} devices, not {devices}: give a mesh whose sizes multiply to {devices}")
+    prof = profile if isinstance(profile, Profile) else load_profile(profile)
+    cap = captured or capture(model, tuple(example_inputs))
+    budget = memory_gb * 2**30 if memory_gb else None
+    t0 = time.perf_counter()
+    results = [solve_on(cap, m, prof, objective, solver, budget, mode) for m in ([mesh] if mesh else factorizations(devices))]
+    best = min(results, key=lambda r: (r.value(objective), r.graph.mesh.ndim))
+    seconds = time.perf_counter() - t0
+    base: dict[str, dict[str, float]] = {}
+    if baselines:
+        flat = Mesh((devices,))
+        for key, m in (("data_parallel", "dp"), ("model_parallel", "mp")):
+            try:
+                r = solve_on(cap, flat, prof, objective, "ilp", None, m)
+                base[key] = {"comm_bytes": r.comm_bytes, "step_time_s": r.step_time_s}
+            except RuntimeError:
+                pass
+    if best.graph.fallback_ops:
+        warnings.warn(f"soybean: no sharding rule for {', '.join(best.graph.fallback_ops)}; these ops run replicated", stacklevel=2)
+    return to_plan(cap, best, objective, prof.name, devices, base, seconds, solver, results)
+
+
+def to_plan(cap: Captured, r: Result, objective: str, profile: str, devices: int, baselines: dict, seconds: float, solver: str, all_results: list[Result]) -> Plan:
+    g, sol = r.graph, r.solution
+    params: dict[str, list[str]] = {}
+    inputs: dict[str, list[str]] = {}
+    nodes: dict[str, dict[str, list[list[str]]]] = {}
+    for v, c in zip(g.vars, sol.choice):
+        st = v.strategies[c]
+        if v.kind in ("param", "buffer"):
+            params[v.fqn] = [str(p) for p in st.outputs[0]]
+        elif v.kind == "input":
+            inputs[v.name] = [str(p) for p in st.outputs[0]]
+        elif v.kind == "op":
+            nodes[v.name] = {"in": [[str(p) for p in t] for t in st.inputs], "out": [[str(p) for p in t] for t in st.outputs]}
+    for alias, fqn in cap.aliases.items():
+        if fqn in params:
+            params[alias] = params[fqn]
+    return Plan(
+        devices=devices, mesh=list(g.mesh.shape), objective=objective, profile=profile, fingerprint=cap.fingerprint,
+        params=params, inputs=inputs, nodes=nodes,
+        cost={"comm_bytes": r.comm_bytes, "step_time_s": r.step_time_s, "comm_s": r.comm_s, "compute_s": r.compute_s, "memory_bytes": r.memory},
+        baselines=baselines,
+        solver={"name": sol.solver if solver != "brute" else "brute", "status": sol.status, "seconds": seconds, "objective": sol.objective, "bound": sol.bound},
+        meshes=[{"mesh": list(x.graph.mesh.shape), "objective": x.value(objective)} for x in all_results],
+        fallback_ops=g.fallback_ops, layers=layer_rows(g, sol),
+    )
+
+
+def layer_rows(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
+    """Per op with a parameter: its weight/input/output tilings and the collectives it causes."""
+    rows: list[dict[str, Any]] = []
+    incoming: dict[int, list] = {}
+    for e in g.edges:
+        incoming.setdefault(e.dst, []).append(e)
+    for vi, (v, c) in enumerate(zip(g.vars, sol.choice)):
+        if v.kind != "op":
+            continue
+        ins = incoming.get(vi, [])
+        params = [e for e in ins if g.vars[e.src].kind == "param"]
+        if not params:
+            continue
+        st = v.strategies[c]
+        colls: list[str] = []
+        total = 0.0
+        for e in ins:
+            src_t = g.vars[e.src].strategies[sol.choice[e.src]].outputs[e.src_out]
+            dst_t = st.inputs[e.dst_in]
+            split = st.split_axes()
+            pga = [a for a in range(g.mesh.ndim) if split[a] and isinstance(dst_t[a], Replicate)] if g.vars[e.src].needs_grad else []
+            steps = plan_reshard(src_t, dst_t, pga)
+            if steps:
+                colls.extend(str(s) for s in steps)
+            total += e.bytes[sol.choice[e.src], c]
+        w = params[0]
+        rows.append({
+            "layer": v.module or v.name, "op": v.op.name if v.op else "", "node": v.name,
+            "weight": fmt(g.vars[w.src].strategies[sol.choice[w.src]].outputs[0]),
+            "input": fmt(st.inputs[0]) if st.inputs else "", "output": fmt(st.outputs[0]) if st.outputs else "",
+            "collectives": colls, "bytes": float(f"{total:.6g}"),
+        })
+    return rows

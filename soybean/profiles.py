@@ -1,0 +1,59 @@
+"""Machine profiles: what the cost model knows about a machine.
+
+Each mesh axis has a latency ``alpha`` (s per message hop) and an inverse
+bandwidth ``beta`` (s per byte sent by one device).  Compute runs at ``flops``
+(FLOP/s, matmul-like ops) and ``mem_bw`` (bytes/s, elementwise ops).
+``soybean calibrate`` writes a JSON profile measured on the current machine.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    alpha: float          # seconds per ring step
+    beta: float           # seconds per byte sent per device
+    flops: float          # FLOP/s per device, dense matmul/conv
+    mem_bw: float         # bytes/s per device, elementwise/memory-bound ops
+    memory_gb: float      # device memory
+    axis_alpha: tuple[float, ...] = field(default=())   # optional per-axis overrides (outer axis first)
+    axis_beta: tuple[float, ...] = field(default=())
+
+    def ab(self, axis: int) -> tuple[float, float]:
+        a = self.axis_alpha[axis] if axis < len(self.axis_alpha) else self.alpha
+        b = self.axis_beta[axis] if axis < len(self.axis_beta) else self.beta
+        return a, b
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+BUILTIN: dict[str, Profile] = {
+    # This machine: 2 CPU cores, gloo over loopback, one thread per process.
+    # Measured (shared/DESIGN.md): tiny all_reduce ~0.4 ms with 2 processes (2 ring steps -> 0.2 ms each);
+    # 64 MB all_reduce ~1 GB/s; fp32 matmul ~20 GFLOP/s per single-threaded process.
+    "cpu-gloo": Profile("cpu-gloo", alpha=2e-4, beta=1 / 1.0e9, flops=2.0e10, mem_bw=5e9, memory_gb=12.0),
+    # 8x H100 SXM with NVLink 4 / NVSwitch: 450 GB/s per direction per GPU, NCCL reaches ~360 GB/s
+    # bus bandwidth on large all-reduces; ~5 us per ring step. Compute: 989 TFLOP/s dense bf16 at
+    # ~40% achieved; HBM3 3.35 TB/s; 80 GB. (NVIDIA H100 datasheet; NCCL tests.)
+    "h100-nvlink": Profile("h100-nvlink", alpha=5e-6, beta=1 / 360e9, flops=400e12, mem_bw=3.35e12, memory_gb=80.0),
+}
+
+
+def load_profile(name_or_path: str | None) -> Profile:
+    """A built-in profile by name, or a JSON file written by ``soybean calibrate``."""
+    if name_or_path is None:
+        return BUILTIN["cpu-gloo"]
+    if name_or_path in BUILTIN:
+        return BUILTIN[name_or_path]
+    p = Path(name_or_path)
+    if p.suffix == ".json" and p.exists():
+        d = json.loads(p.read_text())
+        d["axis_alpha"] = tuple(d.get("axis_alpha", ()))
+        d["axis_beta"] = tuple(d.get("axis_beta", ()))
+        return Profile(**d)
+    raise ValueError(f"unknown profile {name_or_path!r}: use one of {', '.join(sorted(BUILTIN))} or a JSON file from `soybean calibrate`")

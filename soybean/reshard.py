@@ -1,0 +1,110 @@
+"""Resharding: the collective steps that turn one tiling into another.
+
+One function, ``plan_reshard``, decides the steps; the cost model prices them and
+codegen emits them, so what is priced is what runs.  Steps act on one mesh axis:
+
+=================  ==================  =========================================
+forward            placement change    backward (its adjoint)
+=================  ==================  =========================================
+all_gather         S(d) -> R           slice (replicated grad) or reduce_scatter
+shard (slice)      R -> S(d)           all_gather
+all_reduce         P -> R              identity
+reduce_scatter     P -> S(d)           all_gather
+all_to_all         S(d) -> S(e)        all_to_all back
+to_partial         R -> P              identity
+grad_all_reduce    R -> R              all_reduce (Megatron's f)
+=================  ==================  =========================================
+
+Nesting rule: with DTensor chunking, axis ``i`` cuts the chunk left by axes
+``< i``.  So an axis may gather or slice dim ``d`` only when no later axis
+shards ``d`` at that moment.  Axes that would break this are gathered first and
+sliced again afterwards (unsharding goes inner -> outer, sharding outer -> inner).
+
+``partial_grad_axes``: axes on which the consumer splits its work while taking
+this input replicated: each device's gradient is then a partial sum that must be
+all-reduced (fused into the gather as a reduce-scatter when there is one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from .tiling import Partial, Placement, R, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str          # all_gather | shard | all_reduce | reduce_scatter | all_to_all | to_partial | grad_all_reduce
+    axis: int
+    dim: int = -1      # the dim gathered / sliced / scattered (all_to_all: source dim)
+    dim2: int = -1     # all_to_all: destination dim
+    grad_partial: bool = False  # all_gather only: backward is reduce_scatter
+
+    def __str__(self) -> str:
+        extra = {"all_to_all": f"S({self.dim})->S({self.dim2})", "all_gather": f"dim {self.dim}", "shard": f"dim {self.dim}", "reduce_scatter": f"dim {self.dim}"}.get(self.kind, "")
+        return f"{self.kind}[axis {self.axis}{' ' + extra if extra else ''}]"
+
+
+def plan_reshard(src: Sequence[Placement], dst: Sequence[Placement], partial_grad_axes: Sequence[int] = ()) -> list[Step]:
+    """Steps from tiling ``src`` to ``dst`` (forward order)."""
+    n = len(src)
+    if len(dst) != n:
+        raise ValueError(f"tilings of different mesh rank: {src} vs {dst}")
+    if any(isinstance(d, Partial) and isinstance(s, Shard) for s, d in zip(src, dst)):
+        raise ValueError(f"no step turns a shard into a partial sum: {src} -> {dst}")
+    reset = {i for i in range(n) if src[i] != dst[i]}
+    changed = True
+    while changed:  # axes inside a reset axis that shard the same dim must be reset too
+        changed = False
+        for i in sorted(reset):
+            dims = {p for p in (src[i], dst[i]) if isinstance(p, Shard)}
+            for j in range(i + 1, n):
+                if j not in reset and (src[j] in dims or dst[j] in dims):
+                    reset.add(j)
+                    changed = True
+    cur = list(src)
+    steps: list[Step] = []
+
+    def sharded_elsewhere(d: int, axis: int) -> bool:
+        return any(k != axis and (src[k] == Shard(d) or dst[k] == Shard(d)) for k in range(n))
+
+    for i in sorted(reset, reverse=True):  # phase 1: unshard, inner axes first
+        a, b = cur[i], dst[i]
+        if isinstance(a, Shard):
+            if isinstance(b, Shard) and not sharded_elsewhere(a.dim, i) and not sharded_elsewhere(b.dim, i):
+                steps.append(Step("all_to_all", i, a.dim, b.dim))
+                cur[i] = b
+            else:
+                steps.append(Step("all_gather", i, a.dim))
+                cur[i] = R
+        elif isinstance(a, Partial):
+            if isinstance(b, Shard) and not sharded_elsewhere(b.dim, i):
+                steps.append(Step("reduce_scatter", i, b.dim))
+                cur[i] = b
+            else:
+                steps.append(Step("all_reduce", i))
+                cur[i] = R
+    for i in sorted(reset):  # phase 2: shard, outer axes first
+        if cur[i] != dst[i]:
+            assert isinstance(cur[i], Replicate)
+            steps.append(Step("shard", i, dst[i].dim) if isinstance(dst[i], Shard) else Step("to_partial", i))
+            cur[i] = dst[i]
+    for i in sorted(set(partial_grad_axes)):  # phase 3: partial gradients of replicated inputs
+        if not isinstance(dst[i], Replicate):
+            continue
+        gathers = [k for k, s in enumerate(steps) if s.axis == i and s.kind == "all_gather"]
+        if gathers:
+            steps[gathers[-1]] = replace(steps[gathers[-1]], grad_partial=True)
+        else:
+            steps.append(Step("grad_all_reduce", i))
+    return steps
+
+
+def apply_step(tiling: Sequence[Placement], step: Step) -> tuple[Placement, ...]:
+    """The tiling after ``step``."""
+    t = list(tiling)
+    t[step.axis] = {
+        "all_gather": R, "all_reduce": R, "grad_all_reduce": t[step.axis], "to_partial": Partial(),
+        "shard": Shard(step.dim), "reduce_scatter": Shard(step.dim), "all_to_all": Shard(step.dim2),
+    }[step.kind]
+    return tuple(t)

@@ -1,0 +1,215 @@
+"""What a sharding rule is, and how one-axis rules become N-D strategies.
+
+A rule looks at one op (its target, its arguments with tensors replaced by
+``TensorSpec``) and lists the legal *one-axis* strategies: a placement for every
+tensor input and every tensor output, such that running the serial op on every
+device's local tiles yields tiles of the serial output.  Rules never list the
+all-``R`` strategy (redundant compute): it is always legal and added here.
+
+On an N-D mesh a strategy is one one-axis strategy per axis (the product), kept
+when every tiling is valid for its shape and every dim the rule marks ``even``
+divides by its total split factor.  Each rule is validated against the serial op
+by ``soybean.rules.validate``.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..mesh import Mesh
+from ..tiling import Partial, Placement, R, Replicate, Shard, is_valid, split_factor
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op as a rule sees it.
+
+    ``args``/``kwargs`` are the fx arguments with every tensor replaced by its
+    ``TensorSpec``; ``inputs`` lists those specs in ``torch.utils._pytree`` flatten
+    order of ``(args, kwargs)``; ``outputs`` the op's tensor outputs, flattened.
+    """
+
+    target: Any
+    args: tuple
+    kwargs: dict
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def name(self) -> str:
+        return op_name(self.target)
+
+
+@dataclass(frozen=True)
+class Strategy1D:
+    """Placements on one mesh axis for every tensor input and output.
+
+    ``even`` lists ``(i, dim)`` pairs that must split evenly; ``i`` indexes
+    ``inputs + outputs`` (inputs first).  View-like rules need it: a chunked
+    dimension is only a chunk of the merged dimension when every chunk is full.
+    """
+
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement, ...]
+    even: frozenset = frozenset()
+
+    @property
+    def redundant(self) -> bool:
+        return all(isinstance(p, Replicate) for p in self.inputs + self.outputs)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """An N-D strategy: per tensor input and output, a tiling (one placement per mesh axis)."""
+
+    inputs: tuple[tuple[Placement, ...], ...]
+    outputs: tuple[tuple[Placement, ...], ...]
+
+    def split_axes(self) -> tuple[bool, ...]:
+        """Per mesh axis: does this strategy divide the work (not all-R on that axis)?"""
+        n = len(self.outputs[0]) if self.outputs else (len(self.inputs[0]) if self.inputs else 0)
+        return tuple(
+            any(not isinstance(t[a], Replicate) for t in self.inputs + self.outputs) for a in range(n)
+        )
+
+
+RuleFn = Callable[[OpSpec], list[Strategy1D]]
+# localize(op, args, kwargs, local_input_shapes, local_output_shapes) -> (args, kwargs):
+# rewrites shape-carrying arguments (view sizes, expand sizes, ...) for one device's tiles.
+LocalizeFn = Callable[[OpSpec, tuple, dict, Sequence[tuple[int, ...]], Sequence[tuple[int, ...]]], tuple]
+
+
+@dataclass
+class RuleEntry:
+    fn: RuleFn
+    localize: LocalizeFn | None = None
+    # ``linear_in`` ops may take Partial inputs (their rule lists them); kept for docs.
+    family: str = ""
+
+
+REGISTRY: dict[str, RuleEntry] = {}
+
+
+def op_name(target: Any) -> str:
+    """``torch.ops.aten.linear.default`` -> ``"aten.linear.default"``; ``operator.getitem`` -> ``"getitem"``."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):  # public alias of OpOverload has no other name
+        return f"{target.namespace}.{target._opname}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+def register(*names: str, localize: LocalizeFn | None = None, family: str = "") -> Callable[[RuleFn], RuleFn]:
+    """Register ``fn`` as the rule of every op in ``names`` (``"aten.mm.default"`` form)."""
+
+    def deco(fn: RuleFn) -> RuleFn:
+        for n in names:
+            if n in REGISTRY:
+                raise ValueError(f"two rules for {n}")
+            REGISTRY[n] = RuleEntry(fn, localize, family)
+        return fn
+
+    return deco
+
+
+def lookup(target: Any) -> RuleEntry | None:
+    return REGISTRY.get(op_name(target))
+
+
+def spec_of(x: Any) -> Any:
+    """A ``TensorSpec`` for a tensor (real or fake) or an fx node carrying ``meta['val']``."""
+    v = x.meta.get("val") if isinstance(x, torch.fx.Node) else x
+    if isinstance(v, torch.Tensor):
+        return TensorSpec(tuple(int(d) for d in v.shape), v.dtype)
+    return None
+
+
+def make_opspec(target: Any, args: tuple, kwargs: dict, output: Any) -> OpSpec:
+    """Build an ``OpSpec``; tensors (or tensor-valued fx nodes) become ``TensorSpec``s."""
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    def conv(x: Any) -> Any:
+        s = spec_of(x)
+        return s if s is not None else x
+
+    a, k = tree_map(conv, (tuple(args), dict(kwargs)))
+    leaves, _ = tree_flatten((a, k))
+    ins = tuple(x for x in leaves if isinstance(x, TensorSpec))
+    out_leaves, _ = tree_flatten(output)
+    outs = tuple(s for s in (spec_of(o) for o in out_leaves) if s is not None)
+    return OpSpec(target, a, k, ins, outs)
+
+
+def replicate_1d(op: OpSpec) -> Strategy1D:
+    return Strategy1D(tuple(R for _ in op.inputs), tuple(R for _ in op.outputs))
+
+
+def strategies_1d(op: OpSpec) -> list[Strategy1D]:
+    """The rule's one-axis strategies plus all-R, de-duplicated, in a fixed order."""
+    entry = lookup(op.target)
+    found = list(entry.fn(op)) if entry else []
+    out: list[Strategy1D] = [replicate_1d(op)]
+    seen = {(out[0].inputs, out[0].outputs)}
+    for s in found:
+        if len(s.inputs) != len(op.inputs) or len(s.outputs) != len(op.outputs):
+            raise ValueError(f"rule for {op.name} returned a strategy of the wrong arity: {s}")
+        key = (s.inputs, s.outputs)
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+def expand(op: OpSpec, mesh: Mesh, one_axis: list[Strategy1D] | None = None) -> list[Strategy]:
+    """N-D strategies: the product of one-axis strategies, filtered for legality."""
+    one_axis = one_axis if one_axis is not None else strategies_1d(op)
+    specs = op.inputs + op.outputs
+    out: list[Strategy] = []
+    for combo in itertools.product(one_axis, repeat=mesh.ndim):
+        tilings = [tuple(s.inputs[i] if i < len(op.inputs) else s.outputs[i - len(op.inputs)] for s in combo) for i in range(len(specs))]
+        ok = all(is_valid(t, spec.shape, mesh) for t, spec in zip(tilings, specs))
+        if ok:
+            for s in combo:
+                for (i, d) in s.even:
+                    f = split_factor(tilings[i], mesh, d)
+                    if specs[i].shape[d] % f:
+                        ok = False
+        if ok:
+            out.append(Strategy(tuple(tilings[: len(op.inputs)]), tuple(tilings[len(op.inputs):])))
+    return out
+
+
+# ---- small helpers shared by rule files ------------------------------------------------
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def shards_except(ndim: int, exclude: Sequence[int] = ()) -> list[Shard]:
+    ex = {norm_dim(d, ndim) for d in exclude}
+    return [Shard(d) for d in range(ndim) if d not in ex]
+
+
+def is_float(spec: TensorSpec) -> bool:
+    return spec.dtype.is_floating_point or spec.dtype.is_complex
+
+
+__all__ = [
+    "TensorSpec", "OpSpec", "Strategy1D", "Strategy", "REGISTRY", "register", "lookup",
+    "strategies_1d", "expand", "make_opspec", "spec_of", "op_name", "norm_dim", "shards_except", "is_float",
+    "Partial", "Replicate", "Shard", "R",
+]

@@ -1,0 +1,58 @@
+"""Search: the candidate table (``PlanGraph``) turned into a ``Problem`` and solved.
+
+``solve`` = exact reductions, then the ILP (default) or the DP on the core,
+then the eliminated choices restored.  ``kcuts`` is SoyBean's recursive
+bisection; ``planner.plan`` adds the mesh-shape search and baselines.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..graph import PlanGraph
+from .brute import brute_force
+from .dp import solve_dp
+from .ilp import Solution, solve_ilp
+from .problem import Problem, reduce
+
+OBJECTIVES = ("comm", "time")
+
+
+def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None) -> Problem:
+    """Unary and pairwise costs of ``g`` under ``objective``.
+
+    ``comm``: bytes sent per device per training step; step seconds are added
+    with weight 1 byte/s only to break exact ties towards the faster plan.
+    ``time``: modelled seconds (communication + compute, no overlap assumed).
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}: use comm or time")
+    unary = [v.compute_s.astype(float).copy() for v in g.vars]
+    p = Problem(unary, {}, [v.memory for v in g.vars] if memory_budget else None, memory_budget, [v.name for v in g.vars])
+    for e in g.edges:
+        C = e.seconds + (e.bytes if objective == "comm" else 0.0)
+        p.add_edge(e.src, e.dst, C)
+    return p
+
+
+def solve(p: Problem, solver: str = "ilp") -> Solution:
+    """Optimal choice per variable of ``p`` with ``solver`` in {ilp, dp, brute}."""
+    t0 = time.perf_counter()
+    if solver == "brute":
+        choice, obj = brute_force(p)
+        return Solution(choice, obj, obj, "optimal", time.perf_counter() - t0, "brute")
+    red = reduce(p)
+    if solver == "dp":
+        core = solve_dp(red.core)
+    elif solver == "ilp":
+        core = solve_ilp(red.core)
+    else:
+        raise ValueError(f"unknown solver {solver!r}: use ilp or dp")
+    choice = red.expand(core.choice, p.n)
+    obj = p.evaluate(choice)
+    gap = core.objective - core.bound
+    return Solution(choice, obj, obj - gap, core.status, time.perf_counter() - t0, core.solver)
+
+
+__all__ = ["Problem", "Solution", "solve", "to_problem", "solve_ilp", "solve_dp", "brute_force", "reduce", "OBJECTIVES"]

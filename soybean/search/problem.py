@@ -1,0 +1,145 @@
+"""The search problem: pick one strategy per variable, minimising unary + pairwise costs.
+
+    minimise   sum_v c_v[s_v]  +  sum_{(u,v) in E} C_uv[s_u, s_v]
+    subject to sum_v m_v[s_v] <= M            (optional per-device memory budget)
+
+The exact reductions here shrink a problem without changing its optimum
+(without a memory budget): a *leaf* ``v`` with one neighbour ``u`` folds into
+``c_u[s] += min_t (c_v[t] + C_uv[s, t])``; a *series* variable with two
+neighbours folds into a new edge ``C'_uw[s, r] = min_t (C_uv[s,t] + c_v[t] + C_vw[t,r])``;
+parallel edges add.  Parameters are leaves and activations form chains, so a
+model usually shrinks to a small core; solvers work on the core and
+``expand`` restores every eliminated choice from its recorded argmin.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Problem:
+    unary: list[np.ndarray]
+    edges: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)   # (u, v), u < v -> C[s_u, s_v]
+    memory: list[np.ndarray] | None = None
+    budget: float | None = None
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.unary)
+
+    def add_edge(self, u: int, v: int, C: np.ndarray) -> None:
+        if u == v:  # both ends the same variable: only the diagonal is reachable
+            self.unary[u] = self.unary[u] + np.diag(C)
+            return
+        if u > v:
+            u, v, C = v, u, C.T
+        key = (u, v)
+        self.edges[key] = self.edges[key] + C if key in self.edges else np.asarray(C, dtype=float).copy()
+
+    def neighbours(self) -> list[set[int]]:
+        nb: list[set[int]] = [set() for _ in range(self.n)]
+        for u, v in self.edges:
+            nb[u].add(v)
+            nb[v].add(u)
+        return nb
+
+    def evaluate(self, choice: list[int]) -> float:
+        total = sum(float(self.unary[v][choice[v]]) for v in range(self.n))
+        for (u, v), C in self.edges.items():
+            total += float(C[choice[u], choice[v]])
+        return total
+
+    def memory_of(self, choice: list[int]) -> float:
+        if self.memory is None:
+            return 0.0
+        return sum(float(self.memory[v][choice[v]]) for v in range(self.n))
+
+
+@dataclass
+class Reduced:
+    """A core problem over the surviving variables, plus how to restore the rest."""
+
+    core: Problem
+    keep: list[int]                            # core index -> original index
+    trail: list[tuple] = field(default_factory=list)  # elimination records, in order
+
+    def expand(self, core_choice: list[int], n: int) -> list[int]:
+        choice = [-1] * n
+        for ci, v in enumerate(self.keep):
+            choice[v] = core_choice[ci]
+        for rec in reversed(self.trail):
+            kind = rec[0]
+            if kind == "leaf":
+                _, v, u, arg = rec
+                choice[v] = int(arg[choice[u]])
+            elif kind == "series":
+                _, v, u, w, arg = rec
+                choice[v] = int(arg[choice[u], choice[w]])
+            else:  # isolated
+                _, v, best = rec
+                choice[v] = best
+        return choice
+
+
+def reduce(p: Problem) -> Reduced:
+    """Apply leaf, series and isolated-variable eliminations until none applies."""
+    if p.budget is not None:  # memory couples all variables: no exact local elimination
+        return Reduced(Problem(list(p.unary), dict(p.edges), p.memory, p.budget, p.names), list(range(p.n)))
+    unary = [u.astype(float).copy() for u in p.unary]
+    edges = {k: v.copy() for k, v in p.edges.items()}
+    nb = p.neighbours()
+    alive = set(range(p.n))
+    trail: list[tuple] = []
+
+    def get(u: int, v: int) -> np.ndarray:
+        return edges[(u, v)] if u < v else edges[(v, u)].T
+
+    def put(u: int, v: int, C: np.ndarray) -> None:
+        if u > v:
+            u, v, C = v, u, C.T
+        edges[(u, v)] = edges[(u, v)] + C if (u, v) in edges else C
+
+    def drop(u: int, v: int) -> None:
+        edges.pop((min(u, v), max(u, v)))
+        nb[u].discard(v)
+        nb[v].discard(u)
+
+    work = list(range(p.n))
+    while work:
+        v = work.pop()
+        if v not in alive:
+            continue
+        deg = len(nb[v])
+        if deg == 0:
+            trail.append(("isolated", v, int(np.argmin(unary[v]))))
+            alive.discard(v)
+        elif deg == 1:
+            (u,) = nb[v]
+            M = get(u, v) + unary[v][None, :]
+            trail.append(("leaf", v, u, M.argmin(axis=1)))
+            unary[u] = unary[u] + M.min(axis=1)
+            drop(u, v)
+            alive.discard(v)
+            work.append(u)
+        elif deg == 2:
+            u, w = sorted(nb[v])
+            T = get(u, v)[:, :, None] + unary[v][None, :, None] + get(v, w)[None, :, :]
+            if T.size > 50_000_000:
+                continue
+            trail.append(("series", v, u, w, T.argmin(axis=1)))
+            drop(u, v)
+            drop(v, w)
+            put(u, w, T.min(axis=1))
+            nb[u].add(w)
+            nb[w].add(u)
+            alive.discard(v)
+            work.extend([u, w])
+    keep = sorted(alive)
+    pos = {v: i for i, v in enumerate(keep)}
+    core = Problem([unary[v] for v in keep], {}, None, None, [p.names[v] for v in keep] if p.names else [])
+    for (u, v), C in edges.items():
+        core.add_edge(pos[u], pos[v], C)
+    return Reduced(core, keep, trail)

@@ -1,0 +1,192 @@
+"""Placements, tilings and local shapes.
+
+A tensor's *tiling* on an N-D mesh is one placement per mesh axis:
+
+* ``Shard(d)`` (``S(d)``): dimension ``d`` is cut into ``p`` chunks along that axis;
+* ``Replicate()`` (``R``): every device of the axis holds the same values;
+* ``Partial()`` (``P``): every device holds a summand; the tensor is their sum.
+
+Chunks follow DTensor's rule: chunk size ``c = ceil(n / p)``, device ``k`` holds
+``[k c, min((k+1) c, n))`` (possibly empty). Axes apply in mesh order: axis 0
+cuts the full tensor, axis 1 cuts axis 0's chunk, and so on.  The helpers
+``shard`` / ``assemble`` simulate every device's tile in one process; rules and
+plans are validated with them against the serial op.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+
+from .mesh import Mesh, all_coords
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Partial:
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Union[Shard, Replicate, Partial]
+Tiling = tuple  # tuple[Placement, ...], one per mesh axis
+
+R = Replicate()
+P = Partial()
+
+
+def S(dim: int) -> Shard:
+    return Shard(dim)
+
+
+_PLACEMENT_RE = re.compile(r"^\s*(?:S\((\d+)\)|(R)|(P))\s*$")
+
+
+def parse_placement(text: str) -> Placement:
+    """Inverse of ``str``: ``"S(1)"``, ``"R"``, ``"P"``."""
+    m = _PLACEMENT_RE.match(text)
+    if not m:
+        raise ValueError(f"bad placement {text!r}: expected S(<dim>), R or P")
+    if m.group(1) is not None:
+        return Shard(int(m.group(1)))
+    return R if m.group(2) else P
+
+
+def fmt(tiling: Sequence[Placement]) -> str:
+    return ",".join(str(p) for p in tiling)
+
+
+def to_torch(p: Placement):
+    """The equivalent public ``torch.distributed.tensor`` placement."""
+    from torch.distributed.tensor import Partial as TP, Replicate as TR, Shard as TS
+
+    if isinstance(p, Shard):
+        return TS(p.dim)
+    return TR() if isinstance(p, Replicate) else TP()
+
+
+def chunk_range(n: int, p: int, k: int) -> tuple[int, int]:
+    """[start, stop) of chunk ``k`` of ``p`` of a length-``n`` dimension."""
+    c = -(-n // p) if n else 0
+    start = min(k * c, n)
+    return start, min(start + c, n)
+
+
+def local_shape(shape: Sequence[int], tiling: Sequence[Placement], mesh: Mesh, coords: Sequence[int]) -> tuple[int, ...]:
+    """Shape of the tile held by the device at ``coords``."""
+    out = list(shape)
+    for axis, pl in enumerate(tiling):
+        if isinstance(pl, Shard):
+            a, b = chunk_range(out[pl.dim], mesh.shape[axis], coords[axis])
+            out[pl.dim] = b - a
+    return tuple(out)
+
+
+def max_local_numel(shape: Sequence[int], tiling: Sequence[Placement], mesh: Mesh) -> int:
+    """Largest tile's element count (the device-0 tile: chunks shrink towards the end)."""
+    return math.prod(local_shape(shape, tiling, mesh, (0,) * mesh.ndim))
+
+
+def split_factor(tiling: Sequence[Placement], mesh: Mesh, dim: int) -> int:
+    """How many ways ``dim`` is cut in total."""
+    f = 1
+    for axis, pl in enumerate(tiling):
+        if pl == Shard(dim):
+            f *= mesh.shape[axis]
+    return f
+
+
+def is_valid(tiling: Sequence[Placement], shape: Sequence[int], mesh: Mesh) -> bool:
+    """Shards name existing dims, and no device gets an empty tile of a non-empty dim."""
+    if len(tiling) != mesh.ndim:
+        return False
+    for pl in tiling:
+        if isinstance(pl, Shard) and not 0 <= pl.dim < len(shape):
+            return False
+    for d, n in enumerate(shape):
+        f = split_factor(tiling, mesh, d)
+        if f > 1 and n < f:
+            return False
+    return True
+
+
+# ---- one-process simulation of all devices' tiles ---------------------------------
+
+
+def shard(full: torch.Tensor, tiling: Sequence[Placement], mesh: Mesh, generator: torch.Generator | None = None) -> dict[tuple[int, ...], torch.Tensor]:
+    """Every device's tile of ``full``; ``Partial`` summands are random but sum to ``full``."""
+    tiles: dict[tuple[int, ...], torch.Tensor] = {}
+    for coords in all_coords(mesh):
+        t = full
+        for axis, pl in enumerate(tiling):
+            if isinstance(pl, Shard):
+                a, b = chunk_range(t.shape[pl.dim], mesh.shape[axis], coords[axis])
+                t = t.narrow(pl.dim, a, b - a)
+        tiles[coords] = t.clone()
+    # Partial: split each value into p random summands along every partial axis.
+    for axis, pl in enumerate(tiling):
+        if not isinstance(pl, Partial) or not full.is_floating_point():
+            if isinstance(pl, Partial):  # integers: put everything on coordinate 0
+                for coords in tiles:
+                    if coords[axis] != 0:
+                        tiles[coords] = torch.zeros_like(tiles[coords])
+            continue
+        groups: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for coords in tiles:
+            groups.setdefault(coords[:axis] + coords[axis + 1:], []).append(coords)
+        for members in groups.values():
+            base = tiles[members[0]]
+            noise = [torch.randn(base.shape, generator=generator, dtype=base.dtype) for _ in members[1:]]
+            tiles[members[0]] = base - sum(noise, torch.zeros_like(base))
+            for c, n in zip(members[1:], noise):
+                tiles[c] = tiles[c] + n
+    return tiles
+
+
+def assemble(tiles: dict[tuple[int, ...], torch.Tensor], tiling: Sequence[Placement], mesh: Mesh, check_replicas: float | None = None) -> torch.Tensor:
+    """Inverse of ``shard``: sum partials, concatenate shards (last axis first).
+
+    With ``check_replicas`` set, replicas must agree to that absolute tolerance
+    (a rule that leaves replicas different is wrong, not approximately right).
+    """
+    cur = dict(tiles)
+    for axis in reversed(range(mesh.ndim)):
+        pl = tiling[axis]
+        groups: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for coords in cur:
+            groups.setdefault(coords[:axis] + coords[axis + 1:], []).append(coords)
+        nxt: dict[tuple[int, ...], torch.Tensor] = {}
+        for key, members in groups.items():
+            members.sort(key=lambda c: c[axis])
+            ts = [cur[c] for c in members]
+            if isinstance(pl, Shard):
+                v = torch.cat(ts, dim=pl.dim)
+            elif isinstance(pl, Partial):
+                v = sum(ts[1:], ts[0])
+            else:
+                v = ts[0]
+                if check_replicas is not None:
+                    for o in ts[1:]:
+                        if o.shape != v.shape or not torch.allclose(o, v, atol=check_replicas, rtol=0, equal_nan=True):
+                            raise AssertionError(f"replicas differ on mesh axis {axis}")
+            nxt[key] = v
+        # re-key: drop this axis
+        cur = {k: v for k, v in nxt.items()}
+        cur = {tuple(k): v for k, v in cur.items()}
+    return next(iter(cur.values()))
