@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,8 +55,16 @@ def _fingerprint(gm: fx.GraphModule) -> str:
     return h.hexdigest()[:16]
 
 
+_EXPORT_LOCK = threading.Lock()  # torch.export patches global state: one capture at a time
+
+
 def capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> Captured:
     """Export ``model(*example_inputs)`` at aten level (training IR) and name its placeholders."""
+    with _EXPORT_LOCK:
+        return _capture(model, example_inputs, example_kwargs)
+
+
+def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None) -> Captured:
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     try:

@@ -50,8 +50,6 @@ def plan_reshard(src: Sequence[Placement], dst: Sequence[Placement], partial_gra
     n = len(src)
     if len(dst) != n:
         raise ValueError(f"tilings of different mesh rank: {src} vs {dst}")
-    if any(isinstance(d, Partial) and isinstance(s, Shard) for s, d in zip(src, dst)):
-        raise ValueError(f"no step turns a shard into a partial sum: {src} -> {dst}")
     reset = {i for i in range(n) if src[i] != dst[i]}
     changed = True
     while changed:  # axes inside a reset axis that shard the same dim must be reset too

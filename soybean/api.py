@@ -1,0 +1,89 @@
+"""``soybean.parallelize``: capture -> plan -> lower -> ParallelModule, on every rank.
+
+Called on every rank after ``torch.distributed.init_process_group`` (or under
+``torchrun``, which it initialises from the environment).  Rank 0 plans and
+broadcasts the plan, so ranks cannot diverge; every rank checks the plan
+against its own captured graph (fingerprint, device count) and fails with a
+clear error instead of hanging in a mismatched collective.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .capture import Captured, capture
+from .mesh import Mesh
+from .plan import Plan
+from .planner import plan as make_plan
+from .runtime.comm import Group
+from .runtime.module import ParallelModule
+
+
+def _resolve_plan(plan: Plan | str | Path | None) -> Plan | None:
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    return Plan.load(plan)
+
+
+def check_plan(p: Plan, fingerprint: str, world: int) -> None:
+    """Raise ``ValueError`` naming the mismatch when ``p`` cannot run here."""
+    if p.devices != world:
+        raise ValueError(f"plan is for {p.devices} devices but the world size is {world}: launch {p.devices} processes or re-plan with --devices {world}")
+    if p.fingerprint != fingerprint:
+        raise ValueError("plan was made for another model or other input shapes (fingerprint "
+                         f"{p.fingerprint} != {fingerprint}): re-run `soybean plan` for this model and batch")
+
+
+def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int | None = None, mesh: tuple | Mesh | None = None,
+                plan: Plan | str | Path | None = None, objective: str = "time", profile: str | None = None,
+                mode: str = "auto", rank: int | None = None, groups: Sequence[Group] | None = None,
+                captured: "Captured | None" = None) -> ParallelModule:
+    """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
+
+    ``mesh``: a shape such as ``(2, 2)`` (default: the planner picks).  ``plan``: a Plan or a path to
+    its JSON.  ``mode``: ``auto`` (optimal), ``dp`` or ``mp`` (forced baselines).
+    """
+    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if isinstance(mesh, Mesh):
+        mesh_obj: Mesh | None = mesh
+    elif mesh is not None:
+        mesh_obj = Mesh(tuple(getattr(mesh, "shape", mesh)))
+    else:
+        mesh_obj = None
+    simulated = groups is not None
+    if not simulated:
+        if not dist.is_initialized():
+            from .runtime.launch import init_from_env
+
+            init_from_env()
+        world, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        world = 1
+        for g in groups:
+            world *= g.size
+        if rank is None:
+            raise ValueError("simulated groups need an explicit rank")
+    if devices is not None and devices != world:
+        raise ValueError(f"devices={devices} but the world size is {world}: launch {devices} processes or pass devices={world}")
+    if mesh_obj is not None and mesh_obj.size != world:
+        raise ValueError(f"mesh {mesh_obj} has {mesh_obj.size} devices but the world size is {world}")
+    cap = captured or capture(model, example_inputs)
+    p = _resolve_plan(plan)
+    if p is None:
+        if simulated or world == 1:
+            p = make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode, baselines=False, captured=cap)
+        else:  # plan once on rank 0 and broadcast: every rank runs the same plan
+            box = [make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode, baselines=False, captured=cap).to_json() if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            p = Plan.from_dict(json.loads(box[0]))
+    check_plan(p, cap.fingerprint, world)
+    pmesh = Mesh(tuple(p.mesh))
+    if groups is None:
+        from .runtime.comm import torch_groups
+
+        groups = torch_groups(pmesh)
+    return ParallelModule(model, cap, p, rank, groups)

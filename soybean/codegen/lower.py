@@ -1,0 +1,161 @@
+"""Lower the captured graph + plan into the per-rank program of one device.
+
+Every op runs on local tiles; before an op, each tensor argument whose tiling
+(as produced) differs from the tiling the op's strategy takes gets the steps of
+``reshard.plan_reshard`` as ``sb_*`` calls; shape-carrying arguments are
+rewritten by the rule's ``localize`` to this device's tile shapes (which is
+why the program is per rank: with uneven chunks tile shapes depend on the
+coordinates).  User inputs arrive full (``R``) and are sliced; outputs leave
+full (``R``).  The result is an ``fx.GraphModule`` whose ``.code`` is plain
+Python.
+"""
+from __future__ import annotations
+
+import operator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .. import rules
+from ..capture import Captured
+from ..mesh import Mesh
+from ..plan import Plan
+from ..reshard import apply_step, plan_reshard
+from ..rules.base import Strategy, make_opspec
+from ..runtime import context as rt
+from ..tiling import Placement, R, Replicate, local_shape, parse_placement
+
+Tiling = tuple[Placement, ...]
+
+
+def _tiling(strs: list[str]) -> Tiling:
+    return tuple(parse_placement(s) for s in strs)
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], src: Tiling, dst: Tiling, partial_grad_axes: tuple[int, ...], mesh: Mesh, coords: tuple[int, ...]) -> fx.Node:
+    """Append the collective calls turning ``x`` (tiling ``src``) into ``dst``."""
+    cur = src
+    for step in plan_reshard(src, dst, partial_grad_axes):
+        nxt = apply_step(cur, step)
+        after = local_shape(shape, nxt, mesh, coords)
+        k, a = step.kind, step.axis
+        if k == "all_gather":
+            x = g.call_function(rt.sb_all_gather, (x, a, step.dim, after[step.dim], step.grad_partial))
+        elif k == "shard":
+            x = g.call_function(rt.sb_shard, (x, a, step.dim))
+        elif k == "all_reduce":
+            x = g.call_function(rt.sb_all_reduce, (x, a))
+        elif k == "reduce_scatter":
+            x = g.call_function(rt.sb_reduce_scatter, (x, a, step.dim))
+        elif k == "all_to_all":
+            x = g.call_function(rt.sb_all_to_all, (x, a, step.dim, step.dim2, after[step.dim]))
+        elif k == "to_partial":
+            x = g.call_function(rt.sb_to_partial, (x, a))
+        elif k == "grad_all_reduce":
+            x = g.call_function(rt.sb_grad_all_reduce, (x, a))
+        else:  # pragma: no cover - plan_reshard only makes the kinds above
+            raise AssertionError(k)
+        cur = nxt
+    return x
+
+
+def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
+    """Rank ``rank``'s program for ``plan``: placeholders as in ``cap`` (params and buffers as local tiles)."""
+    mesh = Mesh(tuple(plan.mesh))
+    coords = mesh.coords(rank)
+    full = (R,) * mesh.ndim
+    g = fx.Graph()
+    env: dict[str, Any] = {}
+    tiles: dict[str, list[Tiling]] = {}
+    for node in cap.graph.nodes:
+        if node.op == "placeholder":
+            ph = g.placeholder(node.name)
+            ph.meta.update(node.meta)
+            env[node.name] = ph
+            fqn = cap.params.get(node.name) or cap.buffers.get(node.name)
+            if fqn is not None:
+                tiles[node.name] = [_tiling(plan.params[fqn]) if fqn in plan.params else full]
+            elif node.name in plan.inputs and isinstance(_val(node), torch.Tensor):
+                want = _tiling(plan.inputs[node.name])
+                env[node.name] = emit_reshard(g, ph, tuple(_val(node).shape), full, want, (), mesh, coords)
+                tiles[node.name] = [want]
+            else:
+                tiles[node.name] = [full]
+        elif node.op == "call_function" and node.target is operator.getitem:
+            src, idx = node.args
+            env[node.name] = g.call_function(operator.getitem, (env[src.name], idx))
+            tiles[node.name] = [tiles[src.name][idx]]
+        elif node.op == "call_function":
+            if node.name in plan.nodes:
+                ins, outs = plan.node_tilings(node.name)
+            else:  # not in the plan (e.g. unused): run replicated
+                ins, outs = None, None
+            op = make_opspec(node.target, node.args, node.kwargs, _val(node))
+            if ins is None:
+                ins = [full] * len(op.inputs)
+                outs = [full] * len(op.outputs)
+            st = Strategy(tuple(ins), tuple(outs))
+            split = st.split_axes()
+            i = 0
+
+            def arg(a: Any) -> Any:
+                nonlocal i
+                if isinstance(a, fx.Node):
+                    v = _val(a)
+                    if isinstance(v, torch.Tensor):
+                        dst = ins[i]
+                        src = tiles[a.name][0]
+                        pga = tuple(ax for ax in range(mesh.ndim) if split[ax] and isinstance(dst[ax], Replicate))
+                        i += 1
+                        return emit_reshard(g, env[a.name], tuple(v.shape), src, dst, pga, mesh, coords)
+                    return env[a.name]
+                return a
+
+            args, kwargs = tree_map(arg, (tuple(node.args), dict(node.kwargs)))
+            entry = rules.lookup(node.target)
+            if entry is not None and entry.localize is not None:
+                in_shapes = [local_shape(s.shape, t, mesh, coords) for s, t in zip(op.inputs, ins)]
+                out_shapes = [local_shape(s.shape, t, mesh, coords) for s, t in zip(op.outputs, outs)]
+                args, kwargs = entry.localize(op, args, kwargs, in_shapes, out_shapes)
+            out = g.call_function(node.target, tuple(args), dict(kwargs))
+            out.name = node.name
+            env[node.name] = out
+            tiles[node.name] = list(outs)
+        elif node.op == "output":
+            flat, spec = tree_flatten(node.args[0])
+            res = []
+            for a in flat:
+                if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor):
+                    res.append(emit_reshard(g, env[a.name], tuple(_val(a).shape), tiles[a.name][0], full, (), mesh, coords))
+                elif isinstance(a, fx.Node):
+                    res.append(env[a.name])
+                else:
+                    res.append(a)
+            from torch.utils._pytree import tree_unflatten
+
+            g.output(tree_unflatten(res, spec))
+    gm = fx.GraphModule(torch.nn.Module(), g, class_name=f"Rank{rank}Program")
+    return gm
+
+
+def emit_files(model: torch.nn.Module, inputs: tuple, plan: Plan, out_dir: str | Path) -> list[Path]:
+    """Write ``rank{r}.py`` (the readable per-rank program) for every rank of ``plan``."""
+    from ..capture import capture
+
+    cap = capture(model, inputs)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for r in range(plan.devices):
+        gm = lower(cap, plan, r)
+        p = out / f"rank{r}.py"
+        p.write_text(f"# soybean per-rank program: rank {r} of mesh {plan.mesh}, coordinates {Mesh(tuple(plan.mesh)).coords(r)}\n" + gm.code)
+        paths.append(p)
+    return paths

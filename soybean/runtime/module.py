@@ -1,0 +1,126 @@
+"""ParallelModule: one rank's share of a planned model, usable as a drop-in nn.Module.
+
+Each rank holds only its tile of every parameter and buffer (``plan.params``),
+as ``nn.Parameter``s named like the original model's, so
+``torch.optim.AdamW(pmodel.parameters())`` updates local tiles.  ``forward``
+takes the full inputs on every rank and returns the full outputs on every rank
+(the generated program slices inputs and gathers outputs); gradients of
+replicated parameters are summed by the program's adjoint collectives, so
+``opt.step()`` gives the serial update.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ..capture import Captured
+from ..codegen.lower import emit_reshard, lower
+from ..mesh import Mesh
+from ..plan import Plan
+from ..tiling import R, chunk_range, parse_placement, Shard
+from .comm import Group
+from .context import use_groups
+
+
+def local_tile(full: torch.Tensor, tiling: Sequence, mesh: Mesh, coords: Sequence[int]) -> torch.Tensor:
+    """This device's tile of a full tensor (``Partial`` never occurs for stored tensors)."""
+    t = full
+    for axis, pl in enumerate(tiling):
+        if isinstance(pl, Shard):
+            a, b = chunk_range(t.shape[pl.dim], mesh.shape[axis], coords[axis])
+            t = t.narrow(pl.dim, a, b - a)
+    return t.clone()
+
+
+def _attach(root: nn.Module, fqn: str, value: torch.Tensor, kind: str) -> None:
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if kind == "param":
+        mod.register_parameter(leaf, nn.Parameter(value, requires_grad=value.is_floating_point()))
+    else:
+        mod.register_buffer(leaf, value)
+
+
+class ParallelModule(nn.Module):
+    """The per-rank program plus the local tiles it runs on."""
+
+    def __init__(self, model: nn.Module, cap: Captured, plan: Plan, rank: int, groups: Sequence[Group]) -> None:
+        super().__init__()
+        mesh = Mesh(tuple(plan.mesh))
+        if len(groups) != mesh.ndim:
+            raise ValueError(f"plan mesh {plan.mesh} has {mesh.ndim} axes but {len(groups)} groups were given")
+        self._mesh, self._rank, self._coords = mesh, rank, mesh.coords(rank)
+        self._groups = list(groups)
+        self.plan = plan
+        self._cap = cap
+        state = dict(model.named_parameters())
+        state.update(dict(model.named_buffers()))
+        self._order: list[tuple[str, str]] = []  # (kind, fqn) in placeholder order
+        for node in cap.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            if node.name in cap.params:
+                kind, fqn = "param", cap.params[node.name]
+            elif node.name in cap.buffers:
+                kind, fqn = "buffer", cap.buffers[node.name]
+            else:
+                continue
+            tiling = plan.param_tiling(fqn) if fqn in plan.params else (R,) * mesh.ndim
+            with torch.no_grad():
+                _attach(self, fqn, local_tile(state[fqn].detach(), tiling, mesh, self._coords), kind)
+            self._order.append((kind, fqn))
+        object.__setattr__(self, "program", lower(cap, plan, rank))  # not a submodule: no params of its own
+
+    def _tensor(self, kind: str, fqn: str) -> torch.Tensor:
+        return self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn)
+
+    def forward(self, *args: Any) -> Any:
+        state = [self._tensor(k, f) for k, f in self._order]
+        user = [a for a in args]
+        n_user = len(self._cap.inputs)
+        if len(user) != n_user:
+            raise TypeError(f"this model takes {n_user} tensor inputs, got {len(user)}")
+        with use_groups(self._groups):
+            out = self.program(*state, *user)
+        return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors of every parameter and buffer, gathered (on every rank; rank 0 saves)."""
+        from torch import fx
+
+        out: dict[str, torch.Tensor] = {}
+        with use_groups(self._groups):
+            for kind, fqn in self._order:
+                t = self._tensor(kind, fqn)
+                tiling = self.plan.param_tiling(fqn) if fqn in self.plan.params else (R,) * self._mesh.ndim
+                full_shape = self._full_shape(fqn)
+                g = fx.Graph()
+                x = g.placeholder("x")
+                g.output(emit_reshard(g, x, full_shape, tiling, (R,) * self._mesh.ndim, (), self._mesh, self._coords))
+                out[fqn] = fx.GraphModule(nn.Module(), g)(t.detach()).clone()
+        for alias, fqn in self._cap.aliases.items():
+            if fqn in out:
+                out[alias] = out[fqn]
+        return out
+
+    def _full_shape(self, fqn: str) -> tuple[int, ...]:
+        for node in self._cap.graph.nodes:
+            if node.op == "placeholder" and (self._cap.params.get(node.name) == fqn or self._cap.buffers.get(node.name) == fqn):
+                return tuple(node.meta["val"].shape)
+        raise KeyError(fqn)
+
+    @torch.no_grad()
+    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load full tensors (as from the serial model's ``state_dict()``): each rank keeps its tile."""
+        for kind, fqn in self._order:
+            if fqn not in sd:
+                raise KeyError(f"state dict has no {fqn}")
+            tiling = self.plan.param_tiling(fqn) if fqn in self.plan.params else (R,) * self._mesh.ndim
+            self._tensor(kind, fqn).copy_(local_tile(sd[fqn], tiling, self._mesh, self._coords))

@@ -1,0 +1,114 @@
+"""The oracle: a plan is right when parallel training equals serial training.
+
+``train_serial`` and ``train_parallel_threads`` run the same few AdamW steps;
+``compare`` reports the largest relative difference of the loss, every
+parameter gradient and every parameter after the steps.  All ranks run as
+threads of this process (the simulated tier), so no process group is needed.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .mesh import Mesh
+from .plan import Plan
+from .runtime.launch import run_threads
+
+
+@dataclass
+class Trace:
+    losses: list[float]
+    grads: dict[str, torch.Tensor]      # after the first backward
+    params: dict[str, torch.Tensor]     # after the last step
+    buffers: dict[str, torch.Tensor]
+
+
+def _loss(out: object) -> torch.Tensor:
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    if isinstance(out, torch.Tensor):
+        return out.float().pow(2).mean()
+    raise TypeError("verify needs a model returning a tensor (its loss, or an output to square)")
+
+
+def train_serial(model: torch.nn.Module, inputs: tuple, steps: int = 3, lr: float = 1e-3) -> Trace:
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=lr)
+    losses, grads = [], {}
+    for i in range(steps):
+        loss = _loss(m(*inputs))
+        loss.backward()
+        if i == 0:
+            grads = {k: p.grad.detach().clone() for k, p in m.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return Trace(losses, grads, {k: p.detach().clone() for k, p in m.named_parameters()}, {k: b.clone() for k, b in m.named_buffers()})
+
+
+def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | None = None, *, devices: int | None = None,
+                           mesh: tuple | None = None, mode: str = "auto", objective: str = "time", steps: int = 3, lr: float = 1e-3) -> tuple[Trace, Plan]:
+    """Every rank as a thread: parallelize, train ``steps`` steps, gather full grads/params."""
+    from .api import parallelize
+    from .planner import plan as make_plan
+
+    from .capture import capture
+
+    cap = capture(model, inputs)
+    if plan is None:
+        plan = make_plan(None, (), captured=cap, devices=devices or (Mesh(mesh).size if mesh else 1), mesh=mesh, mode=mode, objective=objective, baselines=False)
+    m_shape = Mesh(tuple(plan.mesh))
+
+    def rank_fn(rank: int, groups: list) -> Trace:
+        pm = parallelize(model, inputs, plan=plan, rank=rank, groups=groups, captured=cap)
+        opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+        losses, grads = [], {}
+        for i in range(steps):
+            loss = _loss(pm(*inputs))
+            loss.backward()
+            if i == 0:
+                grads = _gather_grads(pm)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        full = pm.full_state_dict()
+        names = {k for k, _ in model.named_parameters()}
+        return Trace(losses, grads, {k: v for k, v in full.items() if k in names}, {k: v for k, v in full.items() if k not in names})
+
+    traces = run_threads(m_shape, rank_fn)
+    return traces[0], plan
+
+
+def _gather_grads(pm: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full gradients: swap each local grad in as the tile, gather like a state dict."""
+    saved = {k: p.detach().clone() for k, p in pm.named_parameters()}
+    with torch.no_grad():
+        for k, p in pm.named_parameters():
+            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+    full = pm.full_state_dict()
+    with torch.no_grad():
+        for k, p in pm.named_parameters():
+            p.copy_(saved[k])
+    return {k: v for k, v in full.items() if k in saved}
+
+
+def max_rel_diff(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-5) -> float:
+    return float(((a.double() - b.double()).abs() / (b.double().abs() + atol / 1e-4)).max()) if a.numel() else 0.0
+
+
+def compare(serial: Trace, parallel: Trace, rtol: float = 1e-4, atol: float = 1e-5) -> list[str]:
+    """Mismatches as readable lines (empty when the runs agree to ``rtol``/``atol``)."""
+    bad = []
+    for i, (a, b) in enumerate(zip(parallel.losses, serial.losses)):
+        if abs(a - b) > atol + rtol * abs(b):
+            bad.append(f"loss step {i}: {a} != {b}")
+    for kind, pa, se in (("grad", parallel.grads, serial.grads), ("param", parallel.params, serial.params), ("buffer", parallel.buffers, serial.buffers)):
+        for k, v in se.items():
+            if k not in pa:
+                bad.append(f"{kind} {k} missing")
+            elif pa[k].shape != v.shape or not torch.allclose(pa[k].to(v.dtype), v, rtol=rtol, atol=atol):
+                bad.append(f"{kind} {k}: max diff {(pa[k].double() - v.double()).abs().max().item() if pa[k].shape == v.shape else 'shape'}")
+    return bad
