@@ -1,0 +1,163 @@
+"""Exact search equals exhaustive enumeration; SoyBean's DP and k-cuts against the ILP."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from soybean.capture import capture
+from soybean.graph import build
+from soybean.mesh import Mesh, factorizations
+from soybean.profiles import BUILTIN
+from soybean.search import Problem, brute_force, reduce, solve, solve_dp, solve_ilp, to_problem
+from soybean.search.kcuts import kcuts
+
+PROFILE = BUILTIN["cpu-gloo"]
+
+
+# ---- abstract problems --------------------------------------------------------------------
+
+
+def random_problem(rng: random.Random, n: int, dag: bool, budget: bool = False) -> Problem:
+    unary = [np.array([rng.random() * 5 for _ in range(rng.randint(2, 5))]) for _ in range(n)]
+    p = Problem(unary)
+    for v in range(1, n):
+        parents = {v - 1} if not dag else set(rng.sample(range(v), k=min(v, rng.randint(1, 2))))
+        for u in parents:
+            p.add_edge(u, v, np.array([[rng.random() * 10 for _ in unary[v]] for _ in unary[u]]))
+    if budget:
+        p.memory = [np.array([rng.random() for _ in u]) for u in unary]
+        p.budget = sum(float(m.mean()) for m in p.memory)
+    return p
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("dag", [False, True])
+def test_solvers_equal_brute_force_on_random_problems(seed: int, dag: bool) -> None:
+    rng = random.Random(seed)
+    p = random_problem(rng, rng.randint(2, 8), dag)
+    _, best = brute_force(p)
+    assert solve(p, "ilp").objective == pytest.approx(best, rel=1e-9, abs=1e-9)
+    assert solve(p, "dp").objective == pytest.approx(best, rel=1e-9, abs=1e-9)
+    assert solve_ilp(p).objective == pytest.approx(best, rel=1e-9, abs=1e-9)  # without reductions
+    assert solve_dp(p).objective == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ilp_memory_budget_equals_brute_force(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    p = random_problem(rng, 6, True, budget=True)
+    choice, best = brute_force(p)
+    sol = solve(p, "ilp")
+    assert sol.objective == pytest.approx(best, rel=1e-9)
+    assert p.memory_of(sol.choice) <= p.budget + 1e-9
+
+
+def test_reductions_leave_a_small_core_for_chains() -> None:
+    p = random_problem(random.Random(1), 8, dag=False)
+    assert reduce(p).core.n <= 1
+
+
+# ---- real graphs: random small models ------------------------------------------------------
+
+
+class RandomNet(nn.Module):
+    """A random DAG of at most 8 ops over (batch, width) activations."""
+
+    def __init__(self, seed: int, width: int = 6, n_ops: int = 4) -> None:
+        super().__init__()
+        rng = random.Random(seed)
+        self.plan: list[tuple[str, int, int]] = []
+        self.lins = nn.ModuleList()
+        for i in range(n_ops):
+            kind = rng.choice(["linear", "linear", "relu", "add"]) if i else "linear"
+            a = rng.randrange(i + 1)
+            b = rng.randrange(i + 1)
+            if kind == "linear":
+                self.lins.append(nn.Linear(width, width, bias=rng.random() < 0.5))
+            self.plan.append((kind, a, b))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        vals = [x]
+        li = 0
+        for kind, a, b in self.plan:
+            if kind == "linear":
+                vals.append(self.lins[li](vals[a]))
+                li += 1
+            elif kind == "relu":
+                vals.append(torch.relu(vals[a]))
+            else:
+                vals.append(vals[a] + vals[b])
+        return vals[-1].sum()
+
+
+def small_problem(seed: int, mesh: Mesh, objective: str):
+    torch.manual_seed(seed)
+    net = RandomNet(seed, n_ops=2 if mesh.ndim > 1 else 4)
+    cap = capture(net, (torch.randn(4, 6),))
+    g = build(cap, mesh, PROFILE, objective=objective)
+    return cap, g, to_problem(g, objective)
+
+
+CASES = [(p, m) for p in (2, 4) for m in factorizations(p)]
+
+
+@pytest.mark.parametrize("devices,mesh", CASES, ids=[f"P{p}-{m}" for p, m in CASES])
+@pytest.mark.parametrize("seed", range(3))
+def test_ilp_equals_enumeration_on_model_graphs(devices: int, mesh: Mesh, seed: int) -> None:
+    for objective in ("comm", "time"):
+        _, g, p = small_problem(seed, mesh, objective)
+        ops = sum(v.kind == "op" for v in g.vars)
+        assert ops <= 8
+        _, best = brute_force(p, limit=100_000_000)
+        assert solve(p, "ilp").objective == pytest.approx(best, rel=1e-7)
+        if devices == 2:  # SoyBean's one-cut DP
+            assert solve(p, "dp").objective == pytest.approx(best, rel=1e-7)
+
+
+EQUAL = [("weight-heavy", 2), ("mixed", 2)]
+
+
+def test_kcuts_versus_joint_ilp() -> None:
+    """Recursive k-cuts against the joint optimum on the same (2,2) and (2,2,2) meshes.
+
+    SoyBean's argument (one cut at a time is optimal) holds when the best cut of
+    the halved problem is the same choice again, so that every cut repeats the
+    first: then the greedy sequence is the joint optimum.  Measured here: the
+    weight-heavy and the mixed MLP (every cut splits the weights Megatron-style)
+    give gap 0.
+
+    It fails for the batch-heavy MLP, gap ~2%: one cut rates "replicate the weight
+    and all-reduce its gradient" (2 (p-1)/p m = m) equal to "store it split,
+    all-gather forward, reduce-scatter backward" (also m), and picks replication.
+    Jointly on 2x2, storing the weight split on *both* axes lets the inner axis
+    gather only half the weight (m/4 + m/2 per direction = 1.5 m in all), cheaper
+    than two nested all-reduces (2 m).  A later cut cannot undo the first cut's
+    choice, so k-cuts keeps 2 m: the gap is exactly that hierarchy's saving
+    (2.2% at k=2, 4.7% at k=3).
+
+    At k=3 the weight-heavy and mixed MLPs show 37.5%: the first two cuts are
+    each optimal alone (Megatron column/row splits), but they leave the third cut
+    only choices that reshard between the layers, whereas the joint optimum
+    spends the three axes together (one of them on the batch from the start).
+    The test prints every gap; it asserts equality where the argument holds
+    and that the measured gaps are never negative.
+    """
+    torch.manual_seed(0)
+    gaps = {}
+    for name, (batch, hidden) in {"batch-heavy": (512, 8), "weight-heavy": (2, 64), "mixed": (32, 32)}.items():
+        net = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, hidden))
+        cap = capture(net, (torch.randn(batch, hidden),))
+        for k in (2, 3):
+            g, greedy = kcuts(cap, k, PROFILE, "comm")
+            joint = solve(to_problem(build(cap, Mesh((2,) * k), PROFILE, objective="comm"), "comm"), "ilp")
+            assert greedy.objective >= joint.objective - 1e-6 * max(1.0, joint.objective)
+            gaps[(name, k)] = (greedy.objective - joint.objective) / max(joint.objective, 1e-12)
+    print("k-cuts gap over joint ILP:", {f"{n} k={k}": round(v, 4) for (n, k), v in gaps.items()})
+    for name, k in EQUAL:
+        assert gaps[(name, k)] == pytest.approx(0.0, abs=1e-9), (name, k)
+    assert gaps[("batch-heavy", 2)] > 0.0
