@@ -35,7 +35,7 @@ RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all
 BACKWARD = {
     "all_gather": None,  # slice; reduce_scatter when grad_partial (handled below)
     "shard": "all_gather", "all_reduce": None, "reduce_scatter": "all_gather",
-    "all_to_all": "all_to_all", "to_partial": None, "grad_all_reduce": "all_reduce",
+    "all_to_all": "all_to_all", "to_partial": None, "grad_all_reduce": "all_reduce", "grad_to_partial": None,
 }
 
 
@@ -64,16 +64,17 @@ def step_message(step: Step, before: Sequence[Placement], after: Sequence[Placem
 
 
 @lru_cache(maxsize=200_000)
-def reshard_cost(src: tuple, dst: tuple, shape: tuple, itemsize: int, mesh: Mesh, profile: Profile, partial_grad_axes: tuple, needs_grad: bool) -> Cost:
+def reshard_cost(src: tuple, dst: tuple, shape: tuple, itemsize: int, mesh: Mesh, profile: Profile, partial_grad_axes: tuple, needs_grad: bool, src_partial_axes: tuple = ()) -> Cost:
     """Forward + backward cost of turning ``src`` into ``dst`` for one tensor."""
     total = Cost()
     cur = src
-    for step in plan_reshard(src, dst, partial_grad_axes if needs_grad else ()):
+    steps = plan_reshard(src, dst, partial_grad_axes, src_partial_axes) if needs_grad else plan_reshard(src, dst)
+    for step in steps:
         nxt = apply_step(cur, step)
         m = step_message(step, cur, nxt, shape, itemsize, mesh)
         p = mesh.shape[step.axis]
         a, b = profile.ab(step.axis)
-        if step.kind != "grad_all_reduce":
+        if not step.kind.startswith("grad_"):
             total = total + collective(step.kind, m, p, a, b)
         if needs_grad:
             bwd = "reduce_scatter" if step.kind == "all_gather" and step.grad_partial else BACKWARD[step.kind]

@@ -6,6 +6,13 @@ stored in; ops: the rule's strategies; the output: all-``R``, the full-output
 contract).  Every (producer output -> consumer input) use becomes an *edge*
 whose cost matrix ``C[s, t]`` prices resharding producer strategy ``s``'s output
 into consumer strategy ``t``'s input, forward and backward.
+
+A value used more than once gets a *reshard point*: a variable between the
+producer and its consumers whose domain is (tiling ``T``, axes ``A`` whose
+gradient it collects partially).  Consumers that want the same tiling then
+share one collective, and partial gradients of replicated uses (Megatron's
+``f`` for q, k and v, or the gradient sync of a tied weight) are summed
+locally and all-reduced once, as the runtime does.
 """
 from __future__ import annotations
 
@@ -43,6 +50,8 @@ class Var:
     op: OpSpec | None = None
     module: str = ""              # innermost nn.Module path, for reports and tying
     needs_grad: bool = False
+    grad_partial: list[tuple[int, ...]] = field(default_factory=list)  # reshard points: per strategy, axes A
+    pinned: bool = False          # stored tiling must be used as is (no resharding: model-parallel baseline)
 
 
 @dataclass
@@ -64,6 +73,8 @@ class PlanGraph:
     edges: list[Edge] = field(default_factory=list)
     index: dict[str, int] = field(default_factory=dict)
     fallback_ops: list[str] = field(default_factory=list)
+    shapes: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)  # placeholder outputs
+    dtypes: dict[tuple[int, int], torch.dtype] = field(default_factory=dict)
 
 
 def _flops(op: OpSpec) -> tuple[float, float]:
@@ -107,7 +118,51 @@ def _producer(arg: fx.Node) -> tuple[fx.Node, int]:
     return arg, 0
 
 
-def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time", domains: dict[str, list[tuple]] | None = None) -> PlanGraph:
+def value_uses(graph: fx.Graph) -> dict[tuple[str, int], int]:
+    """How many tensor arguments (ops and graph outputs) read each (producer, output index)."""
+    uses: dict[tuple[str, int], int] = {}
+    for node in graph.nodes:
+        if node.op not in ("call_function", "output") or (node.op == "call_function" and node.target is operator.getitem):
+            continue
+        leaves, _ = tree_flatten((node.args, node.kwargs))
+        for a in leaves:
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                src, k = _producer(a)
+                uses[(src.name, k)] = uses.get((src.name, k), 0) + 1
+    return uses
+
+
+def reshard_point_name(src: str, k: int) -> str:
+    return f"{src}:{k}"
+
+
+def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int], needs_grad: bool) -> None:
+    """After adding producer ``vi``: a reshard point for each of its outputs used more than once."""
+    v = g.vars[vi]
+    specs = v.op.outputs if v.op is not None else None
+    for k in range(len(v.strategies[0].outputs)):
+        if uses.get((v.name, k), 0) < 2:
+            continue
+        tilings = sorted({tuple(s.outputs[k]) for s in v.strategies} | {(R,) * g.mesh.ndim}, key=str)
+        strategies, flags = [], []
+        for t in tilings:
+            r_axes = [a for a in range(g.mesh.ndim) if isinstance(t[a], Replicate)] if needs_grad else []
+            for n in range(len(r_axes) + 1):
+                for A in itertools.combinations(r_axes, n):
+                    strategies.append(Strategy((t,), (t,)))
+                    flags.append(tuple(A))
+        spec = specs[k] if specs is not None else TensorSpec(g.shapes[(vi, 0)], g.dtypes[(vi, 0)])
+        r = _add_var(g, Var(reshard_point_name(v.name, k), "reshard", strategies, np.zeros(len(strategies)), np.zeros(len(strategies)),
+                            op=OpSpec("reshard", (), {}, (spec,), (spec,)), module=v.module,
+                            needs_grad=needs_grad, grad_partial=flags, fqn=v.fqn, pinned=v.pinned))
+        _add_edge(g, vi, r, k, 0, needs_grad)
+
+
+PINNED = 1e30  # cost of a forbidden resharding
+
+
+def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time", domains: dict[str, list[tuple]] | None = None,
+          pin_params: bool = False) -> PlanGraph:
     """Variables and edges of ``cap`` on ``mesh``.
 
     ``domains`` optionally restricts placeholders (by parameter FQN or input name)
@@ -117,6 +172,13 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
     domains = domains or {}
     needs_grad: dict[str, bool] = {}
     fallback: set[str] = set()
+    uses = value_uses(cap.graph)
+
+    def source(a: fx.Node) -> tuple[int, int]:
+        src, k = _producer(a)
+        rp = reshard_point_name(src.name, k)
+        return (g.index[rp], 0) if rp in g.index else (g.index[src.name], k)
+
     for node in cap.graph.nodes:
         if node.op == "placeholder":
             if not node.users:
@@ -133,7 +195,11 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
             copies = PARAM_COPIES if kind == "param" else 1
             mem = np.array([max_local_numel(shape, t, mesh) * val.dtype.itemsize * copies for t in tilings], dtype=float)
             needs_grad[node.name] = kind == "param" and val.dtype.is_floating_point
-            _add_var(g, Var(node.name, kind, strategies, np.zeros(len(strategies)), mem, fqn=fqn, needs_grad=needs_grad[node.name]))
+            vi = _add_var(g, Var(node.name, kind, strategies, np.zeros(len(strategies)), mem, fqn=fqn, needs_grad=needs_grad[node.name],
+                                 op=None))
+            g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
+            g.vars[vi].pinned = pin_params and kind == "param" and fqn in domains
+            _add_reshard_points(g, vi, uses, needs_grad[node.name])
         elif node.op == "call_function":
             if node.target is operator.getitem:
                 needs_grad[node.name] = needs_grad.get(node.args[0].name, False)
@@ -156,16 +222,17 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
             needs_grad[node.name] = ng
             v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node), needs_grad=ng))
             for i, a in enumerate(tensor_args):
-                src, k = _producer(a)
-                _add_edge(g, g.index[src.name], v, k, i, needs_grad.get(a.name, False))
+                u, k = source(a)
+                _add_edge(g, u, v, k, i, needs_grad.get(a.name, False))
+            _add_reshard_points(g, v, uses, ng)
         elif node.op == "output":
             outs, _ = tree_flatten(node.args)
             outs = [o for o in outs if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
             st = Strategy(tuple((R,) * mesh.ndim for _ in outs), ())
             v = _add_var(g, Var("output", "output", [st], np.zeros(1), np.zeros(1)))
             for i, a in enumerate(outs):
-                src, k = _producer(a)
-                _add_edge(g, g.index[src.name], v, k, i, needs_grad.get(a.name, False))
+                u, k = source(a)
+                _add_edge(g, u, v, k, i, needs_grad.get(a.name, False))
     g.fallback_ops = sorted(fallback)
     return g
 
@@ -182,18 +249,25 @@ def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_gra
     if spec is None:  # output var: the producer's output spec
         pu = g.vars[u]
         spec = pu.op.outputs[out_idx] if pu.op is not None else None
-    shape = spec.shape if spec is not None else ()
-    itemsize = spec.dtype.itemsize if spec is not None else 4
+    shape = spec.shape if spec is not None else g.shapes.get((u, out_idx), ())
+    itemsize = spec.dtype.itemsize if spec is not None else g.dtypes[(u, out_idx)].itemsize
     B = np.zeros((len(su), len(sv)))
     T = np.zeros((len(su), len(sv)))
+    U, V = g.vars[u], g.vars[v]
     for t, s_dst in enumerate(sv):
         dst = s_dst.inputs[in_idx]
-        split = s_dst.split_axes() if g.vars[v].kind == "op" else (False,) * g.mesh.ndim
-        pga = tuple(a for a in range(g.mesh.ndim) if split[a] and isinstance(dst[a], Replicate))
+        if V.kind == "reshard":
+            pga = V.grad_partial[t]
+        else:
+            split = s_dst.split_axes() if V.kind == "op" else (False,) * g.mesh.ndim
+            pga = tuple(a for a in range(g.mesh.ndim) if split[a] and isinstance(dst[a], Replicate))
         for s, s_src in enumerate(su):
             src = s_src.outputs[out_idx]
-            c = reshard_cost(tuple(src), tuple(dst), shape, itemsize, g.mesh, g.profile, pga, needs_grad)
+            spa = U.grad_partial[s] if U.kind == "reshard" else ()
+            c = reshard_cost(tuple(src), tuple(dst), shape, itemsize, g.mesh, g.profile, pga, needs_grad, spa)
             B[s, t], T[s, t] = c.bytes, c.seconds
+            if U.pinned and tuple(src) != tuple(dst):
+                B[s, t] = T[s, t] = PINNED
     g.edges.append(Edge(u, v, out_idx, in_idx, B, T, shape))
 
 

@@ -4,9 +4,11 @@
 device count into 1-3 axes, unless a mesh is given) and keeps the cheapest
 under the objective; it also solves the two baselines on the 1-D mesh:
 
-* ``data_parallel``: every parameter replicated, every input split on dim 0;
-* ``model_parallel``: inputs replicated, every parameter with 2+ dims split on
-  every axis (the best Megatron-style plan the rules allow).
+* ``data_parallel``: every parameter replicated and used replicated (no op may
+  slice a weight), every input split on dim 0;
+* ``model_parallel``: inputs replicated, every parameter with 2+ dims stored
+  split on every axis and used where it is stored, never gathered (the best
+  Megatron-style plan the rules allow; gathering would make it FSDP).
 """
 from __future__ import annotations
 
@@ -86,7 +88,7 @@ def solve_on(cap: Captured, mesh: Mesh, profile: Profile, objective: str, solver
     """Build the candidate table on ``mesh`` and solve it."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
-    g = build(cap, mesh, profile, objective=objective, domains=_domains(cap, mesh, mode))
+    g = build(cap, mesh, profile, objective=objective, domains=_domains(cap, mesh, mode), pin_params=mode in ("dp", "mp"))
     sol = solve(to_problem(g, objective, memory_bytes), solver)
     return evaluate(g, sol)
 
@@ -148,6 +150,9 @@ def to_plan(cap: Captured, r: Result, objective: str, profile: str, devices: int
             inputs[v.name] = [str(p) for p in st.outputs[0]]
         elif v.kind == "op":
             nodes[v.name] = {"in": [[str(p) for p in t] for t in st.inputs], "out": [[str(p) for p in t] for t in st.outputs]}
+        elif v.kind == "reshard":
+            nodes[v.name] = {"in": [[str(p) for p in t] for t in st.inputs], "out": [[str(p) for p in t] for t in st.outputs],
+                             "grad_partial": [list(v.grad_partial[c])]}
     for alias, fqn in cap.aliases.items():
         if fqn in params:
             params[alias] = params[fqn]
@@ -162,6 +167,24 @@ def to_plan(cap: Captured, r: Result, objective: str, profile: str, devices: int
     )
 
 
+def edge_steps(g: PlanGraph, e: Any, sol: Solution) -> list:
+    """The collective steps one edge runs under the solution (as codegen emits them)."""
+    U, V = g.vars[e.src], g.vars[e.dst]
+    su, sv = sol.choice[e.src], sol.choice[e.dst]
+    src_t = U.strategies[su].outputs[e.src_out]
+    dst_t = V.strategies[sv].inputs[e.dst_in]
+    if not U.needs_grad:
+        return plan_reshard(src_t, dst_t)
+    if V.kind == "reshard":
+        pga = list(V.grad_partial[sv])
+    elif V.kind == "op":
+        split = V.strategies[sv].split_axes()
+        pga = [a for a in range(g.mesh.ndim) if split[a] and isinstance(dst_t[a], Replicate)]
+    else:
+        pga = []
+    return plan_reshard(src_t, dst_t, pga, U.grad_partial[su] if U.kind == "reshard" else ())
+
+
 def layer_rows(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
     """Per op with a parameter: its weight/input/output tilings and the collectives it causes."""
     rows: list[dict[str, Any]] = []
@@ -172,22 +195,20 @@ def layer_rows(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
         if v.kind != "op":
             continue
         ins = incoming.get(vi, [])
-        params = [e for e in ins if g.vars[e.src].kind == "param"]
+        params = [e for e in ins if g.vars[e.src].kind == "param" or (g.vars[e.src].kind == "reshard" and any(x.dst == e.src and g.vars[x.src].kind == "param" for x in g.edges))]
         if not params:
             continue
         st = v.strategies[c]
         colls: list[str] = []
         total = 0.0
         for e in ins:
-            src_t = g.vars[e.src].strategies[sol.choice[e.src]].outputs[e.src_out]
-            dst_t = st.inputs[e.dst_in]
-            split = st.split_axes()
-            pga = [a for a in range(g.mesh.ndim) if split[a] and isinstance(dst_t[a], Replicate)] if g.vars[e.src].needs_grad else []
-            steps = plan_reshard(src_t, dst_t, pga)
+            steps = edge_steps(g, e, sol)
             if steps:
                 colls.extend(str(s) for s in steps)
             total += e.bytes[sol.choice[e.src], c]
         w = params[0]
+        while g.vars[w.src].kind == "reshard":  # the parameter behind a shared use
+            w = next(x for x in g.edges if x.dst == w.src)
         rows.append({
             "layer": v.module or v.name, "op": v.op.name if v.op else "", "node": v.name,
             "weight": fmt(g.vars[w.src].strategies[sol.choice[w.src]].outputs[0]),

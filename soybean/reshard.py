@@ -13,6 +13,7 @@ reduce_scatter     P -> S(d)           all_gather
 all_to_all         S(d) -> S(e)        all_to_all back
 to_partial         R -> P              identity
 grad_all_reduce    R -> R              all_reduce (Megatron's f)
+grad_to_partial    R -> R              keep the gradient on member 0 only
 =================  ==================  =========================================
 
 Nesting rule: with DTensor chunking, axis ``i`` cuts the chunk left by axes
@@ -23,6 +24,12 @@ sliced again afterwards (unsharding goes inner -> outer, sharding outer -> inner
 ``partial_grad_axes``: axes on which the consumer splits its work while taking
 this input replicated: each device's gradient is then a partial sum that must be
 all-reduced (fused into the gather as a reduce-scatter when there is one).
+
+``src_partial_axes``: axes on which the *source* (a shared resharding point,
+see ``graph``) collects partial gradients and reduces them once for all its
+consumers.  A consumer that already returns a partial gradient there passes it
+through; one that returns a full gradient gets ``grad_to_partial`` (free) so
+the sum stays right.
 """
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ from .tiling import Partial, Placement, R, Replicate, Shard
 
 @dataclass(frozen=True)
 class Step:
-    kind: str          # all_gather | shard | all_reduce | reduce_scatter | all_to_all | to_partial | grad_all_reduce
+    kind: str          # all_gather | shard | all_reduce | reduce_scatter | all_to_all | to_partial | grad_all_reduce | grad_to_partial
     axis: int
     dim: int = -1      # the dim gathered / sliced / scattered (all_to_all: source dim)
     dim2: int = -1     # all_to_all: destination dim
@@ -45,11 +52,23 @@ class Step:
         return f"{self.kind}[axis {self.axis}{' ' + extra if extra else ''}]"
 
 
-def plan_reshard(src: Sequence[Placement], dst: Sequence[Placement], partial_grad_axes: Sequence[int] = ()) -> list[Step]:
+def plan_reshard(src: Sequence[Placement], dst: Sequence[Placement], partial_grad_axes: Sequence[int] = (), src_partial_axes: Sequence[int] = ()) -> list[Step]:
     """Steps from tiling ``src`` to ``dst`` (forward order)."""
     n = len(src)
     if len(dst) != n:
         raise ValueError(f"tilings of different mesh rank: {src} vs {dst}")
+    pga = set(partial_grad_axes)
+    first: list[Step] = []
+    for a in sorted(set(src_partial_axes)):
+        if a in pga and isinstance(dst[a], Replicate) and isinstance(src[a], Replicate):
+            pga.discard(a)  # the consumer's partial gradient is reduced at the source, once
+        else:
+            first.append(Step("grad_to_partial", a))
+    return first + _plan(src, dst, sorted(pga))
+
+
+def _plan(src: Sequence[Placement], dst: Sequence[Placement], partial_grad_axes: Sequence[int]) -> list[Step]:
+    n = len(src)
     reset = {i for i in range(n) if src[i] != dst[i]}
     changed = True
     while changed:  # axes inside a reset axis that shard the same dim must be reset too
@@ -102,7 +121,7 @@ def apply_step(tiling: Sequence[Placement], step: Step) -> tuple[Placement, ...]
     """The tiling after ``step``."""
     t = list(tiling)
     t[step.axis] = {
-        "all_gather": R, "all_reduce": R, "grad_all_reduce": t[step.axis], "to_partial": Partial(),
+        "all_gather": R, "all_reduce": R, "grad_all_reduce": t[step.axis], "grad_to_partial": t[step.axis], "to_partial": Partial(),
         "shard": Shard(step.dim), "reduce_scatter": Shard(step.dim), "all_to_all": Shard(step.dim2),
     }[step.kind]
     return tuple(t)

@@ -155,7 +155,7 @@ def shard(full: torch.Tensor, tiling: Sequence[Placement], mesh: Mesh, generator
             noise = [torch.randn(base.shape, generator=generator, dtype=base.dtype) for _ in members[1:]]
             tiles[members[0]] = base - sum(noise, torch.zeros_like(base))
             for c, n in zip(members[1:], noise):
-                tiles[c] = tiles[c] + n
+                tiles[c] = n  # summands: base - sum(noise), noise_1, ..., noise_{p-1}
     return tiles
 
 

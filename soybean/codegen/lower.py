@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import rules
 from ..capture import Captured
+from ..graph import reshard_point_name
 from ..mesh import Mesh
 from ..plan import Plan
 from ..reshard import apply_step, plan_reshard
@@ -39,10 +40,10 @@ def _val(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
-def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], src: Tiling, dst: Tiling, partial_grad_axes: tuple[int, ...], mesh: Mesh, coords: tuple[int, ...]) -> fx.Node:
+def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], src: Tiling, dst: Tiling, partial_grad_axes: tuple[int, ...], mesh: Mesh, coords: tuple[int, ...], src_partial_axes: tuple[int, ...] = ()) -> fx.Node:
     """Append the collective calls turning ``x`` (tiling ``src``) into ``dst``."""
     cur = src
-    for step in plan_reshard(src, dst, partial_grad_axes):
+    for step in plan_reshard(src, dst, partial_grad_axes, src_partial_axes):
         nxt = apply_step(cur, step)
         after = local_shape(shape, nxt, mesh, coords)
         k, a = step.kind, step.axis
@@ -60,6 +61,8 @@ def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], src: Tiling, d
             x = g.call_function(rt.sb_to_partial, (x, a))
         elif k == "grad_all_reduce":
             x = g.call_function(rt.sb_grad_all_reduce, (x, a))
+        elif k == "grad_to_partial":
+            x = g.call_function(rt.sb_grad_to_partial, (x, a))
         else:  # pragma: no cover - plan_reshard only makes the kinds above
             raise AssertionError(k)
         cur = nxt
@@ -74,6 +77,20 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[str, Any] = {}
     tiles: dict[str, list[Tiling]] = {}
+    shared: dict[str, tuple[fx.Node, Tiling, tuple[int, ...]]] = {}  # reshard point -> (node, tiling, grad-partial axes)
+
+    def source(a: fx.Node, shape: tuple[int, ...]) -> tuple[Any, Tiling, tuple[int, ...]]:
+        """The value a consumer reads: the producer's, or its shared reshard point (emitted once)."""
+        src, k = (a.args[0], int(a.args[1])) if a.op == "call_function" and a.target is operator.getitem else (a, 0)
+        rp = reshard_point_name(src.name, k)
+        if rp not in plan.nodes:
+            return env[a.name], tiles[a.name][0], ()
+        if rp not in shared:
+            rec = plan.nodes[rp]
+            t = _tiling(rec["out"][0])
+            axes = tuple(rec.get("grad_partial", [[]])[0])
+            shared[rp] = (emit_reshard(g, env[a.name], shape, tiles[a.name][0], t, axes, mesh, coords), t, axes)
+        return shared[rp]
     for node in cap.graph.nodes:
         if node.op == "placeholder":
             ph = g.placeholder(node.name)
@@ -111,10 +128,10 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
                     v = _val(a)
                     if isinstance(v, torch.Tensor):
                         dst = ins[i]
-                        src = tiles[a.name][0]
+                        x, src, spa = source(a, tuple(v.shape))
                         pga = tuple(ax for ax in range(mesh.ndim) if split[ax] and isinstance(dst[ax], Replicate))
                         i += 1
-                        return emit_reshard(g, env[a.name], tuple(v.shape), src, dst, pga, mesh, coords)
+                        return emit_reshard(g, x, tuple(v.shape), src, dst, pga, mesh, coords, spa)
                     return env[a.name]
                 return a
 
@@ -133,7 +150,8 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
             res = []
             for a in flat:
                 if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor):
-                    res.append(emit_reshard(g, env[a.name], tuple(_val(a).shape), tiles[a.name][0], full, (), mesh, coords))
+                    x, src, spa = source(a, tuple(_val(a).shape))
+                    res.append(emit_reshard(g, x, tuple(_val(a).shape), src, full, (), mesh, coords, spa))
                 elif isinstance(a, fx.Node):
                     res.append(env[a.name])
                 else:

@@ -1,0 +1,239 @@
+"""Differentiable data movement between placements, one ``autograd.Function`` each.
+
+Every primitive is the identity on the *logical* (global) tensor; it only changes
+how the tensor is laid out over the ``p`` members of one mesh-axis group.  Its
+backward is therefore the adjoint of the layout change, written right next to it.
+
+Notation: ``x_k`` is member ``k``'s local tensor, ``E_k`` takes chunk ``k`` along a
+dim (:func:`soybean.tiling.chunk_range`), ``G`` is all_gather (``cat_k``), ``g``
+the incoming gradient.  Gradient conventions, which make each backward below
+the exact adjoint under the matching inner product:
+
+* Shard ``S(d)``: the gradient is sharded alike; ``<a, b> = sum_k <a_k, b_k>``.
+* Replicate ``R``: every member holds the full gradient; ``<a, b> = <a_0, b_0>``.
+  Exception (``grad_partial`` / :func:`grad_all_reduce`): when the consumer of
+  an ``R`` tensor split its work, member ``k`` holds only a summand ``g_k`` of the
+  gradient and ``<a, b> = sum_k <a_k, b_k>``.
+* Partial ``P``: the values are summands, the gradient is replicated (``d sum_k
+  x_k / d x_j = I``); ``<a, b> = sum_k <a_k, b_k>``.
+* Exception (:func:`grad_to_partial`): an ``R`` tensor whose producer sums the
+  members' gradients takes a partial gradient; ``<a, b> = sum_k <a_k, b_k>``.
+
+Every public function is the identity for a group of size 1 and works for
+inputs that do not require grad.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd import Function
+
+from .comm import Group, take_chunk
+
+__all__ = ["shard_slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "to_partial", "grad_all_reduce",
+           "grad_to_partial"]
+
+
+def _my_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    # A fresh tensor, not a view: autograd outputs that alias inputs complicate in-place use.
+    return take_chunk(x, dim, group.size, group.index).contiguous().clone()
+
+
+# ---- R -> S(dim) and its adjoint S(dim) -> R ----------------------------------------
+
+
+class _ShardSlice(Function):
+    """R -> S(dim):  ``y_k = E_k x``.
+
+    Adjoint: ``<E_k x, g_k>`` summed over k is ``<x, G g>``, so the replicated
+    gradient of ``x`` is ``G g`` on every member (all_gather).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.full = group, dim, x.shape[dim]
+        return _my_chunk(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return ctx.group.all_gather(g.contiguous(), ctx.dim, ctx.full), None, None
+
+
+class _AllGather(Function):
+    """S(dim) -> R:  ``y = G x = cat_k x_k``.
+
+    Adjoint with a replicated gradient ``g``: ``<G x, g> = sum_k <x_k, E_k g>``,
+    so member k keeps its chunk ``E_k g``.  With a partial gradient (``grad_partial``:
+    member k holds a summand ``g_k``), ``sum_k <G x, g_k> = sum_k <x_k, E_k sum_j g_j>``:
+    reduce_scatter.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int, full: int, grad_partial: bool) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.grad_partial = group, dim, grad_partial
+        return group.all_gather(x.contiguous(), dim, full)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        gx = ctx.group.reduce_scatter(g.contiguous(), ctx.dim) if ctx.grad_partial else _my_chunk(g, ctx.group, ctx.dim)
+        return gx, None, None, None, None
+
+
+# ---- P -> R and its adjoint R -> P --------------------------------------------------
+
+
+class _AllReduce(Function):
+    """P -> R:  ``y = sum_k x_k`` on every member.
+
+    Adjoint: ``<sum_k x_k, g> = sum_k <x_k, g>``: every summand's gradient is the
+    replicated ``g`` itself (identity).  Megatron's ``g`` operator.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return group.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return g, None
+
+
+class _ToPartial(Function):
+    """R -> P:  ``y_0 = x``, ``y_k = 0`` for ``k > 0`` (the summands add up to ``x``).
+
+    Adjoint: ``sum_k <y_k, g> = <x, g>`` with the replicated gradient ``g`` of a
+    partial tensor, so ``x``'s replicated gradient is ``g`` (identity).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return x.clone() if group.index == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return g, None
+
+
+# ---- P -> S(dim) and its adjoint S(dim) -> R (gradient side) ------------------------
+
+
+class _ReduceScatter(Function):
+    """P -> S(dim):  ``y_k = E_k sum_j x_j``.
+
+    Adjoint: ``sum_k <E_k sum_j x_j, g_k> = sum_j <x_j, G g>``: every summand's
+    (replicated) gradient is the all_gather of the sharded ``g``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.full = group, dim, x.shape[dim]
+        return group.reduce_scatter(x.contiguous(), dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return ctx.group.all_gather(g.contiguous(), ctx.dim, ctx.full), None, None
+
+
+# ---- S(src) -> S(dst), self-adjoint up to swapping the dims -------------------------
+
+
+class _AllToAll(Function):
+    """S(src) -> S(dst):  ``y_k = cat_j E^{dst}_k x_j`` along ``src``.
+
+    The map only permutes entries, so its adjoint is its inverse: the all_to_all
+    from S(dst) back to S(src), whose full source length is ``x.shape[dst]``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
+        ctx.group, ctx.src_dim, ctx.dst_dim, ctx.full_dst = group, src_dim, dst_dim, x.shape[dst_dim]
+        return group.all_to_all(x.contiguous(), src_dim, dst_dim, full_src)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        gx = ctx.group.all_to_all(g.contiguous(), ctx.dst_dim, ctx.src_dim, ctx.full_dst)
+        return gx, None, None, None, None
+
+
+# ---- R consumed by split compute: identity forward, all_reduce backward -------------
+
+
+class _GradAllReduce(Function):
+    """Megatron's ``f``:  ``y = x`` (R -> R), but the consumer split its work, so
+    member k's gradient ``g_k`` is a summand.
+
+    Adjoint: ``sum_k <x, g_k> = <x, sum_k g_k>``: the replicated gradient is the
+    all_reduce of the summands.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return ctx.group.all_reduce(g), None
+
+
+class _GradToPartial(Function):
+    """``y = x`` (R -> R), but ``x``'s producer collects partial gradients (sums the
+    members' gradients once for all its consumers), while ``y``'s gradient ``g`` is
+    replicated: member 0 passes ``g`` on, the others pass 0, so the sum counts it once.
+
+    Adjoint: ``<x, g> = sum_k <x, [k = 0] g>`` (replicated pairing on the output,
+    summed pairing on the input).  Backward of :class:`_ToPartial` turned around.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.index = group.index
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return (g if ctx.index == 0 else torch.zeros_like(g)), None
+
+
+# ---- public functions: identity on a single member, else the Function --------------
+
+
+def shard_slice(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """R -> S(dim): keep my chunk; backward all_gather."""
+    return x if group.size == 1 else _ShardSlice.apply(x, group, dim % x.ndim)
+
+
+def all_gather(x: torch.Tensor, group: Group, dim: int, full: int, grad_partial: bool = False) -> torch.Tensor:
+    """S(dim) -> R, ``full`` = gathered length; backward slice (or reduce_scatter if ``grad_partial``)."""
+    return x if group.size == 1 else _AllGather.apply(x, group, dim % x.ndim, full, grad_partial)
+
+
+def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """P -> R: sum; backward identity."""
+    return x if group.size == 1 else _AllReduce.apply(x, group)
+
+
+def reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """P -> S(dim): sum, keep my chunk; backward all_gather."""
+    return x if group.size == 1 else _ReduceScatter.apply(x, group, dim % x.ndim)
+
+
+def all_to_all(x: torch.Tensor, group: Group, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
+    """S(src_dim) -> S(dst_dim), ``full_src`` = length of ``src_dim``; backward the inverse all_to_all."""
+    return x if group.size == 1 else _AllToAll.apply(x, group, src_dim % x.ndim, dst_dim % x.ndim, full_src)
+
+
+def to_partial(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """R -> P: ``x`` on member 0, zeros elsewhere; backward identity."""
+    return x if group.size == 1 else _ToPartial.apply(x, group)
+
+
+def grad_all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Identity forward, all_reduce backward (R input consumed by split compute)."""
+    return x if group.size == 1 else _GradAllReduce.apply(x, group)
+
+
+def grad_to_partial(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Identity forward; backward keeps the (replicated) gradient on member 0 only, making it partial."""
+    return x if group.size == 1 else _GradToPartial.apply(x, group)

@@ -1,0 +1,330 @@
+"""Process groups along one mesh axis: the four collectives soybean needs.
+
+Every collective works on the members of one mesh-axis group (``size`` members,
+mine at position ``index`` = my coordinate on that axis).  Sharded tiles follow
+:func:`soybean.tiling.chunk_range`: with ``c = ceil(n / p)`` member ``k`` holds
+``[k c, min((k+1) c, n))`` of a length-``n`` dimension, so tiles may be uneven or
+empty and every member can derive everybody's tile length from ``n`` alone.
+
+With ``x_k`` member ``k``'s tensor and ``E_k`` "take chunk ``k`` along ``dim``":
+
+* ``all_reduce``:      ``y_k = sum_j x_j``
+* ``all_gather``:      ``y_k = cat_j x_j`` along ``dim`` (``x_j = E_j x``)
+* ``reduce_scatter``:  ``y_k = E_k sum_j x_j``
+* ``all_to_all``:      ``y_k = cat_j E_k^{dst} x_j`` along ``src_dim``: gather
+  ``src_dim``, scatter ``dst_dim``.
+
+Two implementations:
+
+* :class:`ThreadGroup` (built by :class:`ThreadWorld`): all ranks are threads of
+  one process and swap tensors through shared slots -- the fast test tier.
+* :class:`TorchGroup` (built by :func:`torch_groups`): a ``torch.distributed``
+  process group; gloo for CPU tensors, NCCL for CUDA tensors.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from ..mesh import Mesh
+from ..tiling import chunk_range
+
+# torch 2.13 renamed the fixed-size collectives (the old names warn); torch >= 2.5 has the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+__all__ = ["Group", "ThreadGroup", "ThreadWorld", "TorchGroup", "torch_groups", "chunk_len", "take_chunk"]
+
+
+@runtime_checkable
+class Group(Protocol):
+    """The members of one mesh-axis group, seen from one member."""
+
+    size: int
+    index: int
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """``sum_j t_j`` (same on every member)."""
+        ...
+
+    def all_gather(self, t: torch.Tensor, dim: int, full: int) -> torch.Tensor:
+        """``cat_j t_j`` along ``dim``; ``t_j`` is chunk ``j`` of a length-``full`` dim."""
+        ...
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Chunk ``index`` along ``dim`` of ``sum_j t_j``."""
+        ...
+
+    def all_to_all(self, t: torch.Tensor, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
+        """Input: my chunk of ``src_dim`` (length ``full_src`` in all), all of ``dst_dim``.
+        Output: all of ``src_dim``, my chunk of ``dst_dim``."""
+        ...
+
+
+# ---- chunk arithmetic shared by both implementations ------------------------------
+
+
+def chunk_len(n: int, p: int, k: int) -> int:
+    """Length of chunk ``k`` of ``p`` of a length-``n`` dimension."""
+    a, b = chunk_range(n, p, k)
+    return b - a
+
+
+def take_chunk(t: torch.Tensor, dim: int, p: int, k: int) -> torch.Tensor:
+    """``E_k t``: chunk ``k`` of ``p`` along ``dim`` (a view)."""
+    a, b = chunk_range(t.shape[dim], p, k)
+    return t.narrow(dim, a, b - a)
+
+
+def _check_tile(t: torch.Tensor, dim: int, full: int, p: int, k: int, what: str) -> None:
+    """A wrong tile length would silently misplace data; fail loudly instead."""
+    want = chunk_len(full, p, k)
+    if t.shape[dim] != want:
+        raise ValueError(
+            f"{what}: member {k} of {p} holds {t.shape[dim]} along dim {dim}, but chunk {k} "
+            f"of a length-{full} dim has {want} (tiles follow tiling.chunk_range)")
+
+
+def _check_dims(t: torch.Tensor, src_dim: int, dst_dim: int) -> tuple[int, int]:
+    src_dim, dst_dim = src_dim % t.ndim, dst_dim % t.ndim
+    if src_dim == dst_dim:
+        raise ValueError(f"all_to_all needs two different dims, got {src_dim} twice")
+    return src_dim, dst_dim
+
+
+# ---- threads in one process ------------------------------------------------------
+
+
+class _Exchange:
+    """Shared state of one axis group: one slot per member and a barrier.
+
+    A collective is: post into my slot, wait, read every slot, wait (so nobody
+    overwrites a slot that someone still reads).  The barrier's timeout turns a
+    rank that never arrives into an error instead of a hang; a barrier broken on
+    one member (timeout or :meth:`abort`) wakes every other member at once.
+    """
+
+    def __init__(self, size: int, axis: int, timeout_s: float) -> None:
+        self.size, self.axis, self.timeout_s = size, axis, timeout_s
+        self.slots: list[Any] = [None] * size
+        self.barrier = threading.Barrier(size, timeout=timeout_s)
+        self.abort_reason: str | None = None
+
+    def wait(self) -> None:
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            if self.abort_reason is not None:
+                raise RuntimeError(f"collective on mesh axis {self.axis} aborted: {self.abort_reason}") from None
+            raise RuntimeError(
+                f"collective on mesh axis {self.axis} timed out after {self.timeout_s:g} s: "
+                "a rank died or ranks disagree on the program") from None
+
+    def swap(self, index: int, signature: tuple, payload: Any) -> list[Any]:
+        """Post ``payload``, return every member's payload (in member order)."""
+        self.slots[index] = (signature, payload)
+        self.wait()
+        posted = list(self.slots)
+        self.wait()
+        sigs = {s for s, _ in posted}
+        if len(sigs) > 1:  # every member sees the same slots, so all raise together
+            raise RuntimeError(
+                f"collective on mesh axis {self.axis}: ranks disagree on the program, members called "
+                + ", ".join(f"{k}: {s}" for k, (s, _) in enumerate(posted)))
+        return [p for _, p in posted]
+
+    def abort(self, reason: str) -> None:
+        self.abort_reason = reason
+        self.barrier.abort()
+
+
+class ThreadWorld:
+    """Shared state for every axis group of ``mesh``, for ranks run as threads."""
+
+    def __init__(self, mesh: Mesh, timeout_s: float = 60.0) -> None:
+        self.mesh, self.timeout_s = mesh, timeout_s
+        # (axis, ranks of the group) -> exchange; every rank of a group finds the same one.
+        self._exchanges: dict[tuple[int, tuple[int, ...]], _Exchange] = {
+            (axis, tuple(g)): _Exchange(len(g), axis, timeout_s)
+            for axis in range(mesh.ndim)
+            for g in mesh.axis_groups(axis)
+        }
+
+    def groups(self, rank: int) -> list["ThreadGroup"]:
+        """``rank``'s group on every mesh axis, in axis order."""
+        coords = self.mesh.coords(rank)
+        return [ThreadGroup(self._exchanges[(axis, tuple(self.mesh.axis_group(rank, axis)))], coords[axis])
+                for axis in range(self.mesh.ndim)]
+
+    def abort(self, reason: str) -> None:
+        """Wake every rank blocked in (or later entering) a collective with an error."""
+        for ex in self._exchanges.values():
+            ex.abort(reason)
+
+
+class ThreadGroup:
+    """One member's view of an axis group whose members are threads of this process."""
+
+    def __init__(self, exchange: _Exchange, index: int) -> None:
+        self._ex = exchange
+        self.size = exchange.size
+        self.index = index
+
+    def _swap(self, signature: tuple, t: torch.Tensor) -> list[torch.Tensor]:
+        # Share a private copy: the owner may modify its tensor in place afterwards.
+        return self._ex.swap(self.index, signature, t.detach().clone())
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        # Summing in member order on every member keeps the replicas bitwise equal.
+        return functools.reduce(torch.add, self._swap(("all_reduce",), t))
+
+    def all_gather(self, t: torch.Tensor, dim: int, full: int) -> torch.Tensor:
+        dim = dim % t.ndim
+        _check_tile(t, dim, full, self.size, self.index, "all_gather")
+        return torch.cat(self._swap(("all_gather", dim, full), t), dim=dim)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        dim = dim % t.ndim
+        parts = [take_chunk(x, dim, self.size, self.index) for x in self._swap(("reduce_scatter", dim), t)]
+        return functools.reduce(torch.add, parts)
+
+    def all_to_all(self, t: torch.Tensor, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
+        src_dim, dst_dim = _check_dims(t, src_dim, dst_dim)
+        _check_tile(t, src_dim, full_src, self.size, self.index, "all_to_all")
+        posted = self._swap(("all_to_all", src_dim, dst_dim, full_src), t)
+        return torch.cat([take_chunk(x, dst_dim, self.size, self.index) for x in posted], dim=src_dim)
+
+
+# ---- torch.distributed -------------------------------------------------------------
+
+
+class TorchGroup:
+    """One member's view of an axis group backed by a ``torch.distributed`` process group.
+
+    The process group's backend is picked per tensor device by torch itself when the
+    default group was initialised as ``"cpu:gloo,cuda:nccl"`` (see
+    :func:`soybean.runtime.launch.default_backend`); a plain ``"gloo"`` or ``"nccl"``
+    group serves only its own device type, which :meth:`_check_device` reports clearly.
+    Uneven tiles are padded to the chunk size ``c`` for the fixed-size collectives
+    (``all_gather_single``, ``reduce_scatter_single``) and trimmed afterwards;
+    ``all_to_all`` sends exact flattened blocks with ``all_to_all_single`` split sizes.
+    """
+
+    def __init__(self, pg: Any, index: int | None = None) -> None:
+        self.pg = pg
+        self.size = dist.get_world_size(pg)
+        self.index = dist.get_rank(pg)
+        if index is not None and index != self.index:
+            raise ValueError(f"group rank {self.index} differs from the expected member index {index}")
+        self._backend = str(dist.get_backend(pg)).lower()
+
+    def _check_device(self, t: torch.Tensor) -> None:
+        dev = t.device.type
+        needed = {"cpu": "gloo", "cuda": "nccl"}.get(dev)
+        if needed is not None and needed not in self._backend and dev not in self._backend:
+            raise RuntimeError(
+                f"a {dev} tensor cannot use a {self._backend!r} process group; initialise with "
+                f"backend='cpu:gloo,cuda:nccl' (launch.default_backend) or move the tensor")
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self._check_device(t)
+        out = t.detach().contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.pg)
+        return out
+
+    def all_gather(self, t: torch.Tensor, dim: int, full: int) -> torch.Tensor:
+        dim = dim % t.ndim
+        _check_tile(t, dim, full, self.size, self.index, "all_gather")
+        self._check_device(t)
+        if full * _numel_without(t, dim) == 0:  # the gathered tensor is empty: nothing to move
+            return t.new_empty(_resized(t.shape, {dim: full}))
+        c = -(-full // self.size)
+        # all_gather_single concatenates along dim 0 and wants equal sizes: move
+        # ``dim`` first and pad my tile to ``c`` rows.
+        x = _pad_rows(t.detach().movedim(dim, 0), c)
+        out = x.new_empty((self.size * c, *x.shape[1:]))
+        _all_gather_single(out, x.contiguous(), group=self.pg)
+        rows = [out[k * c: k * c + chunk_len(full, self.size, k)] for k in range(self.size)]
+        return torch.cat(rows, 0).movedim(0, dim).contiguous()
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        dim = dim % t.ndim
+        self._check_device(t)
+        n = t.shape[dim]
+        mine = chunk_len(n, self.size, self.index)
+        if t.numel() == 0:  # empty on every member: nothing to move
+            return t.new_zeros(_resized(t.shape, {dim: mine}))
+        c = -(-n // self.size)
+        # reduce_scatter_single splits dim 0 into equal parts: pad it to size * c rows.
+        x = _pad_rows(t.detach().movedim(dim, 0), self.size * c).contiguous()
+        out = x.new_empty((c, *x.shape[1:]))
+        _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=self.pg)
+        return out[:mine].movedim(0, dim).contiguous()
+
+    def all_to_all(self, t: torch.Tensor, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
+        src_dim, dst_dim = _check_dims(t, src_dim, dst_dim)
+        _check_tile(t, src_dim, full_src, self.size, self.index, "all_to_all")
+        self._check_device(t)
+        p, n_dst = self.size, t.shape[dst_dim]
+        if full_src * _numel_without(t, src_dim) == 0:  # empty on every member: nothing to move
+            return t.new_empty(_resized(t.shape, {src_dim: full_src, dst_dim: chunk_len(n_dst, p, self.index)}))
+        # Member k gets my block (my src chunk) x (its dst chunk); blocks have different
+        # shapes, so send them flattened with exact split sizes.
+        send_blocks = [take_chunk(t.detach(), dst_dim, p, k).reshape(-1) for k in range(p)]
+        mine = chunk_len(n_dst, p, self.index)
+        recv_shapes = [_resized(t.shape, {src_dim: chunk_len(full_src, p, k), dst_dim: mine}) for k in range(p)]
+        recv_sizes = [_prod(s) for s in recv_shapes]
+        out = t.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(out, torch.cat(send_blocks), output_split_sizes=recv_sizes,
+                               input_split_sizes=[b.numel() for b in send_blocks], group=self.pg)
+        blocks = [b.view(s) for b, s in zip(out.split(recv_sizes), recv_shapes)]
+        return torch.cat(blocks, dim=src_dim)
+
+
+def _resized(shape: Sequence[int], sizes: dict[int, int]) -> list[int]:
+    """``shape`` with the given dims replaced."""
+    return [sizes.get(i, s) for i, s in enumerate(shape)]
+
+
+def _prod(shape: Sequence[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _numel_without(t: torch.Tensor, dim: int) -> int:
+    return _prod(s for i, s in enumerate(t.shape) if i != dim)
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with dim 0 zero-padded to ``rows``."""
+    if x.shape[0] == rows:
+        return x
+    pad = x.new_zeros((rows - x.shape[0], *x.shape[1:]))
+    return torch.cat([x, pad], 0)
+
+
+def torch_groups(mesh: Mesh, backend: str | None = None) -> list[TorchGroup]:
+    """This rank's :class:`TorchGroup` on every axis of ``mesh``.
+
+    ``dist.new_group`` is collective over the whole world, so every rank creates
+    every group of every axis in the same order and keeps the ones it belongs to.
+    ``backend=None`` inherits the default group's backend.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != mesh.size:
+        raise ValueError(f"mesh {mesh} has {mesh.size} devices but the world has {world} ranks")
+    coords = mesh.coords(rank)
+    mine: list[TorchGroup] = []
+    for axis in range(mesh.ndim):
+        for ranks in mesh.axis_groups(axis):
+            pg = dist.new_group(ranks=ranks, backend=backend)
+            if rank in ranks:
+                # ranks are sorted by coordinate, so the group rank is my coordinate.
+                mine.append(TorchGroup(pg, index=coords[axis]))
+    return mine

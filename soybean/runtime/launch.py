@@ -1,0 +1,197 @@
+"""Starting ranks: real processes (:func:`spawn`, :func:`init_from_env`) or threads (:func:`run_threads`).
+
+Whatever goes wrong, these return or raise within their time limit: a rank that
+raises is reported with its traceback while the others are killed, a rank that
+dies silently is reported with its exit code, and a run that exceeds
+``timeout_s`` raises :class:`TimeoutError`.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import socket
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..mesh import Mesh
+from .comm import Group, ThreadWorld
+from .context import use_groups
+
+__all__ = ["spawn", "init_from_env", "run_threads", "default_backend", "free_port"]
+
+# A rank that exited without posting a result may still have it in the pipe; wait this long.
+_DEAD_GRACE_S = 1.0
+
+
+def default_backend() -> str:
+    """``"cpu:gloo,cuda:nccl"`` when CUDA is available, else ``"gloo"``.
+
+    The two-device form makes torch route each collective by the tensor's device:
+    NCCL for CUDA tensors, gloo for CPU tensors (plain ``"nccl"`` rejects CPU tensors).
+    """
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_process_group(backend: str, rank: int, world_size: int, local_rank: int, timeout_s: float) -> None:
+    if "nccl" in backend and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())  # one GPU per rank
+    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+# ---- torchrun ---------------------------------------------------------------------
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Initialise the default process group from torchrun's environment; returns ``(rank, world_size)``.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``;
+    ``backend=None`` means :func:`default_backend`.  A second call is a no-op.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"init_from_env: {', '.join(missing)} not set; start the program with torchrun")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _init_process_group(backend or default_backend(), rank, world, int(os.environ.get("LOCAL_RANK", rank)), timeout_s)
+    return rank, world
+
+
+# ---- local processes --------------------------------------------------------------
+
+
+def _worker(fn: Callable[..., Any], rank: int, nproc: int, port: int, backend: str, timeout_s: float,
+            args: tuple, results: Any) -> None:
+    """Body of one spawned rank: init, run ``fn``, post ``(rank, ok, payload)``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
+    try:
+        _init_process_group(backend, rank, nproc, rank, timeout_s)
+        # Plain pickle copies tensors by value; the queue's own pickler would share
+        # them through file descriptors that die with this process.
+        payload = pickle.dumps(fn(rank, nproc, *args))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        results.close()
+        results.join_thread()  # flush the report, then skip teardown that could block on dead peers
+        os._exit(1)
+    results.put((rank, True, payload))
+    dist.destroy_process_group()
+
+
+def _stop(procs: list[Any]) -> None:
+    """Terminate every still-running rank (SIGTERM, then SIGKILL)."""
+    procs = [p for p in procs if p.pid is not None]  # start() may have failed part-way
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+
+
+def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 120.0, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``nproc`` fresh processes; return their results by rank.
+
+    Each process gets ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``RANK``,
+    ``WORLD_SIZE`` and ``LOCAL_RANK``, and an initialised default process group.
+    ``fn`` must be importable (module level) and its results picklable.  A failing
+    rank raises ``RuntimeError`` with its traceback; exceeding ``timeout_s`` raises
+    ``TimeoutError``; either way the other ranks are killed.
+    """
+    ctx = mp.get_context("spawn")
+    results_q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, nproc, port, backend, timeout_s, args, results_q),
+                         name=f"soybean-rank{r}") for r in range(nproc)]
+    deadline = time.monotonic() + timeout_s
+    results: dict[int, Any] = {}
+    dead_since: dict[int, float] = {}
+    try:
+        for p in procs:
+            p.start()
+        while len(results) < nproc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = sorted(set(range(nproc)) - set(results))
+                raise TimeoutError(f"spawn: ranks {waiting} of {nproc} did not finish within {timeout_s:g} s")
+            try:
+                rank, ok, payload = results_q.get(timeout=min(0.1, left))
+            except queue_mod.Empty:
+                _check_dead(procs, results, dead_since)
+                continue
+            if not ok:
+                raise RuntimeError(f"spawn: rank {rank} of {nproc} failed:\n{payload}")
+            results[rank] = pickle.loads(payload)
+        for p in procs:  # ranks are done; give them a moment to exit cleanly
+            p.join(max(0.0, min(5.0, deadline - time.monotonic())))
+    finally:
+        _stop(procs)
+        results_q.close()
+        results_q.cancel_join_thread()
+    return [results[r] for r in range(nproc)]
+
+
+def _check_dead(procs: list[Any], results: dict[int, Any], dead_since: dict[int, float]) -> None:
+    """Raise for a rank that exited without a result (after a grace period for its report)."""
+    now = time.monotonic()
+    for r, p in enumerate(procs):
+        if r in results or p.exitcode is None:
+            continue
+        if now - dead_since.setdefault(r, now) > _DEAD_GRACE_S:
+            raise RuntimeError(f"spawn: rank {r} of {len(procs)} exited with code {p.exitcode} without a result")
+
+
+# ---- threads ----------------------------------------------------------------------
+
+
+def run_threads(mesh: Mesh, fn: Callable[[int, list[Group]], Any], timeout_s: float = 60.0) -> list[Any]:
+    """Run ``fn(rank, groups)`` for every rank of ``mesh`` as threads sharing a :class:`ThreadWorld`.
+
+    Each thread runs inside ``use_groups(groups)``, so ``sb_*`` calls work.  Returns
+    the results by rank; the first exception raised on any rank is re-raised (with
+    a note naming the rank) after the others were woken from their collectives.
+    """
+    world = ThreadWorld(mesh, timeout_s)
+    results: list[Any] = [None] * mesh.size
+    errors: list[tuple[int, BaseException]] = []
+    lock = threading.Lock()
+
+    def body(rank: int) -> None:
+        groups = world.groups(rank)
+        try:
+            with use_groups(groups):
+                results[rank] = fn(rank, groups)
+        except BaseException as e:  # noqa: BLE001 -- reported to the caller below
+            with lock:
+                errors.append((rank, e))
+            world.abort(f"rank {rank} failed with {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"soybean-rank{r}", daemon=True) for r in range(mesh.size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        rank, err = errors[0]
+        err.add_note(f"(raised on rank {rank} of mesh {mesh})")
+        raise err
+    return results
