@@ -1,0 +1,54 @@
+"""Real multi-process run (gloo, 2 ranks): parallelize plans on rank 0, broadcasts, trains like serial."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from examples.models import mlp
+from soybean.runtime.launch import spawn
+
+
+def _train(rank: int, world: int) -> list[float]:
+    import soybean
+
+    torch.set_num_threads(1)
+    model, (x, y) = mlp(batch=8, hidden=16, layers=1)
+    pm = soybean.parallelize(model, (x, y), devices=world, mode="mp")
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    out = []
+    for _ in range(3):
+        loss = pm(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def _wrong_world(rank: int, world: int) -> None:
+    import soybean
+
+    model, (x, y) = mlp(batch=8, hidden=16, layers=1)
+    soybean.parallelize(model, (x, y), devices=4)
+
+
+@pytest.mark.dist
+def test_gloo_two_ranks_equal_serial() -> None:
+    model, (x, y) = mlp(batch=8, hidden=16, layers=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref = []
+    for _ in range(3):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    got = spawn(_train, 2, timeout_s=120)
+    for r in got:
+        assert r == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.dist
+def test_wrong_world_size_fails_fast() -> None:
+    with pytest.raises(Exception, match="world size is 2"):
+        spawn(_wrong_world, 2, timeout_s=60)
