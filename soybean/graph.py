@@ -243,6 +243,15 @@ def _add_var(g: PlanGraph, v: Var) -> int:
     return len(g.vars) - 1
 
 
+_EDGE_MEMO: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _unique(keys: list) -> tuple[list, np.ndarray]:
+    pos: dict = {}
+    idx = np.array([pos.setdefault(k, len(pos)) for k in keys], dtype=np.int64)
+    return list(pos), idx
+
+
 def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_grad: bool) -> None:
     su, sv = g.vars[u].strategies, g.vars[v].strategies
     spec = g.vars[v].op.inputs[in_idx] if g.vars[v].op is not None else None
@@ -251,23 +260,35 @@ def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_gra
         spec = pu.op.outputs[out_idx] if pu.op is not None else None
     shape = spec.shape if spec is not None else g.shapes.get((u, out_idx), ())
     itemsize = spec.dtype.itemsize if spec is not None else g.dtypes[(u, out_idx)].itemsize
-    B = np.zeros((len(su), len(sv)))
-    T = np.zeros((len(su), len(sv)))
     U, V = g.vars[u], g.vars[v]
+    src_keys = [(tuple(st.outputs[out_idx]), U.grad_partial[s] if U.kind == "reshard" else ()) for s, st in enumerate(su)]
+    dst_keys = []
     for t, s_dst in enumerate(sv):
-        dst = s_dst.inputs[in_idx]
+        dst = tuple(s_dst.inputs[in_idx])
         if V.kind == "reshard":
             pga = V.grad_partial[t]
         else:
             split = s_dst.split_axes() if V.kind == "op" else (False,) * g.mesh.ndim
             pga = tuple(a for a in range(g.mesh.ndim) if split[a] and isinstance(dst[a], Replicate))
-        for s, s_src in enumerate(su):
-            src = s_src.outputs[out_idx]
-            spa = U.grad_partial[s] if U.kind == "reshard" else ()
-            c = reshard_cost(tuple(src), tuple(dst), shape, itemsize, g.mesh, g.profile, pga, needs_grad, spa)
-            B[s, t], T[s, t] = c.bytes, c.seconds
-            if U.pinned and tuple(src) != tuple(dst):
-                B[s, t] = T[s, t] = PINNED
+        dst_keys.append((dst, pga))
+    # Price each distinct (source tiling, target tiling) pair once; repeated layers share the table.
+    us, si = _unique(src_keys)
+    ud, di = _unique(dst_keys)
+    key = (tuple(us), tuple(ud), shape, itemsize, needs_grad, U.pinned, g.mesh, g.profile)
+    if key not in _EDGE_MEMO:
+        Bu = np.zeros((len(us), len(ud)))
+        Tu = np.zeros((len(us), len(ud)))
+        for a, (src, spa) in enumerate(us):
+            for b, (dst, pga) in enumerate(ud):
+                c = reshard_cost(src, dst, shape, itemsize, g.mesh, g.profile, pga, needs_grad, spa)
+                Bu[a, b], Tu[a, b] = c.bytes, c.seconds
+                if U.pinned and src != dst:
+                    Bu[a, b] = Tu[a, b] = PINNED
+        if len(_EDGE_MEMO) > 4096:
+            _EDGE_MEMO.clear()
+        _EDGE_MEMO[key] = (Bu, Tu)
+    Bu, Tu = _EDGE_MEMO[key]
+    B, T = Bu[np.ix_(si, di)], Tu[np.ix_(si, di)]
     g.edges.append(Edge(u, v, out_idx, in_idx, B, T, shape))
 
 

@@ -34,6 +34,7 @@ the sum stays right.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Sequence
 
 from .tiling import Partial, Placement, R, Replicate, Shard
@@ -54,6 +55,11 @@ class Step:
 
 def plan_reshard(src: Sequence[Placement], dst: Sequence[Placement], partial_grad_axes: Sequence[int] = (), src_partial_axes: Sequence[int] = ()) -> list[Step]:
     """Steps from tiling ``src`` to ``dst`` (forward order)."""
+    return list(_plan_cached(tuple(src), tuple(dst), tuple(sorted(set(partial_grad_axes))), tuple(sorted(set(src_partial_axes)))))
+
+
+@lru_cache(maxsize=100_000)
+def _plan_cached(src: tuple, dst: tuple, partial_grad_axes: tuple, src_partial_axes: tuple) -> tuple[Step, ...]:
     n = len(src)
     if len(dst) != n:
         raise ValueError(f"tilings of different mesh rank: {src} vs {dst}")
@@ -64,7 +70,7 @@ def plan_reshard(src: Sequence[Placement], dst: Sequence[Placement], partial_gra
             pga.discard(a)  # the consumer's partial gradient is reduced at the source, once
         else:
             first.append(Step("grad_to_partial", a))
-    return first + _plan(src, dst, sorted(pga))
+    return tuple(first + _plan(src, dst, sorted(pga)))
 
 
 def _plan(src: Sequence[Placement], dst: Sequence[Placement], partial_grad_axes: Sequence[int]) -> list[Step]:

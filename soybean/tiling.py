@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -100,6 +101,11 @@ def local_shape(shape: Sequence[int], tiling: Sequence[Placement], mesh: Mesh, c
 
 def max_local_numel(shape: Sequence[int], tiling: Sequence[Placement], mesh: Mesh) -> int:
     """Largest tile's element count (the device-0 tile: chunks shrink towards the end)."""
+    return _max_local_numel(tuple(shape), tuple(tiling), mesh)
+
+
+@lru_cache(maxsize=200_000)
+def _max_local_numel(shape: tuple, tiling: tuple, mesh: Mesh) -> int:
     return math.prod(local_shape(shape, tiling, mesh, (0,) * mesh.ndim))
 
 
@@ -139,23 +145,25 @@ def shard(full: torch.Tensor, tiling: Sequence[Placement], mesh: Mesh, generator
                 a, b = chunk_range(t.shape[pl.dim], mesh.shape[axis], coords[axis])
                 t = t.narrow(pl.dim, a, b - a)
         tiles[coords] = t.clone()
-    # Partial: split each value into p random summands along every partial axis.
+    # Partial: split each value into p random summands along every partial axis.  Replicas (devices
+    # that differ only on R axes) must hold the same summand, so noise is keyed by the coordinates
+    # of the Shard axes and of the partial axes already split.
+    keyed: list[int] = [a for a, pl in enumerate(tiling) if isinstance(pl, Shard)]
     for axis, pl in enumerate(tiling):
-        if not isinstance(pl, Partial) or not full.is_floating_point():
-            if isinstance(pl, Partial):  # integers: put everything on coordinate 0
-                for coords in tiles:
-                    if coords[axis] != 0:
-                        tiles[coords] = torch.zeros_like(tiles[coords])
+        if not isinstance(pl, Partial):
             continue
-        groups: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-        for coords in tiles:
-            groups.setdefault(coords[:axis] + coords[axis + 1:], []).append(coords)
-        for members in groups.values():
-            base = tiles[members[0]]
-            noise = [torch.randn(base.shape, generator=generator, dtype=base.dtype) for _ in members[1:]]
-            tiles[members[0]] = base - sum(noise, torch.zeros_like(base))
-            for c, n in zip(members[1:], noise):
-                tiles[c] = n  # summands: base - sum(noise), noise_1, ..., noise_{p-1}
+        p = mesh.shape[axis]
+        noise: dict[tuple, list[torch.Tensor]] = {}
+        new: dict[tuple[int, ...], torch.Tensor] = {}
+        for coords, t in tiles.items():
+            key = tuple(coords[a] for a in keyed)
+            if key not in noise:
+                noise[key] = [torch.randn(t.shape, generator=generator, dtype=t.dtype) if t.is_floating_point()
+                              else torch.zeros_like(t) for _ in range(p - 1)]
+            ns = noise[key]
+            new[coords] = t - sum(ns, torch.zeros_like(t)) if coords[axis] == 0 else ns[coords[axis] - 1]
+        tiles = new
+        keyed.append(axis)
     return tiles
 
 

@@ -13,6 +13,7 @@ by ``soybean.rules.validate``.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -20,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..mesh import Mesh
-from ..tiling import Partial, Placement, R, Replicate, Shard, is_valid, split_factor
+from ..tiling import Partial, Placement, R, Replicate, Shard, chunk_range, is_valid, split_factor
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,23 @@ def strategies_1d(op: OpSpec) -> list[Strategy1D]:
     return out
 
 
+@functools.lru_cache(maxsize=65536)
+def has_empty_tile(tiling: tuple[Placement, ...], shape: tuple[int, ...], mesh: Mesh) -> bool:
+    """Some device gets an empty tile of a non-empty dim (``n >= p`` does not prevent it: 4 over 3 is 2, 2, 0).
+
+    Many kernels reject empty operands (a conv with 0 input channels, batch norm
+    with 0 channels), so such tilings are not offered.
+    """
+    for d, n in enumerate(shape):
+        lengths = {n}
+        for axis, pl in enumerate(tiling):
+            if pl == Shard(d):
+                lengths = {b - a for m in lengths for a, b in (chunk_range(m, mesh.shape[axis], k) for k in range(mesh.shape[axis]))}
+        if n > 0 and 0 in lengths:
+            return True
+    return False
+
+
 def expand(op: OpSpec, mesh: Mesh, one_axis: list[Strategy1D] | None = None) -> list[Strategy]:
     """N-D strategies: the product of one-axis strategies, filtered for legality."""
     one_axis = one_axis if one_axis is not None else strategies_1d(op)
@@ -180,7 +198,7 @@ def expand(op: OpSpec, mesh: Mesh, one_axis: list[Strategy1D] | None = None) -> 
     out: list[Strategy] = []
     for combo in itertools.product(one_axis, repeat=mesh.ndim):
         tilings = [tuple(s.inputs[i] if i < len(op.inputs) else s.outputs[i - len(op.inputs)] for s in combo) for i in range(len(specs))]
-        ok = all(is_valid(t, spec.shape, mesh) for t, spec in zip(tilings, specs))
+        ok = all(is_valid(t, spec.shape, mesh) and not has_empty_tile(tuple(t), tuple(spec.shape), mesh) for t, spec in zip(tilings, specs))
         if ok:
             for s in combo:
                 for (i, d) in s.even:

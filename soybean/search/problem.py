@@ -84,6 +84,20 @@ class Reduced:
         return choice
 
 
+def min_plus(A: np.ndarray, B: np.ndarray, block: int = 2_000_000) -> tuple[np.ndarray, np.ndarray]:
+    """``M[i, k] = min_j A[i, j] + B[j, k]`` and its argmin, in row blocks to bound memory."""
+    n, m = A.shape
+    k = B.shape[1]
+    rows = max(1, block // max(1, m * k))
+    M = np.empty((n, k))
+    arg = np.empty((n, k), dtype=np.int64)
+    for i in range(0, n, rows):
+        T = A[i:i + rows, :, None] + B[None, :, :]
+        arg[i:i + rows] = T.argmin(axis=1)
+        M[i:i + rows] = np.take_along_axis(T, arg[i:i + rows, None, :], axis=1)[:, 0, :]
+    return M, arg
+
+
 def reduce(p: Problem) -> Reduced:
     """Apply leaf, series and isolated-variable eliminations until none applies."""
     if p.budget is not None:  # memory couples all variables: no exact local elimination
@@ -126,13 +140,14 @@ def reduce(p: Problem) -> Reduced:
             work.append(u)
         elif deg == 2:
             u, w = sorted(nb[v])
-            T = get(u, v)[:, :, None] + unary[v][None, :, None] + get(v, w)[None, :, :]
-            if T.size > 50_000_000:
+            A, Bm = get(u, v) + unary[v][None, :], get(v, w)
+            if A.shape[0] * A.shape[1] * Bm.shape[1] > 200_000_000:
                 continue
-            trail.append(("series", v, u, w, T.argmin(axis=1)))
+            M, arg = min_plus(A, Bm)
+            trail.append(("series", v, u, w, arg))
             drop(u, v)
             drop(v, w)
-            put(u, w, T.min(axis=1))
+            put(u, w, M)
             nb[u].add(w)
             nb[w].add(u)
             alive.discard(v)

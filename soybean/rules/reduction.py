@@ -1,0 +1,71 @@
+"""Reductions and scans along dims.
+
+``out = reduce_{d in D} x``.  A dim outside ``D`` may be sharded (the output
+keeps it, possibly renumbered when ``keepdim=False``).  A dim inside ``D``:
+
+* ``sum``: local sums add up -> output ``P`` (floats only);
+* ``mean``: local means of ``n/p`` elements sum to ``p`` times the mean (and
+  uneven chunks weigh differently), so not listed; ``max``/``amax``/``var``...:
+  not sums, not listed (``P`` means pending *sum*).
+
+``sum`` and ``mean`` are linear: ``P`` -> ``P``.  Scans (``cumsum``) keep every
+dim but the scanned one; ``cumsum`` is linear.
+"""
+from __future__ import annotations
+
+from ._common import Args, P, Shard, dims_arg, norm_dim, outputs_float
+from .base import OpSpec, Strategy1D, is_float, register
+
+# op -> (name of its dim argument or None for "all dims", sum-like over a split dim, linear)
+TABLE: dict[str, tuple[str | None, bool, bool]] = {
+    "aten.sum.default": (None, True, True),
+    "aten.sum.dim_IntList": ("dim", True, True),
+    "aten.mean.default": (None, False, True),
+    "aten.mean.dim": ("dim", False, True),
+    "aten.amax.default": ("dim", False, False),
+    "aten.amin.default": ("dim", False, False),
+    "aten.max.dim": ("dim", False, False),
+    "aten.min.dim": ("dim", False, False),
+    "aten.argmax.default": ("dim", False, False),
+    "aten.argmin.default": ("dim", False, False),
+    "aten.var.correction": ("dim", False, False),
+    "aten.var.dim": ("dim", False, False),
+    "aten.std.correction": ("dim", False, False),
+    "aten.std.dim": ("dim", False, False),
+}
+
+
+def reduce_rule(op: OpSpec) -> list[Strategy1D]:
+    dim_arg, sum_like, linear = TABLE[op.name]
+    a = Args(op)
+    x = a.spec("self")
+    assert x is not None
+    red = set(dims_arg(a[dim_arg] if dim_arg else None, x.ndim))
+    keep = bool(a["keepdim"])
+    can_p = is_float(x) and outputs_float(op)
+    found: list[Strategy1D] = []
+    for d in range(x.ndim):
+        if d not in red:
+            od = d if keep else d - sum(r < d for r in red)
+            found.append(a.strategy({"self": Shard(d)}, Shard(od)))
+        elif sum_like and can_p:
+            found.append(a.strategy({"self": Shard(d)}, P))
+    if linear and can_p:
+        found.append(a.strategy({"self": P}, P))
+    return found
+
+
+register(*TABLE, family="reduction")(reduce_rule)
+
+
+@register("aten.cumsum.default", family="reduction")
+def cumsum(op: OpSpec) -> list[Strategy1D]:
+    """Prefix sum along ``dim``: other dims split freely; linear."""
+    a = Args(op)
+    x = a.spec("self")
+    assert x is not None
+    dim = norm_dim(a["dim"], max(x.ndim, 1))
+    found = [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim) if d != dim]
+    if is_float(x) and outputs_float(op):
+        found.append(a.strategy({"self": P}, P))
+    return found

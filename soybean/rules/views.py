@@ -1,0 +1,267 @@
+"""Views and data movement: reshape family, permutes, squeeze/unsqueeze, expand,
+slicing/selection, and cat/stack/split.
+
+All of these only move elements, so they are linear (``P`` -> ``P``, floats
+only) and a sharded dim survives if it maps to one output dim:
+
+* **reshape** (``view``, ``reshape``, ``_unsafe_view``, ``flatten``,
+  ``unflatten``, ``view_as``): the shapes split into groups of dims with equal
+  products.  A 1-to-1 group maps its dim freely.  In a merged/split group only
+  the *outermost* (first non-1) input dim may be sharded, onto the outermost
+  output dim, and both must split *evenly* (``Strategy1D.even``): then device
+  ``k`` holds the contiguous range ``[k N/p, (k+1) N/p)`` of the flattened group
+  on both sides.  Size arguments are rewritten to the local output shape
+  (``localize``), which also removes ``-1``.
+* **permute/transpose/t/unsqueeze/squeeze**: dims are renumbered.  A squeezed
+  dim is never sharded (a local tile of size 1 would be squeezed where the
+  global dim is not); bare ``squeeze()`` therefore gets ``P`` only.
+* **expand**: an existing full-size dim follows the input; a broadcast or new
+  dim is sharded on the output only (input ``R``, local expand size).
+* **slice/narrow/select**: any dim but the indexed one.
+* **cat/stack/split/chunk/unbind**: any dim but the joined/split one.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from ._common import Args, P, R, Shard, bcast, norm_dim, outputs_float, size_localizer
+from .base import OpSpec, Strategy1D, register
+
+
+def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, bool]]:
+    """``(src dim, dst dim, merged)`` per group of dims with equal products (size-1 dims skipped).
+
+    ``merged`` is False for a 1-to-1 group (same size on both sides).
+    """
+    if math.prod(src) != math.prod(dst) or math.prod(src) == 0:
+        return []
+    si = [i for i, n in enumerate(src) if n != 1]
+    di = [j for j, n in enumerate(dst) if n != 1]
+    out: list[tuple[int, int, bool]] = []
+    i = j = 0
+    while i < len(si) and j < len(di):
+        first_i, first_j = si[i], di[j]
+        ps, pd = src[si[i]], dst[di[j]]
+        gi = gj = 1
+        i, j = i + 1, j + 1
+        while ps != pd:
+            if ps < pd:
+                ps, gi, i = ps * src[si[i]], gi + 1, i + 1
+            else:
+                pd, gj, j = pd * dst[di[j]], gj + 1, j + 1
+        out.append((first_i, first_j, gi > 1 or gj > 1))
+    return out
+
+
+def reshape_strategies(a: Args, src: str = "self", shape_like: str | None = None) -> list[Strategy1D]:
+    """Strategies of a reshape of tensor argument ``src`` into the op's output shape.
+
+    ``shape_like`` names a tensor argument whose shape is the output shape
+    (``view_as``): it is placed like the output.
+    """
+    op = a.op
+    x = a.spec(src)
+    assert x is not None
+    out = op.outputs[0].shape
+    found: list[Strategy1D] = []
+    for d, o, merged in view_groups(x.shape, out):
+        even = [(a.idx(src), d), (a.out_idx(), o)] if merged else []
+        roles = {src: Shard(d)}
+        if shape_like:
+            roles[shape_like] = Shard(o)
+        found.append(a.strategy(roles, Shard(o), even))
+    if a.all_float(src) and outputs_float(op):
+        found.append(a.strategy({src: P}, P))
+    return found
+
+
+def _reshape(op: OpSpec) -> list[Strategy1D]:
+    return reshape_strategies(Args(op))
+
+
+register("aten.view.default", "aten._unsafe_view.default", localize=size_localizer("size"), family="views")(_reshape)
+register("aten.reshape.default", localize=size_localizer("shape"), family="views")(_reshape)
+register("aten.flatten.using_ints", family="views")(_reshape)
+
+
+def _unflatten_sizes(op: OpSpec, local_out: Sequence[int]) -> list[int]:
+    a = Args(op)
+    x = a.spec("self")
+    assert x is not None
+    d = norm_dim(a["dim"], x.ndim)
+    return list(local_out[d: d + len(a["sizes"])])
+
+
+register("aten.unflatten.int", localize=size_localizer("sizes", _unflatten_sizes), family="views")(_reshape)
+
+
+@register("aten.view_as.default", family="views")
+def view_as(op: OpSpec) -> list[Strategy1D]:
+    """Reshape to ``other``'s shape: ``other`` (values unused) is placed like the output."""
+    return reshape_strategies(Args(op), shape_like="other")
+
+
+def renumber(a: Args, perm: Sequence[int | None]) -> list[Strategy1D]:
+    """Input dim ``d`` becomes output dim ``perm[d]`` (``None``: not shardable); linear."""
+    found = [a.strategy({"self": Shard(d)}, Shard(o)) for d, o in enumerate(perm) if o is not None]
+    if a.all_float("self") and outputs_float(a.op):
+        found.append(a.strategy({"self": P}, P))
+    return found
+
+
+def _ndim(a: Args) -> int:
+    x = a.spec("self")
+    assert x is not None
+    return x.ndim
+
+
+@register("aten.permute.default", family="views")
+def permute(op: OpSpec) -> list[Strategy1D]:
+    a = Args(op)
+    n = _ndim(a)
+    dims = [norm_dim(d, n) for d in a["dims"]]
+    return renumber(a, [dims.index(d) for d in range(n)])
+
+
+@register("aten.transpose.int", family="views")
+def transpose(op: OpSpec) -> list[Strategy1D]:
+    a = Args(op)
+    n = _ndim(a)
+    d0, d1 = norm_dim(a["dim0"], max(n, 1)), norm_dim(a["dim1"], max(n, 1))
+    swap = {d0: d1, d1: d0}
+    return renumber(a, [swap.get(d, d) for d in range(n)])
+
+
+@register("aten.t.default", family="views")
+def t(op: OpSpec) -> list[Strategy1D]:
+    a = Args(op)
+    n = _ndim(a)
+    return renumber(a, [1, 0] if n == 2 else list(range(n)))
+
+
+@register("aten.unsqueeze.default", family="views")
+def unsqueeze(op: OpSpec) -> list[Strategy1D]:
+    a = Args(op)
+    n = _ndim(a)
+    dim = norm_dim(a["dim"], n + 1)
+    return renumber(a, [d if d < dim else d + 1 for d in range(n)])
+
+
+@register("aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", family="views")
+def squeeze(op: OpSpec) -> list[Strategy1D]:
+    a = Args(op)
+    x = a.spec("self")
+    assert x is not None
+    named = a["dim"] if op.name != "aten.squeeze.default" else list(range(x.ndim))
+    named = {norm_dim(d, max(x.ndim, 1)) for d in ([named] if isinstance(named, int) else named)}
+    removed = {d for d in named if d < x.ndim and x.shape[d] == 1}
+    perm: list[int | None] = []
+    for d in range(x.ndim):
+        perm.append(None if d in named else d - sum(r < d for r in removed))
+    return renumber(a, perm)
+
+
+@register("aten.expand.default", localize=size_localizer("size"), family="views")
+def expand(op: OpSpec) -> list[Strategy1D]:
+    a = Args(op)
+    x = a.spec("self")
+    assert x is not None
+    out = op.outputs[0].shape
+    found = [a.strategy({"self": bcast(x, out, o)}, Shard(o)) for o in range(len(out))]
+    if a.all_float("self") and outputs_float(op):
+        found.append(a.strategy({"self": P}, P))
+    return found
+
+
+@register("aten.expand_as.default", family="views")
+def expand_as(op: OpSpec) -> list[Strategy1D]:
+    """Expand to ``other``'s shape: ``other`` (values unused) is placed like the output."""
+    a = Args(op)
+    x = a.spec("self")
+    assert x is not None
+    out = op.outputs[0].shape
+    found = [a.strategy({"self": bcast(x, out, o), "other": Shard(o)}, Shard(o)) for o in range(len(out))]
+    if a.all_float("self") and outputs_float(op):
+        found.append(a.strategy({"self": P, "other": R}, P))
+    return found
+
+
+@register("aten.slice.Tensor", family="views")
+def slice_(op: OpSpec) -> list[Strategy1D]:
+    a = Args(op)
+    x = a.spec("self")
+    assert x is not None
+    dim = norm_dim(a["dim"], max(x.ndim, 1))
+    whole = a["start"] in (None, 0) and (a["end"] is None or a["end"] >= x.shape[dim]) and a["step"] == 1
+    return renumber(a, [d if (d != dim or whole) else None for d in range(x.ndim)])
+
+
+@register("aten.narrow.default", family="views")
+def narrow(op: OpSpec) -> list[Strategy1D]:
+    a = Args(op)
+    n = _ndim(a)
+    dim = norm_dim(a["dim"], n)
+    return renumber(a, [d if d != dim else None for d in range(n)])
+
+
+@register("aten.select.int", family="views")
+def select(op: OpSpec) -> list[Strategy1D]:
+    a = Args(op)
+    n = _ndim(a)
+    dim = norm_dim(a["dim"], n)
+    return renumber(a, [None if d == dim else d - (d > dim) for d in range(n)])
+
+
+@register("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", family="views")
+def split(op: OpSpec) -> list[Strategy1D]:
+    """Outputs are pieces along ``dim``: any other dim is sharded on every piece."""
+    a = Args(op)
+    n = _ndim(a)
+    dim = norm_dim(a["dim"], n)
+    return renumber(a, [d if d != dim else None for d in range(n)])
+
+
+@register("aten.unbind.int", family="views")
+def unbind(op: OpSpec) -> list[Strategy1D]:
+    a = Args(op)
+    n = _ndim(a)
+    dim = norm_dim(a["dim"], n)
+    return renumber(a, [None if d == dim else d - (d > dim) for d in range(n)])
+
+
+def _joined(a: Args) -> tuple[int, int] | None:
+    """``(ndim, dim)`` of cat/stack inputs, or ``None`` for mixed ranks (legacy empty tensors)."""
+    specs = a["tensors"]
+    ranks = {s.ndim for s in specs}
+    if len(ranks) != 1:
+        return None
+    (n,) = ranks
+    return n, a["dim"]
+
+
+@register("aten.cat.default", family="views")
+def cat(op: OpSpec) -> list[Strategy1D]:
+    a = Args(op)
+    j = _joined(a)
+    if j is None:
+        return []
+    n, dim = j[0], norm_dim(j[1], j[0])
+    found = [a.strategy({"tensors": Shard(d)}, Shard(d)) for d in range(n) if d != dim]
+    if a.all_float("tensors") and outputs_float(op):
+        found.append(a.strategy({"tensors": P}, P))
+    return found
+
+
+@register("aten.stack.default", family="views")
+def stack(op: OpSpec) -> list[Strategy1D]:
+    a = Args(op)
+    j = _joined(a)
+    if j is None:
+        return []
+    n, dim = j[0], norm_dim(j[1], j[0] + 1)
+    found = [a.strategy({"tensors": Shard(d)}, Shard(d if d < dim else d + 1)) for d in range(n)]
+    if a.all_float("tensors") and outputs_float(op):
+        found.append(a.strategy({"tensors": P}, P))
+    return found
+

@@ -1,0 +1,403 @@
+"""Every registered sharding rule, validated against the serial op.
+
+``CASES`` lists realistic small calls of every registered op; each is checked
+with ``check_op`` (all N-D strategies, every device simulated) on a 2-way, an
+uneven 3-way (sizes 5 and 7) and a 2x2 mesh.  Further tests make sure no rule
+can be registered without a case, that rules really split work, that integers
+are never ``P``, and that the validator rejects wrong strategies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from soybean.mesh import Mesh
+from soybean.rules import REGISTRY, expand, make_opspec, strategies_1d
+from soybean.rules.base import OpSpec, RuleEntry, Strategy1D, op_name
+from soybean.rules.validate import check_op
+from soybean.tiling import P, R, Partial, S
+
+aten = torch.ops.aten
+MESHES = [Mesh((2,)), Mesh((3,)), Mesh((2, 2))]
+_gen = torch.Generator().manual_seed(1234)
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(shape, generator=_gen).to(dtype)
+
+
+def pos(*shape: int) -> torch.Tensor:
+    return torch.rand(shape, generator=_gen) + 0.5
+
+
+def ints(high: int, *shape: int) -> torch.Tensor:
+    return torch.randint(0, high, shape, generator=_gen)
+
+
+def mask(*shape: int) -> torch.Tensor:
+    return torch.rand(shape, generator=_gen) > 0.5
+
+
+@dataclass
+class Case:
+    target: Any
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    tol: float = 1e-5
+
+    @property
+    def name(self) -> str:
+        return op_name(self.target)
+
+    def opspec(self) -> OpSpec:
+        fresh = [a.clone() if isinstance(a, torch.Tensor) else a for a in self.args]
+        return make_opspec(self.target, tuple(fresh), self.kwargs, self.target(*fresh, **self.kwargs))
+
+
+CASES: list[Case] = []
+
+
+def case(target: Any, *args: Any, tol: float = 1e-5, **kwargs: Any) -> None:
+    CASES.append(Case(target, args, kwargs, tol))
+
+
+# ---- elementwise -------------------------------------------------------------------------
+X = randn(6, 5, 7)
+for _n in ("relu", "relu_", "gelu", "gelu_", "silu", "silu_", "tanh", "sigmoid", "exp", "exp_", "abs", "sin", "cos", "erf",
+           "square", "hardtanh", "hardtanh_", "relu6", "leaky_relu", "elu", "softplus", "mish", "hardswish",
+           "hardsigmoid", "sign", "floor", "ceil", "round", "neg", "clone", "contiguous", "alias", "detach"):
+    case(getattr(aten, _n).default, X)
+for _n in ("log", "log1p", "rsqrt", "sqrt", "reciprocal"):
+    case(getattr(aten, _n).default, pos(6, 5, 7))
+case(aten.gelu.default, X, approximate="tanh")
+case(aten.leaky_relu.default, X, 0.2)
+case(aten.logical_not.default, mask(6, 7))
+case(aten.bitwise_not.default, ints(9, 5, 6))
+case(aten.pow.Tensor_Scalar, X, 2)
+case(aten.clamp.default, X, -0.5, 0.5)
+case(aten.clamp_min.default, X, 0.0)
+case(aten.clamp_max.default, X, 0.1)
+case(aten.rsub.Scalar, X, 1.0)
+case(aten.to.dtype, X, torch.float64)
+case(aten.to.dtype, X, torch.int64)
+case(aten.to.dtype_layout, X, dtype=torch.float64)
+case(aten._to_copy.default, X, dtype=torch.float64)
+case(aten._to_copy.default, ints(9, 5, 6), dtype=torch.float32)
+case(aten.dropout.default, X, 0.0, True)
+case(aten.dropout.default, X, 0.5, False)
+case(aten.type_as.default, X, randn(6, 5, 7, dtype=torch.float64))
+case(aten.type_as.default, randn(5, 4), randn(7, dtype=torch.float64))
+
+Y = randn(5, 1)  # broadcasts against X (6, 5, 7)
+for _op in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.maximum.default, aten.minimum.default):
+    case(_op, X, Y)
+    case(_op, Y, X)
+case(aten.add.Tensor, X, randn(6, 5, 7), alpha=2)
+case(aten.add.Tensor, X, 1.5)
+case(aten.add.Tensor, X, torch.tensor(0.5))
+case(aten.sub.Tensor, X, 2.0, alpha=3)
+case(aten.mul.Tensor, X, 3.0)
+case(aten.mul.Tensor, X, ints(3, 5, 7))
+case(aten.mul.Tensor, ints(3, 6, 5), ints(3, 5))
+case(aten.div.Tensor, X, pos(1, 5, 7))
+case(aten.div.Tensor, X, 4.0)
+for _op in (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor):
+    case(_op, X, Y)
+case(aten.div_.Tensor, X, pos(7))
+case(aten.floor_divide.default, ints(20, 6, 5), ints(3, 5) + 1)
+case(aten.logical_and.default, mask(6, 5), mask(5))
+case(aten.logical_or.default, mask(6, 5), mask(6, 1))
+for _c in ("eq", "ne", "lt", "le", "gt", "ge"):
+    case(getattr(aten, _c).Tensor, X.round(), Y.round())
+    case(getattr(aten, _c).Scalar, X.round(), 0.0)
+case(aten.where.self, mask(5, 7), X, randn(6, 1, 7))
+case(aten.where.ScalarOther, mask(6, 5, 1), X, 0.0)
+case(aten.where.ScalarOther, mask(6, 5, 1), X, 1.5)
+case(aten.where.ScalarSelf, mask(7), 0.0, X)
+case(aten.masked_fill.Scalar, X, mask(5, 7), 0.0)
+case(aten.masked_fill.Scalar, X, mask(6, 1, 7), -1e9)
+case(aten.masked_fill.Tensor, X, mask(5, 7), torch.tensor(0.25))
+case(aten.broadcast_tensors.default, [randn(5, 1), randn(6, 1, 7), randn(7)])
+
+# ---- contractions ------------------------------------------------------------------------
+case(aten.mm.default, randn(6, 7), randn(7, 5))
+case(aten.bmm.default, randn(4, 5, 7), randn(4, 7, 6))
+case(aten.addmm.default, randn(5), randn(6, 7), randn(7, 5))
+case(aten.addmm.default, randn(6, 5), randn(6, 7), randn(7, 5), beta=0.5, alpha=2.0)
+case(aten.addmm.default, randn(1, 5), randn(6, 7), randn(7, 5))
+case(aten.baddbmm.default, randn(4, 5, 6), randn(4, 5, 7), randn(4, 7, 6))
+case(aten.baddbmm.default, randn(5, 1), randn(4, 5, 7), randn(4, 7, 6), beta=2.0, alpha=0.5)
+case(aten.linear.default, randn(2, 5, 7), randn(6, 7), randn(6), tol=1e-4)
+case(aten.linear.default, randn(6, 7), randn(5, 7))
+case(aten.linear.default, randn(6, 7), randn(7))
+case(aten.linear.default, randn(6, 7), randn(5, 7), bias=randn(5))  # tensors passed as kwargs
+case(aten.matmul.default, randn(7), randn(7))
+case(aten.matmul.default, randn(6, 7), randn(7))
+case(aten.matmul.default, randn(7), randn(2, 7, 5))
+case(aten.matmul.default, randn(2, 1, 5, 7), randn(3, 7, 4))
+case(aten.matmul.default, randn(4, 5, 7), randn(7, 6))
+
+Q, K, V = randn(2, 3, 5, 4), randn(2, 3, 7, 4), randn(2, 3, 7, 6)
+case(aten.scaled_dot_product_attention.default, Q, K, V)
+case(aten.scaled_dot_product_attention.default, Q, K, V, randn(5, 7))
+case(aten.scaled_dot_product_attention.default, Q, K, V, attn_mask=randn(3, 1, 7))
+case(aten.scaled_dot_product_attention.default, Q, K, V, mask(2, 1, 5, 7) | torch.eye(5, 7, dtype=torch.bool), scale=0.3)
+case(aten.scaled_dot_product_attention.default, Q, Q, randn(2, 3, 5, 6), is_causal=True)
+case(aten.scaled_dot_product_attention.default, randn(2, 4, 5, 4), randn(2, 2, 5, 4), randn(2, 2, 5, 4), enable_gqa=True)
+
+# ---- convolution and pooling -------------------------------------------------------------
+IMG = randn(4, 6, 7, 5)
+case(aten.conv2d.default, IMG, randn(5, 6, 3, 3), randn(5), tol=1e-4)
+case(aten.conv2d.default, IMG, randn(4, 3, 3, 3), None, [1, 1], [1, 1], [1, 1], 2, tol=1e-4)
+case(aten.conv2d.default, randn(6, 7, 5), randn(5, 6, 3, 3), tol=1e-4)
+case(aten.conv2d.padding, IMG, randn(5, 6, 3, 3), randn(5), [1, 1], "same", tol=1e-4)
+case(aten.conv1d.default, randn(4, 6, 9), randn(5, 6, 3), randn(5), [2], tol=1e-4)
+case(aten.conv1d.padding, randn(4, 6, 9), randn(5, 6, 3), None, [1], "same", tol=1e-4)
+case(aten.conv3d.default, randn(2, 4, 5, 5, 5), randn(3, 4, 3, 3, 3), randn(3), tol=1e-4)
+case(aten.conv3d.padding, randn(2, 4, 5, 5, 5), randn(3, 4, 3, 3, 3), None, [1, 1, 1], "same", tol=1e-4)
+
+case(aten.max_pool1d.default, randn(4, 5, 9), [2])
+case(aten.max_pool2d.default, IMG, [2, 2])
+case(aten.max_pool2d.default, randn(6, 7, 7), [3, 3], [2, 2], [1, 1])
+case(aten.max_pool3d.default, randn(2, 5, 4, 4, 4), [2, 2, 2])
+case(aten.max_pool2d_with_indices.default, IMG, [2, 2])
+case(aten.adaptive_max_pool2d.default, IMG, [2, 2])
+case(aten.avg_pool1d.default, randn(4, 5, 9), [3])
+case(aten.avg_pool2d.default, IMG, [2, 2], [1, 1], [1, 1], True, False)
+case(aten.avg_pool3d.default, randn(2, 5, 4, 4, 4), [2, 2, 2])
+case(aten.adaptive_avg_pool1d.default, randn(4, 5, 9), [3])
+case(aten.adaptive_avg_pool2d.default, IMG, [3, 2])
+case(aten._adaptive_avg_pool2d.default, IMG, [1, 1])
+
+# ---- normalisation, softmax, losses, embedding -------------------------------------------
+case(aten.layer_norm.default, randn(6, 5, 8), [8], randn(8), randn(8))
+case(aten.layer_norm.default, randn(6, 5, 8), [5, 8])
+case(aten.rms_norm.default, randn(6, 5, 8), [8], randn(8))
+case(aten.rms_norm.default, randn(7, 8), [8], None, 1e-6)
+case(aten.group_norm.default, randn(6, 4, 5), 2, randn(4), randn(4), 1e-5, False)
+_BN = (randn(6, 4, 5, 3), pos(4), randn(4), randn(4), pos(4))
+case(aten.batch_norm.default, *_BN, True, 0.1, 1e-5, False)
+case(aten.batch_norm.default, *_BN, False, 0.1, 1e-5, False)
+case(aten.batch_norm.default, randn(7, 6), None, None, None, None, True, 0.1, 1e-5, False)
+
+case(aten.softmax.int, X, 1)
+case(aten.softmax.int, X, -1, torch.float64)
+case(aten._softmax.default, X, 2, False)
+case(aten.log_softmax.int, X, 0)
+case(aten._log_softmax.default, X, -1, False)
+
+LOGITS, LABELS = randn(6, 5), torch.tensor([0, 4, 2, -100, 1, 3])
+for _r in (0, 1, 2):
+    case(aten.cross_entropy_loss.default, LOGITS, LABELS, pos(5), _r)
+    case(aten.nll_loss_forward.default, LOGITS.log_softmax(1), LABELS, pos(5), _r, -100)
+    case(aten.mse_loss.default, X, randn(6, 5, 7), _r)
+case(aten.cross_entropy_loss.default, randn(4, 5, 7), ints(5, 4, 7), None, 2, -100, 0.1)
+case(aten.cross_entropy_loss.default, LOGITS, LOGITS.softmax(1), None, 2)
+case(aten.cross_entropy_loss.default, LOGITS, LOGITS.softmax(1), None, 0, -100, 0.2)
+case(aten.nll_loss.default, LOGITS, LABELS, None, 2)
+case(aten.nll_loss.default, LOGITS, LABELS, pos(5), 1)
+case(aten.nll_loss_nd.default, randn(4, 5, 7), ints(5, 4, 7), pos(5), 0)
+case(aten.nll_loss_nd.default, randn(4, 5, 7), ints(5, 4, 7), None, 1)
+case(aten.nll_loss2d_forward.default, randn(2, 5, 3, 7), ints(5, 2, 3, 7), None, 2, -100)
+
+case(aten.embedding.default, randn(10, 6), ints(10, 5, 7))
+case(aten.embedding.default, randn(10, 6), ints(10, 7), 0)
+
+# ---- reductions --------------------------------------------------------------------------
+case(aten.sum.default, X)
+case(aten.sum.default, ints(5, 6, 7))
+case(aten.sum.default, X, dtype=torch.float64)
+case(aten.sum.dim_IntList, X, [1])
+case(aten.sum.dim_IntList, X, [0, -1], True)
+case(aten.sum.dim_IntList, X, None)
+case(aten.mean.default, X)
+case(aten.mean.dim, X, [-1])
+case(aten.mean.dim, X, [0, 1], True)
+case(aten.amax.default, X, [1], True)
+case(aten.amax.default, X)
+case(aten.amin.default, X, [0, 2])
+case(aten.max.dim, X, 1)
+case(aten.min.dim, X, 0, True)
+case(aten.argmax.default, X, 1)
+case(aten.argmax.default, X)
+case(aten.argmin.default, X, -1, True)
+case(aten.var.correction, X, [1], correction=1)
+case(aten.var.dim, X, [0], True, True)
+case(aten.std.correction, X, [1], correction=0, keepdim=True)
+case(aten.var.correction, X, None)
+case(aten.std.dim, X, [2])
+case(aten.cumsum.default, X, 1)
+
+# ---- views and data movement -------------------------------------------------------------
+V3 = randn(4, 6, 5)
+case(aten.view.default, V3, [4, 30])
+case(aten.view.default, V3, [-1, 5])
+case(aten.view.default, randn(12, 5), [3, 4, 5])
+case(aten.view.default, randn(12, 5), [2, 6, 5])
+case(aten.view.default, randn(6, 1, 7), [6, 7, 1])
+case(aten.view.default, randn(6, 4), [4, 6])
+case(aten.reshape.default, V3, [-1])
+case(aten.reshape.default, V3, [2, 2, 6, 5])
+case(aten._unsafe_view.default, V3, [24, 5])
+case(aten.view_as.default, V3, randn(4, 30))
+case(aten.flatten.using_ints, V3, 1, 2)
+case(aten.flatten.using_ints, V3, 0, 1)
+case(aten.unflatten.int, randn(4, 30), 1, [6, -1])
+case(aten.unflatten.int, randn(30, 7), 0, [-1, 5])
+case(aten.permute.default, X, [2, 0, 1])
+case(aten.transpose.int, X, 0, -1)
+case(aten.t.default, randn(6, 5))
+case(aten.t.default, randn(7))
+case(aten.unsqueeze.default, X, 1)
+case(aten.unsqueeze.default, X, -1)
+case(aten.squeeze.dim, randn(6, 1, 5), 1)
+case(aten.squeeze.dim, randn(3, 5), 0)
+case(aten.squeeze.dims, randn(6, 1, 5, 1), [1, 3])
+case(aten.squeeze.default, randn(6, 1, 5))
+case(aten.expand.default, randn(5, 1), [4, -1, 6])
+case(aten.expand.default, randn(6, 5), [6, 5])
+case(aten.expand_as.default, randn(5, 1), randn(4, 5, 6))
+case(aten.slice.Tensor, X, 1, 1, 4)
+case(aten.slice.Tensor, X, 0, 0, 9223372036854775807)
+case(aten.slice.Tensor, X, -1, None, None, 2)
+case(aten.narrow.default, X, 2, 1, 3)
+case(aten.select.int, X, 1, 2)
+case(aten.select.int, X, -1, 0)
+case(aten.cat.default, [X, randn(6, 3, 7)], 1)
+case(aten.cat.default, [randn(5, 7), randn(2, 7), randn(1, 7)])
+case(aten.cat.default, [ints(5, 5, 6), ints(5, 5, 6)], -1)
+case(aten.stack.default, [X, randn(6, 5, 7)], 1)
+case(aten.stack.default, [randn(5, 7), randn(5, 7)], -1)
+case(aten.split.Tensor, X, 2, 1)
+case(aten.split_with_sizes.default, X, [2, 3], 1)
+case(aten.chunk.default, X, 3, -1)
+case(aten.unbind.int, X, 1)
+
+# ---- factories and masks -----------------------------------------------------------------
+case(aten.zeros.default, [6, 5])
+case(aten.zeros.default, [7], dtype=torch.int64)
+case(aten.ones.default, [6, 7])
+case(aten.full.default, [5, 6], 0.0)
+case(aten.full.default, [5, 6], 2.5)
+case(aten.new_zeros.default, randn(5, 3), [6, 5])
+case(aten.new_ones.default, ints(4, 5), [7, 2])
+case(aten.new_full.default, randn(3), [4, 6], 3.0)
+case(aten.zeros_like.default, X)
+case(aten.ones_like.default, X)
+case(aten.full_like.default, ints(9, 5, 6), 2)
+case(aten.arange.default, 10)
+case(aten.arange.start, 2, 9)
+case(aten.arange.start_step, 0, 10, 3)
+case(aten.tril.default, randn(5, 6, 6))
+case(aten.triu.default, randn(3, 5, 6, 7), 1)
+
+# Ops whose rule deliberately lists nothing but all-R (see their family docstrings).
+REPLICATE_ONLY = {"aten.arange.default", "aten.arange.start", "aten.arange.start_step"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny ops: intra-op threads only add overhead (100x on a busy 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _id(c: Case, i: int) -> str:
+    return f"{i}-{c.name.removeprefix('aten.')}"
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+@pytest.mark.parametrize("c", CASES, ids=[_id(c, i) for i, c in enumerate(CASES)])
+def test_rule_is_exact(c: Case, mesh: Mesh) -> None:
+    check_op(c.target, c.args, c.kwargs, mesh, rtol=c.tol, atol=c.tol)
+
+
+def test_every_registered_rule_has_a_case() -> None:
+    missing = sorted(set(REGISTRY) - {c.name for c in CASES})
+    assert not missing, f"rules without a validation case: {missing}"
+
+
+def test_every_rule_splits_somewhere() -> None:
+    """Each registered op has a case where some non-trivial strategy survives on some mesh."""
+    best: dict[str, int] = {}
+    for c in CASES:
+        op = c.opspec()
+        best[c.name] = max(best.get(c.name, 0), *(len(expand(op, m)) for m in MESHES))
+    idle = sorted(n for n in REGISTRY if best.get(n, 0) <= 1 and n not in REPLICATE_ONLY)
+    assert not idle, f"rules never exercised beyond all-R: {idle}"
+
+
+def test_every_listed_strategy_is_validated() -> None:
+    """No one-axis strategy a rule lists for a case escapes validation on all three meshes."""
+    unchecked = []
+    for c in CASES:
+        op = c.opspec()
+        seen = {
+            (tuple(t[a] for t in st.inputs), tuple(t[a] for t in st.outputs))
+            for m in MESHES for st in expand(op, m) for a in range(m.ndim)
+        }
+        unchecked += [f"{c.name}: {s}" for s in strategies_1d(op) if (s.inputs, s.outputs) not in seen]
+    assert not unchecked, "\n".join(unchecked)
+
+
+def test_rules_never_list_replicate_or_integer_partial() -> None:
+    for c in CASES:
+        op = c.opspec()
+        listed = REGISTRY[c.name].fn(op)
+        assert not any(s.redundant for s in listed), f"{c.name} lists the all-R strategy"
+        specs = op.inputs + op.outputs
+        for s in strategies_1d(op):
+            for spec, pl in zip(specs, s.inputs + s.outputs):
+                assert not (isinstance(pl, Partial) and not (spec.dtype.is_floating_point or spec.dtype.is_complex)), (
+                    f"{c.name}: P on a {spec.dtype} tensor in {s}")
+
+
+# ---- the validator must be able to fail ----------------------------------------------------
+def _fixed(*strategies: Strategy1D) -> Callable[[OpSpec], list[Strategy1D]]:
+    return lambda op: list(strategies)
+
+
+WRONG: list[tuple[str, Any, tuple, Callable[[OpSpec], list[Strategy1D]], Mesh]] = [
+    # relu is not linear: relu(P) != P
+    ("relu(P)->P", aten.relu.default, (X,), _fixed(Strategy1D((P,), (P,))), Mesh((2,))),
+    # add(P, R) adds the replicated operand once per device
+    ("add(P,R)->P", aten.add.Tensor, (X, randn(6, 5, 7)), _fixed(Strategy1D((P, R), (P,))), Mesh((2,))),
+    # shards of the two free indices do not make a row shard
+    ("mm(S0,S1)->S0", aten.mm.default, (randn(6, 7), randn(7, 4)), _fixed(Strategy1D((S(0), S(1)), (S(0),))), Mesh((2,))),
+    # softmax over the sharded dim normalises each chunk separately
+    ("softmax on its dim", aten.softmax.int, (X, 1), _fixed(Strategy1D((S(1),), (S(1),))), Mesh((2,))),
+    # the sum of local means is p times the mean
+    ("mean(S)->P", aten.mean.dim, (X, [1]), _fixed(Strategy1D((S(1),), (P,))), Mesh((2,))),
+    # merging: the inner dim of a merged group is not a chunk of the merged dim
+    ("view inner dim", aten.view.default, (randn(4, 6), [24]), _fixed(Strategy1D((S(1),), (S(0),))), Mesh((2,))),
+    # merging an uneven outer dim without the `even` mark: rows 3 + 2 are not chunks 8 + 7 of the flat dim
+    ("flatten uneven", aten.flatten.using_ints, (randn(5, 3), 0, 1), _fixed(Strategy1D((S(0),), (S(0),))), Mesh((2,))),
+    # batch-norm training statistics depend on the whole batch
+    ("batch_norm batch split", aten.batch_norm.default, _BN + (True, 0.1, 1e-5, False),
+     _fixed(Strategy1D((S(0), R, R, R, R), (S(0),))), Mesh((3,))),
+    # cross-entropy mean over uneven chunks
+    ("cross_entropy mean", aten.cross_entropy_loss.default, (randn(5, 4), ints(4, 5)),
+     _fixed(Strategy1D((S(0), S(0)), (P,))), Mesh((3,))),
+]
+
+
+@pytest.mark.parametrize("name,target,args,rule,mesh", WRONG, ids=[w[0] for w in WRONG])
+def test_validator_rejects_wrong_strategy(monkeypatch: pytest.MonkeyPatch, name: str, target: Any, args: tuple,
+                                          rule: Callable[[OpSpec], list[Strategy1D]], mesh: Mesh) -> None:
+    entry = REGISTRY[op_name(target)]
+    monkeypatch.setitem(REGISTRY, op_name(target), RuleEntry(rule, entry.localize, entry.family))
+    with pytest.raises(AssertionError, match="strategy"):
+        check_op(target, args, {}, mesh)
+
+
+def test_validator_rejects_missing_localize(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A view sharded without rewriting its size argument fails (here: a size mismatch)."""
+    name = "aten.view.default"
+    monkeypatch.setitem(REGISTRY, name, RuleEntry(REGISTRY[name].fn, None, "views"))
+    with pytest.raises((AssertionError, RuntimeError)):
+        check_op(aten.view.default, (randn(4, 6), [4, 2, 3]), {}, Mesh((2,)))
