@@ -27,7 +27,7 @@ from typing import Sequence
 
 from .mesh import Mesh
 from .profiles import Profile
-from .reshard import Step, apply_step, plan_reshard
+from .reshard import apply_step, plan_reshard
 from .tiling import Placement, max_local_numel
 
 RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
@@ -57,33 +57,37 @@ def collective(kind: str, m: float, p: int, alpha: float, beta: float) -> Cost:
     return Cost(sent, f * (p - 1) * alpha + sent * beta)
 
 
-def step_message(step: Step, before: Sequence[Placement], after: Sequence[Placement], shape: Sequence[int], itemsize: int, mesh: Mesh) -> float:
-    """The ``m`` of the table above for ``step`` (bytes)."""
-    big = after if step.kind == "all_gather" else before
-    return float(max_local_numel(shape, big, mesh) * itemsize)
-
-
 @lru_cache(maxsize=200_000)
-def reshard_cost(src: tuple, dst: tuple, shape: tuple, itemsize: int, mesh: Mesh, profile: Profile, partial_grad_axes: tuple, needs_grad: bool, src_partial_axes: tuple = ()) -> Cost:
-    """Forward + backward cost of turning ``src`` into ``dst`` for one tensor."""
-    total = Cost()
-    cur = src
+def _collectives(src: tuple, dst: tuple, partial_grad_axes: tuple, src_partial_axes: tuple, needs_grad: bool) -> tuple[tuple[str, int, tuple], ...]:
+    """Shape-free: the (collective, mesh axis, tiling whose tile size is ``m``) of every forward
+    and backward step of ``src -> dst``; one table serves every tensor shape."""
     steps = plan_reshard(src, dst, partial_grad_axes, src_partial_axes) if needs_grad else plan_reshard(src, dst)
+    out: list[tuple[str, int, tuple]] = []
+    cur = src
     for step in steps:
         nxt = apply_step(cur, step)
-        m = step_message(step, cur, nxt, shape, itemsize, mesh)
-        p = mesh.shape[step.axis]
-        a, b = profile.ab(step.axis)
-        if not step.kind.startswith("grad_"):
-            total = total + collective(step.kind, m, p, a, b)
+        m_tiling = nxt if step.kind == "all_gather" else cur
+        if not step.kind.startswith("grad_") and step.kind in RING_FACTOR:
+            out.append((step.kind, step.axis, m_tiling))
         if needs_grad:
             bwd = "reduce_scatter" if step.kind == "all_gather" and step.grad_partial else BACKWARD[step.kind]
             if bwd is not None:
                 # a backward all_gather rebuilds the gradient of the tensor before the step
-                mb = float(max_local_numel(shape, cur, mesh) * itemsize) if bwd == "all_gather" else m
-                total = total + collective(bwd, mb, p, a, b)
+                out.append((bwd, step.axis, cur if bwd == "all_gather" else m_tiling))
         cur = nxt
-    return total
+    return tuple(out)
+
+
+@lru_cache(maxsize=400_000)
+def reshard_cost(src: tuple, dst: tuple, shape: tuple, itemsize: int, mesh: Mesh, profile: Profile, partial_grad_axes: tuple, needs_grad: bool, src_partial_axes: tuple = ()) -> Cost:
+    """Forward + backward cost of turning ``src`` into ``dst`` for one tensor."""
+    nb = ns = 0.0
+    for kind, axis, tiling in _collectives(src, dst, tuple(partial_grad_axes), tuple(src_partial_axes), needs_grad):
+        a, b = profile.ab(axis)
+        c = collective(kind, float(max_local_numel(shape, tiling, mesh) * itemsize), mesh.shape[axis], a, b)
+        nb += c.bytes
+        ns += c.seconds
+    return Cost(nb, ns)
 
 
 def compute_seconds(flops: float, bytes_moved: float, work_fraction: float, profile: Profile) -> float:

@@ -33,7 +33,7 @@ from .cost import compute_seconds, reshard_cost, work_fraction
 from .mesh import Mesh
 from .profiles import Profile
 from .rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, op_name, strategies_1d
-from .tiling import R, Replicate, Shard, is_valid, max_local_numel
+from .tiling import Partial, R, Replicate, Shard, is_valid, max_local_numel
 
 # Adam/AdamW keep two states per parameter, plus the gradient: 4 copies in all.
 PARAM_COPIES = 4
@@ -116,6 +116,23 @@ def _producer(arg: fx.Node) -> tuple[fx.Node, int]:
     if arg.op == "call_function" and arg.target is operator.getitem:
         return arg.args[0], int(arg.args[1])
     return arg, 0
+
+
+def _needless_partial(g: PlanGraph, s: Strategy, sources: list[tuple[int, int]]) -> bool:
+    """A strategy only P/R on some axis, taking a P input there that its producer can never emit.
+
+    Such an input is made partial by zeroing (``to_partial``) and the op then does full-size work
+    to produce a pending sum: the all-R choice on that axis does the same work with a replicated
+    output, which every consumer converts at no greater cost.  Dropping it keeps the optimum.
+    """
+    cuts = s.divides_work()
+    for a, cut in enumerate(cuts):
+        if cut:
+            continue
+        for t, (u, k) in zip(s.inputs, sources):
+            if isinstance(t[a], Partial) and not any(isinstance(st.outputs[k][a], Partial) for st in g.vars[u].strategies):
+                return True
+    return False
 
 
 def value_uses(graph: fx.Graph) -> dict[tuple[str, int], int]:
@@ -208,21 +225,22 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
             if rules.lookup(node.target) is None and op.inputs:
                 fallback.add(op.name)
             strategies = expand(op, mesh, strategies_1d(op))
-            if objective == "comm":
-                # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
-                full = [s for s in strategies if all(s.split_axes())]
-                strategies = full or strategies
-            flops, byts = _flops(op)
-            compute = np.array([compute_seconds(flops, byts, work_fraction(s.split_axes(), mesh), profile) for s in strategies])
-            mem = np.array([sum(max_local_numel(o.shape, t, mesh) * o.dtype.itemsize for o, t in zip(op.outputs, s.outputs)) for s in strategies], dtype=float)
             args, _ = tree_flatten((node.args, node.kwargs))
             tensor_args = [a for a in args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+            sources = [source(a) for a in tensor_args]
+            strategies = [s for s in strategies if not _needless_partial(g, s, sources)] or strategies
+            if objective == "comm":
+                # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
+                full = [s for s in strategies if all(s.divides_work())]
+                strategies = full or strategies
+            flops, byts = _flops(op)
+            compute = np.array([compute_seconds(flops, byts, work_fraction(s.divides_work(), mesh), profile) for s in strategies])
+            mem = np.array([sum(max_local_numel(o.shape, t, mesh) * o.dtype.itemsize for o, t in zip(op.outputs, s.outputs)) for s in strategies], dtype=float)
             ng = any(needs_grad.get(a.name, False) for a in tensor_args)
             ng = ng and any(o.dtype.is_floating_point for o in op.outputs)
             needs_grad[node.name] = ng
             v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node), needs_grad=ng))
-            for i, a in enumerate(tensor_args):
-                u, k = source(a)
+            for i, (a, (u, k)) in enumerate(zip(tensor_args, sources)):
                 _add_edge(g, u, v, k, i, needs_grad.get(a.name, False))
             _add_reshard_points(g, v, uses, ng)
         elif node.op == "output":

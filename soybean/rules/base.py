@@ -79,8 +79,15 @@ class Strategy:
     inputs: tuple[tuple[Placement, ...], ...]
     outputs: tuple[tuple[Placement, ...], ...]
 
+    def divides_work(self) -> tuple[bool, ...]:
+        """Per mesh axis: is the op's work cut (some tensor sharded there)?  A strategy that is only
+        ``P``/``R`` on an axis computes full-size products on every device of that axis."""
+        n = len(self.outputs[0]) if self.outputs else (len(self.inputs[0]) if self.inputs else 0)
+        return tuple(any(isinstance(t[a], Shard) for t in self.inputs + self.outputs) for a in range(n))
+
     def split_axes(self) -> tuple[bool, ...]:
-        """Per mesh axis: does this strategy divide the work (not all-R on that axis)?"""
+        """Per mesh axis: is any tensor non-replicated there?  Then a replicated input's gradient is
+        a per-device partial sum (Megatron's ``f``), including for ``P``-only strategies."""
         n = len(self.outputs[0]) if self.outputs else (len(self.inputs[0]) if self.inputs else 0)
         return tuple(
             any(not isinstance(t[a], Replicate) for t in self.inputs + self.outputs) for a in range(n)

@@ -41,7 +41,7 @@ def kcuts(cap: Captured, k: int, profile: Profile, objective: str = "comm", solv
                        and not any(a in (v.grad_partial[s] if v.grad_partial else ()) for a in range(axis + 1, k))]
             dom = later_r or allowed[vi]
             if objective == "comm" and v.kind == "op":
-                split = [s for s in dom if v.strategies[s].split_axes()[axis]]
+                split = [s for s in dom if v.strategies[s].divides_work()[axis]]
                 dom = split or dom
             doms.append(dom)
         sub = Problem([full.unary[vi][d] for vi, d in enumerate(doms)], {}, None, None, full.names)
