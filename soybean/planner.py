@@ -186,33 +186,32 @@ def edge_steps(g: PlanGraph, e: Any, sol: Solution) -> list:
 
 
 def layer_rows(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
-    """Per op with a parameter: its weight/input/output tilings and the collectives it causes."""
-    rows: list[dict[str, Any]] = []
-    incoming: dict[int, list] = {}
+    """One row per module (innermost ``nn.Module`` path), in graph order: its weight's tiling, the
+    tilings entering and leaving it, and every collective on an edge into one of its ops or shared
+    reshard points, with the bytes they move per device per step (forward + backward)."""
+    rows: dict[str, dict[str, Any]] = {}
     for e in g.edges:
-        incoming.setdefault(e.dst, []).append(e)
-    for vi, (v, c) in enumerate(zip(g.vars, sol.choice)):
-        if v.kind != "op":
+        V = g.vars[e.dst]
+        if V.kind not in ("op", "reshard"):
             continue
-        ins = incoming.get(vi, [])
-        params = [e for e in ins if g.vars[e.src].kind == "param" or (g.vars[e.src].kind == "reshard" and any(x.dst == e.src and g.vars[x.src].kind == "param" for x in g.edges))]
-        if not params:
-            continue
-        st = v.strategies[c]
-        colls: list[str] = []
-        total = 0.0
-        for e in ins:
-            steps = edge_steps(g, e, sol)
-            if steps:
-                colls.extend(str(s) for s in steps)
-            total += e.bytes[sol.choice[e.src], c]
-        w = params[0]
-        while g.vars[w.src].kind == "reshard":  # the parameter behind a shared use
-            w = next(x for x in g.edges if x.dst == w.src)
-        rows.append({
-            "layer": v.module or v.name, "op": v.op.name if v.op else "", "node": v.name,
-            "weight": fmt(g.vars[w.src].strategies[sol.choice[w.src]].outputs[0]),
-            "input": fmt(st.inputs[0]) if st.inputs else "", "output": fmt(st.outputs[0]) if st.outputs else "",
-            "collectives": colls, "bytes": float(f"{total:.6g}"),
-        })
-    return rows
+        key = V.module or V.name
+        row = rows.setdefault(key, {"layer": key, "op": "", "node": "", "weight": "-", "input": "", "output": "",
+                                    "collectives": [], "bytes": 0.0})
+        U = g.vars[e.src]
+        st = V.strategies[sol.choice[e.dst]]
+        if V.kind == "op":
+            if not row["op"]:
+                row["op"], row["node"] = V.op.name if V.op else "", V.name
+                row["input"] = fmt(st.inputs[e.dst_in])
+            row["output"] = fmt(st.outputs[0]) if st.outputs else ""
+        src = U
+        while src.kind == "reshard":  # the parameter behind a shared use
+            src = g.vars[next(x.src for x in g.edges if x.dst == g.index[src.name])]
+        if src.kind == "param" and row["weight"] == "-" and src.fqn.endswith("weight"):
+            row["weight"] = fmt(src.strategies[sol.choice[g.index[src.name]]].outputs[0])
+        row["collectives"].extend(str(x) for x in edge_steps(g, e, sol))
+        row["bytes"] += float(e.bytes[sol.choice[e.src], sol.choice[e.dst]])
+    out = [r for r in rows.values() if r["op"] or r["collectives"]]
+    for r in out:
+        r["bytes"] = float(f"{r['bytes']:.6g}")
+    return out
