@@ -1,4 +1,4 @@
-"""``soybean`` command line: plan (and, as they land, run | bench | calibrate | explain)."""
+"""``soybean`` command line: plan | run (bench, calibrate and explain come with later issues)."""
 from __future__ import annotations
 
 import argparse
@@ -45,6 +45,45 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(a: argparse.Namespace) -> int:
+    """Run ``script`` as ``nproc`` local ranks with torchrun's environment (gloo on CPU)."""
+    import os
+    import subprocess
+    import time
+
+    from .runtime.launch import free_port
+
+    if a.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {a.nproc}")
+    if not os.path.exists(a.script):
+        raise ValueError(f"script {a.script} does not exist")
+    port = free_port()
+    procs = []
+    for r in range(a.nproc):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(a.nproc), LOCAL_WORLD_SIZE=str(a.nproc),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, a.script, *a.script_args], env=env))
+    deadline = time.monotonic() + a.timeout
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                r, c = bad[0]
+                print(f"soybean run: rank {r} exited with code {c}; stopping the others", file=sys.stderr)
+                return c or 1
+            if all(c == 0 for c in codes):
+                return 0
+            if time.monotonic() > deadline:
+                print(f"soybean run: still running after {a.timeout:.0f} s; stopping all ranks", file=sys.stderr)
+                return 124
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="soybean", description="Automatic tensor-tiling parallelizer for PyTorch")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -60,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the plan here (JSON when the name ends in .json)")
     p.add_argument("--emit-code", metavar="DIR", help="write each rank's generated program to DIR")
     p.set_defaults(fn=_cmd_plan)
+    r = sub.add_parser("run", help="run a training script on N local processes (torchrun's environment, gloo on CPU)")
+    r.add_argument("--nproc", type=int, default=2)
+    r.add_argument("--timeout", type=float, default=3600.0, help="seconds before every rank is stopped")
+    r.add_argument("script")
+    r.add_argument("script_args", nargs=argparse.REMAINDER)
+    r.set_defaults(fn=_cmd_run)
     return ap
 
 

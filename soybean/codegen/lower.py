@@ -78,6 +78,7 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
     env: dict[str, Any] = {}
     tiles: dict[str, list[Tiling]] = {}
     shared: dict[str, tuple[fx.Node, Tiling, tuple[int, ...]]] = {}  # reshard point -> (node, tiling, grad-partial axes)
+    grad: dict[str, bool] = {}  # does the value need a gradient (as graph.build decides)? else no grad_* steps
 
     def source(a: fx.Node, shape: tuple[int, ...]) -> tuple[Any, Tiling, tuple[int, ...]]:
         """The value a consumer reads: the producer's, or its shared reshard point (emitted once)."""
@@ -97,6 +98,8 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
             ph.meta.update(node.meta)
             env[node.name] = ph
             fqn = cap.params.get(node.name) or cap.buffers.get(node.name)
+            v = _val(node)
+            grad[node.name] = node.name in cap.params and isinstance(v, torch.Tensor) and v.is_floating_point()
             if fqn is not None:
                 tiles[node.name] = [_tiling(plan.params[fqn]) if fqn in plan.params else full]
             elif node.name in plan.inputs and isinstance(_val(node), torch.Tensor):
@@ -108,6 +111,7 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
         elif node.op == "call_function" and node.target is operator.getitem:
             src, idx = node.args
             env[node.name] = g.call_function(operator.getitem, (env[src.name], idx))
+            grad[node.name] = grad.get(src.name, False)
             tiles[node.name] = [tiles[src.name][idx]]
         elif node.op == "call_function":
             if node.name in plan.nodes:
@@ -129,7 +133,7 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
                     if isinstance(v, torch.Tensor):
                         dst = ins[i]
                         x, src, spa = source(a, tuple(v.shape))
-                        pga = tuple(ax for ax in range(mesh.ndim) if split[ax] and isinstance(dst[ax], Replicate))
+                        pga = tuple(ax for ax in range(mesh.ndim) if split[ax] and isinstance(dst[ax], Replicate)) if grad.get(a.name) else ()
                         i += 1
                         return emit_reshard(g, x, tuple(v.shape), src, dst, pga, mesh, coords, spa)
                     return env[a.name]
@@ -145,6 +149,9 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
             out.name = node.name
             env[node.name] = out
             tiles[node.name] = list(outs)
+            leaves, _ = tree_flatten((node.args, node.kwargs))
+            outs_float = any(isinstance(o, torch.Tensor) and o.is_floating_point() for o in tree_flatten(_val(node))[0])
+            grad[node.name] = outs_float and any(grad.get(a.name, False) for a in leaves if isinstance(a, fx.Node))
         elif node.op == "output":
             flat, spec = tree_flatten(node.args[0])
             res = []
