@@ -40,10 +40,18 @@ def _val(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
-def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], src: Tiling, dst: Tiling, partial_grad_axes: tuple[int, ...], mesh: Mesh, coords: tuple[int, ...], src_partial_axes: tuple[int, ...] = ()) -> fx.Node:
-    """Append the collective calls turning ``x`` (tiling ``src``) into ``dst``."""
+def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], src: Tiling, dst: Tiling, partial_grad_axes: tuple[int, ...], mesh: Mesh, coords: tuple[int, ...],
+                 src_partial_axes: tuple[int, ...] = (), defer: set[int] | None = None) -> fx.Node:
+    """Append the collective calls turning ``x`` (tiling ``src``) into ``dst``.
+
+    With ``defer`` (a parameter's own edges), gradient all-reduces are not emitted but their axes
+    collected: the runtime sums those parameter gradients after backward, bucketed (``GradSync``).
+    """
     cur = src
     for step in plan_reshard(src, dst, partial_grad_axes, src_partial_axes):
+        if defer is not None and step.kind == "grad_all_reduce":
+            defer.add(step.axis)
+            continue
         nxt = apply_step(cur, step)
         after = local_shape(shape, nxt, mesh, coords)
         k, a = step.kind, step.axis
@@ -79,6 +87,10 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
     tiles: dict[str, list[Tiling]] = {}
     shared: dict[str, tuple[fx.Node, Tiling, tuple[int, ...]]] = {}  # reshard point -> (node, tiling, grad-partial axes)
     grad: dict[str, bool] = {}  # does the value need a gradient (as graph.build decides)? else no grad_* steps
+    grad_sync: dict[str, set[int]] = {}  # parameter FQN -> mesh axes its gradient is summed over
+
+    def defer_for(a: fx.Node) -> set[int] | None:
+        return grad_sync.setdefault(cap.params[a.name], set()) if a.op == "placeholder" and a.name in cap.params else None
 
     def source(a: fx.Node, shape: tuple[int, ...]) -> tuple[Any, Tiling, tuple[int, ...]]:
         """The value a consumer reads: the producer's, or its shared reshard point (emitted once)."""
@@ -90,7 +102,7 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
             rec = plan.nodes[rp]
             t = _tiling(rec["out"][0])
             axes = tuple(rec.get("grad_partial", [[]])[0])
-            shared[rp] = (emit_reshard(g, env[a.name], shape, tiles[a.name][0], t, axes, mesh, coords), t, axes)
+            shared[rp] = (emit_reshard(g, env[a.name], shape, tiles[a.name][0], t, axes, mesh, coords, defer=defer_for(a)), t, axes)
         return shared[rp]
     for node in cap.graph.nodes:
         if node.op == "placeholder":
@@ -135,7 +147,8 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
                         x, src, spa = source(a, tuple(v.shape))
                         pga = tuple(ax for ax in range(mesh.ndim) if split[ax] and isinstance(dst[ax], Replicate)) if grad.get(a.name) else ()
                         i += 1
-                        return emit_reshard(g, x, tuple(v.shape), src, dst, pga, mesh, coords, spa)
+                        direct = x is env[a.name]
+                        return emit_reshard(g, x, tuple(v.shape), src, dst, pga, mesh, coords, spa, defer=defer_for(a) if direct else None)
                     return env[a.name]
                 return a
 
@@ -167,6 +180,7 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
 
             g.output(tree_unflatten(res, spec))
     gm = fx.GraphModule(torch.nn.Module(), g, class_name=f"Rank{rank}Program")
+    gm.meta["grad_sync"] = {k: tuple(sorted(v)) for k, v in grad_sync.items() if v}
     return gm
 
 

@@ -22,6 +22,7 @@ from ..plan import Plan
 from ..tiling import R, chunk_range, parse_placement, Shard
 from .comm import Group
 from .context import use_groups
+from .gradsync import GradSync
 
 
 def local_tile(full: torch.Tensor, tiling: Sequence, mesh: Mesh, coords: Sequence[int]) -> torch.Tensor:
@@ -76,6 +77,8 @@ class ParallelModule(nn.Module):
                 _attach(self, fqn, local_tile(state[fqn].detach(), tiling, mesh, self._coords), kind)
             self._order.append((kind, fqn))
         object.__setattr__(self, "program", lower(cap, plan, rank))  # not a submodule: no params of its own
+        sync = self.program.meta.get("grad_sync", {})
+        self._grad_sync = GradSync([(self.get_parameter(fqn), axes) for kind, fqn in self._order if fqn in sync for axes in [sync[fqn]]], self._groups) if sync else None
 
     def _tensor(self, kind: str, fqn: str) -> torch.Tensor:
         return self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn)

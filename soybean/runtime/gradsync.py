@@ -1,0 +1,75 @@
+"""Bucketed parameter-gradient synchronisation (what DDP does, for any plan).
+
+A parameter replicated on mesh axis ``a`` but used by work split over ``a`` gets a
+partial gradient on each device of that axis; the serial gradient is their sum.
+Summing after the parameter's gradient is accumulated is exact (the sum is
+linear and nothing else reads the gradient before the optimizer), so instead of
+one all-reduce per use in backward, gradients are packed into buckets of about
+``bucket_mb`` and each bucket is all-reduced once per axis, as soon as all its
+parameters are ready.
+
+Buckets are fixed up front (reverse registration order, like DDP) and flushed
+strictly in bucket order, so every rank issues the same collectives in the same
+order whatever order autograd finishes the gradients in.  With gradient
+accumulation over several backward passes, call ``zero_grad`` before each
+backward: the hook sums the whole accumulated gradient.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .comm import Group
+
+
+class GradSync:
+    def __init__(self, params: Sequence[tuple[nn.Parameter, tuple[int, ...]]], groups: Sequence[Group], bucket_mb: float = 25.0) -> None:
+        self.groups = list(groups)
+        self.buckets: list[list[nn.Parameter]] = []
+        self.axes: list[tuple[int, ...]] = []
+        cap = bucket_mb * 2**20
+        cur: list[nn.Parameter] = []
+        cur_axes: tuple[int, ...] | None = None
+        size = 0.0
+        for p, axes in reversed(list(params)):  # backward produces late layers' gradients first
+            if not p.requires_grad:
+                continue
+            nbytes = p.numel() * p.element_size()
+            if cur and (axes != cur_axes or p.dtype != cur[0].dtype or size + nbytes > cap):
+                self.buckets.append(cur)
+                self.axes.append(cur_axes)
+                cur, size = [], 0.0
+            cur.append(p)
+            cur_axes = axes
+            size += nbytes
+        if cur:
+            self.buckets.append(cur)
+            self.axes.append(cur_axes)
+        self.where = {id(p): b for b, ps in enumerate(self.buckets) for p in ps}
+        self._ready: list[int] = [0] * len(self.buckets)
+        self._next = 0
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for ps in self.buckets for p in ps]
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        b = self.where[id(p)]
+        self._ready[b] += 1
+        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
+            self._flush(self._next)
+            self._ready[self._next] = 0
+            self._next += 1
+        if self._next == len(self.buckets):
+            self._next = 0  # the next backward starts over
+
+    @torch.no_grad()
+    def _flush(self, b: int) -> None:
+        ps = self.buckets[b]
+        flat = torch.cat([p.grad.reshape(-1) for p in ps])
+        for axis in self.axes[b]:
+            flat = self.groups[axis].all_reduce(flat)
+        off = 0
+        for p in ps:
+            n = p.numel()
+            p.grad.copy_(flat[off:off + n].view_as(p.grad))
+            off += n
