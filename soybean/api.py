@@ -41,11 +41,15 @@ def check_plan(p: Plan, fingerprint: str, world: int) -> None:
 def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int | None = None, mesh: tuple | Mesh | None = None,
                 plan: Plan | str | Path | None = None, objective: str = "time", profile: str | None = None,
                 mode: str = "auto", rank: int | None = None, groups: Sequence[Group] | None = None,
-                captured: "Captured | None" = None) -> ParallelModule:
+                captured: "Captured | None" = None, local_batch: bool = False) -> ParallelModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
 
     ``mesh``: a shape such as ``(2, 2)`` (default: the planner picks).  ``plan``: a Plan or a path to
     its JSON.  ``mode``: ``auto`` (optimal), ``dp`` or ``mp`` (forced baselines).
+
+    ``local_batch=True`` is the cheaper contract: ``example_inputs`` is still the global batch, but
+    at run time each rank passes only its dim-0 slice (``pmodel.local_slice(x)``) and non-scalar
+    outputs come back as this rank's tile (losses stay whole).  Nothing is sliced or gathered.
     """
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if isinstance(mesh, Mesh):
@@ -75,9 +79,9 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
     p = _resolve_plan(plan)
     if p is None:
         if simulated or world == 1:
-            p = make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode, baselines=False, captured=cap)
+            p = make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode, baselines=False, captured=cap, local_batch=local_batch)
         else:  # plan once on rank 0 and broadcast: every rank runs the same plan
-            box = [make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode, baselines=False, captured=cap).to_json() if rank == 0 else None]
+            box = [make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode, baselines=False, captured=cap, local_batch=local_batch).to_json() if rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             p = Plan.from_dict(json.loads(box[0]))
     check_plan(p, cap.fingerprint, world)

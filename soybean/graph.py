@@ -179,7 +179,7 @@ PINNED = 1e30  # cost of a forbidden resharding
 
 
 def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time", domains: dict[str, list[tuple]] | None = None,
-          pin_params: bool = False) -> PlanGraph:
+          pin_params: bool = False, local_outputs: bool = False) -> PlanGraph:
     """Variables and edges of ``cap`` on ``mesh``.
 
     ``domains`` optionally restricts placeholders (by parameter FQN or input name)
@@ -246,6 +246,8 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
         elif node.op == "output":
             outs, _ = tree_flatten(node.args)
             outs = [o for o in outs if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
+            if local_outputs:  # only scalars (losses) must be whole; other outputs stay as tiled
+                outs = [o for o in outs if o.meta["val"].dim() == 0]
             st = Strategy(tuple((R,) * mesh.ndim for _ in outs), ())
             v = _add_var(g, Var("output", "output", [st], np.zeros(1), np.zeros(1)))
             for i, a in enumerate(outs):

@@ -40,6 +40,7 @@ class Plan:
     meshes: list[dict[str, Any]] = field(default_factory=list)
     fallback_ops: list[str] = field(default_factory=list)
     layers: list[dict[str, Any]] = field(default_factory=list)
+    local_batch: bool = False         # inputs arrive as each rank's dim-0 slice; outputs stay tiled
     schema_version: int = SCHEMA_VERSION
 
     # ---- placements as objects ----

@@ -49,19 +49,30 @@ class Result:
         return self.comm_bytes if objective == "comm" else self.step_time_s
 
 
-def _domains(cap: Captured, mesh: Mesh, mode: str) -> dict[str, list[tuple]]:
+def _batch_split(cap: Captured, mesh: Mesh) -> dict[str, list[tuple]]:
+    """Every user input split on dim 0 over the whole mesh (replicated when it cannot be)."""
     n = mesh.ndim
     doms: dict[str, list[tuple]] = {}
     vals = {node.name: node.meta.get("val") for node in cap.graph.nodes if node.op == "placeholder"}
+    for name in cap.inputs:
+        v = vals.get(name)
+        ok = isinstance(v, torch.Tensor) and v.dim() and is_valid((Shard(0),) * n, tuple(v.shape), mesh)
+        doms[name] = [(Shard(0),) * n] if ok else [(R,) * n]
+    return doms
+
+
+def _domains(cap: Captured, mesh: Mesh, mode: str, local_batch: bool = False) -> dict[str, list[tuple]]:
+    n = mesh.ndim
+    doms: dict[str, list[tuple]] = {}
+    vals = {node.name: node.meta.get("val") for node in cap.graph.nodes if node.op == "placeholder"}
+    if local_batch and mode == "mp":
+        raise ValueError("local_batch splits the inputs by batch, the model-parallel baseline replicates them: use mode auto or dp")
+    if local_batch:
+        doms.update(_batch_split(cap, mesh))
     if mode == "dp":
         for name, fqn in cap.params.items():
             doms[fqn] = [(R,) * n]
-        for name in cap.inputs:
-            v = vals.get(name)
-            if isinstance(v, torch.Tensor) and v.dim() and is_valid((Shard(0),) * n, tuple(v.shape), mesh):
-                doms[name] = [(Shard(0),) * n]
-            else:
-                doms[name] = [(R,) * n]
+        doms.update(_batch_split(cap, mesh))
     elif mode == "mp":
         for name in cap.inputs:
             doms[name] = [(R,) * n]
@@ -84,11 +95,13 @@ def _all_shard_tilings(shape: tuple[int, ...], mesh: Mesh) -> list[tuple]:
     return out
 
 
-def solve_on(cap: Captured, mesh: Mesh, profile: Profile, objective: str, solver: str = "ilp", memory_bytes: float | None = None, mode: str = "auto") -> Result:
+def solve_on(cap: Captured, mesh: Mesh, profile: Profile, objective: str, solver: str = "ilp", memory_bytes: float | None = None, mode: str = "auto",
+             local_batch: bool = False) -> Result:
     """Build the candidate table on ``mesh`` and solve it."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
-    g = build(cap, mesh, profile, objective=objective, domains=_domains(cap, mesh, mode), pin_params=mode in ("dp", "mp"))
+    g = build(cap, mesh, profile, objective=objective, domains=_domains(cap, mesh, mode, local_batch), pin_params=mode in ("dp", "mp"),
+              local_outputs=local_batch)
     sol = solve(to_problem(g, objective, memory_bytes), solver)
     return evaluate(g, sol)
 
@@ -106,8 +119,12 @@ def evaluate(g: PlanGraph, sol: Solution) -> Result:
 
 def plan(model: torch.nn.Module | None, example_inputs: tuple = (), devices: int | None = None, *, mesh: Mesh | tuple | None = None,
          objective: str = "time", profile: str | Profile | None = None, solver: str = "ilp", memory_gb: float | None = None,
-         mode: str = "auto", baselines: bool = True, captured: Captured | None = None) -> Plan:
-    """The best plan for ``model`` on ``devices`` (or on ``mesh``)."""
+         mode: str = "auto", baselines: bool = True, captured: Captured | None = None, local_batch: bool = False) -> Plan:
+    """The best plan for ``model`` on ``devices`` (or on ``mesh``).
+
+    ``local_batch``: the cheaper contract -- every input split on dim 0 over the whole mesh (each
+    rank passes its slice) and non-scalar outputs left in their planned tiling.
+    """
     if mesh is not None and not isinstance(mesh, Mesh):
         mesh = Mesh(tuple(mesh))
     if devices is None:
@@ -120,7 +137,7 @@ def plan(model: torch.nn.Module | None, example_inputs: tuple = (), devices: int
     cap = captured or capture(model, tuple(example_inputs))
     budget = memory_gb * 2**30 if memory_gb else None
     t0 = time.perf_counter()
-    results = [solve_on(cap, m, prof, objective, solver, budget, mode) for m in ([mesh] if mesh else factorizations(devices))]
+    results = [solve_on(cap, m, prof, objective, solver, budget, mode, local_batch) for m in ([mesh] if mesh else factorizations(devices))]
     best = min(results, key=lambda r: (r.value(objective), r.graph.mesh.ndim))
     seconds = time.perf_counter() - t0
     base: dict[str, dict[str, float]] = {}
@@ -134,7 +151,9 @@ def plan(model: torch.nn.Module | None, example_inputs: tuple = (), devices: int
                 pass
     if best.graph.fallback_ops:
         warnings.warn(f"soybean: no sharding rule for {', '.join(best.graph.fallback_ops)}; these ops run replicated", stacklevel=2)
-    return to_plan(cap, best, objective, prof.name, devices, base, seconds, solver, results)
+    out = to_plan(cap, best, objective, prof.name, devices, base, seconds, solver, results)
+    out.local_batch = local_batch
+    return out
 
 
 def to_plan(cap: Captured, r: Result, objective: str, profile: str, devices: int, baselines: dict, seconds: float, solver: str, all_results: list[Result]) -> Plan:

@@ -27,7 +27,7 @@ from ..plan import Plan
 from ..reshard import apply_step, plan_reshard
 from ..rules.base import Strategy, make_opspec
 from ..runtime import context as rt
-from ..tiling import Placement, R, Replicate, local_shape, parse_placement
+from ..tiling import Partial, Placement, R, Replicate, local_shape, parse_placement
 
 Tiling = tuple[Placement, ...]
 
@@ -116,7 +116,8 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
                 tiles[node.name] = [_tiling(plan.params[fqn]) if fqn in plan.params else full]
             elif node.name in plan.inputs and isinstance(_val(node), torch.Tensor):
                 want = _tiling(plan.inputs[node.name])
-                env[node.name] = emit_reshard(g, ph, tuple(_val(node).shape), full, want, (), mesh, coords)
+                if not plan.local_batch:  # full inputs arrive on every rank: keep my tile
+                    env[node.name] = emit_reshard(g, ph, tuple(_val(node).shape), full, want, (), mesh, coords)
                 tiles[node.name] = [want]
             else:
                 tiles[node.name] = [full]
@@ -171,7 +172,9 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
             for a in flat:
                 if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor):
                     x, src, spa = source(a, tuple(_val(a).shape))
-                    res.append(emit_reshard(g, x, tuple(_val(a).shape), src, full, (), mesh, coords, spa))
+                    # the local-batch contract returns tiles: only pending sums are reduced
+                    dst = full if not plan.local_batch or _val(a).dim() == 0 else tuple(R if isinstance(p_, Partial) else p_ for p_ in src)
+                    res.append(emit_reshard(g, x, tuple(_val(a).shape), src, dst, (), mesh, coords, spa))
                 elif isinstance(a, fx.Node):
                     res.append(env[a.name])
                 else:

@@ -80,6 +80,13 @@ class ParallelModule(nn.Module):
         sync = self.program.meta.get("grad_sync", {})
         self._grad_sync = GradSync([(self.get_parameter(fqn), axes) for kind, fqn in self._order if fqn in sync for axes in [sync[fqn]]], self._groups) if sync else None
 
+    def local_slice(self, x: torch.Tensor, input_index: int = 0) -> torch.Tensor:
+        """This rank's tile of a full input, under the plan's tiling of input ``input_index``
+        (what a data loader feeds each rank under ``local_batch=True``)."""
+        name = self._cap.inputs[input_index]
+        tiling = tuple(parse_placement(s) for s in self.plan.inputs.get(name, ["R"] * self._mesh.ndim))
+        return local_tile(x, tiling, self._mesh, self._coords)
+
     def _tensor(self, kind: str, fqn: str) -> torch.Tensor:
         return self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn)
 
