@@ -49,7 +49,7 @@ def train_serial(model: torch.nn.Module, inputs: tuple, steps: int = 3, lr: floa
     return Trace(losses, grads, {k: p.detach().clone() for k, p in m.named_parameters()}, {k: b.clone() for k, b in m.named_buffers()})
 
 
-def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | None = None, *, devices: int | None = None,
+def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | str | None = None, *, devices: int | None = None,
                            mesh: tuple | None = None, mode: str = "auto", objective: str = "time", steps: int = 3, lr: float = 1e-3) -> tuple[Trace, Plan]:
     """Every rank as a thread: parallelize, train ``steps`` steps, gather full grads/params."""
     from .api import parallelize
@@ -58,6 +58,8 @@ def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | N
     from .capture import capture
 
     cap = capture(model, inputs)
+    if isinstance(plan, str):
+        plan = Plan.load(plan)
     if plan is None:
         plan = make_plan(None, (), captured=cap, devices=devices or (Mesh(mesh).size if mesh else 1), mesh=mesh, mode=mode, objective=objective, baselines=False)
     m_shape = Mesh(tuple(plan.mesh))

@@ -146,6 +146,11 @@ def test_cli_plan_table_and_json(tmp_path) -> None:
     assert r.returncode == 0, r.stderr
     d = json.loads(out.read_text())
     assert d["mesh"] == [2] and d["schema_version"] == 1
+    code = tmp_path / "code"
+    r = run_cli("plan", "examples.models:mlp", "--devices", "2", "--arg", "hidden=64", "--objective", "comm", "--emit-code", str(code))
+    assert r.returncode == 0, r.stderr
+    text = (code / "rank1.py").read_text()
+    assert "def forward" in text and "torch.ops.aten.linear.default" in text and "sb_" in text
 
 
 @pytest.mark.parametrize("args,msg", [
