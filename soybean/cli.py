@@ -84,6 +84,12 @@ def _cmd_run(a: argparse.Namespace) -> int:
                 p.kill()
 
 
+def _cmd_calibrate(a: argparse.Namespace) -> int:
+    from .calibrate import main_cli
+
+    return main_cli(a.devices, a.out, a.reps)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="soybean", description="Automatic tensor-tiling parallelizer for PyTorch")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -105,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("script")
     r.add_argument("script_args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=_cmd_run)
+    c = sub.add_parser("calibrate", help="measure collectives and compute here; write a profile for --profile")
+    c.add_argument("--devices", type=int, default=2)
+    c.add_argument("--out", help="profile JSON to write (default: print it)")
+    c.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (median)")
+    c.set_defaults(fn=_cmd_calibrate)
     return ap
 
 

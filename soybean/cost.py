@@ -83,7 +83,7 @@ def reshard_cost(src: tuple, dst: tuple, shape: tuple, itemsize: int, mesh: Mesh
     """Forward + backward cost of turning ``src`` into ``dst`` for one tensor."""
     nb = ns = 0.0
     for kind, axis, tiling in _collectives(src, dst, tuple(partial_grad_axes), tuple(src_partial_axes), needs_grad):
-        a, b = profile.ab(axis)
+        a, b = profile.ab(axis, kind)
         c = collective(kind, float(max_local_numel(shape, tiling, mesh) * itemsize), mesh.shape[axis], a, b)
         nb += c.bytes
         ns += c.seconds

@@ -20,7 +20,7 @@ import itertools
 import math
 import operator
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -179,11 +179,13 @@ PINNED = 1e30  # cost of a forbidden resharding
 
 
 def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time", domains: dict[str, list[tuple]] | None = None,
-          pin_params: bool = False, local_outputs: bool = False) -> PlanGraph:
+          pin_params: bool = False, local_outputs: bool = False, divide_work: bool | None = None) -> PlanGraph:
     """Variables and edges of ``cap`` on ``mesh``.
 
     ``domains`` optionally restricts placeholders (by parameter FQN or input name)
     to given tilings: the data- and model-parallel baselines are built this way.
+    ``divide_work`` (default: only for the ``comm`` objective) keeps only strategies
+    that cut every op's work on every axis wherever the rules allow one.
     """
     g = PlanGraph(mesh, profile)
     domains = domains or {}
@@ -229,12 +231,13 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
             tensor_args = [a for a in args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
             sources = [source(a) for a in tensor_args]
             strategies = [s for s in strategies if not _needless_partial(g, s, sources)] or strategies
-            if objective == "comm":
+            if divide_work if divide_work is not None else objective == "comm":
                 # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
                 full = [s for s in strategies if all(s.divides_work())]
                 strategies = full or strategies
             flops, byts = _flops(op)
-            compute = np.array([compute_seconds(flops, byts, work_fraction(s.divides_work(), mesh), profile) for s in strategies])
+            rate = profile if not (op.name.startswith("aten.conv") and profile.conv_flops) else replace(profile, flops=profile.conv_flops)
+            compute = np.array([compute_seconds(flops, byts, work_fraction(s.divides_work(), mesh), rate) for s in strategies])
             mem = np.array([sum(max_local_numel(o.shape, t, mesh) * o.dtype.itemsize for o, t in zip(op.outputs, s.outputs)) for s in strategies], dtype=float)
             ng = any(needs_grad.get(a.name, False) for a in tensor_args)
             ng = ng and any(o.dtype.is_floating_point for o in op.outputs)

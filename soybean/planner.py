@@ -5,7 +5,7 @@ device count into 1-3 axes, unless a mesh is given) and keeps the cheapest
 under the objective; it also solves the two baselines on the 1-D mesh:
 
 * ``data_parallel``: every parameter replicated and used replicated (no op may
-  slice a weight), every input split on dim 0;
+  slice a weight), every input split on dim 0, every op's work divided;
 * ``model_parallel``: inputs replicated, every parameter with 2+ dims stored
   split on every axis and used where it is stored, never gathered (the best
   Megatron-style plan the rules allow; gathering would make it FSDP).
@@ -101,7 +101,7 @@ def solve_on(cap: Captured, mesh: Mesh, profile: Profile, objective: str, solver
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
     g = build(cap, mesh, profile, objective=objective, domains=_domains(cap, mesh, mode, local_batch), pin_params=mode in ("dp", "mp"),
-              local_outputs=local_batch)
+              local_outputs=local_batch, divide_work=True if mode in ("dp", "mp") else None)
     sol = solve(to_problem(g, objective, memory_bytes), solver)
     return evaluate(g, sol)
 

@@ -22,10 +22,18 @@ class Profile:
     memory_gb: float      # device memory
     axis_alpha: tuple[float, ...] = field(default=())   # optional per-axis overrides (outer axis first)
     axis_beta: tuple[float, ...] = field(default=())
+    conv_flops: float = 0.0                              # convolution FLOP/s; 0: same as ``flops``
+    collectives: tuple[tuple[str, float, float], ...] = field(default=())  # measured (kind, alpha, beta)
 
-    def ab(self, axis: int) -> tuple[float, float]:
-        a = self.axis_alpha[axis] if axis < len(self.axis_alpha) else self.alpha
-        b = self.axis_beta[axis] if axis < len(self.axis_beta) else self.beta
+    def ab(self, axis: int, kind: str = "") -> tuple[float, float]:
+        """alpha, beta for a collective of ``kind`` on mesh ``axis``: a per-axis override, else the
+        calibrated figure for that collective, else the profile's default."""
+        a, b = self.alpha, self.beta
+        for k, ka, kb in self.collectives:
+            if k == kind:
+                a, b = ka, kb
+        a = self.axis_alpha[axis] if axis < len(self.axis_alpha) else a
+        b = self.axis_beta[axis] if axis < len(self.axis_beta) else b
         return a, b
 
     def to_json(self) -> str:
@@ -55,5 +63,7 @@ def load_profile(name_or_path: str | None) -> Profile:
         d = json.loads(p.read_text())
         d["axis_alpha"] = tuple(d.get("axis_alpha", ()))
         d["axis_beta"] = tuple(d.get("axis_beta", ()))
-        return Profile(**d)
+        d["collectives"] = tuple(tuple(x) for x in d.get("collectives", ()))
+        known = set(Profile.__dataclass_fields__)
+        return Profile(**{k: v for k, v in d.items() if k in known})  # e.g. calibrate's raw "measurements"
     raise ValueError(f"unknown profile {name_or_path!r}: use one of {', '.join(sorted(BUILTIN))} or a JSON file from `soybean calibrate`")

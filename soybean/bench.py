@@ -1,0 +1,548 @@
+"""Training-step benchmark: serial, DDP, tensor parallel, FSDP2 and soybean's plans, in one run.
+
+    python scripts/bench.py examples.models:mlp --devices 2 --arg hidden=4096 --arg batch=32 --arg layers=2
+    python scripts/bench.py MODEL --devices N [--arg key=value ...] [--steps 10] [--warmup 3] [--json] [--profile NAME_OR_JSON]
+
+One training step is ``loss = model(*inputs)``, ``loss.backward()``, an AdamW step and
+``zero_grad`` (the model factories return the loss when the target is among the inputs; any
+other output is summed into a scalar).  Every variant builds the model and inputs from the same
+factory call with the same seed.  The reported time is the median of ``--steps`` steps after
+``--warmup`` untimed ones:
+
+* ``serial``: this process, torch's default thread count;
+* ``ddp``: ``DistributedDataParallel`` on N gloo processes, each with its dim-0 slice of every input;
+* ``tp``: ``parallelize_module`` with a Megatron plan: the ``nn.Linear`` modules in order, alternately
+  ``ColwiseParallel`` and ``RowwiseParallel`` (an odd last one stays replicated), inputs replicated;
+* ``fsdp``: FSDP2 ``fully_shard`` on every Linear/Conv module and then the root, batch split;
+* ``soybean`` / ``soybean_dp`` / ``soybean_mp``: ``soybean.parallelize`` with the optimal plan
+  (``objective="time"``) and the forced data- and model-parallel plans, full batch on every rank.
+
+The N ranks are spawned once and run every distributed variant in turn in one process group,
+one thread per rank.  Each timed step starts and ends with a barrier and is timed on rank 0.
+soybean's plans are made once, in this process, before the spawn (exactly the call
+``parallelize`` makes on rank 0), so a plan that cannot be made is a null with its reason rather
+than a hang.  A variant that fails, or a full-batch variant whose first loss differs from the
+serial one, reports null and the reason; the other variants still run.
+
+Ratios are speedups: ``speedup vs serial = serial time / variant time`` (above 1 is faster).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import modelref
+from .plan import Plan
+
+__all__ = ["BenchConfig", "VARIANTS", "run_bench", "format_table", "spearman", "tp_layout", "add_parser", "cmd_bench", "main"]
+
+SERIAL = "serial"
+DIST_VARIANTS: tuple[str, ...] = ("ddp", "tp", "fsdp", "soybean", "soybean_dp", "soybean_mp")
+VARIANTS: tuple[str, ...] = (SERIAL, *DIST_VARIANTS)
+SOYBEAN_MODES: dict[str, str] = {"soybean": "auto", "soybean_dp": "dp", "soybean_mp": "mp"}
+# Variants whose every rank sees the whole batch: their loss must equal the serial loss.
+FULL_BATCH: frozenset[str] = frozenset({SERIAL, "tp", *SOYBEAN_MODES})
+LOSS_RTOL = 1e-3
+_SHARDED_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+class Unavailable(Exception):
+    """A variant that cannot run for this model; the message is the reason reported."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to benchmark and how long."""
+
+    model: str                                  # pkg.module:fn or path/file.py:fn
+    devices: int
+    args: dict[str, Any] = field(default_factory=dict)
+    steps: int = 10
+    warmup: int = 3
+    profile: str = "cpu-gloo"
+    timeout_s: float = 1800.0                   # for the whole spawned run
+    lr: float = 1e-3
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` for settings that cannot run."""
+        if self.devices < 1:
+            raise ValueError(f"--devices must be >= 1, got {self.devices}")
+        if self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        from .profiles import load_profile
+
+        load_profile(self.profile)
+
+
+@dataclass
+class Measurement:
+    """One variant's outcome: a median step time, or ``None`` and the reason."""
+
+    step_s: float | None = None
+    reason: str | None = None
+    loss: float | None = None                  # first step's loss over the global batch
+
+    @staticmethod
+    def failed(err: BaseException) -> "Measurement":
+        """A null measurement whose reason is ``err`` in one line."""
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        reason = text if isinstance(err, Unavailable) else f"{type(err).__name__}: {text}".rstrip(": ")
+        return Measurement(reason=reason[:400])
+
+
+@dataclass
+class Prepared:
+    """A variant ready to train: the module to call, the inputs this rank passes, layout notes."""
+
+    model: nn.Module
+    inputs: tuple
+    layout: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- one training step, timed ------------------------------------------------------
+
+
+def _as_loss(out: Any) -> torch.Tensor:
+    """The scalar to call ``backward`` on: the loss itself, or the sum of the (first) output."""
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"the model returned {type(out).__name__}, not a tensor")
+    return out if out.dim() == 0 else out.float().sum()
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple) -> torch.Tensor:
+    """Forward, backward, AdamW step, zero_grad; returns the detached loss."""
+    loss = _as_loss(model(*inputs))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _time_steps(step: Callable[[], torch.Tensor], steps: int, warmup: int, sync: Callable[[], None]) -> tuple[float, float]:
+    """Median seconds of ``steps`` steps after ``warmup`` untimed ones, and the first step's loss.
+
+    ``sync`` runs before and after every timed step (a barrier across ranks, or nothing).
+    """
+    first: torch.Tensor | None = None
+    for _ in range(warmup):
+        loss = step()
+        first = loss if first is None else first
+    times: list[float] = []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        loss = step()
+        sync()
+        times.append(time.perf_counter() - t0)
+        first = loss if first is None else first
+    assert first is not None
+    return statistics.median(times), float(local_value(first))
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local value (a replicated loss), else the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _load(cfg: BenchConfig) -> tuple[nn.Module, tuple]:
+    """A fresh model and inputs from the factory, under the benchmark seed."""
+    torch.manual_seed(cfg.seed)
+    return modelref.load(cfg.model, cfg.args)
+
+
+def _measure(prepare: Callable[[nn.Module, tuple], Prepared], cfg: BenchConfig, sync: Callable[[], None]) -> tuple[Measurement, dict[str, Any]]:
+    """Build a fresh model, prepare it for the variant, train it and time it."""
+    model, inputs = _load(cfg)
+    prep = prepare(model, inputs)
+    opt = torch.optim.AdamW(prep.model.parameters(), lr=cfg.lr)
+    step_s, loss = _time_steps(functools.partial(_train_step, prep.model, opt, prep.inputs), cfg.steps, cfg.warmup, sync)
+    return Measurement(step_s=step_s, loss=loss), prep.layout
+
+
+# ---- the variants ------------------------------------------------------------------
+
+
+def batch_slice(inputs: tuple, rank: int, world: int) -> tuple:
+    """This rank's dim-0 slice of every tensor input (``tensor_split``: uneven batches allowed)."""
+    out = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            if x.shape[0] < world:
+                raise Unavailable(f"batch {x.shape[0]} is smaller than {world} ranks: nothing to split")
+            x = x.tensor_split(world)[rank]
+        out.append(x)
+    return tuple(out)
+
+
+def tp_layout(model: nn.Module) -> dict[str, str]:
+    """Megatron pairing: the ``nn.Linear`` modules in order, alternately ``colwise`` and ``rowwise``.
+
+    With an odd count the last Linear is left out (it stays replicated).  Empty when the model has
+    no Linear modules.
+    """
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name]
+    paired = linears[: len(linears) - len(linears) % 2]
+    return {name: ("colwise" if i % 2 == 0 else "rowwise") for i, name in enumerate(paired)}
+
+
+@dataclass
+class _Context:
+    """What a distributed variant needs: its rank, the config, soybean's plans and a device mesh."""
+
+    rank: int
+    world: int
+    cfg: BenchConfig
+    plans: dict[str, Plan | str]
+
+    @functools.cached_property
+    def mesh(self) -> Any:
+        """A 1-D CPU DeviceMesh over every rank (for TP and FSDP2), created on first use."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh("cpu", (self.world,))
+
+
+def _prepare_serial(model: nn.Module, inputs: tuple) -> Prepared:
+    return Prepared(model, inputs)
+
+
+def _prepare_ddp(ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return Prepared(DistributedDataParallel(model), batch_slice(inputs, ctx.rank, ctx.world))
+
+
+def _prepare_tp(ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    layout = tp_layout(model)
+    if not layout:
+        raise Unavailable("no pair of nn.Linear layers to split column- then row-wise")
+    styles = {name: ColwiseParallel() if kind == "colwise" else RowwiseParallel() for name, kind in layout.items()}
+    try:
+        model = parallelize_module(model, ctx.mesh, styles)
+    except Exception as e:  # noqa: BLE001 -- torch raises many kinds; all mean "this plan does not apply"
+        raise Unavailable(f"parallelize_module failed: {type(e).__name__}: {e}") from e
+    return Prepared(model, inputs, layout)
+
+
+def _prepare_fsdp(ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
+    from torch.distributed.fsdp import fully_shard
+
+    wrapped = [name for name, m in model.named_modules() if name and isinstance(m, _SHARDED_MODULES)]
+    for name in wrapped:
+        fully_shard(model.get_submodule(name), mesh=ctx.mesh)
+    fully_shard(model, mesh=ctx.mesh)
+    return Prepared(model, batch_slice(inputs, ctx.rank, ctx.world), {"fully_shard": [*wrapped, "<root>"]})
+
+
+def _prepare_soybean(variant: str, ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
+    import soybean
+
+    plan = ctx.plans[variant]
+    if not isinstance(plan, Plan):
+        raise Unavailable(plan)
+    pmodel = soybean.parallelize(model, inputs, devices=ctx.world, objective="time", profile=ctx.cfg.profile,
+                                 mode=SOYBEAN_MODES[variant], plan=plan)
+    return Prepared(pmodel, inputs, plan_summary(plan))
+
+
+_DIST_PREPARE: dict[str, Callable[[_Context, nn.Module, tuple], Prepared]] = {
+    "ddp": _prepare_ddp,
+    "tp": _prepare_tp,
+    "fsdp": _prepare_fsdp,
+    **{v: functools.partial(_prepare_soybean, v) for v in SOYBEAN_MODES},
+}
+
+
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """The part of a plan a reader compares: mesh and parameter tilings."""
+    return {"mesh": list(plan.mesh), "params": dict(plan.params)}
+
+
+# ---- the spawned ranks -------------------------------------------------------------
+
+
+def _run_dist_variant(variant: str, ctx: _Context) -> tuple[Measurement, dict[str, Any]]:
+    """Run one variant on this rank, then agree with the other ranks on its outcome.
+
+    Every rank reports (time, loss, error); the outcome is a failure when any rank failed, the
+    time is rank 0's and the loss the mean over ranks (the global loss for an even batch split).
+    """
+    torch.manual_seed(ctx.cfg.seed)
+    try:
+        m, layout = _measure(functools.partial(_DIST_PREPARE[variant], ctx), ctx.cfg, dist.barrier)
+    except Exception as e:  # noqa: BLE001 -- a failing variant is reported, the others still run
+        m, layout = Measurement.failed(e), {}
+    reports: list[Any] = [None] * ctx.world
+    dist.all_gather_object(reports, asdict(m))
+    bad = [(r, rep["reason"]) for r, rep in enumerate(reports) if rep["step_s"] is None]
+    if bad:
+        rank, reason = bad[0]
+        return Measurement(reason=reason if ctx.world == 1 else f"{reason} (rank {rank})"), layout
+    m.loss = statistics.fmean(rep["loss"] for rep in reports)
+    return m, layout
+
+
+def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str]) -> dict[str, Any] | None:
+    """Body of every spawned rank: one thread, every distributed variant in turn; rank 0 returns them."""
+    torch.set_num_threads(1)
+    ctx = _Context(rank, world, cfg, plans)
+    out: dict[str, Any] = {}
+    for variant in DIST_VARIANTS:
+        m, layout = _run_dist_variant(variant, ctx)
+        out[variant] = {"measurement": m, "layout": layout}
+        gc.collect()
+        dist.barrier()
+    return out if rank == 0 else None
+
+
+# ---- planning, serial, report --------------------------------------------------------
+
+
+def make_plans(cfg: BenchConfig) -> dict[str, Plan | str]:
+    """soybean's plans (optimal, forced DP, forced MP) from one capture; a failure is its reason."""
+    from .capture import capture
+    from .planner import plan
+
+    model, inputs = _load(cfg)
+    try:
+        cap = capture(model, inputs)
+    except Exception as e:  # noqa: BLE001 -- reported for every soybean variant
+        return {v: Measurement.failed(e).reason or "capture failed" for v in SOYBEAN_MODES}
+    plans: dict[str, Plan | str] = {}
+    for variant, mode in SOYBEAN_MODES.items():
+        try:
+            plans[variant] = plan(None, (), cfg.devices, objective="time", profile=cfg.profile, mode=mode, baselines=False, captured=cap)
+        except Exception as e:  # noqa: BLE001
+            plans[variant] = Measurement.failed(e).reason or "planning failed"
+    return plans
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Spearman's rank correlation (average ranks for ties); ``None`` below 2 points or with no spread."""
+    if len(xs) != len(ys):
+        raise ValueError("spearman needs two sequences of the same length")
+    if len(xs) < 2:
+        return None
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / var if var > 0 else None
+
+
+def _ranks(xs: Sequence[float]) -> list[float]:
+    """1-based ranks, ties sharing their average rank."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def machine_info(serial_threads: int) -> dict[str, Any]:
+    """Cores, CPU, load, torch and Python versions: what the timings depend on."""
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cores": cores, "cpu_count": os.cpu_count(), "cpu": cpu,
+        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+        "serial_threads": serial_threads, "rank_threads": 1, "backend": "gloo",
+    }
+
+
+def _speedup(base: float | None, t: float | None) -> float | None:
+    """``base / t``: how many times faster ``t`` is; ``None`` when either is missing."""
+    return base / t if base and t else None
+
+
+def _check_losses(ms: dict[str, Measurement], notes: dict[str, str]) -> None:
+    """A full-batch variant must reproduce the serial first loss: TP's heuristic plan is nulled, soybean noted."""
+    ref = ms[SERIAL].loss
+    if ref is None:
+        return
+    for v in FULL_BATCH - {SERIAL}:
+        m = ms[v]
+        if m.loss is None or math.isclose(m.loss, ref, rel_tol=LOSS_RTOL, abs_tol=1e-6):
+            continue
+        msg = f"first loss {m.loss:.6g} differs from the serial {ref:.6g}"
+        if v == "tp":
+            ms[v] = Measurement(reason=f"the column/row plan does not compute this model: {msg}", loss=m.loss)
+        else:
+            notes[v] = msg
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Measure every variant; returns the report (``step_s``, ``predicted_step_s``, ``plans``, ``machine``, ...).
+
+    Raises ``ValueError`` for a bad config or model reference, and ``RuntimeError`` /
+    ``TimeoutError`` when the spawned ranks fail outside a variant.
+    """
+    from .runtime.launch import spawn
+
+    cfg.validate()
+    serial_threads = torch.get_num_threads()
+    machine = machine_info(serial_threads)
+    ms: dict[str, Measurement] = {}
+    layouts: dict[str, dict[str, Any]] = {}
+    ms[SERIAL], _ = _measure(_prepare_serial, cfg, lambda: None)
+    gc.collect()
+    plans = make_plans(cfg)
+    for variant, rec in spawn(_worker, cfg.devices, cfg, plans, timeout_s=cfg.timeout_s)[0].items():
+        ms[variant], layouts[variant] = rec["measurement"], rec["layout"]
+    notes: dict[str, str] = {}
+    _check_losses(ms, notes)
+    predicted = {v: (p.cost["step_time_s"] if isinstance(p, Plan) else None) for v, p in plans.items()}
+    ranked = [v for v in SOYBEAN_MODES if predicted[v] is not None and ms[v].step_s is not None]
+    rho = spearman([predicted[v] for v in ranked], [ms[v].step_s for v in ranked])
+    step_s = {v: ms[v].step_s for v in VARIANTS}
+    return {
+        "model": cfg.model, "args": dict(cfg.args), "devices": cfg.devices, "steps": cfg.steps, "warmup": cfg.warmup,
+        "profile": cfg.profile,
+        "step_s": step_s,
+        "reasons": {v: ms[v].reason for v in VARIANTS if ms[v].step_s is None},
+        "speedup_vs_serial": {v: _speedup(step_s[SERIAL], t) for v, t in step_s.items()},
+        "speedup_vs_ddp": {v: _speedup(step_s["ddp"], t) for v, t in step_s.items()},
+        "predicted_step_s": predicted,
+        "spearman": {"rho": rho, "variants": ranked},
+        "plans": {v: plan_summary(p) for v, p in plans.items() if isinstance(p, Plan)},
+        "tp_layout": layouts.get("tp", {}),
+        "first_loss": {v: ms[v].loss for v in VARIANTS},
+        "notes": notes,
+        "machine": machine,
+    }
+
+
+# ---- output --------------------------------------------------------------------------
+
+
+def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    """``x`` formatted, or ``-`` for a null."""
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _ms(seconds: float | None) -> str:
+    """Seconds as milliseconds with one decimal, or ``-``."""
+    return _fmt(None if seconds is None else seconds * 1e3, ".1f")
+
+
+def _brief_params(params: dict[str, list[str]], limit: int = 8) -> str:
+    """``inp.weight S(0), out.weight S(1), ...`` for the first ``limit`` parameters."""
+    items = [f"{k} {','.join(v)}" for k, v in params.items()]
+    more = f", ... (+{len(items) - limit})" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The human-readable report: one row per variant, then the plans and the rank correlation."""
+    m = report["machine"]
+    args = " ".join(f"{k}={v}" for k, v in report["args"].items())
+    lines = [
+        f"{report['model']} {args} | {report['devices']} ranks | median of {report['steps']} steps after {report['warmup']} warm-up"
+        f" | profile {report['profile']}",
+        f"machine: {m['cores']} cores ({m['cpu']}), load {_fmt(m['loadavg_1m'], '.2f')}, torch {m['torch']}, "
+        f"serial {m['serial_threads']} threads, {m['rank_threads']} thread per rank, {m['backend']}",
+        "",
+        f"{'variant':<11} {'step ms':>9} {'vs serial':>10} {'vs ddp':>8} {'predicted ms':>13}  note",
+    ]
+    for v in VARIANTS:
+        t = report["step_s"][v]
+        note = report["reasons"].get(v) or report["notes"].get(v, "")
+        lines.append(f"{v:<11} {_ms(t):>9} {_fmt(report['speedup_vs_serial'][v], '.2f', 'x'):>10} "
+                     f"{_fmt(report['speedup_vs_ddp'][v], '.2f', 'x'):>8} {_ms(report['predicted_step_s'].get(v)):>13}  {note}".rstrip())
+    lines.append("(vs serial / vs ddp: speedup, that time divided by this one; above 1x is faster)")
+    lines.append("")
+    if report["tp_layout"]:
+        lines.append("tp layout: " + ", ".join(f"{k} {s}" for k, s in report["tp_layout"].items()))
+    for v, p in report["plans"].items():
+        lines.append(f"{v} plan: mesh {p['mesh']}: {_brief_params(p['params'])}")
+    sp = report["spearman"]
+    lines.append(f"Spearman rank correlation, predicted vs measured step time over {', '.join(sp['variants']) or 'no plans'}: "
+                 f"{_fmt(sp['rho'], '.2f')} (n={len(sp['variants'])})")
+    return "\n".join(lines) + "\n"
+
+
+# ---- command line --------------------------------------------------------------------
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="pkg.module:fn or path/file.py:fn; fn(**args) returns (model, example_inputs)")
+    p.add_argument("--devices", type=int, required=True, help="number of local gloo processes N")
+    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="keyword for the model factory (repeatable)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    p.add_argument("--profile", default="cpu-gloo", help="soybean's machine profile: cpu-gloo, h100-nvlink or a JSON file")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the spawned ranks are stopped")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand to ``soybean``'s subparsers; its ``fn`` is :func:`cmd_bench`."""
+    p = subparsers.add_parser("bench", help="time a training step: serial, DDP, TP, FSDP2 and soybean's plans",
+                              description=__doc__.split("\n\n")[0])
+    _add_arguments(p)
+    p.set_defaults(fn=cmd_bench)
+    return p
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    """Run the benchmark the parsed arguments describe and print it; the exit code.
+
+    Bad input raises ``ValueError`` (the caller prints it, exit 2); ranks that fail or time out
+    outside a variant print one line and give 1.
+    """
+    cfg = BenchConfig(model=a.model, devices=a.devices, args=modelref.parse_args(a.arg), steps=a.steps, warmup=a.warmup,
+                      profile=a.profile, timeout_s=a.timeout)
+    modelref.resolve(cfg.model)  # a bad reference fails here, before anything runs
+    try:
+        report = run_bench(cfg)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"soybean bench: error: {e}", file=sys.stderr)
+        return 1
+    sys.stdout.write(json.dumps(report, indent=1) + "\n" if a.json else format_table(report))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``scripts/bench.py``: parse ``argv``, run, print; bad input is one line on stderr and exit 2."""
+    ap = argparse.ArgumentParser(prog="bench", description=__doc__.split("\n\n")[0])
+    _add_arguments(ap)
+    a = ap.parse_args(argv)
+    try:
+        return cmd_bench(a)
+    except ValueError as e:
+        print(f"soybean bench: error: {e}", file=sys.stderr)
+        return 2

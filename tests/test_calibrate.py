@@ -1,0 +1,32 @@
+"""Calibration: the ring-model fit recovers known alpha/beta; profiles load from JSON."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from soybean.calibrate import fit
+from soybean.cost import RING_FACTOR
+from soybean.profiles import Profile, load_profile
+
+
+def test_fit_recovers_alpha_beta() -> None:
+    alpha, beta, world = 2e-4, 1e-9, 4
+    rows = []
+    for kind, f in RING_FACTOR.items():
+        for m in (4096, 1 << 20, 64 << 20):
+            full = m * world if kind == "all_gather" else m
+            rows.append({"kind": kind, "bytes": m, "seconds": f * (world - 1) * alpha + f * (world - 1) / world * full * beta})
+    a, b = fit(rows, world)
+    assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(beta, rel=1e-6)
+
+
+def test_profile_json_roundtrip_ignores_measurements(tmp_path) -> None:
+    p = Profile("x", alpha=1e-4, beta=2e-9, flops=1e10, mem_bw=1e9, memory_gb=8, collectives=(("all_gather", 3e-4, 4e-9),))
+    d = json.loads(p.to_json())
+    d["measurements"] = {"collectives": []}
+    path = tmp_path / "prof.json"
+    path.write_text(json.dumps(d))
+    q = load_profile(str(path))
+    assert q == p
+    assert q.ab(0, "all_gather") == (3e-4, 4e-9) and q.ab(0, "all_reduce") == (1e-4, 2e-9)
