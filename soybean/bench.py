@@ -455,8 +455,10 @@ def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
 
 
 def _ms(seconds: float | None) -> str:
-    """Seconds as milliseconds with one decimal, or ``-``."""
-    return _fmt(None if seconds is None else seconds * 1e3, ".1f")
+    """Seconds as milliseconds (one decimal, or 3 significant digits below 1 ms), or ``-``."""
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.1f}" if seconds >= 1e-3 else f"{seconds * 1e3:.3g}"
 
 
 def _brief_params(params: dict[str, list[str]], limit: int = 8) -> str:

@@ -146,7 +146,7 @@ def plan(model: torch.nn.Module | None, example_inputs: tuple = (), devices: int
         for key, m in (("data_parallel", "dp"), ("model_parallel", "mp")):
             try:
                 r = solve_on(cap, flat, prof, objective, "ilp", None, m)
-                base[key] = {"comm_bytes": r.comm_bytes, "step_time_s": r.step_time_s}
+                base[key] = {"comm_bytes": float(r.comm_bytes), "step_time_s": float(r.step_time_s)}
             except RuntimeError:
                 pass
     if best.graph.fallback_ops:
@@ -178,7 +178,8 @@ def to_plan(cap: Captured, r: Result, objective: str, profile: str, devices: int
     return Plan(
         devices=devices, mesh=list(g.mesh.shape), objective=objective, profile=profile, fingerprint=cap.fingerprint,
         params=params, inputs=inputs, nodes=nodes,
-        cost={"comm_bytes": r.comm_bytes, "step_time_s": r.step_time_s, "comm_s": r.comm_s, "compute_s": r.compute_s, "memory_bytes": r.memory},
+        cost={"comm_bytes": float(r.comm_bytes), "step_time_s": float(r.step_time_s), "comm_s": float(r.comm_s), "compute_s": float(r.compute_s),
+              "memory_bytes": float(r.memory)},
         baselines=baselines,
         solver={"name": sol.solver if solver != "brute" else "brute", "status": sol.status, "seconds": seconds, "objective": sol.objective, "bound": sol.bound},
         meshes=[{"mesh": list(x.graph.mesh.shape), "objective": x.value(objective)} for x in all_results],

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from examples.models import alexnet, mlp, transformer, vgg16
+from examples.models import alexnet, mlp, resnet, transformer, vgg16
 from soybean.capture import capture
 from soybean.planner import plan
 
@@ -88,6 +88,7 @@ EXAMPLES = {
     "mlp": lambda: mlp(batch=32, hidden=64, layers=2),
     "alexnet": lambda: alexnet(batch=16, image=32, width=0.25, classes=10),
     "vgg16": lambda: vgg16(batch=8, image=32, width=0.125, classes=10),
+    "resnet": lambda: resnet(batch=8, image=32, width=0.125, classes=10),
     "transformer": lambda: transformer(batch=4, seq=16, hidden=64, layers=2, heads=4),
     "transformer_lm": lambda: transformer(batch=4, seq=16, hidden=64, layers=2, heads=4, vocab=128),
 }
@@ -163,3 +164,51 @@ def test_cli_bad_input_is_one_line_exit_2(args: list[str], msg: str) -> None:
     r = run_cli("plan", *args)
     assert r.returncode == 2
     assert msg in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_capture_error_names_the_construct() -> None:
+    from soybean.capture import CaptureError
+
+    class DataDependent(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.sum() > 0:  # control flow on a tensor value
+                return x * 2
+            return x
+
+    with pytest.raises(CaptureError, match="DataDependent.*torch.export"):
+        capture(DataDependent(), (torch.randn(3),))
+
+
+def test_unknown_op_falls_back_to_replicate_with_one_warning() -> None:
+    """An op without a rule runs replicated; the warning lists it once; the plan still trains like serial."""
+    from soybean.verify import compare, train_parallel_threads, train_serial
+
+    class Repeats(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).repeat(1, 2).pow(2).mean()
+
+    torch.manual_seed(0)
+    m, x = Repeats(), torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="aten.repeat.default") as rec:
+        p = plan(m, (x,), 2, objective="comm", baselines=False)
+    assert sum("no sharding rule" in str(w.message) for w in rec) == 1
+    assert "aten.repeat.default" in p.fallback_ops
+    par, _ = train_parallel_threads(m, (x,), plan=p)
+    assert not compare(train_serial(m, (x,)), par)
+
+
+def test_memory_budget_shards_weights() -> None:
+    """A batch-heavy MLP's comm-optimal plan replicates every weight (data parallel); with a budget
+    below that footprint the ILP must store weights split (FSDP-style) and meet the budget."""
+    m, inp = meta(mlp, batch=8192, hidden=512, layers=2)
+    free = plan(m, inp, 4, mesh=(4,), objective="comm", baselines=False)
+    assert all(v == ["R"] for v in free.params.values())
+    budget = 0.9 * free.cost["memory_bytes"]
+    tight = plan(m, inp, 4, mesh=(4,), objective="comm", baselines=False, memory_gb=budget / 2**30)
+    assert tight.cost["memory_bytes"] <= budget
+    assert any(v != ["R"] for k, v in tight.params.items() if k.endswith("weight"))
+    assert tight.cost["comm_bytes"] >= free.cost["comm_bytes"]
