@@ -19,31 +19,29 @@ from examples.models import mlp  # noqa: E402
 STEPS = 5
 
 
-def serial_losses(kw: dict) -> list[float]:
-    model, (x, y) = mlp(**kw)
+def fit(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = STEPS) -> list[float]:
+    """The user's unchanged training loop: AdamW, loss.backward(), step, zero_grad."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    out = []
-    for _ in range(STEPS):
+    losses = []
+    for _ in range(steps):
         loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        out.append(loss.item())
-    return out
+        losses.append(loss.item())
+    return losses
+
+
+def serial_losses(kw: dict) -> list[float]:
+    model, (x, y) = mlp(**kw)
+    return fit(model, x, y)
 
 
 def train(rank: int, world: int, kw: dict) -> list[float]:
     torch.set_num_threads(1)
     model, (x, y) = mlp(**kw)
     pmodel = soybean.parallelize(model, (x, y), devices=world, objective="time")
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(STEPS):
-        loss = pmodel(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = fit(pmodel, x, y)
     if rank == 0:
         print(f"plan: mesh {pmodel.plan.mesh}, params {pmodel.plan.params}")
     return losses

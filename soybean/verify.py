@@ -34,18 +34,24 @@ def _loss(out: object) -> torch.Tensor:
     raise TypeError("verify needs a model returning a tensor (its loss, or an output to square)")
 
 
-def train_serial(model: torch.nn.Module, inputs: tuple, steps: int = 3, lr: float = 1e-3) -> Trace:
-    m = copy.deepcopy(model)
+def _train(m: torch.nn.Module, inputs: tuple, steps: int, lr: float, grads_of) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``steps`` AdamW steps; returns the losses and ``grads_of(m)`` after the first backward."""
     opt = torch.optim.AdamW(m.parameters(), lr=lr)
     losses, grads = [], {}
     for i in range(steps):
         loss = _loss(m(*inputs))
         loss.backward()
         if i == 0:
-            grads = {k: p.grad.detach().clone() for k, p in m.named_parameters() if p.grad is not None}
+            grads = grads_of(m)
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
+    return losses, grads
+
+
+def train_serial(model: torch.nn.Module, inputs: tuple, steps: int = 3, lr: float = 1e-3) -> Trace:
+    m = copy.deepcopy(model)
+    losses, grads = _train(m, inputs, steps, lr, lambda m: {k: p.grad.detach().clone() for k, p in m.named_parameters() if p.grad is not None})
     return Trace(losses, grads, {k: p.detach().clone() for k, p in m.named_parameters()}, {k: b.clone() for k, b in m.named_buffers()})
 
 
@@ -53,9 +59,8 @@ def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | s
                            mesh: tuple | None = None, mode: str = "auto", objective: str = "time", steps: int = 3, lr: float = 1e-3) -> tuple[Trace, Plan]:
     """Every rank as a thread: parallelize, train ``steps`` steps, gather full grads/params."""
     from .api import parallelize
-    from .planner import plan as make_plan
-
     from .capture import capture
+    from .planner import plan as make_plan
 
     cap = capture(model, inputs)
     if isinstance(plan, str):
@@ -66,16 +71,7 @@ def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | s
 
     def rank_fn(rank: int, groups: list) -> Trace:
         pm = parallelize(model, inputs, plan=plan, rank=rank, groups=groups, captured=cap)
-        opt = torch.optim.AdamW(pm.parameters(), lr=lr)
-        losses, grads = [], {}
-        for i in range(steps):
-            loss = _loss(pm(*inputs))
-            loss.backward()
-            if i == 0:
-                grads = _gather_grads(pm)
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(loss))
+        losses, grads = _train(pm, inputs, steps, lr, _gather_grads)
         full = pm.full_state_dict()
         names = {k for k, _ in model.named_parameters()}
         return Trace(losses, grads, {k: v for k, v in full.items() if k in names}, {k: v for k, v in full.items() if k not in names})

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from examples.models import mlp
+from examples.train_mlp import fit
 from soybean.runtime.launch import spawn
 
 
@@ -14,15 +15,7 @@ def _train(rank: int, world: int) -> list[float]:
     torch.set_num_threads(1)
     model, (x, y) = mlp(batch=8, hidden=16, layers=1)
     pm = soybean.parallelize(model, (x, y), devices=world, mode="mp")
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    out = []
-    for _ in range(3):
-        loss = pm(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+    return fit(pm, x, y, steps=3)
 
 
 def _wrong_world(rank: int, world: int) -> None:
@@ -35,14 +28,7 @@ def _wrong_world(rank: int, world: int) -> None:
 @pytest.mark.dist
 def test_gloo_two_ranks_equal_serial() -> None:
     model, (x, y) = mlp(batch=8, hidden=16, layers=1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref = []
-    for _ in range(3):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
+    ref = fit(model, x, y, steps=3)
     got = spawn(_train, 2, timeout_s=120)
     for r in got:
         assert r == pytest.approx(ref, rel=1e-5)

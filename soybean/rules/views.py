@@ -197,37 +197,22 @@ def slice_(op: OpSpec) -> list[Strategy1D]:
     return renumber(a, [d if (d != dim or whole) else None for d in range(x.ndim)])
 
 
-@register("aten.narrow.default", family="views")
-def narrow(op: OpSpec) -> list[Strategy1D]:
-    a = Args(op)
-    n = _ndim(a)
-    dim = norm_dim(a["dim"], n)
-    return renumber(a, [d if d != dim else None for d in range(n)])
-
-
-@register("aten.select.int", family="views")
+@register("aten.select.int", "aten.unbind.int", family="views")
 def select(op: OpSpec) -> list[Strategy1D]:
+    """``dim`` disappears (one index, or one output per index): every other dim may be sharded."""
     a = Args(op)
     n = _ndim(a)
     dim = norm_dim(a["dim"], n)
     return renumber(a, [None if d == dim else d - (d > dim) for d in range(n)])
 
 
-@register("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", family="views")
+@register("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.narrow.default", family="views")
 def split(op: OpSpec) -> list[Strategy1D]:
-    """Outputs are pieces along ``dim``: any other dim is sharded on every piece."""
+    """Outputs are pieces along ``dim`` (``narrow``: one piece): any other dim is sharded on every piece."""
     a = Args(op)
     n = _ndim(a)
     dim = norm_dim(a["dim"], n)
     return renumber(a, [d if d != dim else None for d in range(n)])
-
-
-@register("aten.unbind.int", family="views")
-def unbind(op: OpSpec) -> list[Strategy1D]:
-    a = Args(op)
-    n = _ndim(a)
-    dim = norm_dim(a["dim"], n)
-    return renumber(a, [None if d == dim else d - (d > dim) for d in range(n)])
 
 
 def _joined(a: Args) -> tuple[int, int] | None:
