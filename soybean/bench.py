@@ -38,6 +38,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -109,11 +110,10 @@ class Measurement:
 
 @dataclass
 class Prepared:
-    """A variant ready to train: the module to call, the inputs this rank passes, layout notes."""
+    """A variant ready to train: the module to call and the inputs this rank passes."""
 
     model: nn.Module
     inputs: tuple
-    layout: dict[str, Any] = field(default_factory=dict)
 
 
 # ---- one training step, timed ------------------------------------------------------
@@ -170,13 +170,13 @@ def _load(cfg: BenchConfig) -> tuple[nn.Module, tuple]:
     return modelref.load(cfg.model, cfg.args)
 
 
-def _measure(prepare: Callable[[nn.Module, tuple], Prepared], cfg: BenchConfig, sync: Callable[[], None]) -> tuple[Measurement, dict[str, Any]]:
+def _measure(prepare: Callable[[nn.Module, tuple], Prepared], cfg: BenchConfig, sync: Callable[[], None]) -> Measurement:
     """Build a fresh model, prepare it for the variant, train it and time it."""
     model, inputs = _load(cfg)
     prep = prepare(model, inputs)
     opt = torch.optim.AdamW(prep.model.parameters(), lr=cfg.lr)
     step_s, loss = _time_steps(functools.partial(_train_step, prep.model, opt, prep.inputs), cfg.steps, cfg.warmup, sync)
-    return Measurement(step_s=step_s, loss=loss), prep.layout
+    return Measurement(step_s=step_s, loss=loss)
 
 
 # ---- the variants ------------------------------------------------------------------
@@ -243,7 +243,7 @@ def _prepare_tp(ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
         model = parallelize_module(model, ctx.mesh, styles)
     except Exception as e:  # noqa: BLE001 -- torch raises many kinds; all mean "this plan does not apply"
         raise Unavailable(f"parallelize_module failed: {type(e).__name__}: {e}") from e
-    return Prepared(model, inputs, layout)
+    return Prepared(model, inputs)
 
 
 def _prepare_fsdp(ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
@@ -253,7 +253,7 @@ def _prepare_fsdp(ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
     for name in wrapped:
         fully_shard(model.get_submodule(name), mesh=ctx.mesh)
     fully_shard(model, mesh=ctx.mesh)
-    return Prepared(model, batch_slice(inputs, ctx.rank, ctx.world), {"fully_shard": [*wrapped, "<root>"]})
+    return Prepared(model, batch_slice(inputs, ctx.rank, ctx.world))
 
 
 def _prepare_soybean(variant: str, ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
@@ -264,7 +264,7 @@ def _prepare_soybean(variant: str, ctx: _Context, model: nn.Module, inputs: tupl
         raise Unavailable(plan)
     pmodel = soybean.parallelize(model, inputs, devices=ctx.world, objective="time", profile=ctx.cfg.profile,
                                  mode=SOYBEAN_MODES[variant], plan=plan)
-    return Prepared(pmodel, inputs, plan_summary(plan))
+    return Prepared(pmodel, inputs)
 
 
 _DIST_PREPARE: dict[str, Callable[[_Context, nn.Module, tuple], Prepared]] = {
@@ -283,7 +283,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
 # ---- the spawned ranks -------------------------------------------------------------
 
 
-def _run_dist_variant(variant: str, ctx: _Context) -> tuple[Measurement, dict[str, Any]]:
+def _run_dist_variant(variant: str, ctx: _Context) -> Measurement:
     """Run one variant on this rank, then agree with the other ranks on its outcome.
 
     Every rank reports (time, loss, error); the outcome is a failure when any rank failed, the
@@ -291,27 +291,27 @@ def _run_dist_variant(variant: str, ctx: _Context) -> tuple[Measurement, dict[st
     """
     torch.manual_seed(ctx.cfg.seed)
     try:
-        m, layout = _measure(functools.partial(_DIST_PREPARE[variant], ctx), ctx.cfg, dist.barrier)
+        m = _measure(functools.partial(_DIST_PREPARE[variant], ctx), ctx.cfg, dist.barrier)
     except Exception as e:  # noqa: BLE001 -- a failing variant is reported, the others still run
-        m, layout = Measurement.failed(e), {}
+        m = Measurement.failed(e)
     reports: list[Any] = [None] * ctx.world
     dist.all_gather_object(reports, asdict(m))
     bad = [(r, rep["reason"]) for r, rep in enumerate(reports) if rep["step_s"] is None]
     if bad:
         rank, reason = bad[0]
-        return Measurement(reason=reason if ctx.world == 1 else f"{reason} (rank {rank})"), layout
+        return Measurement(reason=reason if ctx.world == 1 else f"{reason} (rank {rank})")
     m.loss = statistics.fmean(rep["loss"] for rep in reports)
-    return m, layout
+    return m
 
 
-def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str]) -> dict[str, Any] | None:
+def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str]) -> dict[str, Measurement] | None:
     """Body of every spawned rank: one thread, every distributed variant in turn; rank 0 returns them."""
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # torch's advice about views; nothing here is in place
     ctx = _Context(rank, world, cfg, plans)
-    out: dict[str, Any] = {}
+    out: dict[str, Measurement] = {}
     for variant in DIST_VARIANTS:
-        m, layout = _run_dist_variant(variant, ctx)
-        out[variant] = {"measurement": m, "layout": layout}
+        out[variant] = _run_dist_variant(variant, ctx)
         gc.collect()
         dist.barrier()
     return out if rank == 0 else None
@@ -320,12 +320,11 @@ def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str
 # ---- planning, serial, report --------------------------------------------------------
 
 
-def make_plans(cfg: BenchConfig) -> dict[str, Plan | str]:
+def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple) -> dict[str, Plan | str]:
     """soybean's plans (optimal, forced DP, forced MP) from one capture; a failure is its reason."""
     from .capture import capture
     from .planner import plan
 
-    model, inputs = _load(cfg)
     try:
         cap = capture(model, inputs)
     except Exception as e:  # noqa: BLE001 -- reported for every soybean variant
@@ -417,12 +416,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     serial_threads = torch.get_num_threads()
     machine = machine_info(serial_threads)
     ms: dict[str, Measurement] = {}
-    layouts: dict[str, dict[str, Any]] = {}
-    ms[SERIAL], _ = _measure(_prepare_serial, cfg, lambda: None)
+    ms[SERIAL] = _measure(_prepare_serial, cfg, lambda: None)
     gc.collect()
-    plans = make_plans(cfg)
-    for variant, rec in spawn(_worker, cfg.devices, cfg, plans, timeout_s=cfg.timeout_s)[0].items():
-        ms[variant], layouts[variant] = rec["measurement"], rec["layout"]
+    model, inputs = _load(cfg)
+    plans, layout = make_plans(cfg, model, inputs), tp_layout(model)
+    del model, inputs
+    gc.collect()
+    ms.update(spawn(_worker, cfg.devices, cfg, plans, timeout_s=cfg.timeout_s)[0])
     notes: dict[str, str] = {}
     _check_losses(ms, notes)
     predicted = {v: (p.cost["step_time_s"] if isinstance(p, Plan) else None) for v, p in plans.items()}
@@ -439,7 +439,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "predicted_step_s": predicted,
         "spearman": {"rho": rho, "variants": ranked},
         "plans": {v: plan_summary(p) for v, p in plans.items() if isinstance(p, Plan)},
-        "tp_layout": layouts.get("tp", {}),
+        "tp_layout": layout,
         "first_loss": {v: ms[v].loss for v in VARIANTS},
         "notes": notes,
         "machine": machine,

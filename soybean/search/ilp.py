@@ -41,6 +41,7 @@ class _Builder:
         self.s = pywraplp.Solver.CreateSolver(backend)
         if self.s is None:
             raise RuntimeError(f"OR-Tools has no {backend} backend in this build")
+        self.s.SuppressOutput()
         self.obj = self.s.Objective()
         self.x: list[list] = []
 
