@@ -1,4 +1,4 @@
-"""``soybean`` command line: plan | run (bench, calibrate and explain come with later issues)."""
+"""``soybean`` command line: plan | run | calibrate | bench."""
 from __future__ import annotations
 
 import argparse
@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="profile JSON to write (default: print it)")
     c.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (median)")
     c.set_defaults(fn=_cmd_calibrate)
+    from .bench import add_parser as add_bench
+
+    add_bench(sub)
     return ap
 
 

@@ -120,6 +120,11 @@ def split_factor(tiling: Sequence[Placement], mesh: Mesh, dim: int) -> int:
 
 def is_valid(tiling: Sequence[Placement], shape: Sequence[int], mesh: Mesh) -> bool:
     """Shards name existing dims, and no device gets an empty tile of a non-empty dim."""
+    return _is_valid(tuple(tiling), tuple(shape), mesh)
+
+
+@lru_cache(maxsize=200_000)
+def _is_valid(tiling: tuple, shape: tuple, mesh: Mesh) -> bool:
     if len(tiling) != mesh.ndim:
         return False
     for pl in tiling:
