@@ -126,6 +126,18 @@ class ParallelModule(nn.Module):
                 return tuple(node.meta["val"].shape)
         raise KeyError(fqn)
 
+    def save_sharded(self, path: str) -> None:
+        """Save this rank's tiles as a ``torch.distributed.checkpoint`` that loads under any plan."""
+        from .checkpoint import save
+
+        save(self, path)
+
+    def load_sharded(self, path: str) -> None:
+        """Load a ``torch.distributed.checkpoint`` (written under any plan) into this rank's tiles."""
+        from .checkpoint import load
+
+        load(self, path)
+
     @torch.no_grad()
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load full tensors (as from the serial model's ``state_dict()``): each rank keeps its tile."""
