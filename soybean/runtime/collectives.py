@@ -37,7 +37,7 @@ __all__ = ["shard_slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_
 
 def _my_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     # A fresh tensor, not a view: autograd outputs that alias inputs complicate in-place use.
-    return take_chunk(x, dim, group.size, group.index).contiguous().clone()
+    return take_chunk(x, dim, group.size, group.index).clone(memory_format=torch.contiguous_format)
 
 
 # ---- R -> S(dim) and its adjoint S(dim) -> R ----------------------------------------
