@@ -230,6 +230,11 @@ class TorchGroup:
                 f"a {dev} tensor cannot use a {self._backend!r} process group; initialise with "
                 f"backend='cpu:gloo,cuda:nccl' (launch.default_backend) or move the tensor")
 
+    def all_reduce_inplace_async(self, t: torch.Tensor) -> Any:
+        """Start summing ``t`` in place; returns the work handle (``.wait()`` it before reading ``t``)."""
+        self._check_device(t)
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         self._check_device(t)
         out = t.detach().contiguous().clone()

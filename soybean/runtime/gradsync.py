@@ -8,9 +8,12 @@ one all-reduce per use in backward, gradients are packed into buckets of about
 ``bucket_mb`` and each bucket is all-reduced once per axis, as soon as all its
 parameters are ready.
 
-Buckets are fixed up front (reverse registration order, like DDP) and flushed
-strictly in bucket order, so every rank issues the same collectives in the same
-order whatever order autograd finishes the gradients in.  With gradient
+Buckets are fixed up front (reverse registration order, like DDP: the first one
+small, so communication starts early) and flushed strictly in bucket order, so
+every rank issues the same collectives in the same order whatever order autograd
+finishes the gradients in.  On a process group a bucket reduced over one axis is
+all-reduced asynchronously, overlapping the rest of backward; the last bucket's
+hook waits for all of them, so gradients are complete when backward returns.  With gradient
 accumulation over several backward passes, call ``zero_grad`` before each
 backward: the hook sums the whole accumulated gradient.
 """
@@ -25,11 +28,13 @@ from .comm import Group
 
 
 class GradSync:
-    def __init__(self, params: Sequence[tuple[nn.Parameter, tuple[int, ...]]], groups: Sequence[Group], bucket_mb: float = 25.0) -> None:
+    def __init__(self, params: Sequence[tuple[nn.Parameter, tuple[int, ...]]], groups: Sequence[Group], bucket_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0) -> None:
         self.groups = list(groups)
         self.buckets: list[list[nn.Parameter]] = []
         self.axes: list[tuple[int, ...]] = []
-        cap = bucket_mb * 2**20
+        self._pending: list[tuple[object, torch.Tensor, int]] = []
+        cap = first_bucket_mb * 2**20
         cur: list[nn.Parameter] = []
         cur_axes: tuple[int, ...] | None = None
         size = 0.0
@@ -41,6 +46,7 @@ class GradSync:
                 self.buckets.append(cur)
                 self.axes.append(cur_axes)
                 cur, size = [], 0.0
+                cap = bucket_mb * 2**20
             cur.append(p)
             cur_axes = axes
             size += nbytes
@@ -61,15 +67,31 @@ class GradSync:
             self._next += 1
         if self._next == len(self.buckets):
             self._next = 0  # the next backward starts over
+            self._finish()
 
     @torch.no_grad()
     def _flush(self, b: int) -> None:
         ps = self.buckets[b]
         flat = torch.cat([p.grad.reshape(-1) for p in ps])
-        for axis in self.axes[b]:
+        axes = self.axes[b]
+        start = getattr(self.groups[axes[0]], "all_reduce_inplace_async", None) if len(axes) == 1 else None
+        if start is not None:
+            self._pending.append((start(flat), flat, b))
+            return
+        for axis in axes:
             flat = self.groups[axis].all_reduce(flat)
+        self._scatter(flat, b)
+
+    @torch.no_grad()
+    def _finish(self) -> None:
+        for work, flat, b in self._pending:
+            work.wait()
+            self._scatter(flat, b)
+        self._pending.clear()
+
+    def _scatter(self, flat: torch.Tensor, b: int) -> None:
         off = 0
-        for p in ps:
+        for p in self.buckets[b]:
             n = p.numel()
             p.grad.copy_(flat[off:off + n].view_as(p.grad))
             off += n
