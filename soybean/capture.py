@@ -6,6 +6,16 @@
 their fully qualified names; a tied weight (one parameter used under two names)
 is one placeholder with several users, the alias's placeholder has none.
 
+Grad-mode regions that ``torch.export`` wraps in a higher-order op (a ``torch.no_grad()``
+block, such as Llama's rotary embedding) are inlined, with their outputs detached, and runtime
+metadata assertions (``_assert_tensor_metadata``: no output, no effect on values) are dropped,
+so every remaining node is a plain aten op.
+
+An attention mask computed from constants only (Hugging Face builds its causal or all-true
+mask from ``arange`` under ``torch.export``, where eager mode passes none) is evaluated once;
+when it is the causal mask it becomes ``is_causal=True``, when it masks nothing it is dropped.
+The mask subgraph then disappears: it was one value read by every layer.
+
 Then a few exact rewrites make losses splittable: ``mean`` and ``mse_loss(mean)``
 become ``sum / n`` and
 ``cross_entropy_loss(reduction='mean')`` becomes ``sum-loss / count`` so that a
@@ -18,10 +28,11 @@ import math
 import operator
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import fx
+from torch.utils._pytree import tree_flatten, tree_map
 
 
 class CaptureError(RuntimeError):
@@ -77,8 +88,8 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
             "tensor values, no .item()/.tolist() on activations) or pass inputs of the shapes you will train with."
         ) from e
     sig = ep.graph_signature
-    params = dict(sig.inputs_to_parameters)
-    buffers = dict(sig.inputs_to_buffers)
+    params = _canonical_names(dict(sig.inputs_to_parameters), model.named_parameters(remove_duplicate=False))
+    buffers = _canonical_names(dict(sig.inputs_to_buffers), model.named_buffers(remove_duplicate=False))
     inputs = list(sig.user_inputs)
     gm = ep.module if False else ep.graph_module
     used = set(params.values()) | set(buffers.values())
@@ -97,8 +108,25 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
                 for other, q in params.items():
                     if q != fq and named.get(q) is named.get(fq):
                         aliases[fq] = q
+    inline_grad_regions(gm)
+    drop_assertions(gm)
+    fold_constant_masks(gm)
     decompose(gm)
     return Captured(gm, params, buffers, inputs, aliases, _fingerprint(gm))
+
+
+def _canonical_names(inputs: dict[str, str], named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """Name each tied tensor by its first FQN, as ``named_parameters()``/``named_buffers()`` do.
+
+    ``torch.export`` may name a tied tensor by any of its FQNs (Hugging Face GPT-2: ``lm_head.weight``
+    rather than ``transformer.wte.weight``); the other names become ``aliases``.
+    """
+    first: dict[int, str] = {}
+    by_name: dict[str, int] = {}
+    for fqn, t in named:
+        first.setdefault(id(t), fqn)
+        by_name[fqn] = id(t)
+    return {ph: first.get(by_name.get(fqn, -1), fqn) for ph, fqn in inputs.items()}
 
 
 # ---- exact rewrites ------------------------------------------------------------------------
@@ -124,6 +152,157 @@ def _call(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None,
             if k in like.meta:
                 node.meta[k] = like.meta[k]
     return node
+
+
+def inline_grad_regions(gm: fx.GraphModule) -> None:
+    """Inline every ``wrap_with_set_grad_enabled(enabled, submod, *args)`` region into the graph.
+
+    ``torch.export`` keeps a ``torch.no_grad()`` block as a call of a submodule.  Its nodes are
+    copied in place of the call (their ``meta['val']`` included); a no-grad region's floating-point
+    outputs go through ``aten.detach``, so values and gradients are exactly those of the model.
+    Nested regions are inlined too (the loop runs until none is left).
+    """
+    g = gm.graph
+    hop = torch.ops.higher_order.wrap_with_set_grad_enabled
+    while True:
+        calls = [n for n in g.nodes if n.op == "call_function" and n.target is hop]
+        if not calls:
+            break
+        for n in calls:
+            enabled, sub, *args = n.args
+            body = getattr(gm, sub.target)
+            env = dict(zip([p for p in body.graph.nodes if p.op == "placeholder"], args))
+            with g.inserting_before(n):
+                result = g.graph_copy(body.graph, env)
+                outs = list(result) if isinstance(result, (tuple, list)) else [result]
+                if not enabled:
+                    outs = [_call(g, aten.detach.default, (o,), like=n) if isinstance(o, fx.Node) and _is_float(o) else o for o in outs]
+            for user in list(n.users):  # getitem(call, i)
+                user.replace_all_uses_with(outs[user.args[1]])
+                g.erase_node(user)
+            g.erase_node(n)
+            if not sub.users:
+                g.erase_node(sub)
+                delattr(gm, sub.target)
+    g.lint()
+    gm.recompile()
+
+
+def _is_float(n: fx.Node) -> bool:
+    """Does the node produce a floating-point tensor?"""
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
+ASSERTIONS = (aten._assert_tensor_metadata.default,)
+
+
+def drop_assertions(gm: fx.GraphModule) -> None:
+    """Erase runtime metadata assertions: they return nothing and check what capture already fixed."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target in ASSERTIONS and not n.users:
+            gm.graph.erase_node(n)
+    gm.recompile()
+
+
+MAX_FOLDED_MASK = 1 << 28  # elements: larger constant masks are kept as computed
+
+
+def _mutates(n: fx.Node) -> bool:
+    """Does the node's op write into an argument (``Tensor(a!)`` in its schema)?"""
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+def _constant_nodes(g: fx.Graph) -> set[fx.Node]:
+    """Nodes whose value depends on no placeholder and no random draw (so on the shapes only).
+
+    Empty when an in-place op writes to such a node: its value would then depend on the order.
+    """
+    const: set[fx.Node] = set()
+    for n in g.nodes:
+        if n.op != "call_function":
+            continue
+        reads = [a for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, fx.Node)]
+        if _mutates(n) and any(a in const for a in reads):
+            return set()
+        if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()) and all(a in const for a in reads):
+            const.add(n)
+    return const
+
+
+def _evaluate(node: fx.Node, memo: dict[fx.Node, Any]) -> Any:
+    """The value of a constant node, computed on the CPU (device arguments are moved there)."""
+    cpu = torch.device("cpu")
+    for n in _cone(node):
+        if n not in memo:
+            args, kwargs = tree_map(lambda a: memo[a] if isinstance(a, fx.Node) else cpu if isinstance(a, torch.device) else a,
+                                    (tuple(n.args), dict(n.kwargs)))
+            memo[n] = n.target(*args, **kwargs)
+    return memo[node]
+
+
+def _cone(node: fx.Node) -> list[fx.Node]:
+    """``node`` and every node it reads, in topological order."""
+    seen: dict[fx.Node, None] = {}
+
+    def visit(n: fx.Node) -> None:
+        if n in seen:
+            return
+        for a in n.all_input_nodes:
+            visit(a)
+        seen[n] = None
+
+    visit(node)
+    return list(seen)
+
+
+def fold_constant_masks(gm: fx.GraphModule) -> None:
+    """Replace a constant boolean ``attn_mask`` of ``scaled_dot_product_attention`` by what it means.
+
+    The mask is evaluated for the captured shapes and broadcast to the scores' ``(..., L, S)``:
+    all true -> no mask; ``tril`` (``L == S``) -> ``is_causal=True``.  Both are exact.  Other masks,
+    masks that depend on inputs and masks over ``MAX_FOLDED_MASK`` elements stay.  When a mask
+    was folded, constant nodes left without users (the mask's subgraph) are erased.
+    """
+    g = gm.graph
+    const = _constant_nodes(g)
+    memo: dict[fx.Node, Any] = {}
+    folded = 0
+    for n in list(g.nodes):
+        if n.op != "call_function" or n.target is not aten.scaled_dot_product_attention.default:
+            continue
+        args = list(n.args) + [None] * (6 - len(n.args))
+        q, k, mask = args[0], args[1], args[3] if args[3] is not None else n.kwargs.get("attn_mask")
+        causal = args[5] if args[5] is not None else n.kwargs.get("is_causal", False)
+        if mask not in const or causal or mask.meta["val"].dtype != torch.bool:
+            continue
+        scores = tuple(q.meta["val"].shape[:-1]) + (k.meta["val"].shape[-2],)
+        if math.prod(scores) > MAX_FOLDED_MASK:
+            continue
+        try:
+            full = _evaluate(mask, memo).expand(scores)
+        except (RuntimeError, NotImplementedError, TypeError):  # an op that cannot run here: keep the mask
+            continue
+        L, S = scores[-2], scores[-1]
+        if bool(full.all()):
+            is_causal = False
+        elif L == S and torch.equal(full, torch.ones(L, S, dtype=torch.bool).tril().expand(scores)):
+            is_causal = True
+        else:
+            continue
+        kwargs = {key: v for key, v in n.kwargs.items() if key not in ("attn_mask", "dropout_p", "is_causal")}
+        dropout_p = args[4] if args[4] is not None else n.kwargs.get("dropout_p", 0.0)
+        n.args = (q, k, args[2], None, dropout_p, is_causal)
+        n.kwargs = kwargs
+        folded += 1
+    if not folded:
+        return
+    for dead in reversed(list(g.nodes)):
+        if dead in const and not dead.users and not _mutates(dead):
+            g.erase_node(dead)
+    g.lint()
+    gm.recompile()
 
 
 def decompose(gm: fx.GraphModule) -> None:

@@ -7,7 +7,8 @@ import warnings
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="pkg.module:fn or path/file.py:fn; fn(**args) returns (model, example_inputs)")
+    p.add_argument("model", help="pkg.module:fn or path/file.py:fn, fn(**args) returning (model, example_inputs); "
+                                 "or hf:NAME, a Hugging Face model type (--arg: config overrides, batch, seq, meta)")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="keyword for the model factory (repeatable)")
 
 

@@ -1,4 +1,8 @@
-"""Model references: ``pkg.module:fn`` or ``path/file.py:fn``; ``fn(**args)`` -> (model, example_inputs)."""
+"""Model references: ``pkg.module:fn``, ``path/file.py:fn`` or ``hf:NAME``; ``fn(**args)`` -> (model, example_inputs).
+
+``hf:NAME`` is a Hugging Face ``transformers`` model type (``hf:gpt2``, ``hf:bert``, ``hf:llama``)
+built with random weights from its config; see ``soybean.hf``.
+"""
 from __future__ import annotations
 
 import ast
@@ -25,8 +29,14 @@ def parse_args(pairs: list[str]) -> dict[str, Any]:
 
 def resolve(ref: str) -> Callable[..., tuple]:
     """The factory function a reference names."""
+    if ref.startswith("hf:"):
+        from . import hf
+
+        if not ref[3:]:
+            raise ValueError(f"bad model reference {ref!r}: write hf:NAME, such as hf:gpt2")
+        return hf.factory(ref[3:])
     if ":" not in ref:
-        raise ValueError(f"bad model reference {ref!r}: write pkg.module:fn or path/file.py:fn")
+        raise ValueError(f"bad model reference {ref!r}: write pkg.module:fn, path/file.py:fn or hf:NAME")
     mod_part, fn_name = ref.rsplit(":", 1)
     if mod_part.endswith(".py"):
         path = Path(mod_part)

@@ -86,6 +86,7 @@ case(aten.to.dtype, X, torch.int64)
 case(aten.to.dtype_layout, X, dtype=torch.float64)
 case(aten._to_copy.default, X, dtype=torch.float64)
 case(aten._to_copy.default, ints(9, 5, 6), dtype=torch.float32)
+case(aten.to.device, X, torch.device("cpu"), torch.float64)
 case(aten.dropout.default, X, 0.0, True)
 case(aten.dropout.default, X, 0.5, False)
 case(aten.type_as.default, X, randn(6, 5, 7, dtype=torch.float64))
@@ -110,6 +111,11 @@ case(aten.div_.Tensor, X, pos(7))
 case(aten.floor_divide.default, ints(20, 6, 5), ints(3, 5) + 1)
 case(aten.logical_and.default, mask(6, 5), mask(5))
 case(aten.logical_or.default, mask(6, 5), mask(6, 1))
+case(aten.__and__.Tensor, mask(6, 5), mask(5))
+case(aten.__and__.Tensor, torch.tensor(True), mask(4, 3, 5, 5))
+case(aten.__or__.Tensor, mask(6, 5), mask(6, 1))
+case(aten.bitwise_and.Tensor, ints(9, 6, 5), ints(9, 5))
+case(aten.bitwise_or.Tensor, ints(9, 6, 5), ints(9, 6, 1))
 for _c in ("eq", "ne", "lt", "le", "gt", "ge"):
     case(getattr(aten, _c).Tensor, X.round(), Y.round())
     case(getattr(aten, _c).Scalar, X.round(), 0.0)
@@ -230,6 +236,28 @@ case(aten.std.correction, X, [1], correction=0, keepdim=True)
 case(aten.var.correction, X, None)
 case(aten.std.dim, X, [2])
 case(aten.cumsum.default, X, 1)
+case(aten.diff.default, X, 1, 1)
+case(aten.diff.default, ints(9, 4, 7), 1, -1, ints(9, 4, 1))
+case(aten.diff.default, X, 2, 0, randn(2, 5, 7), randn(1, 5, 7))
+
+# ---- gathers by index and padding ----------------------------------------------------------
+case(aten.index.Tensor, randn(6, 7), [ints(6, 6, 1, 1, 1), ints(7, 1, 1, 5, 1)])  # HF mask pattern
+case(aten.index.Tensor, ints(9, 6, 7), [ints(6, 6, 1, 1), ints(7, 1, 5, 3)])
+case(aten.index.Tensor, X, [None, ints(5, 4, 3)])
+case(aten.index.Tensor, X, [ints(6, 4), None, ints(7, 4)])
+case(aten.index.Tensor, X, [ints(6, 3, 1), ints(5, 3, 4)])
+case(aten.gather.default, X, 1, ints(5, 6, 3, 7))
+case(aten.gather.default, X, 0, ints(6, 4, 5, 2))
+case(aten.gather.default, ints(3, 1, 12), 1, ints(12, 1, 7))
+case(aten.index_select.default, X, 1, ints(5, 4))
+case(aten.index_select.default, randn(6, 5), 0, ints(6, 7))
+case(aten.pad.default, ints(9, 6, 7), [0, 1], "constant", -100.0)
+case(aten.pad.default, X, [1, 1], "constant", 0.0)
+case(aten.pad.default, X, [1, 2, 0, 0], "reflect")
+case(aten.pad.default, X, [1, 1], "replicate")
+case(aten.pad.default, X, [0, 0, 1, 1], "circular")
+case(aten.constant_pad_nd.default, X, [0, 0, 2, 1])
+case(aten.constant_pad_nd.default, X, [1, 0], 1.5)
 
 # ---- views and data movement -------------------------------------------------------------
 V3 = randn(4, 6, 5)
@@ -383,6 +411,14 @@ WRONG: list[tuple[str, Any, tuple, Callable[[OpSpec], list[Strategy1D]], Mesh]] 
     # cross-entropy mean over uneven chunks
     ("cross_entropy mean", aten.cross_entropy_loss.default, (randn(5, 4), ints(4, 5)),
      _fixed(Strategy1D((S(0), S(0)), (P,))), Mesh((3,))),
+    # the index holds global row numbers: a device's rows of self are not the rows it is asked for
+    ("index on an indexed dim", aten.index.Tensor, (randn(6, 7), [ints(3, 4)]), _fixed(Strategy1D((S(0), R), (S(0),))), Mesh((2,))),
+    # gather reads self at the output's own position off `dim`: a shorter index misaligns the chunks
+    ("gather shorter index", aten.gather.default, (randn(6, 5), 1, ints(5, 4, 5)), _fixed(Strategy1D((S(0), S(0)), (S(0),))), Mesh((2,))),
+    # padding each chunk pads inside the tensor
+    ("pad on its padded dim", aten.pad.default, (randn(6, 5), [1, 1]), _fixed(Strategy1D((S(1),), (S(1),))), Mesh((2,))),
+    # a nonzero pad value would be added once per summand
+    ("pad value on P", aten.constant_pad_nd.default, (randn(6, 5), [1, 1], 1.5), _fixed(Strategy1D((P,), (P,))), Mesh((2,))),
 ]
 
 

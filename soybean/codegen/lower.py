@@ -2,8 +2,9 @@
 
 Every op runs on local tiles; before an op, each tensor argument whose tiling
 (as produced) differs from the tiling the op's strategy takes gets the steps of
-``reshard.plan_reshard`` as ``sb_*`` calls; shape-carrying arguments are
-rewritten by the rule's ``localize`` to this device's tile shapes (which is
+``reshard.plan_reshard`` as ``sb_*`` calls (a parameter or buffer that an op
+updates in place through such a resharded copy is written back to its stored
+tile afterwards); shape-carrying arguments are rewritten by the rule's ``localize`` to this device's tile shapes (which is
 why the program is per rank: with uneven chunks tile shapes depend on the
 coordinates).  User inputs arrive full (``R``) and are sliced; outputs leave
 full (``R``).  The result is an ``fx.GraphModule`` whose ``.code`` is plain
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import operator
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx
@@ -25,7 +26,8 @@ from ..graph import reshard_point_name
 from ..mesh import Mesh
 from ..plan import Plan
 from ..reshard import apply_step, plan_reshard
-from ..rules.base import Strategy, make_opspec
+from ..rules._common import Args
+from ..rules.base import OpSpec, Strategy, make_opspec
 from ..runtime import context as rt
 from ..tiling import Partial, Placement, R, Replicate, local_shape, parse_placement
 
@@ -75,6 +77,34 @@ def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], src: Tiling, d
             raise AssertionError(k)
         cur = nxt
     return x
+
+
+def _batch_norm_writes(a: Args) -> tuple[str, ...]:
+    return ("running_mean", "running_var") if a["training"] else ()
+
+
+# Ops that write into arguments their schema does not mark as written (``Tensor(a!)``):
+# ``aten.batch_norm`` updates its running statistics in place in training mode.
+HIDDEN_WRITES: dict[str, Callable[[Args], tuple[str, ...]]] = {"aten.batch_norm.default": _batch_norm_writes}
+
+
+def written_inputs(op: OpSpec) -> list[int]:
+    """Indices into ``op.inputs`` of the tensors the op writes in place."""
+    schema = getattr(op.target, "_schema", None)
+    names = [x.name for x in schema.arguments if x.alias_info is not None and x.alias_info.is_write] if schema is not None else []
+    a = Args(op)
+    if op.name in HIDDEN_WRITES:
+        names += HIDDEN_WRITES[op.name](a)
+    return [a.slots[n] for n in names if isinstance(a.slots.get(n), int)]
+
+
+def write_back(g: fx.Graph, stored: fx.Node, updated: fx.Node, shape: tuple[int, ...], used: Tiling, kept: Tiling, mesh: Mesh, coords: tuple[int, ...]) -> None:
+    """Copy a state tensor an op updated in place, in tiling ``used``, into its stored tile (tiling ``kept``).
+
+    When the op read a resharded copy of a parameter or buffer (batch norm's running statistics,
+    stored whole and updated channel-split), the update would otherwise be lost with the copy.
+    """
+    g.call_function(torch.ops.aten.copy_.default, (stored, emit_reshard(g, updated, shape, used, kept, (), mesh, coords)))
 
 
 def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
@@ -138,6 +168,7 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
             st = Strategy(tuple(ins), tuple(outs))
             split = st.split_axes()
             i = 0
+            passed: list[tuple[fx.Node, fx.Node]] = []  # per tensor input: (graph value, what the op reads)
 
             def arg(a: Any) -> Any:
                 nonlocal i
@@ -149,7 +180,8 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
                         pga = tuple(ax for ax in range(mesh.ndim) if split[ax] and isinstance(dst[ax], Replicate)) if grad.get(a.name) else ()
                         i += 1
                         direct = x is env[a.name]
-                        return emit_reshard(g, x, tuple(v.shape), src, dst, pga, mesh, coords, spa, defer=defer_for(a) if direct else None)
+                        passed.append((a, emit_reshard(g, x, tuple(v.shape), src, dst, pga, mesh, coords, spa, defer=defer_for(a) if direct else None)))
+                        return passed[-1][1]
                     return env[a.name]
                 return a
 
@@ -161,6 +193,10 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
                 args, kwargs = entry.localize(op, args, kwargs, in_shapes, out_shapes)
             out = g.call_function(node.target, tuple(args), dict(kwargs))
             out.name = node.name
+            for k in written_inputs(op):
+                a, x = passed[k]
+                if x is not env[a.name] and (a.name in cap.buffers or a.name in cap.params):
+                    write_back(g, env[a.name], x, tuple(_val(a).shape), ins[k], tiles[a.name][0], mesh, coords)
             env[node.name] = out
             tiles[node.name] = list(outs)
             leaves, _ = tree_flatten((node.args, node.kwargs))

@@ -110,6 +110,7 @@ TABLE: dict[str, LinearFn] = {
     "aten.to.dtype": _cast,
     "aten.to.dtype_layout": _cast,
     "aten._to_copy.default": _cast,
+    "aten.to.device": _cast,
     "aten.dropout.default": _dropout,
     # binary arithmetic (second operand may be a Python scalar)
     "aten.add.Tensor": _both_tensors,
@@ -125,6 +126,7 @@ TABLE: dict[str, LinearFn] = {
     "aten.minimum.default": _none,
     "aten.logical_and.default": _none,
     "aten.logical_or.default": _none,
+    **{f"aten.{n}.Tensor": _none for n in ("__and__", "__or__", "bitwise_and", "bitwise_or")},
     **{f"aten.{c}.{o}": _none for c in ("eq", "ne", "lt", "le", "gt", "ge") for o in ("Tensor", "Scalar")},
     # selection
     "aten.where.self": _where,

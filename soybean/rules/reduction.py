@@ -8,12 +8,14 @@ keeps it, possibly renumbered when ``keepdim=False``).  A dim inside ``D``:
   uneven chunks weigh differently), so not listed; ``max``/``amax``/``var``...:
   not sums, not listed (``P`` means pending *sum*).
 
-``sum`` and ``mean`` are linear: ``P`` -> ``P``.  Scans (``cumsum``) keep every
-dim but the scanned one; ``cumsum`` is linear.
+``sum`` and ``mean`` are linear: ``P`` -> ``P``.  Scans (``cumsum``) and their
+inverse ``diff`` (``x[i+1] - x[i]`` along ``dim``, after ``prepend``/``append``,
+which have the input's shape but along ``dim``) keep every dim but the scanned
+one; both are linear (``diff`` jointly in the input, ``prepend`` and ``append``).
 """
 from __future__ import annotations
 
-from ._common import Args, P, Shard, dims_arg, norm_dim, outputs_float
+from ._common import Args, P, Shard, dims_arg, norm_dim, outputs_float, partial_strategies
 from .base import OpSpec, Strategy1D, is_float, register
 
 # op -> (name of its dim argument or None for "all dims", sum-like over a split dim, linear)
@@ -69,3 +71,14 @@ def cumsum(op: OpSpec) -> list[Strategy1D]:
     if is_float(x) and outputs_float(op):
         found.append(a.strategy({"self": P}, P))
     return found
+
+
+@register("aten.diff.default", family="reduction")
+def diff(op: OpSpec) -> list[Strategy1D]:
+    """``n``-th forward difference along ``dim``: other dims split on input, prepend, append alike."""
+    a = Args(op)
+    x = a.spec("self")
+    assert x is not None
+    dim = norm_dim(a["dim"], max(x.ndim, 1))
+    found = [a.strategy({"self": Shard(d), "prepend": Shard(d), "append": Shard(d)}, Shard(d)) for d in range(x.ndim) if d != dim]
+    return found + partial_strategies(a, [["self", "prepend", "append"]])

@@ -1,0 +1,85 @@
+"""Gathers by index tensors: advanced indexing ``x[i0, i1, ...]``, ``gather`` and ``index_select``.
+
+The output is made of elements of ``self`` at positions read from integer index tensors.
+A dim may be sharded when every device's output tile only needs its own tiles:
+
+* **a dim of self that no index addresses** (``index.Tensor`` with ``None`` or absent
+  indices there, ``index_select``/``gather``'s other dims): self, and the output dim it
+  becomes, sharded; the index tensors ``R`` (``gather``: sharded alike, and only where
+  index and self have the same size, since ``gather`` reads ``self`` at the output's own
+  position there);
+* **a dim of the index** (the broadcast dims of ``index.Tensor``'s index tensors,
+  ``index_select``'s index, ``gather``'s ``dim``): every index that carries it sharded, self
+  ``R``; the gathered positions are global values, so each device reads the rows it needs;
+* linear in ``self``: self ``P``, indices ``R`` -> out ``P`` (floats).
+
+``index.Tensor``'s output puts the broadcast index shape where the indexed dims were when
+they are adjacent, and first otherwise (NumPy's rule).  Boolean indices select a
+data-dependent number of elements: no split is listed.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..tiling import Placement
+from ._common import Args, R, Shard, bcast, norm_dim, partial_strategies
+from .base import OpSpec, Strategy1D, TensorSpec, register
+
+
+def _broadcast_shape(specs: list[TensorSpec]) -> tuple[int, ...]:
+    """The NumPy broadcast of the specs' shapes."""
+    nb = max(s.ndim for s in specs)
+    return tuple(max((s.shape[d - (nb - s.ndim)] for s in specs if d - (nb - s.ndim) >= 0), default=1) for d in range(nb))
+
+
+@register("aten.index.Tensor", family="indexing")
+def index(op: OpSpec) -> list[Strategy1D]:
+    """``self[indices]`` with integer index tensors (``None`` entries keep a dim whole)."""
+    a = Args(op)
+    x = a.spec("self")
+    assert x is not None
+    indices: list = list(a["indices"])
+    used = [i for i, t in enumerate(indices) if isinstance(t, TensorSpec)]
+    if not used or any(indices[i].dtype == torch.bool for i in used):
+        return []
+    b = _broadcast_shape([indices[i] for i in used])
+    rest = [d for d in range(x.ndim) if d not in used]
+    if used == list(range(used[0], used[-1] + 1)):  # adjacent: the broadcast block replaces the indexed dims
+        start = used[0]
+        out_dim = {d: d if d < start else d - len(used) + len(b) for d in rest}
+    else:  # apart: the broadcast block comes first
+        start = 0
+        out_dim = {d: len(b) + k for k, d in enumerate(rest)}
+    found = [a.strategy({"self": Shard(d), "indices": [R] * len(indices)}, Shard(out_dim[d])) for d in rest]
+    for j in (j for j in range(len(b)) if b[j] > 1):
+        pls: list[Placement] = [bcast(t, b, j) if isinstance(t, TensorSpec) else R for t in indices]
+        if any(p != R for p in pls):
+            found.append(a.strategy({"self": R, "indices": pls}, Shard(start + j)))
+    return found + partial_strategies(a, [["self"]])
+
+
+@register("aten.gather.default", family="indexing")
+def gather(op: OpSpec) -> list[Strategy1D]:
+    """``out[..., i_d, ...] = self[..., index[..., i_d, ...] if d == dim else i_d, ...]``."""
+    a = Args(op)
+    x, idx = a.spec("self"), a.spec("index")
+    assert x is not None and idx is not None
+    dim = norm_dim(a["dim"], max(x.ndim, 1))
+    found = [a.strategy({"self": Shard(d), "index": Shard(d)}, Shard(d))
+             for d in range(idx.ndim) if d != dim and idx.shape[d] == x.shape[d] > 1]
+    if idx.ndim:
+        found.append(a.strategy({"self": R, "index": Shard(dim)}, Shard(dim)))
+    return found + partial_strategies(a, [["self"]])
+
+
+@register("aten.index_select.default", family="indexing")
+def index_select(op: OpSpec) -> list[Strategy1D]:
+    """``dim`` of the output is the 1-D ``index``; every other dim is self's."""
+    a = Args(op)
+    x = a.spec("self")
+    assert x is not None
+    dim = norm_dim(a["dim"], max(x.ndim, 1))
+    found = [a.strategy({"self": Shard(d), "index": R}, Shard(d)) for d in range(x.ndim) if d != dim]
+    if x.ndim:
+        found.append(a.strategy({"self": R, "index": Shard(0)}, Shard(dim)))
+    return found + partial_strategies(a, [["self"]])
