@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from examples.models import alexnet, mlp, transformer
+from examples.models import alexnet, mlp, transformer, vgg16
 from soybean.verify import compare, train_parallel_threads, train_serial
 
 MODELS = {
@@ -12,10 +12,12 @@ MODELS = {
     "mlp_uneven": lambda: mlp(batch=6, hidden=10, layers=1),
     "transformer": lambda: transformer(batch=4, seq=8, hidden=16, layers=2, heads=4),
     "alexnet": lambda: alexnet(batch=4, image=32, width=0.0625, classes=10),
+    "vgg16": lambda: vgg16(batch=4, image=32, width=0.0625, classes=10),
 }
 # Issue acceptance: every example at world 2 (1-D) and 4 (1-D and 2x2), forced DP, forced MP and optimum.
 CASES = [(n, m, md) for n in ("mlp", "alexnet", "transformer") for m in ((2,), (4,), (2, 2)) for md in ("dp", "mp", "auto")]
-CASES += [("mlp_uneven", (4,), "mp"), ("mlp_uneven", (2, 2), "auto"), ("mlp", (1,), "auto")]
+CASES += [("mlp_uneven", (4,), "mp"), ("mlp_uneven", (2, 2), "auto"), ("mlp", (1,), "auto"),
+          ("vgg16", (2,), "auto"), ("vgg16", (2, 2), "mp")]
 
 
 @pytest.mark.parametrize("name,mesh,mode", CASES, ids=[f"{n}-{'x'.join(map(str, m))}-{md}" for n, m, md in CASES])
