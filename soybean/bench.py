@@ -72,12 +72,13 @@ class BenchConfig:
     model: str                                  # pkg.module:fn or path/file.py:fn
     devices: int
     args: dict[str, Any] = field(default_factory=dict)
-    steps: int = 10
+    steps: int = 12
     warmup: int = 3
     profile: str = "cpu-gloo"
     timeout_s: float = 1800.0                   # for the whole spawned run
     lr: float = 1e-3
     seed: int = 0
+    rounds: int = 3                             # >1: variants alternate, steps/rounds at a time
 
     def validate(self) -> None:
         """Raise ``ValueError`` for settings that cannot run."""
@@ -305,16 +306,83 @@ def _run_dist_variant(variant: str, ctx: _Context) -> Measurement:
 
 
 def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str]) -> dict[str, Measurement] | None:
-    """Body of every spawned rank: one thread, every distributed variant in turn; rank 0 returns them."""
+    """Body of every spawned rank: one thread, every distributed variant; rank 0 returns them.
+
+    With ``cfg.rounds == 1`` the variants run one after the other.  With more rounds every variant
+    is built and warmed up first, then the variants take turns, ``steps / rounds`` timed steps at a
+    time, so slow drift of the machine (allocator state, other load) does not favour any variant.
+    """
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # torch's advice about views; nothing here is in place
     ctx = _Context(rank, world, cfg, plans)
-    out: dict[str, Measurement] = {}
+    if cfg.rounds <= 1:
+        out: dict[str, Measurement] = {}
+        for variant in DIST_VARIANTS:
+            out[variant] = _run_dist_variant(variant, ctx)
+            gc.collect()
+            dist.barrier()
+        return out if rank == 0 else None
+    return _interleaved(ctx)
+
+
+def _agree(ctx: _Context, variant: str, err: BaseException | None) -> str | None:
+    """Every rank's error for ``variant`` (or None); the first one decides for all."""
+    reports: list[Any] = [None] * ctx.world
+    dist.all_gather_object(reports, None if err is None else asdict(Measurement.failed(err)))
+    bad = [(r, rep["reason"]) for r, rep in enumerate(reports) if rep is not None]
+    return None if not bad else (bad[0][1] if ctx.world == 1 else f"{bad[0][1]} (rank {bad[0][0]})")
+
+
+def _interleaved(ctx: _Context) -> dict[str, Measurement] | None:
+    cfg = ctx.cfg
+    steps: dict[str, Callable[[], torch.Tensor]] = {}
+    failed: dict[str, str] = {}
+    first: dict[str, float] = {}
     for variant in DIST_VARIANTS:
-        out[variant] = _run_dist_variant(variant, ctx)
-        gc.collect()
-        dist.barrier()
-    return out if rank == 0 else None
+        torch.manual_seed(cfg.seed)
+        err: BaseException | None = None
+        try:
+            model, inputs = _load(cfg)
+            prep = _DIST_PREPARE[variant](ctx, model, inputs)
+            opt = torch.optim.AdamW(prep.model.parameters(), lr=cfg.lr)
+            step = functools.partial(_train_step, prep.model, opt, prep.inputs)
+            first[variant] = float(local_value(step()))
+            for _ in range(max(0, cfg.warmup - 1)):
+                step()
+            steps[variant] = step
+        except Exception as e:  # noqa: BLE001 -- a failing variant is reported, the others still run
+            err = e
+        reason = _agree(ctx, variant, err)
+        if reason is not None:
+            failed[variant] = reason
+            steps.pop(variant, None)
+    times: dict[str, list[float]] = {v: [] for v in steps}
+    per_round = max(1, cfg.steps // cfg.rounds)
+    for _ in range(cfg.rounds):
+        for variant in list(steps):
+            err = None
+            try:
+                for _ in range(per_round):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    steps[variant]()
+                    dist.barrier()
+                    times[variant].append(time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001
+                err = e
+            reason = _agree(ctx, variant, err)
+            if reason is not None:
+                failed[variant] = reason
+                steps.pop(variant)
+    out = {}
+    for variant in DIST_VARIANTS:
+        if variant in failed:
+            out[variant] = Measurement(reason=failed[variant])
+        else:
+            losses: list[Any] = [None] * ctx.world
+            dist.all_gather_object(losses, first[variant])
+            out[variant] = Measurement(step_s=statistics.median(times[variant]), loss=statistics.fmean(losses))
+    return out if ctx.rank == 0 else None
 
 
 # ---- planning, serial, report --------------------------------------------------------
@@ -504,10 +572,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="pkg.module:fn or path/file.py:fn; fn(**args) returns (model, example_inputs)")
     p.add_argument("--devices", type=int, required=True, help="number of local gloo processes N")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="keyword for the model factory (repeatable)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported")
+    p.add_argument("--steps", type=int, default=12, help="timed steps; the median is reported")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     p.add_argument("--profile", default="cpu-gloo", help="soybean's machine profile: cpu-gloo, h100-nvlink or a JSON file")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the spawned ranks are stopped")
+    p.add_argument("--rounds", type=int, default=3, help="alternate the variants in this many rounds (steps/rounds timed steps each turn)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
 
 
@@ -527,7 +596,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     outside a variant print one line and give 1.
     """
     cfg = BenchConfig(model=a.model, devices=a.devices, args=modelref.parse_args(a.arg), steps=a.steps, warmup=a.warmup,
-                      profile=a.profile, timeout_s=a.timeout)
+                      profile=a.profile, timeout_s=a.timeout, rounds=a.rounds)
     modelref.resolve(cfg.model)  # a bad reference fails here, before anything runs
     try:
         report = run_bench(cfg)
