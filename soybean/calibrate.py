@@ -3,7 +3,8 @@
 On ``N`` processes of the current backend (gloo on CPU, NCCL on GPUs) it times
 all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point for
 message sizes from 4 KB to 64 MB, and the compute rate of matmul, convolution
-and an elementwise op (one thread per process, as training runs).  The ring
+an elementwise op, a skinny linear layer's forward + backward and an AdamW step (one thread per
+process, as training runs).  The ring
 model of ``cost.py`` predicts ``t = k_steps * alpha + k_bytes * beta`` for each
 collective; ``alpha`` and ``beta`` are its least-squares fit over every
 measurement (relative error weighted, so small messages count), overall and per
@@ -78,7 +79,23 @@ def _compute_rates(device: torch.device) -> dict[str, float]:
     tc = _median_local(lambda: torch.nn.functional.conv2d(img, w, padding=1), 3)
     big = torch.randn(8 << 20, device=device)
     te = _median_local(lambda: big + big, 5)
-    return {"matmul_flops": 2 * 1024**3 / t, "conv_flops": 2 * 16 * 64 * 32 * 32 * 64 * 9 / tc, "mem_bw": 3 * big.numel() * 4 / te}
+    # A skinny linear layer (small batch, 32 MB weight) forward + backward touches the weight about
+    # three times (read, read, write its gradient): its rate is what memory-bound training gets.
+    lin = torch.nn.Linear(4096, 2048, device=device)
+    xs = torch.randn(32, 4096, device=device)
+
+    def fwd_bwd() -> None:
+        lin.zero_grad(set_to_none=True)
+        lin(xs).sum().backward()
+
+    tl = _median_local(fwd_bwd, 5)
+    param = torch.nn.Parameter(torch.randn(8 << 20, device=device))
+    param.grad = torch.randn_like(param)
+    opt = torch.optim.AdamW([param], lr=1e-3)
+    to = _median_local(opt.step, 5)
+    mem_bw = min(3 * big.numel() * 4 / te, 3 * lin.weight.numel() * 4 / tl)
+    return {"matmul_flops": 2 * 1024**3 / t, "conv_flops": 2 * 16 * 64 * 32 * 32 * 64 * 9 / tc, "mem_bw": mem_bw,
+            "optimizer_bw": param.numel() * 4 / to}
 
 
 def _median_local(fn, reps: int) -> float:
@@ -139,7 +156,7 @@ def calibrate(devices: int = 2, reps: int = 10, show: bool = True, name: str = "
     per_kind = tuple((k, *fit([r for r in rows if r["kind"] == k], devices)) for k in RING_FACTOR)
     mem = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 12.0
     prof = Profile(name, alpha=alpha, beta=beta, flops=comp["matmul_flops"], mem_bw=comp["mem_bw"], memory_gb=mem, conv_flops=comp["conv_flops"],
-                   collectives=per_kind)
+                   collectives=per_kind, optimizer_bw=comp["optimizer_bw"])
     return prof, {"devices": devices, "collectives": rows, "compute": comp}
 
 
@@ -151,7 +168,8 @@ def main_cli(devices: int, out: str | None, reps: int) -> int:
         with open(out, "w") as f:
             f.write(text)
         print(f"wrote {out}: alpha {prof.alpha * 1e6:.1f} us, {1 / prof.beta / 1e9:.2f} GB/s, matmul {prof.flops / 1e9:.1f} GFLOP/s, "
-              f"conv {prof.conv_flops / 1e9:.1f} GFLOP/s, elementwise {prof.mem_bw / 1e9:.1f} GB/s", file=sys.stderr)
+              f"conv {prof.conv_flops / 1e9:.1f} GFLOP/s, memory-bound {prof.mem_bw / 1e9:.1f} GB/s, AdamW {prof.optimizer_bw / 1e9:.2f} GB/s",
+              file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0

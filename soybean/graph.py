@@ -39,7 +39,7 @@ from .tiling import Partial, R, Replicate, Shard, is_valid, max_local_numel
 PARAM_COPIES = 4
 # An AdamW step reads parameter, gradient and both states and writes parameter and both states:
 # about 7 passes over the local tile, memory-bound (the reason split weights train faster when
-# weights are large and batches small).
+# weights are large and batches small).  A calibrated profile measures it instead (optimizer_bw).
 OPTIMIZER_PASSES = 7
 
 
@@ -218,8 +218,9 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
             copies = PARAM_COPIES if kind == "param" else 1
             mem = np.array([max_local_numel(shape, t, mesh) * val.dtype.itemsize * copies for t in tilings], dtype=float)
             needs_grad[node.name] = kind == "param" and val.dtype.is_floating_point
-            opt_s = np.array([OPTIMIZER_PASSES * max_local_numel(shape, t, mesh) * val.dtype.itemsize / profile.mem_bw
-                              if needs_grad[node.name] else 0.0 for t in tilings])
+            opt_bw = profile.optimizer_bw or profile.mem_bw / OPTIMIZER_PASSES
+            opt_s = np.array([max_local_numel(shape, t, mesh) * val.dtype.itemsize / opt_bw if needs_grad[node.name] else 0.0
+                              for t in tilings])
             vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=needs_grad[node.name]))
             g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
             g.vars[vi].pinned = pin_params and kind == "param" and fqn in domains

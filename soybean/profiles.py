@@ -24,6 +24,7 @@ class Profile:
     axis_beta: tuple[float, ...] = field(default=())
     conv_flops: float = 0.0                              # convolution FLOP/s; 0: same as ``flops``
     collectives: tuple[tuple[str, float, float], ...] = field(default=())  # measured (kind, alpha, beta)
+    optimizer_bw: float = 0.0                            # parameter bytes/s an AdamW step gets through; 0: mem_bw / 7
 
     def ab(self, axis: int, kind: str = "") -> tuple[float, float]:
         """alpha, beta for a collective of ``kind`` on mesh ``axis``: a per-axis override, else the
@@ -44,7 +45,8 @@ BUILTIN: dict[str, Profile] = {
     # This machine: 2 CPU cores, gloo over loopback, one thread per process.
     # Measured (shared/DESIGN.md): tiny all_reduce ~0.4 ms with 2 processes (2 ring steps -> 0.2 ms each);
     # 64 MB all_reduce ~1 GB/s; fp32 matmul ~20 GFLOP/s per single-threaded process.
-    "cpu-gloo": Profile("cpu-gloo", alpha=2e-4, beta=1 / 1.0e9, flops=2.0e10, mem_bw=5e9, memory_gb=12.0),
+    # AdamW on a 32 MB parameter: ~0.6 GB/s of parameter bytes (temporaries and page faults included).
+    "cpu-gloo": Profile("cpu-gloo", alpha=2e-4, beta=1 / 1.0e9, flops=2.0e10, mem_bw=5e9, memory_gb=12.0, optimizer_bw=0.6e9),
     # 8x H100 SXM with NVLink 4 / NVSwitch: 450 GB/s per direction per GPU, NCCL reaches ~360 GB/s
     # bus bandwidth on large all-reduces; ~5 us per ring step. Compute: 989 TFLOP/s dense bf16 at
     # ~40% achieved; HBM3 3.35 TB/s; 80 GB. (NVIDIA H100 datasheet; NCCL tests.)
