@@ -17,7 +17,7 @@ dims may be sharded; the matrix dims would shift the diagonal.  Linear.
 """
 from __future__ import annotations
 
-from ._common import Args, P, R, Shard, free_placements, outputs_float, size_localizer
+from ._common import Args, P, R, Shard, free_placements, outputs_float, partial_strategies, size_localizer
 from .base import OpSpec, Strategy1D, register
 
 
@@ -66,6 +66,4 @@ def triangle(op: OpSpec) -> list[Strategy1D]:
     x = a.spec("self")
     assert x is not None
     found = [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim - 2)]
-    if a.all_float("self") and outputs_float(op):
-        found.append(a.strategy({"self": P}, P))
-    return found
+    return found + partial_strategies(a, [["self"]])

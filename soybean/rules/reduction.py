@@ -68,9 +68,7 @@ def cumsum(op: OpSpec) -> list[Strategy1D]:
     assert x is not None
     dim = norm_dim(a["dim"], max(x.ndim, 1))
     found = [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim) if d != dim]
-    if is_float(x) and outputs_float(op):
-        found.append(a.strategy({"self": P}, P))
-    return found
+    return found + partial_strategies(a, [["self"]])
 
 
 @register("aten.diff.default", family="reduction")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from ._common import Args, P, R, Shard, bcast, norm_dim, outputs_float, size_localizer
+from ._common import Args, P, Shard, bcast, norm_dim, outputs_float, partial_strategies, size_localizer
 from .base import OpSpec, Strategy1D, register
 
 
@@ -105,9 +105,7 @@ def view_as(op: OpSpec) -> list[Strategy1D]:
 def renumber(a: Args, perm: Sequence[int | None]) -> list[Strategy1D]:
     """Input dim ``d`` becomes output dim ``perm[d]`` (``None``: not shardable); linear."""
     found = [a.strategy({"self": Shard(d)}, Shard(o)) for d, o in enumerate(perm) if o is not None]
-    if a.all_float("self") and outputs_float(a.op):
-        found.append(a.strategy({"self": P}, P))
-    return found
+    return found + partial_strategies(a, [["self"]])
 
 
 def _ndim(a: Args) -> int:
@@ -169,9 +167,7 @@ def expand(op: OpSpec) -> list[Strategy1D]:
     assert x is not None
     out = op.outputs[0].shape
     found = [a.strategy({"self": bcast(x, out, o)}, Shard(o)) for o in range(len(out))]
-    if a.all_float("self") and outputs_float(op):
-        found.append(a.strategy({"self": P}, P))
-    return found
+    return found + partial_strategies(a, [["self"]])
 
 
 @register("aten.expand_as.default", family="views")
@@ -182,9 +178,7 @@ def expand_as(op: OpSpec) -> list[Strategy1D]:
     assert x is not None
     out = op.outputs[0].shape
     found = [a.strategy({"self": bcast(x, out, o), "other": Shard(o)}, Shard(o)) for o in range(len(out))]
-    if a.all_float("self") and outputs_float(op):
-        found.append(a.strategy({"self": P, "other": R}, P))
-    return found
+    return found + partial_strategies(a, [["self"]])
 
 
 @register("aten.slice.Tensor", family="views")
@@ -233,9 +227,7 @@ def cat(op: OpSpec) -> list[Strategy1D]:
         return []
     n, dim = j[0], norm_dim(j[1], j[0])
     found = [a.strategy({"tensors": Shard(d)}, Shard(d)) for d in range(n) if d != dim]
-    if a.all_float("tensors") and outputs_float(op):
-        found.append(a.strategy({"tensors": P}, P))
-    return found
+    return found + partial_strategies(a, [["tensors"]])
 
 
 @register("aten.stack.default", family="views")
@@ -246,7 +238,5 @@ def stack(op: OpSpec) -> list[Strategy1D]:
         return []
     n, dim = j[0], norm_dim(j[1], j[0] + 1)
     found = [a.strategy({"tensors": Shard(d)}, Shard(d if d < dim else d + 1)) for d in range(n)]
-    if a.all_float("tensors") and outputs_float(op):
-        found.append(a.strategy({"tensors": P}, P))
-    return found
+    return found + partial_strategies(a, [["tensors"]])
 
