@@ -25,7 +25,6 @@ the logits.
 from __future__ import annotations
 
 import math
-import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -91,7 +90,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
     params = _canonical_names(dict(sig.inputs_to_parameters), model.named_parameters(remove_duplicate=False))
     buffers = _canonical_names(dict(sig.inputs_to_buffers), model.named_buffers(remove_duplicate=False))
     inputs = list(sig.user_inputs)
-    gm = ep.module if False else ep.graph_module
+    gm = ep.graph_module
     used = set(params.values()) | set(buffers.values())
     aliases: dict[str, str] = {}
     named = dict(model.named_parameters(remove_duplicate=False))
@@ -356,11 +355,3 @@ def decompose(gm: fx.GraphModule) -> None:
             g.erase_node(n)
     g.lint()
     gm.recompile()
-
-
-def tensor_users(node: fx.Node) -> list[fx.Node]:
-    return list(node.users)
-
-
-def is_getitem(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target is operator.getitem

@@ -28,7 +28,7 @@ from typing import Sequence
 from .mesh import Mesh
 from .profiles import Profile
 from .reshard import apply_step, plan_reshard
-from .tiling import Placement, max_local_numel
+from .tiling import max_local_numel
 
 RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
 # The adjoint of each forward step, as the collective that runs in backward (None: free).

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-import warnings
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -32,7 +31,7 @@ from .capture import Captured
 from .cost import compute_seconds, reshard_cost, work_fraction
 from .mesh import Mesh
 from .profiles import Profile
-from .rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, op_name, strategies_1d
+from .rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, strategies_1d
 from .tiling import Partial, R, Replicate, Shard, is_valid, max_local_numel
 
 # Adam/AdamW keep two states per parameter, plus the gradient: 4 copies in all.
@@ -319,8 +318,3 @@ def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_gra
     Bu, Tu = _EDGE_MEMO[key]
     B, T = Bu[np.ix_(si, di)], Tu[np.ix_(si, di)]
     g.edges.append(Edge(u, v, out_idx, in_idx, B, T, shape))
-
-
-def warn_fallbacks(g: PlanGraph) -> None:
-    if g.fallback_ops:
-        warnings.warn(f"soybean: no sharding rule for {', '.join(g.fallback_ops)}; these ops run replicated", stacklevel=3)

@@ -17,7 +17,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from .capture import Captured, capture

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -91,10 +90,6 @@ def _gather_grads(pm: torch.nn.Module) -> dict[str, torch.Tensor]:
         for k, p in pm.named_parameters():
             p.copy_(saved[k])
     return {k: v for k, v in full.items() if k in saved}
-
-
-def max_rel_diff(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-5) -> float:
-    return float(((a.double() - b.double()).abs() / (b.double().abs() + atol / 1e-4)).max()) if a.numel() else 0.0
 
 
 def compare(serial: Trace, parallel: Trace, rtol: float = 1e-4, atol: float = 1e-5) -> list[str]:
