@@ -38,9 +38,11 @@ class GradSync:
         cur: list[nn.Parameter] = []
         cur_axes: tuple[int, ...] | None = None
         size = 0.0
+        seen: set[int] = set()
         for p, axes in reversed(list(params)):  # backward produces late layers' gradients first
-            if not p.requires_grad:
+            if not p.requires_grad or id(p) in seen:  # a parameter listed twice would never complete its bucket
                 continue
+            seen.add(id(p))
             nbytes = p.numel() * p.element_size()
             if cur and (axes != cur_axes or p.dtype != cur[0].dtype or size + nbytes > cap):
                 self.buckets.append(cur)
@@ -54,9 +56,23 @@ class GradSync:
             self.buckets.append(cur)
             self.axes.append(cur_axes)
         self.where = {id(p): b for b, ps in enumerate(self.buckets) for p in ps}
+        # One flat buffer per bucket, kept across steps: a fresh one each step would be
+        # page-faulted in every time (as costly as the copy itself on a CPU).
+        self._flat: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._ready: list[int] = [0] * len(self.buckets)
         self._next = 0
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for ps in self.buckets for p in ps]
+
+    def check_complete(self) -> None:
+        """Raise if the last backward left a bucket unsynchronised (some of its parameters got no
+        gradient): their gradients would silently stay unsummed."""
+        if self._next == 0 and not any(self._ready):
+            return
+        missing = [tuple(p.shape) for b in range(self._next, len(self.buckets)) for p in self.buckets[b] if p.grad is None]
+        raise RuntimeError(
+            f"soybean: the last backward did not reach every parameter whose gradient must be summed across devices "
+            f"({len(missing)} without a gradient, shapes {missing[:4]}): every parameter must take part in the loss; "
+            "detach or remove unused ones before parallelize")
 
     def _on_grad(self, p: torch.Tensor) -> None:
         b = self.where[id(p)]
@@ -72,7 +88,11 @@ class GradSync:
     @torch.no_grad()
     def _flush(self, b: int) -> None:
         ps = self.buckets[b]
-        flat = torch.cat([p.grad.reshape(-1) for p in ps])
+        grads = [p.grad.reshape(-1) for p in ps]
+        flat = self._flat[b]
+        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
+            flat = self._flat[b] = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+        torch.cat(grads, out=flat)
         axes = self.axes[b]
         start = getattr(self.groups[axes[0]], "all_reduce_inplace_async", None) if len(axes) == 1 else None
         if start is not None:

@@ -78,7 +78,9 @@ class ParallelModule(nn.Module):
             self._order.append((kind, fqn))
         object.__setattr__(self, "program", lower(cap, plan, rank))  # not a submodule: no params of its own
         sync = self.program.meta.get("grad_sync", {})
-        self._grad_sync = GradSync([(self.get_parameter(fqn), axes) for kind, fqn in self._order if fqn in sync for axes in [sync[fqn]]], self._groups) if sync else None
+        # A tied weight is one parameter behind two placeholders: sync it once.
+        synced = list(dict.fromkeys(fqn for kind, fqn in self._order if fqn in sync))
+        self._grad_sync = GradSync([(self.get_parameter(fqn), sync[fqn]) for fqn in synced], self._groups) if sync else None
 
     def local_slice(self, x: torch.Tensor, input_index: int = 0) -> torch.Tensor:
         """This rank's tile of a full input, under the plan's tiling of input ``input_index``
@@ -96,6 +98,8 @@ class ParallelModule(nn.Module):
         n_user = len(self._cap.inputs)
         if len(user) != n_user:
             raise TypeError(f"this model takes {n_user} tensor inputs, got {len(user)}")
+        if self._grad_sync is not None and torch.is_grad_enabled():
+            self._grad_sync.check_complete()
         with use_groups(self._groups):
             out = self.program(*state, *user)
         return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
