@@ -43,11 +43,12 @@ def _val(n: Any) -> Any:
 
 
 def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], src: Tiling, dst: Tiling, partial_grad_axes: tuple[int, ...], mesh: Mesh, coords: tuple[int, ...],
-                 src_partial_axes: tuple[int, ...] = (), defer: set[int] | None = None) -> fx.Node:
+                 src_partial_axes: tuple[int, ...] = (), defer: set[int] | None = None, view: bool = False) -> fx.Node:
     """Append the collective calls turning ``x`` (tiling ``src``) into ``dst``.
 
     With ``defer`` (a parameter's own edges), gradient all-reduces are not emitted but their axes
     collected: the runtime sums those parameter gradients after backward, bucketed (``GradSync``).
+    ``view``: ``x`` is never written in place, so slicing it may return views.
     """
     cur = src
     for step in plan_reshard(src, dst, partial_grad_axes, src_partial_axes):
@@ -60,7 +61,7 @@ def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], src: Tiling, d
         if k == "all_gather":
             x = g.call_function(rt.sb_all_gather, (x, a, step.dim, after[step.dim], step.grad_partial))
         elif k == "shard":
-            x = g.call_function(rt.sb_shard, (x, a, step.dim))
+            x = g.call_function(rt.sb_shard, (x, a, step.dim), {"view": True} if view else {})
         elif k == "all_reduce":
             x = g.call_function(rt.sb_all_reduce, (x, a))
         elif k == "reduce_scatter":
@@ -107,6 +108,17 @@ def write_back(g: fx.Graph, stored: fx.Node, updated: fx.Node, shape: tuple[int,
     g.call_function(torch.ops.aten.copy_.default, (stored, emit_reshard(g, updated, shape, used, kept, (), mesh, coords)))
 
 
+def _written_placeholders(cap: Captured) -> set[str]:
+    """Names of the placeholders some op of ``cap`` writes in place."""
+    out: set[str] = set()
+    for node in cap.graph.nodes:
+        if node.op == "call_function" and node.target is not operator.getitem:
+            op = make_opspec(node.target, node.args, node.kwargs, _val(node))
+            ins = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor)]
+            out.update(ins[k].name for k in written_inputs(op) if k < len(ins) and ins[k].op == "placeholder")
+    return out
+
+
 def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
     """Rank ``rank``'s program for ``plan``: placeholders as in ``cap`` (params and buffers as local tiles)."""
     mesh = Mesh(tuple(plan.mesh))
@@ -118,6 +130,7 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
     shared: dict[str, tuple[fx.Node, Tiling, tuple[int, ...]]] = {}  # reshard point -> (node, tiling, grad-partial axes)
     grad: dict[str, bool] = {}  # does the value need a gradient (as graph.build decides)? else no grad_* steps
     grad_sync: dict[str, set[int]] = {}  # parameter FQN -> mesh axes its gradient is summed over
+    written = _written_placeholders(cap)  # inputs an op updates in place: sliced by copy, not by view
 
     def defer_for(a: fx.Node) -> set[int] | None:
         return grad_sync.setdefault(cap.params[a.name], set()) if a.op == "placeholder" and a.name in cap.params else None
@@ -147,7 +160,7 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
             elif node.name in plan.inputs and isinstance(_val(node), torch.Tensor):
                 want = _tiling(plan.inputs[node.name])
                 if not plan.local_batch:  # full inputs arrive on every rank: keep my tile
-                    env[node.name] = emit_reshard(g, ph, tuple(_val(node).shape), full, want, (), mesh, coords)
+                    env[node.name] = emit_reshard(g, ph, tuple(_val(node).shape), full, want, (), mesh, coords, view=node.name not in written)
                 tiles[node.name] = [want]
             else:
                 tiles[node.name] = [full]

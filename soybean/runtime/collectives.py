@@ -199,9 +199,19 @@ class _GradToPartial(Function):
 # ---- public functions: identity on a single member, else the Function --------------
 
 
-def shard_slice(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    """R -> S(dim): keep my chunk; backward all_gather."""
-    return x if group.size == 1 else _ShardSlice.apply(x, group, dim % x.ndim)
+def shard_slice(x: torch.Tensor, group: Group, dim: int, view: bool = False) -> torch.Tensor:
+    """R -> S(dim): keep my chunk; backward all_gather.
+
+    ``view``: when ``x`` needs no gradient, a contiguous chunk is returned as a view of ``x``
+    instead of a copy (for a data input nothing writes to, this saves copying every batch).
+    """
+    if group.size == 1:
+        return x
+    dim = dim % x.ndim
+    if view and not (x.requires_grad and torch.is_grad_enabled()):
+        chunk = take_chunk(x, dim, group.size, group.index)
+        return chunk if chunk.is_contiguous() else chunk.contiguous()
+    return _ShardSlice.apply(x, group, dim)
 
 
 def all_gather(x: torch.Tensor, group: Group, dim: int, full: int, grad_partial: bool = False) -> torch.Tensor:

@@ -277,17 +277,20 @@ class TorchGroup:
         p, n_dst = self.size, t.shape[dst_dim]
         if full_src * _numel_without(t, src_dim) == 0:  # empty on every member: nothing to move
             return t.new_empty(_resized(t.shape, {src_dim: full_src, dst_dim: chunk_len(n_dst, p, self.index)}))
-        # Member k gets my block (my src chunk) x (its dst chunk); blocks have different
-        # shapes, so send them flattened with exact split sizes.
-        send_blocks = [take_chunk(t.detach(), dst_dim, p, k).reshape(-1) for k in range(p)]
+        # Member k gets my block (my src chunk) x (its dst chunk).  With ``dst_dim`` moved first
+        # the blocks lie one after another in memory, so a contiguous tile (dst_dim 0, the usual
+        # case) is sent as it is; blocks differ in size, so exact split sizes go along.
+        x = t.detach().movedim(dst_dim, 0).contiguous()
+        rest = list(x.shape[1:])
+        send_sizes = [chunk_len(n_dst, p, k) * _prod(rest) for k in range(p)]
         mine = chunk_len(n_dst, p, self.index)
-        recv_shapes = [_resized(t.shape, {src_dim: chunk_len(full_src, p, k), dst_dim: mine}) for k in range(p)]
-        recv_sizes = [_prod(s) for s in recv_shapes]
+        s = src_dim if src_dim > dst_dim else src_dim + 1  # src_dim's place once dst_dim leads
+        recv_shapes = [[mine, *_resized(rest, {s - 1: chunk_len(full_src, p, k)})] for k in range(p)]
+        recv_sizes = [_prod(r) for r in recv_shapes]
         out = t.new_empty(sum(recv_sizes))
-        dist.all_to_all_single(out, torch.cat(send_blocks), output_split_sizes=recv_sizes,
-                               input_split_sizes=[b.numel() for b in send_blocks], group=self.pg)
-        blocks = [b.view(s) for b, s in zip(out.split(recv_sizes), recv_shapes)]
-        return torch.cat(blocks, dim=src_dim)
+        dist.all_to_all_single(out, x.reshape(-1), output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.pg)
+        blocks = [b.view(r) for b, r in zip(out.split(recv_sizes), recv_shapes)]
+        return torch.cat(blocks, dim=s).movedim(0, dst_dim).contiguous()
 
 
 def _resized(shape: Sequence[int], sizes: dict[int, int]) -> list[int]:

@@ -53,9 +53,9 @@ def _group(axis: int) -> Group:
     return groups[axis]
 
 
-def sb_shard(x: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
-    """R -> S(dim) along mesh ``axis``."""
-    return C.shard_slice(x, _group(axis), dim)
+def sb_shard(x: torch.Tensor, axis: int, dim: int, view: bool = False) -> torch.Tensor:
+    """R -> S(dim) along mesh ``axis`` (``view``: a view of ``x`` where no gradient is needed)."""
+    return C.shard_slice(x, _group(axis), dim, view)
 
 
 def sb_all_gather(x: torch.Tensor, axis: int, dim: int, full: int, grad_partial: bool = False) -> torch.Tensor:
