@@ -1,10 +1,12 @@
 """``soybean calibrate``: measure this machine and write a profile the cost model uses.
 
 On ``N`` processes of the current backend (gloo on CPU, NCCL on GPUs) it times
-all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point for
-message sizes from 4 KB to 64 MB, and the compute rate of matmul, convolution
-an elementwise op, a skinny linear layer's forward + backward and an AdamW step (one thread per
-process, as training runs).  The ring
+all-reduce, all-gather, reduce-scatter, all-to-all (as the generated programs run
+them: the runtime's ``TorchGroup`` calls, packing copies included) and
+point-to-point for message sizes from 4 KB to 64 MB, and the compute rate of matmul, convolution,
+an elementwise op, first-touching a large fresh allocation and an AdamW step
+(one thread per process, as training runs), and how much of an asynchronous
+gradient all-reduce hides behind compute.  The ring
 model of ``cost.py`` predicts ``t = k_steps * alpha + k_bytes * beta`` for each
 collective; ``alpha`` and ``beta`` are its least-squares fit over every
 measurement (relative error weighted, so small messages count), overall and per
@@ -41,22 +43,28 @@ def _median_time(fn, reps: int) -> float:
     return float(np.median(ts))
 
 
+COLS = 256  # every timed tensor is (rows, COLS) float32, like an activation or a weight
+
+
 def _collective(kind: str, nbytes: int, world: int, rank: int, device: torch.device):
-    n = max(world, nbytes // 4 // world * world)
-    x = torch.ones(n, device=device)
+    """The call to time: the runtime's own collective (``TorchGroup``), packing copies included,
+    on a tensor of ``nbytes`` (the local input; the full input for reduce-scatter)."""
+    from .runtime.comm import TorchGroup
+
+    group = TorchGroup(dist.group.WORLD)
+    rows = max(world, nbytes // 4 // COLS // world * world)
+    x = torch.ones(rows, COLS, device=device)
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(x)
+        return lambda: group.all_reduce(x)
     if kind == "all_gather":
-        out = torch.empty(n * world, device=device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        return lambda: gather(out, x)
+        return lambda: group.all_gather(x, 0, rows * world)
     if kind == "reduce_scatter":
-        out = torch.empty(n // world, device=device)
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return lambda: scatter(out, x)
+        return lambda: group.reduce_scatter(x, 0)
     if kind == "all_to_all":
-        out = torch.empty_like(x)
-        return lambda: dist.all_to_all_single(out, x)
+        # my column block of every row -> my row block of every column (S(1) -> S(0))
+        wide = torch.ones(rows, COLS * world, device=device)
+        mine = wide[:, :COLS].contiguous()
+        return lambda: group.all_to_all(mine, 1, 0, COLS * world)
     peer = rank ^ 1
 
     def p2p() -> None:  # ranks pair up 0<->1, 2<->3, ...; an odd last rank idles
@@ -70,32 +78,35 @@ def _collective(kind: str, nbytes: int, world: int, rank: int, device: torch.dev
     return p2p
 
 
+LARGE_ALLOC = 32 << 20  # glibc's largest mmap threshold: blocks this big are mapped afresh on every allocation
+
+
 def _compute_rates(device: torch.device) -> dict[str, float]:
-    """FLOP/s of matmul and conv, bytes/s of an elementwise add, on one thread."""
+    """On one thread: FLOP/s of matmul and conv; bytes/s of an elementwise op on activation-sized
+    (4 MiB, reused) tensors; bytes/s of first-touching a fresh large (32 MiB) allocation, on a CPU;
+    and the parameter bytes/s of an AdamW step."""
     a = torch.randn(1024, 1024, device=device)
     t = _median_local(lambda: a @ a, 5)
     img = torch.randn(16, 64, 32, 32, device=device)
     w = torch.randn(64, 64, 3, 3, device=device)
     tc = _median_local(lambda: torch.nn.functional.conv2d(img, w, padding=1), 3)
-    big = torch.randn(8 << 20, device=device)
-    te = _median_local(lambda: big + big, 5)
-    # A skinny linear layer (small batch, 32 MB weight) forward + backward touches the weight about
-    # three times (read, read, write its gradient): its rate is what memory-bound training gets.
-    lin = torch.nn.Linear(4096, 2048, device=device)
-    xs = torch.randn(32, 4096, device=device)
-
-    def fwd_bwd() -> None:
-        lin.zero_grad(set_to_none=True)
-        lin(xs).sum().backward()
-
-    tl = _median_local(fwd_bwd, 5)
-    param = torch.nn.Parameter(torch.randn(8 << 20, device=device))
+    act = torch.randn(1 << 20, device=device)
+    te = _median_local(lambda: torch.relu(act), 9)
+    alloc_bw = 0.0
+    if device.type == "cpu":
+        # x + x on a fresh 32 MiB result against the same on a reused one: the difference is the
+        # page faults (the caching allocator of a GPU has none).
+        big = torch.randn(LARGE_ALLOC // 4, device=device)
+        out = torch.empty_like(big)
+        t_fresh = _median_local(lambda: big + big, 5)
+        t_reused = _median_local(lambda: torch.add(big, big, out=out), 5)
+        alloc_bw = LARGE_ALLOC / max(t_fresh - t_reused, 1e-6)
+    param = torch.nn.Parameter(torch.randn(1 << 20, device=device))  # 4 MiB: large ones add page faults (graph.OPTIMIZER_TEMPS)
     param.grad = torch.randn_like(param)
     opt = torch.optim.AdamW([param], lr=1e-3)
-    to = _median_local(opt.step, 5)
-    mem_bw = min(3 * big.numel() * 4 / te, 3 * lin.weight.numel() * 4 / tl)
-    return {"matmul_flops": 2 * 1024**3 / t, "conv_flops": 2 * 16 * 64 * 32 * 32 * 64 * 9 / tc, "mem_bw": mem_bw,
-            "optimizer_bw": param.numel() * 4 / to}
+    to = _median_local(opt.step, 7)
+    return {"matmul_flops": 2 * 1024**3 / t, "conv_flops": 2 * 16 * 64 * 32 * 32 * 64 * 9 / tc, "mem_bw": 2 * act.numel() * 4 / te,
+            "alloc_bw": alloc_bw, "optimizer_bw": param.numel() * 4 / to}
 
 
 def _median_local(fn, reps: int) -> float:
@@ -108,6 +119,45 @@ def _median_local(fn, reps: int) -> float:
             torch.cuda.synchronize()
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
+
+
+def _grad_overlap(device: torch.device, reps: int) -> float:
+    """The share of an asynchronous gradient all-reduce hidden behind concurrent compute.
+
+    Times an 8 MB bucket's async all-reduce alone (``t_c``), a matmul loop about twice as long
+    alone (``t_m``), and both together (``t_b``, the loop running while the all-reduce is in
+    flight, as ``GradSync`` overlaps backward): hidden = ``(t_c + t_m - t_b) / t_c``, clamped to
+    [0, 1].  Every rank runs it (the all-reduce is collective).
+    """
+    from .runtime.comm import TorchGroup
+
+    group = TorchGroup(dist.group.WORLD)
+    flat = torch.ones(2 << 20, device=device)
+    a = torch.randn(512, 512, device=device)
+
+    def comm() -> None:
+        group.all_reduce_inplace_async(flat).wait()
+
+    t1 = _median_time(lambda: a @ a, reps)
+    tc = _median_time(comm, reps)
+    n = max(1, round(2 * tc / max(t1, 1e-9)))  # all ranks must loop alike: agree on the count
+    count = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    n = int(count.item())
+
+    def compute() -> None:
+        for _ in range(n):
+            a @ a
+
+    def both() -> None:
+        work = group.all_reduce_inplace_async(flat)
+        compute()
+        work.wait()
+
+    # Three alternating rounds, the fastest of each: outside load only ever adds time.
+    rounds = [(_median_time(comm, reps), _median_time(compute, reps), _median_time(both, reps)) for _ in range(3)]
+    tc, tm, tb = (min(r[i] for r in rounds) for i in range(3))
+    return float(min(1.0, max(0.0, (tc + tm - tb) / tc)))
 
 
 def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
@@ -124,7 +174,8 @@ def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
             print(f"\rcalibrate [{bar:<30}] {done}/{total} {kind:<14} {size / 2**20:8.3f} MB {t * 1e3:9.3f} ms", end="", file=sys.stderr, flush=True)
     if show and rank == 0:
         print(file=sys.stderr)
-    return {"collectives": rows, "compute": _compute_rates(device) if rank == 0 else {}}
+    overlap = _grad_overlap(device, reps)
+    return {"collectives": rows, "compute": {**_compute_rates(device), "grad_overlap": overlap} if rank == 0 else {}}
 
 
 def fit(rows: list[dict[str, Any]], world: int) -> tuple[float, float]:
@@ -156,7 +207,8 @@ def calibrate(devices: int = 2, reps: int = 10, show: bool = True, name: str = "
     per_kind = tuple((k, *fit([r for r in rows if r["kind"] == k], devices)) for k in RING_FACTOR)
     mem = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 12.0
     prof = Profile(name, alpha=alpha, beta=beta, flops=comp["matmul_flops"], mem_bw=comp["mem_bw"], memory_gb=mem, conv_flops=comp["conv_flops"],
-                   collectives=per_kind, optimizer_bw=comp["optimizer_bw"])
+                   collectives=per_kind, optimizer_bw=comp["optimizer_bw"], grad_overlap=comp["grad_overlap"],
+                   alloc_bw=comp["alloc_bw"], large_alloc=float(LARGE_ALLOC) if comp["alloc_bw"] else 0.0)
     return prof, {"devices": devices, "collectives": rows, "compute": comp}
 
 
@@ -168,7 +220,9 @@ def main_cli(devices: int, out: str | None, reps: int) -> int:
         with open(out, "w") as f:
             f.write(text)
         print(f"wrote {out}: alpha {prof.alpha * 1e6:.1f} us, {1 / prof.beta / 1e9:.2f} GB/s, matmul {prof.flops / 1e9:.1f} GFLOP/s, "
-              f"conv {prof.conv_flops / 1e9:.1f} GFLOP/s, memory-bound {prof.mem_bw / 1e9:.1f} GB/s, AdamW {prof.optimizer_bw / 1e9:.2f} GB/s",
+              f"conv {prof.conv_flops / 1e9:.1f} GFLOP/s, memory-bound {prof.mem_bw / 1e9:.1f} GB/s, large allocations {prof.alloc_bw / 1e9:.1f} GB/s, "
+              f"AdamW {prof.optimizer_bw / 1e9:.2f} GB/s, "
+              f"gradient sync hidden {prof.grad_overlap:.0%}",
               file=sys.stderr)
     else:
         sys.stdout.write(text)

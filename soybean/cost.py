@@ -15,8 +15,20 @@ all_to_all      (p-1)/p * m              (p-1) alpha + bytes beta
 
 Each forward step has a backward (its adjoint, see ``reshard``) that is priced
 too when the tensor needs a gradient: training comm per step = forward + backward.
-Compute: a training step is about 3x the forward FLOPs (backward ~ 2x forward);
-an op's work is divided by the product of the mesh axes its strategy splits.
+The all-reduce of a ``grad_all_reduce`` step is also reported apart
+(``Cost.sync_seconds``): on a parameter's own edge the runtime defers it to the
+bucketed, asynchronous gradient sync, which overlaps the rest of backward (see
+``planner.evaluate`` for how much of it is hidden).
+Compute (``compute_seconds``): an op's forward is a roofline,
+``max(flops / F, bytes / mem_bw)``; its backward repeats that once per input whose
+gradient is needed (a matmul's two products, an elementwise op's one pass), so
+training is 1x (nothing needs a gradient) to 3x the forward.  The work is divided
+by the product of the mesh axes the strategy splits.  Where a profile sets
+``large_alloc``, every local tensor at least that large that the op allocates
+(its outputs, and in backward the gradients of its inputs) is also charged
+``bytes / alloc_bw``: fresh large allocations are page-faulted in on a CPU
+(glibc maps blocks of 32 MiB and up afresh each time), which costs several
+times the arithmetic on them.
 """
 from __future__ import annotations
 
@@ -43,9 +55,10 @@ BACKWARD = {
 class Cost:
     bytes: float = 0.0
     seconds: float = 0.0
+    sync_seconds: float = 0.0  # the part of ``seconds`` that gradient all-reduces take
 
     def __add__(self, o: "Cost") -> "Cost":
-        return Cost(self.bytes + o.bytes, self.seconds + o.seconds)
+        return Cost(self.bytes + o.bytes, self.seconds + o.seconds, self.sync_seconds + o.sync_seconds)
 
 
 def collective(kind: str, m: float, p: int, alpha: float, beta: float) -> Cost:
@@ -58,22 +71,23 @@ def collective(kind: str, m: float, p: int, alpha: float, beta: float) -> Cost:
 
 
 @lru_cache(maxsize=200_000)
-def _collectives(src: tuple, dst: tuple, partial_grad_axes: tuple, src_partial_axes: tuple, needs_grad: bool) -> tuple[tuple[str, int, tuple], ...]:
-    """Shape-free: the (collective, mesh axis, tiling whose tile size is ``m``) of every forward
-    and backward step of ``src -> dst``; one table serves every tensor shape."""
+def _collectives(src: tuple, dst: tuple, partial_grad_axes: tuple, src_partial_axes: tuple, needs_grad: bool) -> tuple[tuple[str, int, tuple, bool], ...]:
+    """Shape-free: the (collective, mesh axis, tiling whose tile size is ``m``, is a gradient
+    all-reduce) of every forward and backward step of ``src -> dst``; one table serves every
+    tensor shape."""
     steps = plan_reshard(src, dst, partial_grad_axes, src_partial_axes) if needs_grad else plan_reshard(src, dst)
-    out: list[tuple[str, int, tuple]] = []
+    out: list[tuple[str, int, tuple, bool]] = []
     cur = src
     for step in steps:
         nxt = apply_step(cur, step)
         m_tiling = nxt if step.kind == "all_gather" else cur
         if not step.kind.startswith("grad_") and step.kind in RING_FACTOR:
-            out.append((step.kind, step.axis, m_tiling))
+            out.append((step.kind, step.axis, m_tiling, False))
         if needs_grad:
             bwd = "reduce_scatter" if step.kind == "all_gather" and step.grad_partial else BACKWARD[step.kind]
             if bwd is not None:
                 # a backward all_gather rebuilds the gradient of the tensor before the step
-                out.append((bwd, step.axis, cur if bwd == "all_gather" else m_tiling))
+                out.append((bwd, step.axis, cur if bwd == "all_gather" else m_tiling, step.kind == "grad_all_reduce"))
         cur = nxt
     return tuple(out)
 
@@ -81,18 +95,23 @@ def _collectives(src: tuple, dst: tuple, partial_grad_axes: tuple, src_partial_a
 @lru_cache(maxsize=400_000)
 def reshard_cost(src: tuple, dst: tuple, shape: tuple, itemsize: int, mesh: Mesh, profile: Profile, partial_grad_axes: tuple, needs_grad: bool, src_partial_axes: tuple = ()) -> Cost:
     """Forward + backward cost of turning ``src`` into ``dst`` for one tensor."""
-    nb = ns = 0.0
-    for kind, axis, tiling in _collectives(src, dst, tuple(partial_grad_axes), tuple(src_partial_axes), needs_grad):
+    nb = ns = sync = 0.0
+    for kind, axis, tiling, is_sync in _collectives(src, dst, tuple(partial_grad_axes), tuple(src_partial_axes), needs_grad):
         a, b = profile.ab(axis, kind)
         c = collective(kind, float(max_local_numel(shape, tiling, mesh) * itemsize), mesh.shape[axis], a, b)
         nb += c.bytes
         ns += c.seconds
-    return Cost(nb, ns)
+        sync += c.seconds if is_sync else 0.0
+    return Cost(nb, ns, sync)
 
 
-def compute_seconds(flops: float, bytes_moved: float, work_fraction: float, profile: Profile) -> float:
-    """Roofline time of one training step of an op (forward + backward = 3x forward)."""
-    return 3.0 * work_fraction * max(flops / profile.flops, bytes_moved / profile.mem_bw)
+def compute_seconds(flops: float, bytes_moved: float, work_fraction: float, profile: Profile, passes: float = 3.0,
+                    fresh_bytes: float = 0.0) -> float:
+    """Time of one training step of an op: ``passes`` forward-equivalents of its roofline time
+    (see the module docstring) on ``work_fraction`` of the work, plus first-touching
+    ``fresh_bytes`` of large new allocations."""
+    t = passes * work_fraction * max(flops / profile.flops, bytes_moved / profile.mem_bw)
+    return t + (fresh_bytes / profile.alloc_bw if profile.alloc_bw and fresh_bytes else 0.0)
 
 
 def work_fraction(split_axes: Sequence[bool], mesh: Mesh) -> float:

@@ -40,6 +40,9 @@ PARAM_COPIES = 4
 # about 7 passes over the local tile, memory-bound (the reason split weights train faster when
 # weights are large and batches small).  A calibrated profile measures it instead (optimizer_bw).
 OPTIMIZER_PASSES = 7
+# torch's AdamW step allocates about two parameter-sized temporaries: for a large tile they are
+# page-faulted in (``Profile.large_alloc``), which a 32 MiB parameter's step shows as ~1.5x the time.
+OPTIMIZER_TEMPS = 2
 
 
 @dataclass
@@ -66,6 +69,9 @@ class Edge:
     bytes: np.ndarray             # [len(src strategies), len(dst strategies)]
     seconds: np.ndarray
     shape: tuple[int, ...] = ()
+    # The part of ``seconds`` the runtime's asynchronous gradient sync takes (the gradient
+    # all-reduce of a parameter's own edge, deferred and bucketed by ``GradSync``); else None.
+    sync: np.ndarray | None = None
 
 
 @dataclass
@@ -97,6 +103,61 @@ def _flops(op: OpSpec) -> tuple[float, float]:
         q, k = op.inputs[0], op.inputs[1]
         return 4.0 * math.prod(q.shape) * k.shape[-2], byts
     return float(out_n), byts
+
+
+# Ops that only re-describe memory (a view or an alias): no arithmetic, no traffic.
+VIEW_OPS = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.expand.default", "aten.t.default",
+    "aten.transpose.int", "aten.permute.default", "aten.slice.Tensor", "aten.select.int", "aten.unsqueeze.default",
+    "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.broadcast_tensors.default", "aten.alias.default",
+    "aten.detach.default", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.unbind.int", "aten.chunk.default",
+    "aten.narrow.default", "aten.view_as.default", "aten.expand_as.default", "aten.flatten.using_ints", "aten.unflatten.int",
+    "aten.movedim.int", "aten.unsqueeze_copy.default", "aten.as_strided.default",
+})
+# Products whose backward is one product per operand that needs a gradient, and where their
+# two operands sit among the op's tensor inputs.
+MATMUL_OPERANDS = {
+    "aten.linear.default": (0, 1), "aten.mm.default": (0, 1), "aten.matmul.default": (0, 1), "aten.bmm.default": (0, 1),
+    "aten.addmm.default": (1, 2), "aten.baddbmm.default": (1, 2), "aten.conv1d.default": (0, 1), "aten.conv2d.default": (0, 1),
+    "aten.conv3d.default": (0, 1), "aten.convolution.default": (0, 1),
+}
+
+
+def passes(op: OpSpec, grads: list[bool]) -> float:
+    """Forward-equivalents of one training step of ``op`` (see ``cost.compute_seconds``), given
+    which of its tensor inputs need a gradient: a view is free; a product's backward is one
+    product per operand needing a gradient; any other op's backward is about one forward."""
+    if op.name in VIEW_OPS:
+        return 0.0
+    operands = MATMUL_OPERANDS.get(op.name)
+    if operands is not None:
+        return 1.0 + sum(1.0 for i in operands if i < len(grads) and grads[i])
+    if op.name == "aten.scaled_dot_product_attention.default":
+        return 3.5 if any(grads) else 1.0  # FlashAttention's backward: about 2.5x its forward
+    return 2.0 if any(grads) else 1.0
+
+
+def fresh_bytes(op: OpSpec, s: Strategy, grads: list[bool], mesh: Mesh, profile: Profile) -> float:
+    """Local bytes of the large tensors ``op`` allocates under strategy ``s``: its outputs, and
+    in backward the gradients of its inputs (only those of at least ``profile.large_alloc``)."""
+    if not profile.large_alloc or op.name in VIEW_OPS:
+        return 0.0
+    big = 0.0
+    for spec, t in zip(op.outputs, s.outputs):
+        n = max_local_numel(spec.shape, t, mesh) * spec.dtype.itemsize
+        big += n if n >= profile.large_alloc else 0.0
+    for spec, t, gr in zip(op.inputs, s.inputs, grads):
+        n = max_local_numel(spec.shape, t, mesh) * spec.dtype.itemsize if gr else 0
+        big += n if n >= profile.large_alloc else 0.0
+    return big
+
+
+def _optimizer_seconds(nbytes: float, profile: Profile) -> float:
+    """An AdamW step on a local parameter tile of ``nbytes``."""
+    t = nbytes / (profile.optimizer_bw or profile.mem_bw / OPTIMIZER_PASSES)
+    if profile.large_alloc and profile.alloc_bw and nbytes >= profile.large_alloc:
+        t += OPTIMIZER_TEMPS * nbytes / profile.alloc_bw
+    return t
 
 
 def _module_path(node: fx.Node) -> str:
@@ -217,8 +278,7 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
             copies = PARAM_COPIES if kind == "param" else 1
             mem = np.array([max_local_numel(shape, t, mesh) * val.dtype.itemsize * copies for t in tilings], dtype=float)
             needs_grad[node.name] = kind == "param" and val.dtype.is_floating_point
-            opt_bw = profile.optimizer_bw or profile.mem_bw / OPTIMIZER_PASSES
-            opt_s = np.array([max_local_numel(shape, t, mesh) * val.dtype.itemsize / opt_bw if needs_grad[node.name] else 0.0
+            opt_s = np.array([_optimizer_seconds(max_local_numel(shape, t, mesh) * val.dtype.itemsize, profile) if needs_grad[node.name] else 0.0
                               for t in tilings])
             vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=needs_grad[node.name]))
             g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
@@ -242,7 +302,10 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
                 strategies = full or strategies
             flops, byts = _flops(op)
             rate = profile if not (op.name.startswith("aten.conv") and profile.conv_flops) else replace(profile, flops=profile.conv_flops)
-            compute = np.array([compute_seconds(flops, byts, work_fraction(s.divides_work(), mesh), rate) for s in strategies])
+            grads = [needs_grad.get(a.name, False) for a in tensor_args]
+            n_pass = passes(op, grads)
+            compute = np.array([compute_seconds(flops, byts, work_fraction(s.divides_work(), mesh), rate, n_pass, fresh_bytes(op, s, grads, mesh, profile))
+                                for s in strategies])
             mem = np.array([sum(max_local_numel(o.shape, t, mesh) * o.dtype.itemsize for o, t in zip(op.outputs, s.outputs)) for s in strategies], dtype=float)
             ng = any(needs_grad.get(a.name, False) for a in tensor_args)
             ng = ng and any(o.dtype.is_floating_point for o in op.outputs)
@@ -271,7 +334,7 @@ def _add_var(g: PlanGraph, v: Var) -> int:
     return len(g.vars) - 1
 
 
-_EDGE_MEMO: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+_EDGE_MEMO: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
 
 def _unique(keys: list) -> tuple[list, np.ndarray]:
@@ -306,15 +369,19 @@ def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_gra
     if key not in _EDGE_MEMO:
         Bu = np.zeros((len(us), len(ud)))
         Tu = np.zeros((len(us), len(ud)))
+        Su = np.zeros((len(us), len(ud)))
         for a, (src, spa) in enumerate(us):
             for b, (dst, pga) in enumerate(ud):
                 c = reshard_cost(src, dst, shape, itemsize, g.mesh, g.profile, pga, needs_grad, spa)
-                Bu[a, b], Tu[a, b] = c.bytes, c.seconds
+                Bu[a, b], Tu[a, b], Su[a, b] = c.bytes, c.seconds, c.sync_seconds
                 if U.pinned and src != dst:
                     Bu[a, b] = Tu[a, b] = PINNED
+                    Su[a, b] = 0.0
         if len(_EDGE_MEMO) > 4096:
             _EDGE_MEMO.clear()
-        _EDGE_MEMO[key] = (Bu, Tu)
-    Bu, Tu = _EDGE_MEMO[key]
+        _EDGE_MEMO[key] = (Bu, Tu, Su)
+    Bu, Tu, Su = _EDGE_MEMO[key]
     B, T = Bu[np.ix_(si, di)], Tu[np.ix_(si, di)]
-    g.edges.append(Edge(u, v, out_idx, in_idx, B, T, shape))
+    # Only a parameter's own edge is deferred to the gradient sync (codegen.lower's ``defer``).
+    S = Su[np.ix_(si, di)] if U.kind == "param" and Su.any() else None
+    g.edges.append(Edge(u, v, out_idx, in_idx, B, T, shape, S))

@@ -3,6 +3,8 @@
 Each mesh axis has a latency ``alpha`` (s per message hop) and an inverse
 bandwidth ``beta`` (s per byte sent by one device).  Compute runs at ``flops``
 (FLOP/s, matmul-like ops) and ``mem_bw`` (bytes/s, elementwise ops).
+``grad_overlap`` is the fraction of an asynchronous gradient all-reduce that
+runs hidden behind concurrent backward compute (0: none, 1: all of it).
 ``soybean calibrate`` writes a JSON profile measured on the current machine.
 """
 from __future__ import annotations
@@ -25,6 +27,9 @@ class Profile:
     conv_flops: float = 0.0                              # convolution FLOP/s; 0: same as ``flops``
     collectives: tuple[tuple[str, float, float], ...] = field(default=())  # measured (kind, alpha, beta)
     optimizer_bw: float = 0.0                            # parameter bytes/s an AdamW step gets through; 0: mem_bw / 7
+    grad_overlap: float = 0.0                            # share of async gradient all-reduce time hidden by compute
+    large_alloc: float = 0.0                             # bytes from which a new tensor is page-faulted in; 0: never
+    alloc_bw: float = 0.0                                # bytes/s of first-touching such a tensor
 
     def ab(self, axis: int, kind: str = "") -> tuple[float, float]:
         """alpha, beta for a collective of ``kind`` on mesh ``axis``: a per-axis override, else the
@@ -42,15 +47,19 @@ class Profile:
 
 
 BUILTIN: dict[str, Profile] = {
-    # This machine: 2 CPU cores, gloo over loopback, one thread per process.
-    # Measured (shared/DESIGN.md): tiny all_reduce ~0.4 ms with 2 processes (2 ring steps -> 0.2 ms each);
-    # 64 MB all_reduce ~1 GB/s; fp32 matmul ~20 GFLOP/s per single-threaded process.
-    # AdamW on a 32 MB parameter: ~0.6 GB/s of parameter bytes (temporaries and page faults included).
-    "cpu-gloo": Profile("cpu-gloo", alpha=2e-4, beta=1 / 1.0e9, flops=2.0e10, mem_bw=5e9, memory_gb=12.0, optimizer_bw=0.6e9),
+    # This machine: 2 CPU cores, gloo over loopback, one thread per process (`soybean calibrate`,
+    # several runs, rounded): collectives as the runtime runs them ~0.2 ms per ring step and
+    # ~1.8 GB/s; fp32 matmul ~110 GFLOP/s; elementwise ops on activation-sized tensors ~20 GB/s;
+    # a fresh allocation of 32 MiB or more is page-faulted in at ~2.5 GB/s; AdamW ~1 GB/s of
+    # parameter bytes; 0-35% of an async all_reduce hides behind a matmul loop (gloo needs CPU too).
+    "cpu-gloo": Profile("cpu-gloo", alpha=2e-4, beta=1 / 1.8e9, flops=1.1e11, mem_bw=2e10, memory_gb=12.0, conv_flops=1.0e11,
+                        optimizer_bw=1.0e9, grad_overlap=0.25, large_alloc=float(32 << 20), alloc_bw=2.5e9),
     # 8x H100 SXM with NVLink 4 / NVSwitch: 450 GB/s per direction per GPU, NCCL reaches ~360 GB/s
     # bus bandwidth on large all-reduces; ~5 us per ring step. Compute: 989 TFLOP/s dense bf16 at
-    # ~40% achieved; HBM3 3.35 TB/s; 80 GB. (NVIDIA H100 datasheet; NCCL tests.)
-    "h100-nvlink": Profile("h100-nvlink", alpha=5e-6, beta=1 / 360e9, flops=400e12, mem_bw=3.35e12, memory_gb=80.0),
+    # ~40% achieved; HBM3 3.35 TB/s; 80 GB. (NVIDIA H100 datasheet; NCCL tests.)  NCCL runs on its own
+    # stream, so bucketed gradient all-reduces mostly hide behind backward (all but the last bucket).
+    "h100-nvlink": Profile("h100-nvlink", alpha=5e-6, beta=1 / 360e9, flops=400e12, mem_bw=3.35e12, memory_gb=80.0,
+                           grad_overlap=0.8),
 }
 
 

@@ -28,6 +28,9 @@ def table(plan: Plan) -> str:
     lines.append("")
     c = plan.cost
     lines.append(f"{'plan':<16} comm {_bytes(c['comm_bytes']):>10}/device/step   step {c['step_time_s'] * 1e3:10.3f} ms")
+    if "compute_s" in c:
+        lines.append(f"{'':<16} = compute {c['compute_s'] * 1e3:.3f} ms + comm {c.get('comm_s', 0) * 1e3:.3f} ms"
+                     f" - gradient sync hidden behind backward {c.get('hidden_s', 0) * 1e3:.3f} ms")
     for k, v in plan.baselines.items():
         lines.append(f"{k:<16} comm {_bytes(v['comm_bytes']):>10}/device/step   step {v['step_time_s'] * 1e3:10.3f} ms")
     if plan.meshes and len(plan.meshes) > 1:

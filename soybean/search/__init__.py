@@ -19,19 +19,27 @@ from .problem import Problem, reduce
 OBJECTIVES = ("comm", "time")
 
 
-def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None) -> Problem:
+def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None, overlap: float | None = None) -> Problem:
     """Unary and pairwise costs of ``g`` under ``objective``.
 
     ``comm``: bytes sent per device per training step; step seconds are added
     with weight 1 byte/s only to break exact ties towards the faster plan.
-    ``time``: modelled seconds (communication + compute, no overlap assumed).
+    ``time``: modelled seconds, communication + compute, where a fraction
+    ``overlap`` (default: the profile's ``grad_overlap``) of every deferred gradient
+    all-reduce is taken as hidden behind backward: ``C = seconds - overlap * sync``.
+    This linear discount is exact while the hidden time stays below the backward
+    compute, the cap ``planner.evaluate`` applies (see ``planner.solve_on``).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}: use comm or time")
     unary = [v.compute_s.astype(float).copy() for v in g.vars]
     p = Problem(unary, {}, [v.memory for v in g.vars] if memory_budget else None, memory_budget, [v.name for v in g.vars])
+    # Under ``comm`` the seconds only break ties: priced without overlap, a replicated weight's
+    # gradient all-reduce and a split weight's gather/reduce-scatter stay tied on time as on bytes.
+    ov = 0.0 if objective == "comm" else g.profile.grad_overlap if overlap is None else overlap
     for e in g.edges:
-        C = e.seconds + (e.bytes if objective == "comm" else 0.0)
+        C = e.seconds - ov * e.sync if e.sync is not None and ov else e.seconds
+        C = C + (e.bytes if objective == "comm" else 0.0)
         p.add_edge(e.src, e.dst, C)
     return p
 
