@@ -49,12 +49,13 @@ import torch.nn as nn
 from . import modelref
 from .plan import Plan
 
-__all__ = ["BenchConfig", "VARIANTS", "run_bench", "format_table", "spearman", "tp_layout", "add_parser", "cmd_bench", "main"]
+__all__ = ["BenchConfig", "VARIANTS", "run_bench", "format_table", "spearman", "candidates", "tp_layout", "add_parser", "cmd_bench", "main"]
 
 SERIAL = "serial"
 DIST_VARIANTS: tuple[str, ...] = ("ddp", "tp", "fsdp", "soybean", "soybean_dp", "soybean_mp")
 VARIANTS: tuple[str, ...] = (SERIAL, *DIST_VARIANTS)
 SOYBEAN_MODES: dict[str, str] = {"soybean": "auto", "soybean_dp": "dp", "soybean_mp": "mp"}
+NOT_SELECTED = "not selected (--variants)"
 # Variants whose every rank sees the whole batch: their loss must equal the serial loss.
 FULL_BATCH: frozenset[str] = frozenset({SERIAL, "tp", *SOYBEAN_MODES})
 LOSS_RTOL = 1e-3
@@ -79,6 +80,12 @@ class BenchConfig:
     lr: float = 1e-3
     seed: int = 0
     rounds: int = 3                             # >1: variants alternate, steps/rounds at a time
+    variants: tuple[str, ...] = VARIANTS        # which to run; the others report "not selected"
+
+    @property
+    def dist_variants(self) -> tuple[str, ...]:
+        """The selected distributed variants, in :data:`DIST_VARIANTS` order."""
+        return tuple(v for v in DIST_VARIANTS if v in self.variants)
 
     def validate(self) -> None:
         """Raise ``ValueError`` for settings that cannot run."""
@@ -88,6 +95,9 @@ class BenchConfig:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown or not self.variants:
+            raise ValueError(f"--variants: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(VARIANTS)}")
         from .profiles import load_profile
 
         load_profile(self.profile)
@@ -317,7 +327,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str
     ctx = _Context(rank, world, cfg, plans)
     if cfg.rounds <= 1:
         out: dict[str, Measurement] = {}
-        for variant in DIST_VARIANTS:
+        for variant in cfg.dist_variants:
             out[variant] = _run_dist_variant(variant, ctx)
             gc.collect()
             dist.barrier()
@@ -338,7 +348,7 @@ def _interleaved(ctx: _Context) -> dict[str, Measurement] | None:
     steps: dict[str, Callable[[], torch.Tensor]] = {}
     failed: dict[str, str] = {}
     first: dict[str, float] = {}
-    for variant in DIST_VARIANTS:
+    for variant in cfg.dist_variants:
         torch.manual_seed(cfg.seed)
         err: BaseException | None = None
         try:
@@ -375,7 +385,7 @@ def _interleaved(ctx: _Context) -> dict[str, Measurement] | None:
                 failed[variant] = reason
                 steps.pop(variant)
     out = {}
-    for variant in DIST_VARIANTS:
+    for variant in cfg.dist_variants:
         if variant in failed:
             out[variant] = Measurement(reason=failed[variant])
         else:
@@ -399,11 +409,43 @@ def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple) -> dict[str, P
         return {v: Measurement.failed(e).reason or "capture failed" for v in SOYBEAN_MODES}
     plans: dict[str, Plan | str] = {}
     for variant, mode in SOYBEAN_MODES.items():
+        if variant not in cfg.variants:
+            plans[variant] = NOT_SELECTED
+            continue
         try:
             plans[variant] = plan(None, (), cfg.devices, objective="time", profile=cfg.profile, mode=mode, baselines=False, captured=cap)
         except Exception as e:  # noqa: BLE001
             plans[variant] = Measurement.failed(e).reason or "planning failed"
     return plans
+
+
+def _same_plan(a: Plan, b: Plan) -> bool:
+    return (a.mesh, a.params, a.inputs, a.nodes) == (b.mesh, b.params, b.inputs, b.nodes)
+
+
+def candidates(plans: dict[str, Plan | str], predicted: dict[str, float | None], step_s: dict[str, float | None]) -> dict[str, Any]:
+    """soybean's candidate plans as distinct programs: a variant whose plan is identical to an
+    earlier one's (the optimum often *is* data parallel) is the same program timed twice, so the
+    two share one measurement, the mean of their medians.  Returns the distinct variants, the
+    duplicates (``same_plan``: variant -> the one it repeats), the measurement per distinct
+    variant, and which one is predicted and which measured fastest."""
+    distinct: list[str] = []
+    same: dict[str, str] = {}
+    for v in SOYBEAN_MODES:
+        p = plans.get(v)
+        if not isinstance(p, Plan) or predicted.get(v) is None or step_s.get(v) is None:
+            continue
+        twin = next((d for d in distinct if _same_plan(plans[d], p)), None)  # type: ignore[arg-type]
+        if twin is None:
+            distinct.append(v)
+        else:
+            same[v] = twin
+    measured = {d: statistics.fmean([step_s[d]] + [step_s[v] for v, t in same.items() if t == d]) for d in distinct}
+    return {
+        "distinct": distinct, "same_plan": same, "measured_s": measured,
+        "predicted_fastest": min(distinct, key=lambda d: predicted[d]) if distinct else None,
+        "measured_fastest": min(distinct, key=lambda d: measured[d]) if distinct else None,
+    }
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
@@ -483,20 +525,23 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     cfg.validate()
     serial_threads = torch.get_num_threads()
     machine = machine_info(serial_threads)
-    ms: dict[str, Measurement] = {}
-    ms[SERIAL] = _measure(_prepare_serial, cfg, lambda: None)
-    gc.collect()
+    ms: dict[str, Measurement] = {v: Measurement(reason=NOT_SELECTED) for v in VARIANTS if v not in cfg.variants}
+    if SERIAL in cfg.variants:
+        ms[SERIAL] = _measure(_prepare_serial, cfg, lambda: None)
+        gc.collect()
     model, inputs = _load(cfg)
     plans, layout = make_plans(cfg, model, inputs), tp_layout(model)
     del model, inputs
     gc.collect()
-    ms.update(spawn(_worker, cfg.devices, cfg, plans, timeout_s=cfg.timeout_s)[0])
+    if cfg.dist_variants:
+        ms.update(spawn(_worker, cfg.devices, cfg, plans, timeout_s=cfg.timeout_s)[0])
     notes: dict[str, str] = {}
     _check_losses(ms, notes)
     predicted = {v: (p.cost["step_time_s"] if isinstance(p, Plan) else None) for v, p in plans.items()}
-    ranked = [v for v in SOYBEAN_MODES if predicted[v] is not None and ms[v].step_s is not None]
-    rho = spearman([predicted[v] for v in ranked], [ms[v].step_s for v in ranked])
     step_s = {v: ms[v].step_s for v in VARIANTS}
+    cand = candidates(plans, predicted, step_s)
+    ranked = cand["distinct"]
+    rho = spearman([predicted[v] for v in ranked], [cand["measured_s"][v] for v in ranked])
     return {
         "model": cfg.model, "args": dict(cfg.args), "devices": cfg.devices, "steps": cfg.steps, "warmup": cfg.warmup,
         "profile": cfg.profile,
@@ -506,6 +551,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "speedup_vs_ddp": {v: _speedup(step_s["ddp"], t) for v, t in step_s.items()},
         "predicted_step_s": predicted,
         "spearman": {"rho": rho, "variants": ranked},
+        "candidates": cand,
+        "prediction_error": {v: predicted[v] / step_s[v] - 1 for v in SOYBEAN_MODES if predicted[v] and step_s[v]},
         "plans": {v: plan_summary(p) for v, p in plans.items() if isinstance(p, Plan)},
         "tp_layout": layout,
         "first_loss": {v: ms[v].loss for v in VARIANTS},
@@ -559,6 +606,12 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append("tp layout: " + ", ".join(f"{k} {s}" for k, s in report["tp_layout"].items()))
     for v, p in report["plans"].items():
         lines.append(f"{v} plan: mesh {p['mesh']}: {_brief_params(p['params'])}")
+    c = report["candidates"]
+    for v, twin in c["same_plan"].items():
+        lines.append(f"{v} runs the same plan as {twin}: the two count as one candidate, timed as the mean of both")
+    if c["distinct"]:
+        lines.append(f"candidates: predicted fastest {c['predicted_fastest']}, measured fastest {c['measured_fastest']}; prediction error "
+                     + ", ".join(f"{v} {e:+.0%}" for v, e in report["prediction_error"].items()))
     sp = report["spearman"]
     lines.append(f"Spearman rank correlation, predicted vs measured step time over {', '.join(sp['variants']) or 'no plans'}: "
                  f"{_fmt(sp['rho'], '.2f')} (n={len(sp['variants'])})")
@@ -577,6 +630,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="cpu-gloo", help="soybean's machine profile: cpu-gloo, h100-nvlink or a JSON file")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the spawned ranks are stopped")
     p.add_argument("--rounds", type=int, default=3, help="alternate the variants in this many rounds (steps/rounds timed steps each turn)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
 
 
@@ -596,7 +650,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     outside a variant print one line and give 1.
     """
     cfg = BenchConfig(model=a.model, devices=a.devices, args=modelref.parse_args(a.arg), steps=a.steps, warmup=a.warmup,
-                      profile=a.profile, timeout_s=a.timeout, rounds=a.rounds)
+                      profile=a.profile, timeout_s=a.timeout, rounds=a.rounds,
+                      variants=tuple(v.strip() for v in a.variants.split(",") if v.strip()))
     modelref.resolve(cfg.model)  # a bad reference fails here, before anything runs
     try:
         report = run_bench(cfg)

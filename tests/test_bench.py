@@ -10,7 +10,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.models import mlp  # noqa: E402
-from soybean.bench import SOYBEAN_MODES, VARIANTS, BenchConfig, add_parser, cmd_bench, format_table, run_bench, spearman, tp_layout  # noqa: E402
+from soybean.bench import (SOYBEAN_MODES, VARIANTS, BenchConfig, add_parser, candidates, cmd_bench, format_table, run_bench,  # noqa: E402
+                           spearman, tp_layout)
+from soybean.plan import Plan  # noqa: E402
 
 
 def test_spearman_ranks_with_ties() -> None:
@@ -26,6 +28,29 @@ def test_tp_layout_pairs_linears_and_leaves_an_odd_last_one() -> None:
     assert tp_layout(even) == {"inp": "colwise", "hidden.0": "rowwise", "hidden.1": "colwise", "out": "rowwise"}
     odd, _ = mlp(batch=2, hidden=8, layers=1)
     assert tp_layout(odd) == {"inp": "colwise", "hidden.0": "rowwise"}
+
+
+def _plan(params: dict) -> Plan:
+    return Plan(devices=2, mesh=[2], objective="time", profile="cpu-gloo", fingerprint="f", params=params, inputs={}, nodes={}, cost={})
+
+
+def test_candidates_merge_identical_plans() -> None:
+    dp, mp = _plan({"w": ["R"]}), _plan({"w": ["S(0)"]})
+    plans = {"soybean": _plan({"w": ["R"]}), "soybean_dp": dp, "soybean_mp": mp}
+    predicted = {"soybean": 1.0, "soybean_dp": 1.0, "soybean_mp": 2.0}
+    c = candidates(plans, predicted, {"soybean": 1.2, "soybean_dp": 1.0, "soybean_mp": 1.05})
+    assert c["distinct"] == ["soybean", "soybean_mp"] and c["same_plan"] == {"soybean_dp": "soybean"}
+    assert c["measured_s"]["soybean"] == pytest.approx(1.1)
+    assert c["predicted_fastest"] == "soybean" and c["measured_fastest"] == "soybean_mp"
+    # a failed variant (no time) or an unavailable plan (a reason string) is no candidate
+    c = candidates({**plans, "soybean_mp": "no plan"}, predicted, {"soybean": None, "soybean_dp": 1.0, "soybean_mp": 1.0})
+    assert c["distinct"] == ["soybean_dp"] and c["same_plan"] == {}
+
+
+def test_variants_are_checked() -> None:
+    with pytest.raises(ValueError, match="unknown nope"):
+        BenchConfig(model="m:f", devices=2, variants=("ddp", "nope")).validate()
+    assert BenchConfig(model="m:f", devices=2, variants=("ddp", "soybean")).dist_variants == ("ddp", "soybean")
 
 
 def test_add_parser_registers_bench() -> None:
@@ -54,3 +79,15 @@ def test_bench_reports_every_variant() -> None:
     assert plan["mesh"] == [2] and plan["params"]
     assert report["machine"]["cores"] >= 1 and report["machine"]["torch"]
     assert "soybean_dp" in format_table(report)
+    assert report["candidates"]["predicted_fastest"] in SOYBEAN_MODES
+
+
+@pytest.mark.dist
+def test_bench_runs_only_the_selected_variants() -> None:
+    cfg = BenchConfig(model="examples.models:mlp", devices=2, args={"hidden": 16, "batch": 8}, steps=2, warmup=1, timeout_s=120,
+                      variants=("ddp", "soybean_dp"))
+    report = run_bench(cfg)
+    assert report["step_s"]["ddp"] and report["step_s"]["soybean_dp"]
+    for v in set(VARIANTS) - {"ddp", "soybean_dp"}:
+        assert report["step_s"][v] is None and "not selected" in report["reasons"][v]
+    assert "not selected" in format_table(report)
