@@ -30,3 +30,17 @@ def test_profile_json_roundtrip_ignores_measurements(tmp_path) -> None:
     q = load_profile(str(path))
     assert q == p
     assert q.ab(0, "all_gather") == (3e-4, 4e-9) and q.ab(0, "all_reduce") == (1e-4, 2e-9)
+
+
+@pytest.mark.dist
+def test_calibrate_measures_every_field() -> None:
+    """One short run on 2 gloo processes: every rate positive, the overlap a share, and on a CPU
+    the large-allocation rate measured (the caching allocator of a GPU has no page faults)."""
+    from soybean.calibrate import calibrate
+
+    prof, raw = calibrate(devices=2, reps=2, show=False)
+    assert prof.alpha > 0 and prof.beta > 0 and prof.flops > 0 and prof.conv_flops > 0 and prof.mem_bw > 0 and prof.optimizer_bw > 0
+    assert {k for k, _, _ in prof.collectives} == set(RING_FACTOR)
+    assert 0.0 <= prof.grad_overlap <= 1.0
+    assert prof.alloc_bw > 0 and prof.large_alloc == 32 << 20
+    assert {r["kind"] for r in raw["collectives"]} == set(RING_FACTOR) | {"p2p"}

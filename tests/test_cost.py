@@ -1,0 +1,71 @@
+"""The cost model's parts: backward passes per op, page faults of large tensors, the gradient
+sync's share of a reshard, and the overlap the planner credits (capped by backward compute)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from soybean.capture import capture
+from soybean.cost import compute_seconds, reshard_cost
+from soybean.graph import passes
+from soybean.mesh import Mesh
+from soybean.planner import BACKWARD_SHARE, solve_on
+from soybean.profiles import BUILTIN
+from soybean.rules.base import make_opspec
+from soybean.tiling import R, Shard
+
+PROFILE = BUILTIN["cpu-gloo"]
+
+
+def _op(target, *args):
+    return make_opspec(target, args, {}, target(*args))
+
+
+def test_backward_passes_follow_the_operands_that_need_gradients() -> None:
+    x, w, b = torch.randn(4, 3), torch.randn(5, 3), torch.randn(5)
+    lin = _op(torch.ops.aten.linear.default, x, w, b)
+    assert passes(lin, [True, True, True]) == 3.0       # forward, input gradient, weight gradient
+    assert passes(lin, [False, True, True]) == 2.0      # first layer: no input gradient
+    assert passes(lin, [False, False, False]) == 1.0    # frozen: forward only
+    relu = _op(torch.ops.aten.relu.default, x)
+    assert passes(relu, [True]) == 2.0 and passes(relu, [False]) == 1.0
+    assert passes(_op(torch.ops.aten.view.default, x, [12]), [True]) == 0.0  # a view moves nothing
+
+
+def test_large_fresh_tensors_are_charged_their_page_faults() -> None:
+    prof = replace(PROFILE, alloc_bw=1e9)
+    assert compute_seconds(0.0, 0.0, 1.0, prof, 1.0, fresh_bytes=2e9) == pytest.approx(2.0)
+    assert compute_seconds(0.0, 0.0, 1.0, replace(prof, alloc_bw=0.0), 1.0, fresh_bytes=2e9) == 0.0
+
+
+def test_gradient_all_reduce_is_reported_as_sync() -> None:
+    mesh, shape = Mesh((2,)), (64, 64)
+    # a replicated weight used by batch-split work: its gradient all-reduce is all the cost
+    c = reshard_cost((R,), (R,), shape, 4, mesh, PROFILE, (0,), True)
+    assert c.seconds > 0 and c.sync_seconds == pytest.approx(c.seconds)
+    # gathering a split weight (FSDP-like) is no gradient sync
+    c = reshard_cost((Shard(0),), (R,), shape, 4, mesh, PROFILE, (), True)
+    assert c.seconds > 0 and c.sync_seconds == 0.0
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.5, 1.0])
+def test_hidden_sync_is_capped_by_backward_compute(overlap: float) -> None:
+    net = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    cap = capture(net, (torch.randn(64, 256),))
+    prof = replace(PROFILE, grad_overlap=overlap)
+    r = solve_on(cap, Mesh((2,)), prof, "time", mode="dp")
+    op_compute = sum(float(v.compute_s[c]) for v, c in zip(r.graph.vars, r.solution.choice) if v.kind == "op")
+    assert r.sync_s > 0  # data parallel: every weight's gradient is summed
+    assert r.hidden_s == pytest.approx(min(overlap * r.sync_s, BACKWARD_SHARE * op_compute))
+    assert r.step_time_s == pytest.approx(r.comm_s + r.compute_s - r.hidden_s)
+
+
+def test_overlap_makes_data_parallel_no_dearer() -> None:
+    """Crediting the overlap can only lower a plan's modelled time, never raise the optimum."""
+    net = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
+    cap = capture(net, (torch.randn(512, 128),))
+    times = [solve_on(cap, Mesh((2,)), replace(PROFILE, grad_overlap=ov), "time").step_time_s for ov in (0.0, 0.5, 1.0)]
+    assert times[0] >= times[1] >= times[2]
