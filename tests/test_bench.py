@@ -36,6 +36,7 @@ def _plan(params: dict) -> Plan:
 
 def test_candidates_merge_identical_plans() -> None:
     dp, mp = _plan({"w": ["R"]}), _plan({"w": ["S(0)"]})
+    dp.inputs = {"x": ["S(0)"]}  # full inputs arrive whole: where they are sliced does not matter
     plans = {"soybean": _plan({"w": ["R"]}), "soybean_dp": dp, "soybean_mp": mp}
     predicted = {"soybean": 1.0, "soybean_dp": 1.0, "soybean_mp": 2.0}
     c = candidates(plans, predicted, {"soybean": 1.2, "soybean_dp": 1.0, "soybean_mp": 1.05})

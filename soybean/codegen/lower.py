@@ -193,7 +193,9 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
                         pga = tuple(ax for ax in range(mesh.ndim) if split[ax] and isinstance(dst[ax], Replicate)) if grad.get(a.name) else ()
                         i += 1
                         direct = x is env[a.name]
-                        passed.append((a, emit_reshard(g, x, tuple(v.shape), src, dst, pga, mesh, coords, spa, defer=defer_for(a) if direct else None)))
+                        view = direct and a.op == "placeholder" and a.name not in written  # slices of a read-only input may alias it
+                        passed.append((a, emit_reshard(g, x, tuple(v.shape), src, dst, pga, mesh, coords, spa, defer=defer_for(a) if direct else None,
+                                                       view=view)))
                         return passed[-1][1]
                     return env[a.name]
                 return a
