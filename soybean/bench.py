@@ -79,7 +79,7 @@ class BenchConfig:
     timeout_s: float = 1800.0                   # for the whole spawned run
     lr: float = 1e-3
     seed: int = 0
-    rounds: int = 3                             # >1: variants alternate, steps/rounds at a time
+    rounds: int = 0                             # 0: variants alternate after every step; 1: one after the other; n: steps/n at a time
     variants: tuple[str, ...] = VARIANTS        # which to run; the others report "not selected"
 
     @property
@@ -95,6 +95,8 @@ class BenchConfig:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.rounds < 0:
+            raise ValueError(f"--rounds must be >= 0, got {self.rounds}")
         unknown = [v for v in self.variants if v not in VARIANTS]
         if unknown or not self.variants:
             raise ValueError(f"--variants: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(VARIANTS)}")
@@ -318,14 +320,16 @@ def _run_dist_variant(variant: str, ctx: _Context) -> Measurement:
 def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str]) -> dict[str, Measurement] | None:
     """Body of every spawned rank: one thread, every distributed variant; rank 0 returns them.
 
-    With ``cfg.rounds == 1`` the variants run one after the other.  With more rounds every variant
-    is built and warmed up first, then the variants take turns, ``steps / rounds`` timed steps at a
+    With ``cfg.rounds == 1`` the variants run one after the other.  Otherwise every variant is built
+    and warmed up first, then the variants take turns, one timed step each (``rounds == 0``, the
+    default: the finest interleaving, so drift of a shared machine between turns favours no
+    variant) or ``steps / rounds`` timed steps at a
     time, so slow drift of the machine (allocator state, other load) does not favour any variant.
     """
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # torch's advice about views; nothing here is in place
     ctx = _Context(rank, world, cfg, plans)
-    if cfg.rounds <= 1:
+    if cfg.rounds == 1:
         out: dict[str, Measurement] = {}
         for variant in cfg.dist_variants:
             out[variant] = _run_dist_variant(variant, ctx)
@@ -367,8 +371,9 @@ def _interleaved(ctx: _Context) -> dict[str, Measurement] | None:
             failed[variant] = reason
             steps.pop(variant, None)
     times: dict[str, list[float]] = {v: [] for v in steps}
-    per_round = max(1, cfg.steps // cfg.rounds)
-    for _ in range(cfg.rounds):
+    rounds = cfg.rounds or cfg.steps
+    per_round = max(1, cfg.steps // rounds)
+    for _ in range(rounds):
         for variant in list(steps):
             err = None
             try:
@@ -632,7 +637,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     p.add_argument("--profile", default="cpu-gloo", help="soybean's machine profile: cpu-gloo, h100-nvlink or a JSON file")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the spawned ranks are stopped")
-    p.add_argument("--rounds", type=int, default=3, help="alternate the variants in this many rounds (steps/rounds timed steps each turn)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="0 (default): the variants take turns after every timed step; 1: one after the other; N: N turns of steps/N steps")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
 

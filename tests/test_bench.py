@@ -58,7 +58,7 @@ def test_add_parser_registers_bench() -> None:
     ap = argparse.ArgumentParser()
     add_parser(ap.add_subparsers(dest="cmd"))
     a = ap.parse_args(["bench", "examples.models:mlp", "--devices", "2", "--arg", "hidden=8", "--json"])
-    assert a.fn is cmd_bench and a.devices == 2 and a.arg == ["hidden=8"] and a.json and a.steps == 12 and a.rounds == 3 and a.warmup == 3
+    assert a.fn is cmd_bench and a.devices == 2 and a.arg == ["hidden=8"] and a.json and a.steps == 12 and a.rounds == 0 and a.warmup == 3
 
 
 @pytest.mark.dist
