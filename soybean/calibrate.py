@@ -5,7 +5,7 @@ all-reduce, all-gather, reduce-scatter, all-to-all (as the generated programs ru
 them: the runtime's ``TorchGroup`` calls, packing copies included) and
 point-to-point for message sizes from 4 KB to 64 MB, and the compute rate of matmul, convolution,
 an elementwise op, first-touching a large fresh allocation and an AdamW step
-(one thread per process, as training runs), and how much of an asynchronous
+(one thread per process, all processes at once, as training runs), and how much of an asynchronous
 gradient all-reduce hides behind compute.  The ring
 model of ``cost.py`` predicts ``t = k_steps * alpha + k_bytes * beta`` for each
 collective; ``alpha`` and ``beta`` are its least-squares fit over every
@@ -175,7 +175,11 @@ def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
     if show and rank == 0:
         print(file=sys.stderr)
     overlap = _grad_overlap(device, reps)
-    return {"collectives": rows, "compute": {**_compute_rates(device), "grad_overlap": overlap} if rank == 0 else {}}
+    # Every rank measures at once, as every rank computes at once in training: cores that share
+    # caches, memory bandwidth or a physical core run slower together than one alone.
+    dist.barrier()
+    rates = _compute_rates(device)
+    return {"collectives": rows, "compute": {**rates, "grad_overlap": overlap} if rank == 0 else {}}
 
 
 def fit(rows: list[dict[str, Any]], world: int) -> tuple[float, float]:

@@ -241,6 +241,10 @@ class TorchGroup:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.pg)
         return out
 
+    # Every collective below moves blocks in their natural row-major layout: a tile split along a
+    # later dim is packed block by block (long contiguous runs), never transposed by movedim, which
+    # on a CPU costs several times the bytes.
+
     def all_gather(self, t: torch.Tensor, dim: int, full: int) -> torch.Tensor:
         dim = dim % t.ndim
         _check_tile(t, dim, full, self.size, self.index, "all_gather")
@@ -248,13 +252,13 @@ class TorchGroup:
         if full * _numel_without(t, dim) == 0:  # the gathered tensor is empty: nothing to move
             return t.new_empty(_resized(t.shape, {dim: full}))
         c = -(-full // self.size)
-        # all_gather_single concatenates along dim 0 and wants equal sizes: move
-        # ``dim`` first and pad my tile to ``c`` rows.
-        x = _pad_rows(t.detach().movedim(dim, 0), c)
-        out = x.new_empty((self.size * c, *x.shape[1:]))
-        _all_gather_single(out, x.contiguous(), group=self.pg)
-        rows = [out[k * c: k * c + chunk_len(full, self.size, k)] for k in range(self.size)]
-        return torch.cat(rows, 0).movedim(0, dim).contiguous()
+        # all_gather_single wants equal sizes: pad my tile to ``c`` along ``dim``.
+        x = _pad_dim(t.detach(), dim, c).contiguous()
+        n = x.numel()
+        out = x.new_empty(self.size * n)
+        _all_gather_single(out, x.reshape(-1), group=self.pg)
+        blocks = [out[k * n:(k + 1) * n].view(x.shape).narrow(dim, 0, chunk_len(full, self.size, k)) for k in range(self.size)]
+        return torch.cat(blocks, dim)
 
     def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         dim = dim % t.ndim
@@ -264,11 +268,18 @@ class TorchGroup:
         if t.numel() == 0:  # empty on every member: nothing to move
             return t.new_zeros(_resized(t.shape, {dim: mine}))
         c = -(-n // self.size)
-        # reduce_scatter_single splits dim 0 into equal parts: pad it to size * c rows.
-        x = _pad_rows(t.detach().movedim(dim, 0), self.size * c).contiguous()
-        out = x.new_empty((c, *x.shape[1:]))
+        # reduce_scatter_single splits its input into equal parts: member k's chunk, padded to
+        # ``c`` along ``dim``, is block k.
+        shape = _resized(t.shape, {dim: c})
+        block = _prod(shape)
+        x = t.new_zeros(self.size * block) if n % self.size else t.new_empty(self.size * block)
+        for k in range(self.size):
+            chunk = take_chunk(t.detach(), dim, self.size, k)
+            x[k * block:(k + 1) * block].view(shape).narrow(dim, 0, chunk.shape[dim]).copy_(chunk)
+        out = t.new_empty(block)
         _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=self.pg)
-        return out[:mine].movedim(0, dim).contiguous()
+        res = out.view(shape).narrow(dim, 0, mine)
+        return res if res.is_contiguous() else res.contiguous()
 
     def all_to_all(self, t: torch.Tensor, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
         src_dim, dst_dim = _check_dims(t, src_dim, dst_dim)
@@ -277,20 +288,26 @@ class TorchGroup:
         p, n_dst = self.size, t.shape[dst_dim]
         if full_src * _numel_without(t, src_dim) == 0:  # empty on every member: nothing to move
             return t.new_empty(_resized(t.shape, {src_dim: full_src, dst_dim: chunk_len(n_dst, p, self.index)}))
-        # Member k gets my block (my src chunk) x (its dst chunk).  With ``dst_dim`` moved first
-        # the blocks lie one after another in memory, so a contiguous tile (dst_dim 0, the usual
-        # case) is sent as it is; blocks differ in size, so exact split sizes go along.
-        x = t.detach().movedim(dst_dim, 0).contiguous()
-        rest = list(x.shape[1:])
-        send_sizes = [chunk_len(n_dst, p, k) * _prod(rest) for k in range(p)]
+        # Member k gets my block (my src chunk) x (its dst chunk); blocks differ in size, so exact
+        # split sizes go along.  When the dst chunks already lie one after another (a contiguous
+        # tile split along its leading dim) the tile is sent as it is.
+        x = t.detach()
+        chunks = [take_chunk(x, dst_dim, p, k) for k in range(p)]
+        send_sizes = [c.numel() for c in chunks]
+        if x.is_contiguous() and all(s == 1 for s in x.shape[:dst_dim]):
+            send = x.reshape(-1)
+        else:
+            send = x.new_empty(x.numel())
+            off = 0
+            for c in chunks:
+                send[off:off + c.numel()].view(c.shape).copy_(c)
+                off += c.numel()
         mine = chunk_len(n_dst, p, self.index)
-        s = src_dim if src_dim > dst_dim else src_dim + 1  # src_dim's place once dst_dim leads
-        recv_shapes = [[mine, *_resized(rest, {s - 1: chunk_len(full_src, p, k)})] for k in range(p)]
+        recv_shapes = [_resized(t.shape, {src_dim: chunk_len(full_src, p, k), dst_dim: mine}) for k in range(p)]
         recv_sizes = [_prod(r) for r in recv_shapes]
         out = t.new_empty(sum(recv_sizes))
-        dist.all_to_all_single(out, x.reshape(-1), output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.pg)
-        blocks = [b.view(r) for b, r in zip(out.split(recv_sizes), recv_shapes)]
-        return torch.cat(blocks, dim=s).movedim(0, dst_dim).contiguous()
+        dist.all_to_all_single(out, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.pg)
+        return torch.cat([b.view(r) for b, r in zip(out.split(recv_sizes), recv_shapes)], dim=src_dim)
 
 
 def _resized(shape: Sequence[int], sizes: dict[int, int]) -> list[int]:
@@ -309,12 +326,11 @@ def _numel_without(t: torch.Tensor, dim: int) -> int:
     return _prod(s for i, s in enumerate(t.shape) if i != dim)
 
 
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x`` with dim 0 zero-padded to ``rows``."""
-    if x.shape[0] == rows:
+def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` zero-padded along ``dim`` to ``size``."""
+    if x.shape[dim] == size:
         return x
-    pad = x.new_zeros((rows - x.shape[0], *x.shape[1:]))
-    return torch.cat([x, pad], 0)
+    return torch.cat([x, x.new_zeros(_resized(x.shape, {dim: size - x.shape[dim]}))], dim)
 
 
 def torch_groups(mesh: Mesh, backend: str | None = None) -> list[TorchGroup]:
