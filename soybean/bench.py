@@ -17,8 +17,10 @@ factory call with the same seed.  The reported time is the median of ``--steps``
 * ``soybean`` / ``soybean_dp`` / ``soybean_mp``: ``soybean.parallelize`` with the optimal plan
   (``objective="time"``) and the forced data- and model-parallel plans, full batch on every rank.
 
-The N ranks are spawned once and run every distributed variant in turn in one process group,
-one thread per rank.  Each timed step starts and ends with a barrier and is timed on rank 0.
+The N ranks are spawned once and run every distributed variant in one process group, one
+thread per rank.  By default the variants take turns after every timed step, so drift of a
+shared machine favours none; when all their training state together exceeds 1 GiB they would
+slow each other down through memory instead, so they run one after the other (``--rounds``).  Each timed step starts and ends with a barrier and is timed on rank 0.
 soybean's plans are made once, in this process, before the spawn (exactly the call
 ``parallelize`` makes on rank 0), so a plan that cannot be made is a null with its reason rather
 than a hang.  A variant that fails, or a full-batch variant whose first loss differs from the
@@ -39,7 +41,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -49,7 +51,7 @@ import torch.nn as nn
 from . import modelref
 from .plan import Plan
 
-__all__ = ["BenchConfig", "VARIANTS", "run_bench", "format_table", "spearman", "candidates", "tp_layout", "add_parser", "cmd_bench", "main"]
+__all__ = ["BenchConfig", "VARIANTS", "auto_rounds", "run_bench", "format_table", "spearman", "candidates", "tp_layout", "add_parser", "cmd_bench", "main"]
 
 SERIAL = "serial"
 DIST_VARIANTS: tuple[str, ...] = ("ddp", "tp", "fsdp", "soybean", "soybean_dp", "soybean_mp")
@@ -79,7 +81,7 @@ class BenchConfig:
     timeout_s: float = 1800.0                   # for the whole spawned run
     lr: float = 1e-3
     seed: int = 0
-    rounds: int = 0                             # 0: variants alternate after every step; 1: one after the other; n: steps/n at a time
+    rounds: int | None = None                   # None: auto_rounds; 0: turns after every step; 1: one after the other; n: steps/n at a time
     variants: tuple[str, ...] = VARIANTS        # which to run; the others report "not selected"
 
     @property
@@ -95,7 +97,7 @@ class BenchConfig:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
-        if self.rounds < 0:
+        if self.rounds is not None and self.rounds < 0:
             raise ValueError(f"--rounds must be >= 0, got {self.rounds}")
         unknown = [v for v in self.variants if v not in VARIANTS]
         if unknown or not self.variants:
@@ -522,6 +524,19 @@ def _check_losses(ms: dict[str, Measurement], notes: dict[str, str]) -> None:
             notes[v] = msg
 
 
+# Alternating keeps every variant's parameters, gradients and AdamW state alive at once (4 copies
+# of the parameters each).  Above this much in all, the variants slow each other down through
+# memory (on the CPU box: page faults of freshly mapped blocks showed as a third of every step),
+# so they run one after the other instead.
+ALTERNATE_MAX_BYTES = 1 << 30
+
+
+def auto_rounds(param_bytes: int, variants: int) -> int:
+    """The default protocol: variants take turns after every step (0) while all their training
+    state fits in :data:`ALTERNATE_MAX_BYTES`, else one after the other (1)."""
+    return 0 if 4 * param_bytes * variants <= ALTERNATE_MAX_BYTES else 1
+
+
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Measure every variant; returns the report (``step_s``, ``predicted_step_s``, ``plans``, ``machine``, ...).
 
@@ -539,6 +554,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         gc.collect()
     model, inputs = _load(cfg)
     plans, layout = make_plans(cfg, model, inputs), tp_layout(model)
+    if cfg.rounds is None:
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        cfg = replace(cfg, rounds=auto_rounds(param_bytes, len(cfg.dist_variants)))
     del model, inputs
     gc.collect()
     if cfg.dist_variants:
@@ -551,7 +569,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     ranked = cand["distinct"]
     rho = spearman([predicted[v] for v in ranked], [cand["measured_s"][v] for v in ranked])
     return {
-        "model": cfg.model, "args": dict(cfg.args), "devices": cfg.devices, "steps": cfg.steps, "warmup": cfg.warmup,
+        "model": cfg.model, "args": dict(cfg.args), "devices": cfg.devices, "steps": cfg.steps, "warmup": cfg.warmup, "rounds": cfg.rounds,
         "profile": cfg.profile,
         "step_s": step_s,
         "reasons": {v: ms[v].reason for v in VARIANTS if ms[v].step_s is None},
@@ -596,8 +614,9 @@ def format_table(report: dict[str, Any]) -> str:
     m = report["machine"]
     args = " ".join(f"{k}={v}" for k, v in report["args"].items())
     lines = [
-        f"{report['model']} {args} | {report['devices']} ranks | median of {report['steps']} steps after {report['warmup']} warm-up"
-        f" | profile {report['profile']}",
+        f"{report['model']} {args} | {report['devices']} ranks | median of {report['steps']} steps after {report['warmup']} warm-up, "
+        + ("variants one after the other" if report.get("rounds") == 1 else "variants taking turns")
+        + f" | profile {report['profile']}",
         f"machine: {m['cores']} cores ({m['cpu']}), load {_fmt(m['loadavg_1m'], '.2f')}, torch {m['torch']}, "
         f"serial {m['serial_threads']} threads, {m['rank_threads']} thread per rank, {m['backend']}",
         "",
@@ -637,8 +656,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     p.add_argument("--profile", default="cpu-gloo", help="soybean's machine profile: cpu-gloo, h100-nvlink or a JSON file")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the spawned ranks are stopped")
-    p.add_argument("--rounds", type=int, default=0,
-                   help="0 (default): the variants take turns after every timed step; 1: one after the other; N: N turns of steps/N steps")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="0: the variants take turns after every timed step; 1: one after the other; N: N turns of steps/N steps "
+                        "(default: 0, or 1 when all variants' training state together exceeds 1 GiB)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
 

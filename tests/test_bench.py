@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.models import mlp  # noqa: E402
-from soybean.bench import (SOYBEAN_MODES, VARIANTS, BenchConfig, add_parser, candidates, cmd_bench, format_table, run_bench,  # noqa: E402
+from soybean.bench import (SOYBEAN_MODES, VARIANTS, BenchConfig, add_parser, auto_rounds, candidates, cmd_bench, format_table, run_bench,  # noqa: E402
                            spearman, tp_layout)
 from soybean.plan import Plan  # noqa: E402
 
@@ -48,6 +48,11 @@ def test_candidates_merge_identical_plans() -> None:
     assert c["distinct"] == ["soybean_dp"] and c["same_plan"] == {}
 
 
+def test_auto_rounds_alternate_only_what_fits() -> None:
+    assert auto_rounds(4 << 20, 6) == 0      # a 4 MB model: turns after every step
+    assert auto_rounds(256 << 20, 6) == 1    # 256 MB of weights x 4 copies x 6 variants: one after the other
+
+
 def test_variants_are_checked() -> None:
     with pytest.raises(ValueError, match="unknown nope"):
         BenchConfig(model="m:f", devices=2, variants=("ddp", "nope")).validate()
@@ -58,7 +63,7 @@ def test_add_parser_registers_bench() -> None:
     ap = argparse.ArgumentParser()
     add_parser(ap.add_subparsers(dest="cmd"))
     a = ap.parse_args(["bench", "examples.models:mlp", "--devices", "2", "--arg", "hidden=8", "--json"])
-    assert a.fn is cmd_bench and a.devices == 2 and a.arg == ["hidden=8"] and a.json and a.steps == 12 and a.rounds == 0 and a.warmup == 3
+    assert a.fn is cmd_bench and a.devices == 2 and a.arg == ["hidden=8"] and a.json and a.steps == 12 and a.rounds is None and a.warmup == 3
 
 
 @pytest.mark.dist
@@ -81,6 +86,7 @@ def test_bench_reports_every_variant() -> None:
     assert report["machine"]["cores"] >= 1 and report["machine"]["torch"]
     assert "soybean_dp" in format_table(report)
     assert report["candidates"]["predicted_fastest"] in SOYBEAN_MODES
+    assert report["rounds"] == 0  # a small model: the variants took turns
 
 
 @pytest.mark.dist
