@@ -9,6 +9,7 @@ clear error instead of hanging in a mismatched collective.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -58,6 +59,11 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
         mesh_obj = Mesh(tuple(getattr(mesh, "shape", mesh)))
     else:
         mesh_obj = None
+    if groups is None and devices == 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+        # One device and no launcher: run in this process, with no process group at all.
+        from .runtime.comm import ThreadWorld
+
+        groups, rank = ThreadWorld(Mesh((1,))).groups(0), 0
     simulated = groups is not None
     if not simulated:
         if not dist.is_initialized():

@@ -110,3 +110,22 @@ def test_local_batch_contract(mesh: tuple, mode: str) -> None:
         assert loss == pytest.approx(serial.losses[0], rel=1e-5)
         for k, g in serial.grads.items():
             assert torch.allclose(grads[k], g, rtol=1e-4, atol=1e-5), k
+
+
+def test_one_device_runs_without_a_launcher(monkeypatch) -> None:
+    """``parallelize(..., devices=1)`` outside torchrun runs in-process and trains like eager."""
+    import soybean
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model, inputs = mlp(batch=6, hidden=8, layers=1)
+    serial = train_serial(model, inputs, steps=2)
+    pm = soybean.parallelize(model, inputs, devices=1)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(2):
+        loss = pm(*inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    assert losses == pytest.approx(serial.losses, rel=1e-6)
