@@ -1,7 +1,7 @@
 """Training-step benchmark: serial, DDP, tensor parallel, FSDP2 and soybean's plans, in one run.
 
     python scripts/bench.py examples.models:mlp --devices 2 --arg hidden=4096 --arg batch=32 --arg layers=2
-    python scripts/bench.py MODEL --devices N [--arg key=value ...] [--steps 10] [--warmup 3] [--json] [--profile NAME_OR_JSON]
+    python scripts/bench.py MODEL --devices N [--arg key=value ...] [--steps 12] [--warmup 3] [--json] [--profile NAME_OR_JSON|calibrate]
 
 One training step is ``loss = model(*inputs)``, ``loss.backward()``, an AdamW step and
 ``zero_grad`` (the model factories return the loss when the target is among the inputs; any
@@ -58,6 +58,9 @@ DIST_VARIANTS: tuple[str, ...] = ("ddp", "tp", "fsdp", "soybean", "soybean_dp", 
 VARIANTS: tuple[str, ...] = (SERIAL, *DIST_VARIANTS)
 SOYBEAN_MODES: dict[str, str] = {"soybean": "auto", "soybean_dp": "dp", "soybean_mp": "mp"}
 NOT_SELECTED = "not selected (--variants)"
+# ``--profile calibrate``: run ``soybean calibrate`` just before timing and plan with its profile
+# (a shared machine's speed drifts over minutes: a profile from earlier mispredicts by as much).
+CALIBRATE = "calibrate"
 # Variants whose every rank sees the whole batch: their loss must equal the serial loss.
 FULL_BATCH: frozenset[str] = frozenset({SERIAL, "tp", *SOYBEAN_MODES})
 LOSS_RTOL = 1e-3
@@ -104,7 +107,11 @@ class BenchConfig:
             raise ValueError(f"--variants: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(VARIANTS)}")
         from .profiles import load_profile
 
-        load_profile(self.profile)
+        if self.profile == CALIBRATE:
+            if self.devices < 2:
+                raise ValueError("--profile calibrate measures collectives: it needs --devices >= 2")
+        else:
+            load_profile(self.profile)
 
 
 @dataclass
@@ -546,6 +553,18 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     from .runtime.launch import spawn
 
     cfg.validate()
+    calibrated: dict[str, Any] | None = None
+    if cfg.profile == CALIBRATE:
+        import tempfile
+
+        from .calibrate import calibrate
+
+        prof, _ = calibrate(cfg.devices, show=False, name="calibrated just before")
+        path = os.path.join(tempfile.mkdtemp(prefix="soybean-bench-"), "profile.json")
+        with open(path, "w") as f:
+            f.write(prof.to_json())
+        cfg = replace(cfg, profile=path)
+        calibrated = asdict(prof)
     serial_threads = torch.get_num_threads()
     machine = machine_info(serial_threads)
     ms: dict[str, Measurement] = {v: Measurement(reason=NOT_SELECTED) for v in VARIANTS if v not in cfg.variants}
@@ -570,7 +589,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     rho = spearman([predicted[v] for v in ranked], [cand["measured_s"][v] for v in ranked])
     return {
         "model": cfg.model, "args": dict(cfg.args), "devices": cfg.devices, "steps": cfg.steps, "warmup": cfg.warmup, "rounds": cfg.rounds,
-        "profile": cfg.profile,
+        "profile": cfg.profile if calibrated is None else CALIBRATE,
+        "calibrated_profile": calibrated,
         "step_s": step_s,
         "reasons": {v: ms[v].reason for v in VARIANTS if ms[v].step_s is None},
         "speedup_vs_serial": {v: _speedup(step_s[SERIAL], t) for v, t in step_s.items()},
@@ -654,7 +674,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="keyword for the model factory (repeatable)")
     p.add_argument("--steps", type=int, default=12, help="timed steps; the median is reported")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
-    p.add_argument("--profile", default="cpu-gloo", help="soybean's machine profile: cpu-gloo, h100-nvlink or a JSON file")
+    p.add_argument("--profile", default="cpu-gloo",
+                   help="soybean's machine profile: cpu-gloo, h100-nvlink, a JSON file, or 'calibrate' to measure one just before timing")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the spawned ranks are stopped")
     p.add_argument("--rounds", type=int, default=None,
                    help="0: the variants take turns after every timed step; 1: one after the other; N: N turns of steps/N steps "

@@ -53,6 +53,12 @@ def test_auto_rounds_alternate_only_what_fits() -> None:
     assert auto_rounds(256 << 20, 6) == 1    # 256 MB of weights x 4 copies x 6 variants: one after the other
 
 
+def test_calibrate_profile_needs_two_devices() -> None:
+    with pytest.raises(ValueError, match="needs --devices >= 2"):
+        BenchConfig(model="m:f", devices=1, profile="calibrate").validate()
+    BenchConfig(model="m:f", devices=2, profile="calibrate").validate()
+
+
 def test_variants_are_checked() -> None:
     with pytest.raises(ValueError, match="unknown nope"):
         BenchConfig(model="m:f", devices=2, variants=("ddp", "nope")).validate()
