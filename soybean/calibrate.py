@@ -19,7 +19,7 @@ import json
 import sys
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -81,24 +81,39 @@ def _collective(kind: str, nbytes: int, world: int, rank: int, device: torch.dev
 LARGE_ALLOC = 32 << 20  # glibc's largest mmap threshold: blocks this big are mapped afresh on every allocation
 
 
-def _compute_rates(device: torch.device) -> dict[str, float]:
-    """On one thread: FLOP/s of matmul and conv; bytes/s of an elementwise op on activation-sized
+def _compute_rates(device: torch.device, sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """On one thread: FLOP/s of matmul (in a linear layer's training step) and conv; bytes/s of an elementwise op on activation-sized
     (4 MiB, reused) tensors; bytes/s of first-touching a fresh large (32 MiB) allocation, on a CPU;
-    and the parameter bytes/s of an AdamW step."""
-    a = torch.randn(1024, 1024, device=device)
-    t = _median_local(lambda: a @ a, 5)
+    and the parameter bytes/s of an AdamW step.  ``sync`` runs before each measurement (a barrier:
+    every rank times the same kernel at the same time, contending as in training)."""
+    # The matmul rate as training gets it: a linear layer's forward and backward (three products,
+    # plus the bias, the autograd bookkeeping and the allocations that come with them).
+    lin = torch.nn.Linear(1024, 1024, device=device)
+    xin = torch.randn(1024, 1024, device=device, requires_grad=True)
+
+    def linear_step() -> None:
+        lin.zero_grad(set_to_none=True)
+        xin.grad = None
+        lin(xin).sum().backward()
+
+    sync()
+    t = _median_local(linear_step, 9) / 3
     img = torch.randn(16, 64, 32, 32, device=device)
     w = torch.randn(64, 64, 3, 3, device=device)
-    tc = _median_local(lambda: torch.nn.functional.conv2d(img, w, padding=1), 3)
+    sync()
+    tc = _median_local(lambda: torch.nn.functional.conv2d(img, w, padding=1), 5)
     act = torch.randn(1 << 20, device=device)
-    te = _median_local(lambda: torch.relu(act), 9)
+    sync()
+    te = _median_local(lambda: torch.relu(act), 15)
     alloc_bw = 0.0
     if device.type == "cpu":
         # x + x on a fresh 32 MiB result against the same on a reused one: the difference is the
         # page faults (the caching allocator of a GPU has none).
         big = torch.randn(LARGE_ALLOC // 4, device=device)
         out = torch.empty_like(big)
+        sync()
         t_fresh = _median_local(lambda: big + big, 5)
+        sync()
         t_reused = _median_local(lambda: torch.add(big, big, out=out), 5)
         alloc_bw = LARGE_ALLOC / max(t_fresh - t_reused, 1e-6)
     rates = {}
@@ -106,8 +121,16 @@ def _compute_rates(device: torch.device) -> dict[str, float]:
         param = torch.nn.Parameter(torch.randn(numel, device=device))
         param.grad = torch.randn_like(param)
         opt = torch.optim.AdamW([param], lr=1e-3)
+        sync()
         rates[key] = numel * 4 / _median_local(opt.step, 5)
         del param, opt
+    # The fixed cost per parameter tensor: a step over 64 tiny tensors.
+    tiny = [torch.nn.Parameter(torch.randn(16, device=device)) for _ in range(64)]
+    for p in tiny:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(tiny, lr=1e-3)
+    sync()
+    rates["optimizer_tensor_s"] = _median_local(opt.step, 5) / len(tiny)
     return {"matmul_flops": 2 * 1024**3 / t, "conv_flops": 2 * 16 * 64 * 32 * 32 * 64 * 9 / tc, "mem_bw": 2 * act.numel() * 4 / te,
             "alloc_bw": alloc_bw, **rates}
 
@@ -180,8 +203,7 @@ def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
     overlap = _grad_overlap(device, reps)
     # Every rank measures at once, as every rank computes at once in training: cores that share
     # caches, memory bandwidth or a physical core run slower together than one alone.
-    dist.barrier()
-    rates = _compute_rates(device)
+    rates = _compute_rates(device, dist.barrier)
     return {"collectives": rows, "compute": {**rates, "grad_overlap": overlap} if rank == 0 else {}}
 
 
@@ -214,7 +236,8 @@ def calibrate(devices: int = 2, reps: int = 10, show: bool = True, name: str = "
     per_kind = tuple((k, *fit([r for r in rows if r["kind"] == k], devices)) for k in RING_FACTOR)
     mem = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 12.0
     prof = Profile(name, alpha=alpha, beta=beta, flops=comp["matmul_flops"], mem_bw=comp["mem_bw"], memory_gb=mem, conv_flops=comp["conv_flops"],
-                   collectives=per_kind, optimizer_bw=comp["optimizer_bw"], optimizer_large_bw=comp["optimizer_large_bw"], grad_overlap=comp["grad_overlap"],
+                   collectives=per_kind, optimizer_bw=comp["optimizer_bw"], optimizer_large_bw=comp["optimizer_large_bw"],
+                   optimizer_tensor_s=comp["optimizer_tensor_s"], grad_overlap=comp["grad_overlap"],
                    alloc_bw=comp["alloc_bw"], large_alloc=float(LARGE_ALLOC) if comp["alloc_bw"] else 0.0)
     return prof, {"devices": devices, "collectives": rows, "compute": comp}
 
@@ -228,7 +251,7 @@ def main_cli(devices: int, out: str | None, reps: int) -> int:
             f.write(text)
         print(f"wrote {out}: alpha {prof.alpha * 1e6:.1f} us, {1 / prof.beta / 1e9:.2f} GB/s, matmul {prof.flops / 1e9:.1f} GFLOP/s, "
               f"conv {prof.conv_flops / 1e9:.1f} GFLOP/s, memory-bound {prof.mem_bw / 1e9:.1f} GB/s, large allocations {prof.alloc_bw / 1e9:.1f} GB/s, "
-              f"AdamW {prof.optimizer_bw / 1e9:.2f} GB/s ({prof.optimizer_large_bw / 1e9:.2f} on 32 MiB), "
+              f"AdamW {prof.optimizer_bw / 1e9:.2f} GB/s ({prof.optimizer_large_bw / 1e9:.2f} on 32 MiB) + {prof.optimizer_tensor_s * 1e6:.0f} us a tensor, "
               f"gradient sync hidden {prof.grad_overlap:.0%}",
               file=sys.stderr)
     else:

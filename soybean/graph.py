@@ -154,13 +154,14 @@ def fresh_bytes(op: OpSpec, s: Strategy, grads: list[bool], mesh: Mesh, profile:
 
 
 def _optimizer_seconds(nbytes: float, profile: Profile) -> float:
-    """An AdamW step on a local parameter tile of ``nbytes``."""
+    """An AdamW step on a local parameter tile of ``nbytes``: its fixed per-tensor cost plus its
+    bytes at the optimizer's rate (for a large tile, with its temporaries page-faulted in)."""
+    t = profile.optimizer_tensor_s
     if profile.large_alloc and nbytes >= profile.large_alloc:
         if profile.optimizer_large_bw:
-            return nbytes / profile.optimizer_large_bw
-        t = nbytes / (profile.optimizer_bw or profile.mem_bw / OPTIMIZER_PASSES)
-        return t + (OPTIMIZER_TEMPS * nbytes / profile.alloc_bw if profile.alloc_bw else 0.0)
-    return nbytes / (profile.optimizer_bw or profile.mem_bw / OPTIMIZER_PASSES)
+            return t + nbytes / profile.optimizer_large_bw
+        t += OPTIMIZER_TEMPS * nbytes / profile.alloc_bw if profile.alloc_bw else 0.0
+    return t + nbytes / (profile.optimizer_bw or profile.mem_bw / OPTIMIZER_PASSES)
 
 
 def _module_path(node: fx.Node) -> str:

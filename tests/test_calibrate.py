@@ -40,7 +40,7 @@ def test_calibrate_measures_every_field() -> None:
 
     prof, raw = calibrate(devices=2, reps=2, show=False)
     assert prof.alpha > 0 and prof.beta > 0 and prof.flops > 0 and prof.conv_flops > 0 and prof.mem_bw > 0 and prof.optimizer_bw > 0
-    assert prof.optimizer_large_bw > 0
+    assert prof.optimizer_large_bw > 0 and prof.optimizer_tensor_s > 0
     assert {k for k, _, _ in prof.collectives} == set(RING_FACTOR)
     assert 0.0 <= prof.grad_overlap <= 1.0
     assert prof.alloc_bw > 0 and prof.large_alloc == 32 << 20
