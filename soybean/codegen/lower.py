@@ -108,6 +108,35 @@ def write_back(g: fx.Graph, stored: fx.Node, updated: fx.Node, shape: tuple[int,
     g.call_function(torch.ops.aten.copy_.default, (stored, emit_reshard(g, updated, shape, used, kept, (), mesh, coords)))
 
 
+_SCALINGS = (torch.ops.aten.div.Tensor, torch.ops.aten.mul.Tensor)
+
+
+def _lazy_output_sums(g: fx.Graph) -> None:
+    """Make the last all-reduce before an output asynchronous (``sb_all_reduce_lazy``).
+
+    Nothing downstream reads a returned value, so its sum (the loss, made whole at the end of
+    forward) can arrive while backward runs.  A division or multiplication by a constant after
+    the all-reduce (the mean's ``/ count``) is moved before it: ``(sum_k x_k) / c = sum_k (x_k / c)``,
+    so the all-reduce is the last step and its result the returned value.
+    """
+    out = next(n for n in g.nodes if n.op == "output")
+    for a in tree_flatten(out.args)[0]:
+        if not isinstance(a, fx.Node) or len(a.users) != 1:
+            continue
+        if a.target is rt.sb_all_reduce:
+            a.target = rt.sb_all_reduce_lazy
+            continue
+        ar = a.args[0] if a.target in _SCALINGS and len(a.args) == 2 and not a.kwargs else None
+        if isinstance(ar, fx.Node) and ar.target is rt.sb_all_reduce and len(ar.users) == 1 and isinstance(a.args[1], (int, float)):
+            x, axis = ar.args
+            with g.inserting_before(a):
+                scaled = g.call_function(a.target, (x, a.args[1]))
+                lazy = g.call_function(rt.sb_all_reduce_lazy, (scaled, axis))
+            a.replace_all_uses_with(lazy)
+            g.erase_node(a)
+            g.erase_node(ar)
+
+
 def _written_placeholders(cap: Captured) -> set[str]:
     """Names of the placeholders some op of ``cap`` writes in place."""
     out: set[str] = set()
@@ -233,6 +262,7 @@ def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
             from torch.utils._pytree import tree_unflatten
 
             g.output(tree_unflatten(res, spec))
+    _lazy_output_sums(g)
     gm = fx.GraphModule(torch.nn.Module(), g, class_name=f"Rank{rank}Program")
     gm.meta["grad_sync"] = {k: tuple(sorted(v)) for k, v in grad_sync.items() if v}
     return gm

@@ -17,7 +17,7 @@ import torch
 from . import collectives as C
 from .comm import Group
 
-__all__ = ["use_groups", "current_groups", "sb_shard", "sb_all_gather", "sb_all_reduce",
+__all__ = ["use_groups", "current_groups", "sb_shard", "sb_all_gather", "sb_all_reduce", "sb_all_reduce_lazy",
            "sb_reduce_scatter", "sb_all_to_all", "sb_to_partial", "sb_grad_all_reduce",
            "sb_grad_to_partial"]
 
@@ -66,6 +66,13 @@ def sb_all_gather(x: torch.Tensor, axis: int, dim: int, full: int, grad_partial:
 def sb_all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
     """P -> R along mesh ``axis``."""
     return C.all_reduce(x, _group(axis))
+
+
+def sb_all_reduce_lazy(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """P -> R along mesh ``axis``, the sum arriving while backward runs (``pending.PendingSum``)."""
+    from .pending import all_reduce_lazy
+
+    return all_reduce_lazy(x, _group(axis))
 
 
 def sb_reduce_scatter(x: torch.Tensor, axis: int, dim: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from ..tiling import R, chunk_range, parse_placement, Shard
 from .comm import Group
 from .context import use_groups
 from .gradsync import GradSync
+from .pending import wait_all
 
 
 def local_tile(full: torch.Tensor, tiling: Sequence, mesh: Mesh, coords: Sequence[int]) -> torch.Tensor:
@@ -98,6 +99,7 @@ class ParallelModule(nn.Module):
         n_user = len(self._cap.inputs)
         if len(user) != n_user:
             raise TypeError(f"this model takes {n_user} tensor inputs, got {len(user)}")
+        wait_all()  # the previous step's loss sum, if nobody read it
         if self._grad_sync is not None and torch.is_grad_enabled():
             self._grad_sync.check_complete()
         with use_groups(self._groups):
