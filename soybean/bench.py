@@ -347,7 +347,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str
         for p, order in enumerate((cfg.dist_variants, cfg.dist_variants[::-1])):
             for variant in order:
                 passes[p][variant] = _run_dist_variant(variant, ctx)
-                gc.collect()
+                _release_memory()
                 dist.barrier()
         out: dict[str, Measurement] = {}
         for variant in cfg.dist_variants:
@@ -355,6 +355,19 @@ def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str
             out[variant] = a if a.step_s is None else b if b.step_s is None else replace(a, step_s=(a.step_s + b.step_s) / 2)
         return out if rank == 0 else None
     return _interleaved(ctx)
+
+
+def _release_memory() -> None:
+    """Free the last variant's tensors and hand the freed heap back to the OS (glibc's
+    ``malloc_trim``), so every variant starts from the same allocator state instead of inheriting
+    the fragments of the one before."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def _agree(ctx: _Context, variant: str, err: BaseException | None) -> str | None:
