@@ -14,8 +14,8 @@ from soybean.runtime.gradsync import GradSync
 
 
 def _params(rank: int) -> list[nn.Parameter]:
-    torch.manual_seed(0)
-    return [nn.Parameter(torch.randn(3, 2, dtype=torch.float64)), nn.Parameter(torch.randn(4, dtype=torch.float64))]
+    gen = torch.Generator().manual_seed(0)  # not the global RNG: the ranks are threads drawing at once
+    return [nn.Parameter(torch.randn(3, 2, dtype=torch.float64, generator=gen)), nn.Parameter(torch.randn(4, dtype=torch.float64, generator=gen))]
 
 
 def _loss(ps: list[nn.Parameter], rank: int, step: int) -> torch.Tensor:
