@@ -72,6 +72,17 @@ class Args:
         v = self.values.get(name)
         return v if isinstance(v, TensorSpec) else None
 
+    def tensor(self, name: str) -> TensorSpec:
+        """Tensor argument ``name``, which the op's schema requires."""
+        v = self.spec(name)
+        if v is None:
+            raise ValueError(f"{self.op.name}: tensor argument {name!r} is missing")
+        return v
+
+    def dim(self, of: str = "self", arg: str = "dim") -> int:
+        """Argument ``arg`` as a non-negative dim of tensor argument ``of`` (a 0-d tensor counts as 1-d)."""
+        return norm_dim(self[arg], max(self.tensor(of).ndim, 1))
+
     def idx(self, name: str) -> int:
         """Index of tensor argument ``name`` in ``inputs + outputs`` (for ``even``)."""
         s = self.slots.get(name)

@@ -47,8 +47,7 @@ register(
 @register("aten.zeros_like.default", "aten.ones_like.default", "aten.full_like.default", family="factory")
 def like(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
+    x = a.tensor("self")
     found = [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim)]
     if a.all_float("self"):
         found.append(a.strategy({"self": P}, R))
@@ -63,7 +62,6 @@ def arange(op: OpSpec) -> list[Strategy1D]:
 @register("aten.tril.default", "aten.triu.default", family="factory")
 def triangle(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
+    x = a.tensor("self")
     found = [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim - 2)]
     return found + partial_strategies(a, [["self"]])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..tiling import Placement
-from ._common import Args, R, Shard, bcast, norm_dim, partial_strategies
+from ._common import Args, R, Shard, bcast, partial_strategies
 from .base import OpSpec, Strategy1D, TensorSpec, register
 
 
@@ -36,8 +36,7 @@ def _broadcast_shape(specs: list[TensorSpec]) -> tuple[int, ...]:
 def index(op: OpSpec) -> list[Strategy1D]:
     """``self[indices]`` with integer index tensors (``None`` entries keep a dim whole)."""
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
+    x = a.tensor("self")
     indices: list = list(a["indices"])
     used = [i for i, t in enumerate(indices) if isinstance(t, TensorSpec)]
     if not used or any(indices[i].dtype == torch.bool for i in used):
@@ -62,9 +61,8 @@ def index(op: OpSpec) -> list[Strategy1D]:
 def gather(op: OpSpec) -> list[Strategy1D]:
     """``out[..., i_d, ...] = self[..., index[..., i_d, ...] if d == dim else i_d, ...]``."""
     a = Args(op)
-    x, idx = a.spec("self"), a.spec("index")
-    assert x is not None and idx is not None
-    dim = norm_dim(a["dim"], max(x.ndim, 1))
+    x, idx = a.tensor("self"), a.tensor("index")
+    dim = a.dim()
     found = [a.strategy({"self": Shard(d), "index": Shard(d)}, Shard(d))
              for d in range(idx.ndim) if d != dim and idx.shape[d] == x.shape[d] > 1]
     if idx.ndim:
@@ -76,9 +74,8 @@ def gather(op: OpSpec) -> list[Strategy1D]:
 def index_select(op: OpSpec) -> list[Strategy1D]:
     """``dim`` of the output is the 1-D ``index``; every other dim is self's."""
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
-    dim = norm_dim(a["dim"], max(x.ndim, 1))
+    x = a.tensor("self")
+    dim = a.dim()
     found = [a.strategy({"self": Shard(d), "index": R}, Shard(d)) for d in range(x.ndim) if d != dim]
     if x.ndim:
         found.append(a.strategy({"self": R, "index": Shard(0)}, Shard(dim)))

@@ -19,8 +19,7 @@ def _padded_dims(ndim: int, pad: list[int]) -> set[int]:
 @register("aten.pad.default", "aten.constant_pad_nd.default", family="pad")
 def pad(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
+    x = a.tensor("self")
     padded = _padded_dims(x.ndim, list(a["pad"]))
     found = [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim) if d not in padded]
     adds_constant = a["mode"] in (None, "constant") and a["value"] not in (None, 0)

@@ -30,8 +30,7 @@ TABLE: dict[str, tuple[int, bool]] = {
 def pool(op: OpSpec) -> list[Strategy1D]:
     rank, linear = TABLE[op.name]
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
+    x = a.tensor("self")
     found = [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim - rank)]
     return found + (partial_strategies(a, [["self"]]) if linear else [])
 

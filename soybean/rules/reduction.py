@@ -15,7 +15,7 @@ one; both are linear (``diff`` jointly in the input, ``prepend`` and ``append``)
 """
 from __future__ import annotations
 
-from ._common import Args, P, Shard, dims_arg, norm_dim, outputs_float, partial_strategies
+from ._common import Args, P, Shard, dims_arg, outputs_float, partial_strategies
 from .base import OpSpec, Strategy1D, is_float, register
 
 # op -> (name of its dim argument or None for "all dims", sum-like over a split dim, linear)
@@ -40,8 +40,7 @@ TABLE: dict[str, tuple[str | None, bool, bool]] = {
 def reduce_rule(op: OpSpec) -> list[Strategy1D]:
     dim_arg, sum_like, linear = TABLE[op.name]
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
+    x = a.tensor("self")
     red = set(dims_arg(a[dim_arg] if dim_arg else None, x.ndim))
     keep = bool(a["keepdim"])
     can_p = is_float(x) and outputs_float(op)
@@ -64,9 +63,8 @@ register(*TABLE, family="reduction")(reduce_rule)
 def cumsum(op: OpSpec) -> list[Strategy1D]:
     """Prefix sum along ``dim``: other dims split freely; linear."""
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
-    dim = norm_dim(a["dim"], max(x.ndim, 1))
+    x = a.tensor("self")
+    dim = a.dim()
     found = [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim) if d != dim]
     return found + partial_strategies(a, [["self"]])
 
@@ -75,8 +73,7 @@ def cumsum(op: OpSpec) -> list[Strategy1D]:
 def diff(op: OpSpec) -> list[Strategy1D]:
     """``n``-th forward difference along ``dim``: other dims split on input, prepend, append alike."""
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
-    dim = norm_dim(a["dim"], max(x.ndim, 1))
+    x = a.tensor("self")
+    dim = a.dim()
     found = [a.strategy({"self": Shard(d), "prepend": Shard(d), "append": Shard(d)}, Shard(d)) for d in range(x.ndim) if d != dim]
     return found + partial_strategies(a, [["self", "prepend", "append"]])

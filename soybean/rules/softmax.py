@@ -6,14 +6,13 @@ needs a global max/sum: never split.  Not linear: no ``P``.
 """
 from __future__ import annotations
 
-from ._common import Args, Shard, norm_dim
+from ._common import Args, Shard
 from .base import OpSpec, Strategy1D, register
 
 
 @register("aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default", family="softmax")
 def softmax(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
-    dim = norm_dim(a["dim"], max(x.ndim, 1))
+    x = a.tensor("self")
+    dim = a.dim()
     return [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim) if d != dim]

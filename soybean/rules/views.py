@@ -87,8 +87,7 @@ register("aten.flatten.using_ints", family="views")(_reshape)
 
 def _unflatten_sizes(op: OpSpec, local_out: Sequence[int]) -> list[int]:
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
+    x = a.tensor("self")
     d = norm_dim(a["dim"], x.ndim)
     return list(local_out[d: d + len(a["sizes"])])
 
@@ -109,8 +108,7 @@ def renumber(a: Args, perm: Sequence[int | None]) -> list[Strategy1D]:
 
 
 def _ndim(a: Args) -> int:
-    x = a.spec("self")
-    assert x is not None
+    x = a.tensor("self")
     return x.ndim
 
 
@@ -149,8 +147,7 @@ def unsqueeze(op: OpSpec) -> list[Strategy1D]:
 @register("aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", family="views")
 def squeeze(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
+    x = a.tensor("self")
     named = a["dim"] if op.name != "aten.squeeze.default" else list(range(x.ndim))
     named = {norm_dim(d, max(x.ndim, 1)) for d in ([named] if isinstance(named, int) else named)}
     removed = {d for d in named if d < x.ndim and x.shape[d] == 1}
@@ -163,8 +160,7 @@ def squeeze(op: OpSpec) -> list[Strategy1D]:
 @register("aten.expand.default", localize=size_localizer("size"), family="views")
 def expand(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
+    x = a.tensor("self")
     out = op.outputs[0].shape
     found = [a.strategy({"self": bcast(x, out, o)}, Shard(o)) for o in range(len(out))]
     return found + partial_strategies(a, [["self"]])
@@ -174,8 +170,7 @@ def expand(op: OpSpec) -> list[Strategy1D]:
 def expand_as(op: OpSpec) -> list[Strategy1D]:
     """Expand to ``other``'s shape: ``other`` (values unused) is placed like the output."""
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
+    x = a.tensor("self")
     out = op.outputs[0].shape
     found = [a.strategy({"self": bcast(x, out, o), "other": Shard(o)}, Shard(o)) for o in range(len(out))]
     return found + partial_strategies(a, [["self"]])
@@ -184,9 +179,8 @@ def expand_as(op: OpSpec) -> list[Strategy1D]:
 @register("aten.slice.Tensor", family="views")
 def slice_(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
-    x = a.spec("self")
-    assert x is not None
-    dim = norm_dim(a["dim"], max(x.ndim, 1))
+    x = a.tensor("self")
+    dim = a.dim()
     whole = a["start"] in (None, 0) and (a["end"] is None or a["end"] >= x.shape[dim]) and a["step"] == 1
     return renumber(a, [d if (d != dim or whole) else None for d in range(x.ndim)])
 
