@@ -284,8 +284,7 @@ def _prepare_soybean(variant: str, ctx: _Context, model: nn.Module, inputs: tupl
     plan = ctx.plans[variant]
     if not isinstance(plan, Plan):
         raise Unavailable(plan)
-    pmodel = soybean.parallelize(model, inputs, devices=ctx.world, objective="time", profile=ctx.cfg.profile,
-                                 mode=SOYBEAN_MODES[variant], plan=plan)
+    pmodel = soybean.parallelize(model, inputs, devices=ctx.world, mode=SOYBEAN_MODES[variant], plan=plan)
     return Prepared(pmodel, inputs)
 
 
@@ -312,17 +311,15 @@ def _run_dist_variant(variant: str, ctx: _Context) -> Measurement:
     time is rank 0's and the loss the mean over ranks (the global loss for an even batch split).
     """
     torch.manual_seed(ctx.cfg.seed)
+    err: BaseException | None = None
     try:
         m = _measure(functools.partial(_DIST_PREPARE[variant], ctx), ctx.cfg, dist.barrier)
     except Exception as e:  # noqa: BLE001 -- a failing variant is reported, the others still run
-        m = Measurement.failed(e)
-    reports: list[Any] = [None] * ctx.world
-    dist.all_gather_object(reports, asdict(m))
-    bad = [(r, rep["reason"]) for r, rep in enumerate(reports) if rep["step_s"] is None]
-    if bad:
-        rank, reason = bad[0]
-        return Measurement(reason=reason if ctx.world == 1 else f"{reason} (rank {rank})")
-    m.loss = statistics.fmean(rep["loss"] for rep in reports)
+        err = e
+    reason = _agree(ctx, variant, err)
+    if reason is not None:
+        return Measurement(reason=reason)
+    m.loss = _mean_over_ranks(ctx, m.loss)
     return m
 
 
@@ -331,30 +328,27 @@ def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str
 
     With ``cfg.rounds == 1`` the variants run one after the other, twice: in order, then in
     reverse order (half the steps each), and a variant's time is the mean of its two medians, so a
-    steady drift of the machine over the run cancels out.  Otherwise every variant is built
-    and warmed up first, then the variants take turns, one timed step each (``rounds == 0``, the
-    default: the finest interleaving, so drift of a shared machine between turns favours no
-    variant) or ``steps / rounds`` timed steps at a
-    time, so slow drift of the machine (allocator state, other load) does not favour any variant.
+    steady drift of the machine over the run cancels out.  Otherwise every variant is built and
+    warmed up first, then the variants take turns, one timed step each (``rounds == 0``: the finest
+    interleaving) or ``steps / rounds`` timed steps at a time, so drift of a shared machine between
+    turns favours no variant.
     """
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # torch's advice about views; nothing here is in place
-    ctx = _Context(rank, world, cfg, plans)
-    if cfg.rounds == 1:
-        half = replace(cfg, steps=max(1, cfg.steps // 2))
-        ctx = _Context(rank, world, half, plans)
-        passes: list[dict[str, Measurement]] = [{}, {}]
-        for p, order in enumerate((cfg.dist_variants, cfg.dist_variants[::-1])):
-            for variant in order:
-                passes[p][variant] = _run_dist_variant(variant, ctx)
-                _release_memory()
-                dist.barrier()
-        out: dict[str, Measurement] = {}
-        for variant in cfg.dist_variants:
-            a, b = passes[0][variant], passes[1][variant]
-            out[variant] = a if a.step_s is None else b if b.step_s is None else replace(a, step_s=(a.step_s + b.step_s) / 2)
-        return out if rank == 0 else None
-    return _interleaved(ctx)
+    if cfg.rounds != 1:
+        return _interleaved(_Context(rank, world, cfg, plans))
+    ctx = _Context(rank, world, replace(cfg, steps=max(1, cfg.steps // 2)), plans)
+    passes: list[dict[str, Measurement]] = [{}, {}]
+    for p, order in enumerate((cfg.dist_variants, cfg.dist_variants[::-1])):
+        for variant in order:
+            passes[p][variant] = _run_dist_variant(variant, ctx)
+            _release_memory()
+            dist.barrier()
+    out: dict[str, Measurement] = {}
+    for variant in cfg.dist_variants:
+        a, b = passes[0][variant], passes[1][variant]
+        out[variant] = a if a.step_s is None else b if b.step_s is None else replace(a, step_s=(a.step_s + b.step_s) / 2)
+    return out if rank == 0 else None
 
 
 def _release_memory() -> None:
@@ -376,6 +370,13 @@ def _agree(ctx: _Context, variant: str, err: BaseException | None) -> str | None
     dist.all_gather_object(reports, None if err is None else asdict(Measurement.failed(err)))
     bad = [(r, rep["reason"]) for r, rep in enumerate(reports) if rep is not None]
     return None if not bad else (bad[0][1] if ctx.world == 1 else f"{bad[0][1]} (rank {bad[0][0]})")
+
+
+def _mean_over_ranks(ctx: _Context, value: float) -> float:
+    """The mean of ``value`` over the ranks (a first loss: the global one for an even batch split)."""
+    values: list[Any] = [None] * ctx.world
+    dist.all_gather_object(values, value)
+    return statistics.fmean(values)
 
 
 def _interleaved(ctx: _Context) -> dict[str, Measurement] | None:
@@ -425,17 +426,16 @@ def _interleaved(ctx: _Context) -> dict[str, Measurement] | None:
         if variant in failed:
             out[variant] = Measurement(reason=failed[variant])
         else:
-            losses: list[Any] = [None] * ctx.world
-            dist.all_gather_object(losses, first[variant])
-            out[variant] = Measurement(step_s=statistics.median(times[variant]), loss=statistics.fmean(losses))
+            out[variant] = Measurement(step_s=statistics.median(times[variant]), loss=_mean_over_ranks(ctx, first[variant]))
     return out if ctx.rank == 0 else None
 
 
 # ---- planning, serial, report --------------------------------------------------------
 
 
-def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple) -> dict[str, Plan | str]:
-    """soybean's plans (optimal, forced DP, forced MP) from one capture; a failure is its reason."""
+def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any = None) -> dict[str, Plan | str]:
+    """soybean's plans (optimal, forced DP, forced MP) from one capture; a failure is its reason.
+    ``profile``: a ``Profile`` (or name or path) instead of ``cfg.profile``."""
     from .capture import capture
     from .planner import plan
 
@@ -449,7 +449,8 @@ def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple) -> dict[str, P
             plans[variant] = NOT_SELECTED
             continue
         try:
-            plans[variant] = plan(None, (), cfg.devices, objective="time", profile=cfg.profile, mode=mode, baselines=False, captured=cap)
+            plans[variant] = plan(None, (), cfg.devices, objective="time", profile=profile or cfg.profile, mode=mode, baselines=False,
+                                  captured=cap)
         except Exception as e:  # noqa: BLE001
             plans[variant] = Measurement.failed(e).reason or "planning failed"
     return plans
@@ -563,7 +564,9 @@ ALTERNATE_MAX_BYTES = 1 << 30
 def auto_rounds(param_bytes: int, variants: int) -> int:
     """The default protocol: variants take turns after every step (0) while all their training
     state fits in :data:`ALTERNATE_MAX_BYTES`, else one after the other (1)."""
-    return 0 if 4 * param_bytes * variants <= ALTERNATE_MAX_BYTES else 1
+    from .graph import PARAM_COPIES
+
+    return 0 if PARAM_COPIES * param_bytes * variants <= ALTERNATE_MAX_BYTES else 1
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
@@ -575,18 +578,11 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     from .runtime.launch import spawn
 
     cfg.validate()
-    calibrated: dict[str, Any] | None = None
+    prof = None
     if cfg.profile == CALIBRATE:
-        import tempfile
-
         from .calibrate import calibrate
 
         prof, _ = calibrate(cfg.devices, show=False, name="calibrated just before")
-        path = os.path.join(tempfile.mkdtemp(prefix="soybean-bench-"), "profile.json")
-        with open(path, "w") as f:
-            f.write(prof.to_json())
-        cfg = replace(cfg, profile=path)
-        calibrated = asdict(prof)
     serial_threads = torch.get_num_threads()
     machine = machine_info(serial_threads)
     ms: dict[str, Measurement] = {v: Measurement(reason=NOT_SELECTED) for v in VARIANTS if v not in cfg.variants}
@@ -594,7 +590,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         ms[SERIAL] = _measure(_prepare_serial, cfg, lambda: None)
         gc.collect()
     model, inputs = _load(cfg)
-    plans, layout = make_plans(cfg, model, inputs), tp_layout(model)
+    plans, layout = make_plans(cfg, model, inputs, prof), tp_layout(model)
     if cfg.rounds is None:
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         cfg = replace(cfg, rounds=auto_rounds(param_bytes, len(cfg.dist_variants)))
@@ -611,8 +607,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     rho = spearman([predicted[v] for v in ranked], [cand["measured_s"][v] for v in ranked])
     return {
         "model": cfg.model, "args": dict(cfg.args), "devices": cfg.devices, "steps": cfg.steps, "warmup": cfg.warmup, "rounds": cfg.rounds,
-        "profile": cfg.profile if calibrated is None else CALIBRATE,
-        "calibrated_profile": calibrated,
+        "profile": cfg.profile,
+        "calibrated_profile": asdict(prof) if prof is not None else None,
         "step_s": step_s,
         "reasons": {v: ms[v].reason for v in VARIANTS if ms[v].step_s is None},
         "speedup_vs_serial": {v: _speedup(step_s[SERIAL], t) for v, t in step_s.items()},

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .cost import RING_FACTOR
-from .profiles import Profile
+from .profiles import LARGE_ALLOC, Profile
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20]
 KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
@@ -62,9 +62,7 @@ def _collective(kind: str, nbytes: int, world: int, rank: int, device: torch.dev
         return lambda: group.reduce_scatter(x, 0)
     if kind == "all_to_all":
         # my column block of every row -> my row block of every column (S(1) -> S(0))
-        wide = torch.ones(rows, COLS * world, device=device)
-        mine = wide[:, :COLS].contiguous()
-        return lambda: group.all_to_all(mine, 1, 0, COLS * world)
+        return lambda: group.all_to_all(x, 1, 0, COLS * world)
     peer = rank ^ 1
 
     def p2p() -> None:  # ranks pair up 0<->1, 2<->3, ...; an odd last rank idles
@@ -76,9 +74,6 @@ def _collective(kind: str, nbytes: int, world: int, rank: int, device: torch.dev
                 dist.recv(x, peer)
                 dist.send(x, peer)
     return p2p
-
-
-LARGE_ALLOC = 32 << 20  # glibc's largest mmap threshold: blocks this big are mapped afresh on every allocation
 
 
 def _compute_rates(device: torch.device, sync: Callable[[], None] = lambda: None) -> dict[str, float]:

@@ -311,8 +311,7 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
             compute = np.array([compute_seconds(flops, byts, work_fraction(s.divides_work(), mesh), rate, n_pass, fresh_bytes(op, s, grads, mesh, profile))
                                 for s in strategies])
             mem = np.array([sum(max_local_numel(o.shape, t, mesh) * o.dtype.itemsize for o, t in zip(op.outputs, s.outputs)) for s in strategies], dtype=float)
-            ng = any(needs_grad.get(a.name, False) for a in tensor_args)
-            ng = ng and any(o.dtype.is_floating_point for o in op.outputs)
+            ng = any(grads) and any(o.dtype.is_floating_point for o in op.outputs)
             needs_grad[node.name] = ng
             v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node), needs_grad=ng))
             for i, (a, (u, k)) in enumerate(zip(tensor_args, sources)):

@@ -118,8 +118,9 @@ def solve_on(cap: Captured, mesh: Mesh, profile: Profile, objective: str, solver
 RESOLVE_GAP = 0.005
 
 
-# The backward pass is about 2 of the 3 forward-equivalents of an op's training compute
-# (cost.compute_seconds): the work an asynchronous gradient all-reduce can hide behind.
+# The share of the ops' training compute taken as backward, the work an asynchronous gradient
+# all-reduce can hide behind: 2 of a linear layer's 3 forward-equivalents (graph.passes).  A flat
+# share, not each op's own (passes - 1) / passes: an approximation of the cap.
 BACKWARD_SHARE = 2.0 / 3.0
 
 
@@ -132,9 +133,11 @@ def evaluate(g: PlanGraph, sol: Solution) -> Result:
         b += e.bytes[i, j]
         s += e.seconds[i, j]
         sync += e.sync[i, j] if e.sync is not None else 0.0
-    comp = sum(float(v.compute_s[c]) for v, c in zip(g.vars, sol.choice))
-    op_comp = sum(float(v.compute_s[c]) for v, c in zip(g.vars, sol.choice) if v.kind == "op")
-    mem = sum(float(v.memory[c]) for v, c in zip(g.vars, sol.choice))
+    comp = op_comp = mem = 0.0
+    for v, c in zip(g.vars, sol.choice):
+        comp += float(v.compute_s[c])
+        op_comp += float(v.compute_s[c]) if v.kind == "op" else 0.0
+        mem += float(v.memory[c])
     hidden = min(g.profile.grad_overlap * sync, BACKWARD_SHARE * op_comp)
     return Result(g, sol, b, s, comp, mem, hidden, sync)
 

@@ -14,6 +14,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
+# glibc's largest mmap threshold: blocks this big are mapped afresh, and page-faulted in, on every
+# allocation (the CPU profiles' ``large_alloc``).
+LARGE_ALLOC = 32 << 20
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str
@@ -56,7 +61,7 @@ BUILTIN: dict[str, Profile] = {
     # parameter bytes (~0.45 GB/s on a 32 MiB tile, its temporaries page-faulted in) plus ~0.2 ms
     # per parameter tensor (torch's CPU AdamW runs a dozen small kernels per tensor); 0-35% of an async all_reduce hides behind a matmul loop (gloo needs CPU too).
     "cpu-gloo": Profile("cpu-gloo", alpha=2e-4, beta=1 / 1.8e9, flops=1.1e11, mem_bw=2e10, memory_gb=12.0, conv_flops=1.0e11,
-                        optimizer_bw=1.0e9, optimizer_large_bw=0.45e9, optimizer_tensor_s=2e-4, grad_overlap=0.25, large_alloc=float(32 << 20), alloc_bw=2.5e9),
+                        optimizer_bw=1.0e9, optimizer_large_bw=0.45e9, optimizer_tensor_s=2e-4, grad_overlap=0.25, large_alloc=float(LARGE_ALLOC), alloc_bw=2.5e9),
     # 8x H100 SXM with NVLink 4 / NVSwitch: 450 GB/s per direction per GPU, NCCL reaches ~360 GB/s
     # bus bandwidth on large all-reduces; ~5 us per ring step. Compute: 989 TFLOP/s dense bf16 at
     # ~40% achieved; HBM3 3.35 TB/s; 80 GB. (NVIDIA H100 datasheet; NCCL tests.)  NCCL runs on its own

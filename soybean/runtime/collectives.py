@@ -209,8 +209,7 @@ def shard_slice(x: torch.Tensor, group: Group, dim: int, view: bool = False) -> 
         return x
     dim = dim % x.ndim
     if view and not (x.requires_grad and torch.is_grad_enabled()):
-        chunk = take_chunk(x, dim, group.size, group.index)
-        return chunk if chunk.is_contiguous() else chunk.contiguous()
+        return take_chunk(x, dim, group.size, group.index).contiguous()  # a view when already contiguous
     return _ShardSlice.apply(x, group, dim)
 
 

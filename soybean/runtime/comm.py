@@ -278,8 +278,7 @@ class TorchGroup:
             x[k * block:(k + 1) * block].view(shape).narrow(dim, 0, chunk.shape[dim]).copy_(chunk)
         out = t.new_empty(block)
         _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=self.pg)
-        res = out.view(shape).narrow(dim, 0, mine)
-        return res if res.is_contiguous() else res.contiguous()
+        return out.view(shape).narrow(dim, 0, mine).contiguous()
 
     def all_to_all(self, t: torch.Tensor, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
         src_dim, dst_dim = _check_dims(t, src_dim, dst_dim)

@@ -16,6 +16,7 @@ import torch
 
 from . import collectives as C
 from .comm import Group
+from .pending import all_reduce_lazy
 
 __all__ = ["use_groups", "current_groups", "sb_shard", "sb_all_gather", "sb_all_reduce", "sb_all_reduce_lazy",
            "sb_reduce_scatter", "sb_all_to_all", "sb_to_partial", "sb_grad_all_reduce",
@@ -70,8 +71,6 @@ def sb_all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
 
 def sb_all_reduce_lazy(x: torch.Tensor, axis: int) -> torch.Tensor:
     """P -> R along mesh ``axis``, the sum arriving while backward runs (``pending.PendingSum``)."""
-    from .pending import all_reduce_lazy
-
     return all_reduce_lazy(x, _group(axis))
 
 

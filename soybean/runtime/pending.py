@@ -22,6 +22,7 @@ import torch
 from torch.autograd import Function
 from torch.utils._pytree import tree_flatten
 
+from .collectives import all_reduce
 from .comm import Group
 
 __all__ = ["PendingSum", "all_reduce_lazy", "wait_all"]
@@ -82,8 +83,6 @@ def all_reduce_lazy(x: torch.Tensor, group: Group) -> torch.Tensor:
 
     Groups without asynchronous collectives (the thread tier) sum at once.
     """
-    from .collectives import all_reduce
-
     if group.size == 1:
         return x
     if getattr(group, "all_reduce_inplace_async", None) is None:
