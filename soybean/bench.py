@@ -19,8 +19,14 @@ factory call with the same seed.  The reported time is the median of ``--steps``
 
 The N ranks are spawned once and run every distributed variant in one process group, one
 thread per rank.  By default the variants take turns after every timed step, so drift of a
-shared machine favours none; when all their training state together exceeds 1 GiB they would
-slow each other down through memory instead, so they run one after the other (``--rounds``).  Each timed step starts and ends with a barrier and is timed on rank 0.
+shared machine favours none and step ``i`` of every variant ran in the same round; only when all
+their training state would not fit in half of physical memory do they run one after the other
+(``--rounds``).  Each timed step starts and ends with a barrier and is timed on rank 0.
+
+From the paired steps the report judges soybean's prediction (``candidates.significance``): the
+plan predicted fastest is ``confirmed`` when every other candidate's median step-time ratio to it
+has its 95% interval above 1, ``contradicted`` when one lies below 1, else ``unresolved`` (within
+the steps' scatter; more ``--steps`` narrow the intervals).  See :mod:`soybean.benchstats`.
 soybean's plans are made once, in this process, before the spawn (exactly the call
 ``parallelize`` makes on rank 0), so a plan that cannot be made is a null with its reason rather
 than a hang.  A variant that fails, or a full-batch variant whose first loss differs from the
@@ -49,9 +55,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import modelref
+from .benchstats import fastest_verdict, spearman
 from .plan import Plan
 
-__all__ = ["BenchConfig", "VARIANTS", "auto_rounds", "run_bench", "format_table", "spearman", "candidates", "tp_layout", "add_parser", "cmd_bench", "main"]
+__all__ = ["BenchConfig", "VARIANTS", "auto_rounds", "training_state_bytes", "run_bench", "format_table", "spearman", "candidates", "tp_layout", "add_parser", "cmd_bench", "main"]
 
 SERIAL = "serial"
 DIST_VARIANTS: tuple[str, ...] = ("ddp", "tp", "fsdp", "soybean", "soybean_dp", "soybean_mp")
@@ -121,6 +128,7 @@ class Measurement:
     step_s: float | None = None
     reason: str | None = None
     loss: float | None = None                  # first step's loss over the global batch
+    times: list[float] = field(default_factory=list)  # every timed step, in order (rank 0's clock)
 
     @staticmethod
     def failed(err: BaseException) -> "Measurement":
@@ -159,8 +167,8 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple) -> 
     return loss.detach()
 
 
-def _time_steps(step: Callable[[], torch.Tensor], steps: int, warmup: int, sync: Callable[[], None]) -> tuple[float, float]:
-    """Median seconds of ``steps`` steps after ``warmup`` untimed ones, and the first step's loss.
+def _time_steps(step: Callable[[], torch.Tensor], steps: int, warmup: int, sync: Callable[[], None]) -> tuple[list[float], float]:
+    """Seconds of each of ``steps`` steps after ``warmup`` untimed ones, and the first step's loss.
 
     ``sync`` runs before and after every timed step (a barrier across ranks, or nothing).
     """
@@ -177,7 +185,7 @@ def _time_steps(step: Callable[[], torch.Tensor], steps: int, warmup: int, sync:
         times.append(time.perf_counter() - t0)
         first = loss if first is None else first
     assert first is not None
-    return statistics.median(times), float(local_value(first))
+    return times, float(local_value(first))
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:
@@ -197,8 +205,8 @@ def _measure(prepare: Callable[[nn.Module, tuple], Prepared], cfg: BenchConfig, 
     model, inputs = _load(cfg)
     prep = prepare(model, inputs)
     opt = torch.optim.AdamW(prep.model.parameters(), lr=cfg.lr)
-    step_s, loss = _time_steps(functools.partial(_train_step, prep.model, opt, prep.inputs), cfg.steps, cfg.warmup, sync)
-    return Measurement(step_s=step_s, loss=loss)
+    times, loss = _time_steps(functools.partial(_train_step, prep.model, opt, prep.inputs), cfg.steps, cfg.warmup, sync)
+    return Measurement(step_s=statistics.median(times), loss=loss, times=times)
 
 
 # ---- the variants ------------------------------------------------------------------
@@ -347,7 +355,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str
     out: dict[str, Measurement] = {}
     for variant in cfg.dist_variants:
         a, b = passes[0][variant], passes[1][variant]
-        out[variant] = a if a.step_s is None else b if b.step_s is None else replace(a, step_s=(a.step_s + b.step_s) / 2)
+        out[variant] = a if a.step_s is None else b if b.step_s is None else replace(a, step_s=(a.step_s + b.step_s) / 2, times=a.times + b.times)
     return out if rank == 0 else None
 
 
@@ -426,7 +434,7 @@ def _interleaved(ctx: _Context) -> dict[str, Measurement] | None:
         if variant in failed:
             out[variant] = Measurement(reason=failed[variant])
         else:
-            out[variant] = Measurement(step_s=statistics.median(times[variant]), loss=_mean_over_ranks(ctx, first[variant]))
+            out[variant] = Measurement(step_s=statistics.median(times[variant]), loss=_mean_over_ranks(ctx, first[variant]), times=times[variant])
     return out if ctx.rank == 0 else None
 
 
@@ -463,12 +471,18 @@ def _same_plan(a: Plan, b: Plan) -> bool:
     return key(a) == key(b)
 
 
-def candidates(plans: dict[str, Plan | str], predicted: dict[str, float | None], step_s: dict[str, float | None]) -> dict[str, Any]:
-    """soybean's candidate plans as distinct programs: a variant whose plan is identical to an
-    earlier one's (the optimum often *is* data parallel) is the same program timed twice, so the
-    two share one measurement, the mean of their medians.  Returns the distinct variants, the
-    duplicates (``same_plan``: variant -> the one it repeats), the measurement per distinct
-    variant, and which one is predicted and which measured fastest."""
+def candidates(plans: dict[str, Plan | str], predicted: dict[str, float | None], step_s: dict[str, float | None],
+               paired_times: dict[str, list[float]] | None = None) -> dict[str, Any]:
+    """soybean's candidate plans as distinct programs, and whether the predicted fastest measured fastest.
+
+    A variant whose plan is identical to an earlier one's (the optimum often *is* data parallel)
+    is the same program timed twice, so the two share one measurement: the mean of their medians
+    (and of their step times, step by step).  Returns the distinct variants, the duplicates
+    (``same_plan``: variant -> the one it repeats), the measurement per distinct variant, which one
+    is predicted and which measured fastest, and -- when ``paired_times`` holds step times taken in
+    turns (step ``i`` of every variant in round ``i``) -- ``significance``:
+    :func:`~soybean.benchstats.fastest_verdict` of the predicted fastest against the others.
+    """
     distinct: list[str] = []
     same: dict[str, str] = {}
     for v in SOYBEAN_MODES:
@@ -480,40 +494,19 @@ def candidates(plans: dict[str, Plan | str], predicted: dict[str, float | None],
             distinct.append(v)
         else:
             same[v] = twin
-    measured = {d: statistics.fmean([step_s[d]] + [step_s[v] for v, t in same.items() if t == d]) for d in distinct}
+    group = {d: [d] + [v for v, t in same.items() if t == d] for d in distinct}
+    measured = {d: statistics.fmean(step_s[v] for v in vs) for d, vs in group.items()}  # type: ignore[misc]
+    fastest = min(distinct, key=lambda d: predicted[d]) if distinct else None  # type: ignore[arg-type, return-value]
+    significance = None
+    if fastest is not None and paired_times is not None:
+        steps = {d: [statistics.fmean(ts) for ts in zip(*(paired_times[v] for v in vs))] for d, vs in group.items()}
+        significance = fastest_verdict(fastest, steps)
     return {
         "distinct": distinct, "same_plan": same, "measured_s": measured,
-        "predicted_fastest": min(distinct, key=lambda d: predicted[d]) if distinct else None,
+        "predicted_fastest": fastest,
         "measured_fastest": min(distinct, key=lambda d: measured[d]) if distinct else None,
+        "significance": significance,
     }
-
-
-def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
-    """Spearman's rank correlation (average ranks for ties); ``None`` below 2 points or with no spread."""
-    if len(xs) != len(ys):
-        raise ValueError("spearman needs two sequences of the same length")
-    if len(xs) < 2:
-        return None
-    rx, ry = _ranks(xs), _ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
-    return cov / var if var > 0 else None
-
-
-def _ranks(xs: Sequence[float]) -> list[float]:
-    """1-based ranks, ties sharing their average rank."""
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    ranks = [0.0] * len(xs)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
 
 
 def machine_info(serial_threads: int) -> dict[str, Any]:
@@ -554,19 +547,39 @@ def _check_losses(ms: dict[str, Measurement], notes: dict[str, str]) -> None:
             notes[v] = msg
 
 
-# Alternating keeps every variant's parameters, gradients and AdamW state alive at once (4 copies
-# of the parameters each).  Above this much in all, the variants slow each other down through
-# memory (on the CPU box: page faults of freshly mapped blocks showed as a third of every step),
-# so they run one after the other instead.
-ALTERNATE_MAX_BYTES = 1 << 30
+# Taking turns keeps every variant's parameters, gradients and AdamW state alive at once.  It
+# costs no speed: on the CPU box the wide MLP's sharded plans page-fault the same 98,316 pages per
+# step either way (their fresh >= 32 MiB gradients and AdamW temporaries are mapped anew every
+# step), and it pairs the variants' steps in time, which a one-after-the-other run cannot.  The
+# only limit is memory: turns are taken while the estimate fits in this share of physical memory.
+ALTERNATE_MEMORY_SHARE = 0.5
+# Variants that may hold a full replica of the parameters on every rank (soybean's optimum may be DP).
+REPLICATING: frozenset[str] = frozenset({"ddp", "soybean", "soybean_dp"})
 
 
-def auto_rounds(param_bytes: int, variants: int) -> int:
-    """The default protocol: variants take turns after every step (0) while all their training
-    state fits in :data:`ALTERNATE_MAX_BYTES`, else one after the other (1)."""
+def training_state_bytes(param_bytes: int, variants: Sequence[str], devices: int) -> int:
+    """Parameters, gradients and AdamW state of ``variants`` together, over all ranks: a replicating
+    variant holds ``PARAM_COPIES`` copies of the model on each of ``devices`` ranks, a sharded one
+    that much in all."""
     from .graph import PARAM_COPIES
 
-    return 0 if PARAM_COPIES * param_bytes * variants <= ALTERNATE_MAX_BYTES else 1
+    return PARAM_COPIES * param_bytes * sum(devices if v in REPLICATING else 1 for v in variants)
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory, or ``None`` where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def auto_rounds(state_bytes: int, memory_bytes: int | None = None) -> int:
+    """The default protocol: the variants take turns after every step (0) while ``state_bytes``
+    (:func:`training_state_bytes`) fits in :data:`ALTERNATE_MEMORY_SHARE` of ``memory_bytes``
+    (default: physical memory), else one after the other (1)."""
+    memory = physical_memory_bytes() if memory_bytes is None else memory_bytes
+    return 0 if memory is None or state_bytes <= ALTERNATE_MEMORY_SHARE * memory else 1
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
@@ -593,7 +606,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     plans, layout = make_plans(cfg, model, inputs, prof), tp_layout(model)
     if cfg.rounds is None:
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        cfg = replace(cfg, rounds=auto_rounds(param_bytes, len(cfg.dist_variants)))
+        cfg = replace(cfg, rounds=auto_rounds(training_state_bytes(param_bytes, cfg.dist_variants, cfg.devices)))
     del model, inputs
     gc.collect()
     if cfg.dist_variants:
@@ -602,7 +615,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     _check_losses(ms, notes)
     predicted = {v: (p.cost["step_time_s"] if isinstance(p, Plan) else None) for v, p in plans.items()}
     step_s = {v: ms[v].step_s for v in VARIANTS}
-    cand = candidates(plans, predicted, step_s)
+    cand = candidates(plans, predicted, step_s, {v: ms[v].times for v in SOYBEAN_MODES if ms[v].times} if cfg.rounds != 1 else None)
     ranked = cand["distinct"]
     rho = spearman([predicted[v] for v in ranked], [cand["measured_s"][v] for v in ranked])
     return {
@@ -616,6 +629,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "predicted_step_s": predicted,
         "spearman": {"rho": rho, "variants": ranked},
         "candidates": cand,
+        "step_times_s": {v: ms[v].times for v in VARIANTS if ms[v].times},
         "prediction_error": {v: predicted[v] / step_s[v] - 1 for v in SOYBEAN_MODES if predicted[v] and step_s[v]},
         "plans": {v: plan_summary(p) for v, p in plans.items() if isinstance(p, Plan)},
         "tp_layout": layout,
@@ -677,6 +691,12 @@ def format_table(report: dict[str, Any]) -> str:
     if c["distinct"]:
         lines.append(f"candidates: predicted fastest {c['predicted_fastest']}, measured fastest {c['measured_fastest']}; prediction error "
                      + ", ".join(f"{v} {e:+.0%}" for v, e in report["prediction_error"].items()))
+    sig = c.get("significance")
+    if sig is not None and sig["versus"]:
+        lines.append(f"paired steps, against {c['predicted_fastest']}: "
+                     + ", ".join(f"{v} {r['ratio']:.3f}x" + (f" (95% {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f})" if r["ci95"] else " (too few steps)")
+                                 for v, r in sig["versus"].items())
+                     + f": {sig['verdict']}")
     sp = report["spearman"]
     lines.append(f"Spearman rank correlation, predicted vs measured step time over {', '.join(sp['variants']) or 'no plans'}: "
                  f"{_fmt(sp['rho'], '.2f')} (n={len(sp['variants'])})")
@@ -697,7 +717,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the spawned ranks are stopped")
     p.add_argument("--rounds", type=int, default=None,
                    help="0: the variants take turns after every timed step; 1: one after the other; N: N turns of steps/N steps "
-                        "(default: 0, or 1 when all variants' training state together exceeds 1 GiB)")
+                        "(default: 0, or 1 when all variants' training state together exceeds half of physical memory)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
 

@@ -11,16 +11,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.models import mlp  # noqa: E402
 from soybean.bench import (SOYBEAN_MODES, VARIANTS, BenchConfig, add_parser, auto_rounds, candidates, cmd_bench, format_table, run_bench,  # noqa: E402
-                           spearman, tp_layout)
+                           tp_layout, training_state_bytes)
 from soybean.plan import Plan  # noqa: E402
-
-
-def test_spearman_ranks_with_ties() -> None:
-    assert spearman([1.0, 2.0, 3.0], [10.0, 20.0, 30.0]) == pytest.approx(1.0)
-    assert spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
-    assert spearman([1.0, 1.0, 2.0], [1.0, 2.0, 3.0]) == pytest.approx(0.8660254)
-    assert spearman([1.0], [2.0]) is None
-    assert spearman([1.0, 1.0], [1.0, 2.0]) is None
 
 
 def test_tp_layout_pairs_linears_and_leaves_an_odd_last_one() -> None:
@@ -45,12 +37,32 @@ def test_candidates_merge_identical_plans() -> None:
     assert c["predicted_fastest"] == "soybean" and c["measured_fastest"] == "soybean_mp"
     # a failed variant (no time) or an unavailable plan (a reason string) is no candidate
     c = candidates({**plans, "soybean_mp": "no plan"}, predicted, {"soybean": None, "soybean_dp": 1.0, "soybean_mp": 1.0})
-    assert c["distinct"] == ["soybean_dp"] and c["same_plan"] == {}
+    assert c["distinct"] == ["soybean_dp"] and c["same_plan"] == {} and c["significance"] is None  # no paired steps given
+
+
+def test_candidates_judge_the_prediction_on_paired_steps() -> None:
+    dp, mp = _plan({"w": ["R"]}), _plan({"w": ["S(0)"]})
+    plans = {"soybean": _plan({"w": ["R"]}), "soybean_dp": dp, "soybean_mp": mp}
+    predicted = {"soybean": 1.0, "soybean_dp": 1.0, "soybean_mp": 2.0}
+    drift = [1.0 + 0.5 * (i % 5) for i in range(12)]  # the machine's speed swings by 3x over the run
+    times = {"soybean": [d * 1.00 for d in drift], "soybean_dp": [d * 1.02 for d in drift], "soybean_mp": [d * 1.10 for d in drift]}
+    c = candidates(plans, predicted, {v: sum(t) / len(t) for v, t in times.items()}, times)
+    sig = c["significance"]
+    assert sig["verdict"] == "confirmed" and list(sig["versus"]) == ["soybean_mp"]
+    # the twins' steps are averaged step by step: mp against (1.00 + 1.02) / 2 of each step
+    assert sig["versus"]["soybean_mp"]["ratio"] == pytest.approx(1.10 / 1.01)
+    slower = {**times, "soybean_mp": [d * 0.9 for d in drift]}
+    assert candidates(plans, predicted, {v: 1.0 for v in times}, slower)["significance"]["verdict"] == "contradicted"
 
 
 def test_auto_rounds_alternate_only_what_fits() -> None:
-    assert auto_rounds(4 << 20, 6) == 0      # a 4 MB model: turns after every step
-    assert auto_rounds(256 << 20, 6) == 1    # 256 MB of weights x 4 copies x 6 variants: one after the other
+    gib = 1 << 30
+    # the wide MLP (268 MB of weights), all six variants on 2 ranks: 4 copies x (2+1+1+2+2+1) replicas
+    state = training_state_bytes(268 << 20, ("ddp", "tp", "fsdp", "soybean", "soybean_dp", "soybean_mp"), 2)
+    assert state == 4 * (268 << 20) * 9
+    assert auto_rounds(state, memory_bytes=24 * gib) == 0   # fits in half of 24 GiB: turns after every step
+    assert auto_rounds(state, memory_bytes=16 * gib) == 1   # does not: one after the other
+    assert auto_rounds(4 << 20) == 0                        # a 4 MB model on this machine
 
 
 def test_calibrate_profile_needs_two_devices() -> None:
@@ -93,6 +105,9 @@ def test_bench_reports_every_variant() -> None:
     assert "soybean_dp" in format_table(report)
     assert report["candidates"]["predicted_fastest"] in SOYBEAN_MODES
     assert report["rounds"] == 0  # a small model: the variants took turns
+    assert all(len(ts) == 2 for ts in report["step_times_s"].values())
+    sig = report["candidates"]["significance"]  # 2 paired steps give no 95% interval
+    assert sig is not None and (sig["verdict"] == "unresolved" or not sig["versus"])
 
 
 @pytest.mark.dist
