@@ -6,7 +6,8 @@ them: the runtime's ``TorchGroup`` calls, packing copies included) and
 point-to-point for message sizes from 4 KB to 64 MB, and the compute rate of matmul, convolution,
 an elementwise op, first-touching a large fresh allocation and an AdamW step
 (one thread per process, all processes at once, as training runs), and how much of an asynchronous
-gradient all-reduce hides behind compute.  The ring
+gradient all-reduce hides behind compute, and what a blocking collective costs amid compute
+beyond its barrier-aligned time.  The ring
 model of ``cost.py`` predicts ``t = k_steps * alpha + k_bytes * beta`` for each
 collective; ``alpha`` and ``beta`` are its least-squares fit over every
 measurement (relative error weighted, so small messages count), overall and per
@@ -181,6 +182,42 @@ def _grad_overlap(device: torch.device, reps: int) -> float:
     return float(min(1.0, max(0.0, (tc + tm - tb) / tc)))
 
 
+BLOCKING_SEGMENTS = 8
+
+
+def _blocking_cost(device: torch.device, reps: int) -> float:
+    """Extra seconds a blocking collective costs between two stretches of compute.
+
+    The collectives above are timed right after a barrier, every rank ready at once.  In a
+    program a rank reaches a blocking collective after compute and waits for the others there.
+    Times ``BLOCKING_SEGMENTS`` matmul stretches (~1 ms each on the CPU box) with a small
+    all-reduce after each (``t_a``), the same stretches with one all-reduce at the end (``t_b``),
+    and that all-reduce alone after a barrier (``t_c``): each of the ``n - 1`` extra all-reduces
+    costs ``(t_a - t_b) / (n - 1)``, of which ``t_c`` is its own latency and the rest is this
+    cost.  Three rounds, the fastest of each (outside load only ever adds time); clamped at 0.
+    """
+    from .runtime.comm import TorchGroup
+
+    group = TorchGroup(dist.group.WORLD)
+    tiny = torch.ones(16, device=device)
+    a = torch.randn(384, 384, device=device)
+    n = BLOCKING_SEGMENTS
+
+    def each() -> None:
+        for _ in range(n):
+            a @ a
+            group.all_reduce(tiny)
+
+    def once() -> None:
+        for _ in range(n):
+            a @ a
+        group.all_reduce(tiny)
+
+    rounds = [(_median_time(each, reps), _median_time(once, reps), _median_time(lambda: group.all_reduce(tiny), reps)) for _ in range(3)]
+    ta, tb, tc = (min(r[i] for r in rounds) for i in range(3))
+    return float(max(0.0, (ta - tb) / (n - 1) - tc))
+
+
 def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
     torch.set_num_threads(1)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -196,10 +233,11 @@ def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
     if show and rank == 0:
         print(file=sys.stderr)
     overlap = _grad_overlap(device, reps)
+    blocking = _blocking_cost(device, reps)
     # Every rank measures at once, as every rank computes at once in training: cores that share
     # caches, memory bandwidth or a physical core run slower together than one alone.
     rates = _compute_rates(device, dist.barrier)
-    return {"collectives": rows, "compute": {**rates, "grad_overlap": overlap} if rank == 0 else {}}
+    return {"collectives": rows, "compute": {**rates, "grad_overlap": overlap, "blocking_s": blocking} if rank == 0 else {}}
 
 
 def fit(rows: list[dict[str, Any]], world: int) -> tuple[float, float]:
@@ -233,7 +271,7 @@ def calibrate(devices: int = 2, reps: int = 10, show: bool = True, name: str = "
     prof = Profile(name, alpha=alpha, beta=beta, flops=comp["matmul_flops"], mem_bw=comp["mem_bw"], memory_gb=mem, conv_flops=comp["conv_flops"],
                    collectives=per_kind, optimizer_bw=comp["optimizer_bw"], optimizer_large_bw=comp["optimizer_large_bw"],
                    optimizer_tensor_s=comp["optimizer_tensor_s"], grad_overlap=comp["grad_overlap"],
-                   alloc_bw=comp["alloc_bw"], large_alloc=float(LARGE_ALLOC) if comp["alloc_bw"] else 0.0)
+                   alloc_bw=comp["alloc_bw"], large_alloc=float(LARGE_ALLOC) if comp["alloc_bw"] else 0.0, blocking_s=comp["blocking_s"])
     return prof, {"devices": devices, "collectives": rows, "compute": comp}
 
 
@@ -247,7 +285,7 @@ def main_cli(devices: int, out: str | None, reps: int) -> int:
         print(f"wrote {out}: alpha {prof.alpha * 1e6:.1f} us, {1 / prof.beta / 1e9:.2f} GB/s, matmul {prof.flops / 1e9:.1f} GFLOP/s, "
               f"conv {prof.conv_flops / 1e9:.1f} GFLOP/s, memory-bound {prof.mem_bw / 1e9:.1f} GB/s, large allocations {prof.alloc_bw / 1e9:.1f} GB/s, "
               f"AdamW {prof.optimizer_bw / 1e9:.2f} GB/s ({prof.optimizer_large_bw / 1e9:.2f} on 32 MiB) + {prof.optimizer_tensor_s * 1e6:.0f} us a tensor, "
-              f"gradient sync hidden {prof.grad_overlap:.0%}",
+              f"gradient sync hidden {prof.grad_overlap:.0%}, a blocking collective amid compute +{prof.blocking_s * 1e6:.0f} us",
               file=sys.stderr)
     else:
         sys.stdout.write(text)

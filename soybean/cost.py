@@ -15,6 +15,10 @@ all_to_all      (p-1)/p * m              (p-1) alpha + bytes beta
 
 Each forward step has a backward (its adjoint, see ``reshard``) that is priced
 too when the tensor needs a gradient: training comm per step = forward + backward.
+A blocking collective (every one but the asynchronous gradient all-reduce) also costs the
+profile's ``blocking_s``: inside a program the ranks reach it after compute rather than
+aligned by a barrier, and the one that arrives first waits (on the CPU box ~0.5 ms, as much
+again as a small all-reduce's own latency; ``calibrate`` measures it).
 The all-reduce of a ``grad_all_reduce`` step is also reported apart
 (``Cost.sync_seconds``): on a parameter's own edge the runtime defers it to the
 bucketed, asynchronous gradient sync, which overlaps the rest of backward (see
@@ -99,8 +103,9 @@ def reshard_cost(src: tuple, dst: tuple, shape: tuple, itemsize: int, mesh: Mesh
     for kind, axis, tiling, is_sync in _collectives(src, dst, tuple(partial_grad_axes), tuple(src_partial_axes), needs_grad):
         a, b = profile.ab(axis, kind)
         c = collective(kind, float(max_local_numel(shape, tiling, mesh) * itemsize), mesh.shape[axis], a, b)
+        blocking = profile.blocking_s if not is_sync and mesh.shape[axis] > 1 else 0.0
         nb += c.bytes
-        ns += c.seconds
+        ns += c.seconds + blocking
         sync += c.seconds if is_sync else 0.0
     return Cost(nb, ns, sync)
 

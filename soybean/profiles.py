@@ -37,6 +37,7 @@ class Profile:
     grad_overlap: float = 0.0                            # share of async gradient all-reduce time hidden by compute
     large_alloc: float = 0.0                             # bytes from which a new tensor is page-faulted in; 0: never
     alloc_bw: float = 0.0                                # bytes/s of first-touching such a tensor
+    blocking_s: float = 0.0                              # extra seconds of each blocking collective amid compute
 
     def ab(self, axis: int, kind: str = "") -> tuple[float, float]:
         """alpha, beta for a collective of ``kind`` on mesh ``axis``: a per-axis override, else the
@@ -59,9 +60,12 @@ BUILTIN: dict[str, Profile] = {
     # ~1.8 GB/s; fp32 matmul ~110 GFLOP/s; elementwise ops on activation-sized tensors ~20 GB/s;
     # a fresh allocation of 32 MiB or more is page-faulted in at ~2.5 GB/s; AdamW ~1 GB/s of
     # parameter bytes (~0.45 GB/s on a 32 MiB tile, its temporaries page-faulted in) plus ~0.2 ms
-    # per parameter tensor (torch's CPU AdamW runs a dozen small kernels per tensor); 0-35% of an async all_reduce hides behind a matmul loop (gloo needs CPU too).
+    # per parameter tensor (torch's CPU AdamW runs a dozen small kernels per tensor); 0-35% of an async all_reduce hides behind a matmul loop (gloo needs CPU too);
+# a blocking collective between two stretches of compute costs ~0.45-0.65 ms more than the same
+# collective timed right after a barrier.
     "cpu-gloo": Profile("cpu-gloo", alpha=2e-4, beta=1 / 1.8e9, flops=1.1e11, mem_bw=2e10, memory_gb=12.0, conv_flops=1.0e11,
-                        optimizer_bw=1.0e9, optimizer_large_bw=0.45e9, optimizer_tensor_s=2e-4, grad_overlap=0.25, large_alloc=float(LARGE_ALLOC), alloc_bw=2.5e9),
+                        optimizer_bw=1.0e9, optimizer_large_bw=0.45e9, optimizer_tensor_s=2e-4, grad_overlap=0.25, large_alloc=float(LARGE_ALLOC), alloc_bw=2.5e9,
+                        blocking_s=5e-4),
     # 8x H100 SXM with NVLink 4 / NVSwitch: 450 GB/s per direction per GPU, NCCL reaches ~360 GB/s
     # bus bandwidth on large all-reduces; ~5 us per ring step. Compute: 989 TFLOP/s dense bf16 at
     # ~40% achieved; HBM3 3.35 TB/s; 80 GB. (NVIDIA H100 datasheet; NCCL tests.)  NCCL runs on its own

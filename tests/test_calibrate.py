@@ -43,5 +43,6 @@ def test_calibrate_measures_every_field() -> None:
     assert prof.optimizer_large_bw > 0 and prof.optimizer_tensor_s > 0
     assert {k for k, _, _ in prof.collectives} == set(RING_FACTOR)
     assert 0.0 <= prof.grad_overlap <= 1.0
+    assert 0.0 <= prof.blocking_s < 0.1  # a wait per blocking collective, never a gain
     assert prof.alloc_bw > 0 and prof.large_alloc == 32 << 20
     assert {r["kind"] for r in raw["collectives"]} == set(RING_FACTOR) | {"p2p"}

@@ -1,5 +1,5 @@
 """The cost model's parts: backward passes per op, page faults of large tensors, the gradient
-sync's share of a reshard, and the overlap the planner credits (capped by backward compute)."""
+sync's share of a reshard, the wait at blocking collectives, and the overlap the planner credits (capped by backward compute)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -49,6 +49,22 @@ def test_gradient_all_reduce_is_reported_as_sync() -> None:
     # gathering a split weight (FSDP-like) is no gradient sync
     c = reshard_cost((Shard(0),), (R,), shape, 4, mesh, PROFILE, (), True)
     assert c.seconds > 0 and c.sync_seconds == 0.0
+
+
+def test_each_blocking_collective_pays_the_wait() -> None:
+    mesh, shape = Mesh((2,)), (64, 64)
+    free, waits = replace(PROFILE, blocking_s=0.0), replace(PROFILE, blocking_s=1e-3)
+    # gathering a split weight: a blocking all-gather forward (its backward, a slice, is free)
+    gather = reshard_cost((Shard(0),), (R,), shape, 4, mesh, waits, (), True)
+    assert gather.seconds == pytest.approx(reshard_cost((Shard(0),), (R,), shape, 4, mesh, free, (), True).seconds + 1e-3)
+    # ... and when batch-split work leaves its gradient partial: a blocking reduce-scatter backward too
+    fsdp = reshard_cost((Shard(0),), (R,), shape, 4, mesh, waits, (0,), True)
+    assert fsdp.seconds == pytest.approx(reshard_cost((Shard(0),), (R,), shape, 4, mesh, free, (0,), True).seconds + 2e-3)
+    # the asynchronous gradient all-reduce waits for nobody in the middle of compute
+    sync = reshard_cost((R,), (R,), shape, 4, mesh, waits, (0,), True)
+    assert sync.seconds == pytest.approx(reshard_cost((R,), (R,), shape, 4, mesh, free, (0,), True).seconds)
+    # a one-device axis runs no collective and waits for nothing
+    assert reshard_cost((Shard(0),), (R,), shape, 4, Mesh((1,)), waits, (), True).seconds == 0.0
 
 
 @pytest.mark.parametrize("overlap", [0.0, 0.5, 1.0])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import random
 
 import numpy as np
@@ -122,19 +123,24 @@ def test_ilp_equals_enumeration_on_model_graphs(devices: int, mesh: Mesh, seed: 
 EQUAL = [("batch-heavy", 2), ("batch-heavy", 3), ("weight-heavy", 2), ("mixed", 2)]
 
 
-def test_kcuts_versus_joint_ilp() -> None:
+@pytest.mark.parametrize("blocking_s", [0.0, PROFILE.blocking_s])
+def test_kcuts_versus_joint_ilp(blocking_s: float) -> None:
     """Recursive k-cuts against the joint optimum on the same (2,2) and (2,2,2) meshes.
 
     SoyBean's argument (one cut at a time is optimal) holds when the best cut of
     the halved problem is the same choice again, so that every cut repeats the
-    first: then the greedy sequence is the joint optimum.  Measured: gap 0 for
-    the batch-heavy MLP at k=2 and k=3 and for the weight-heavy and mixed MLPs
-    at k=2.  (For the batch-heavy MLP, one cut rates "replicate the weight and
-    all-reduce its gradient" and "store it split, all-gather forward,
-    reduce-scatter backward" at the same bytes; the tie is broken towards split
-    storage by its smaller optimizer step, and the later cuts extend that into
-    the hierarchical layout the joint ILP also finds.  Broken the other way the
-    greedy plan was 2-5% worse.)
+    first: then the greedy sequence is the joint optimum.  Measured with the
+    time tie-break of ``blocking_s = 0``: gap 0 for the batch-heavy MLP at k=2
+    and k=3 and for the weight-heavy and mixed MLPs at k=2.  (For the
+    batch-heavy MLP, one cut rates "replicate the weight and all-reduce its
+    gradient" and "store it split, all-gather forward, reduce-scatter backward"
+    at the same bytes; the tie is broken towards split storage by its smaller
+    optimizer step, and the later cuts extend that into the hierarchical layout
+    the joint ILP also finds.)  The CPU profile's ``blocking_s`` prices the
+    split storage's two blocking collectives above the replica's asynchronous
+    all-reduce, so the tie breaks the other way, and the greedy plan then sends
+    2.2% (k=2) and 4.7% (k=3) more bytes than the joint optimum: the argument's
+    premise fails, as the test shows.
 
     At k=3 the weight-heavy and mixed MLPs show a 37.5% gap: the first two cuts
     are each optimal alone (Megatron column/row splits), but they leave the
@@ -143,17 +149,21 @@ def test_kcuts_versus_joint_ilp() -> None:
     start).  The test prints every gap, asserts equality where the argument
     holds, and that the measured gaps are never negative.
     """
+    profile = replace(PROFILE, blocking_s=blocking_s)
     torch.manual_seed(0)
     gaps = {}
     for name, (batch, hidden) in {"batch-heavy": (512, 8), "weight-heavy": (2, 64), "mixed": (32, 32)}.items():
         net = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, hidden))
         cap = capture(net, (torch.randn(batch, hidden),))
         for k in (2, 3):
-            g, greedy = kcuts(cap, k, PROFILE, "comm")
-            joint = solve(to_problem(build(cap, Mesh((2,) * k), PROFILE, objective="comm"), "comm"), "ilp")
+            g, greedy = kcuts(cap, k, profile, "comm")
+            joint = solve(to_problem(build(cap, Mesh((2,) * k), profile, objective="comm"), "comm"), "ilp")
             assert greedy.objective >= joint.objective - 1e-6 * max(1.0, joint.objective)
             gaps[(name, k)] = (greedy.objective - joint.objective) / max(joint.objective, 1e-12)
     print("k-cuts gap over joint ILP:", {f"{n} k={k}": round(v, 4) for (n, k), v in gaps.items()})
     for name, k in EQUAL:
-        assert gaps[(name, k)] == pytest.approx(0.0, abs=1e-9), (name, k)
+        if blocking_s and name == "batch-heavy":  # the tie broken towards the replica: the premise fails
+            assert 0.0 < gaps[(name, k)] < 0.06, (name, k)
+        else:
+            assert gaps[(name, k)] == pytest.approx(0.0, abs=1e-9), (name, k)
     assert gaps[("weight-heavy", 3)] > 0.0 and gaps[("mixed", 3)] > 0.0
