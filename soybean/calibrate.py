@@ -202,18 +202,26 @@ def _blocking_cost(device: torch.device, reps: int) -> float:
     tiny = torch.ones(16, device=device)
     a = torch.randn(384, 384, device=device)
     n = BLOCKING_SEGMENTS
+    # on a GPU the kernels are queued: time them done, not launched
+    done = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def each() -> None:
         for _ in range(n):
             a @ a
             group.all_reduce(tiny)
+        done()
 
     def once() -> None:
         for _ in range(n):
             a @ a
         group.all_reduce(tiny)
+        done()
 
-    rounds = [(_median_time(each, reps), _median_time(once, reps), _median_time(lambda: group.all_reduce(tiny), reps)) for _ in range(3)]
+    def alone() -> None:
+        group.all_reduce(tiny)
+        done()
+
+    rounds = [(_median_time(each, reps), _median_time(once, reps), _median_time(alone, reps)) for _ in range(3)]
     ta, tb, tc = (min(r[i] for r in rounds) for i in range(3))
     return float(max(0.0, (ta - tb) / (n - 1) - tc))
 
