@@ -20,7 +20,7 @@ import json
 import sys
 import time
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -28,31 +28,45 @@ import torch.distributed as dist
 
 from .cost import RING_FACTOR
 from .profiles import LARGE_ALLOC, Profile
+from .runtime.comm import TorchGroup
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20]
 KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
 
 
+def _done() -> None:
+    """Wait for queued GPU work (kernels and NCCL collectives run asynchronously): time it done,
+    not launched.  Nothing to wait for on a CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _median_time(fn, reps: int) -> float:
+    """Median seconds of ``fn`` on every rank, each run started right after a barrier."""
     fn()  # warm-up
     ts = []
     for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
         fn()
+        _done()
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
+
+
+def _fastest_medians(fns: Sequence[Callable[[], Any]], reps: int, rounds: int = 3) -> tuple[float, ...]:
+    """The :func:`_median_time` of each of ``fns`` in ``rounds`` alternating rounds, the fastest
+    round of each: outside load only ever adds time."""
+    medians = [[_median_time(fn, reps) for fn in fns] for _ in range(rounds)]
+    return tuple(min(m[i] for m in medians) for i in range(len(fns)))
 
 
 COLS = 256  # every timed tensor is (rows, COLS) float32, like an activation or a weight
 
 
-def _collective(kind: str, nbytes: int, world: int, rank: int, device: torch.device):
-    """The call to time: the runtime's own collective (``TorchGroup``), packing copies included,
+def _collective(group: TorchGroup, kind: str, nbytes: int, world: int, rank: int, device: torch.device):
+    """The call to time: the runtime's own collective (``group``'s), packing copies included,
     on a tensor of ``nbytes`` (the local input; the full input for reduce-scatter)."""
-    from .runtime.comm import TorchGroup
-
-    group = TorchGroup(dist.group.WORLD)
     rows = max(world, nbytes // 4 // COLS // world * world)
     x = torch.ones(rows, COLS, device=device)
     if kind == "all_reduce":
@@ -137,13 +151,12 @@ def _median_local(fn, reps: int) -> float:
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _done()
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
 
 
-def _grad_overlap(device: torch.device, reps: int) -> float:
+def _grad_overlap(group: TorchGroup, device: torch.device, reps: int) -> float:
     """The share of an asynchronous gradient all-reduce hidden behind concurrent compute.
 
     Times an 8 MB bucket's async all-reduce alone (``t_c``), a matmul loop about twice as long
@@ -151,9 +164,6 @@ def _grad_overlap(device: torch.device, reps: int) -> float:
     flight, as ``GradSync`` overlaps backward): hidden = ``(t_c + t_m - t_b) / t_c``, clamped to
     [0, 1].  Every rank runs it (the all-reduce is collective).
     """
-    from .runtime.comm import TorchGroup
-
-    group = TorchGroup(dist.group.WORLD)
     flat = torch.ones(2 << 20, device=device)
     a = torch.randn(512, 512, device=device)
 
@@ -176,16 +186,14 @@ def _grad_overlap(device: torch.device, reps: int) -> float:
         compute()
         work.wait()
 
-    # Three alternating rounds, the fastest of each: outside load only ever adds time.
-    rounds = [(_median_time(comm, reps), _median_time(compute, reps), _median_time(both, reps)) for _ in range(3)]
-    tc, tm, tb = (min(r[i] for r in rounds) for i in range(3))
+    tc, tm, tb = _fastest_medians((comm, compute, both), reps)
     return float(min(1.0, max(0.0, (tc + tm - tb) / tc)))
 
 
 BLOCKING_SEGMENTS = 8
 
 
-def _blocking_cost(device: torch.device, reps: int) -> float:
+def _blocking_cost(group: TorchGroup, device: torch.device, reps: int) -> float:
     """Extra seconds a blocking collective costs between two stretches of compute.
 
     The collectives above are timed right after a barrier, every rank ready at once.  In a
@@ -194,45 +202,34 @@ def _blocking_cost(device: torch.device, reps: int) -> float:
     all-reduce after each (``t_a``), the same stretches with one all-reduce at the end (``t_b``),
     and that all-reduce alone after a barrier (``t_c``): each of the ``n - 1`` extra all-reduces
     costs ``(t_a - t_b) / (n - 1)``, of which ``t_c`` is its own latency and the rest is this
-    cost.  Three rounds, the fastest of each (outside load only ever adds time); clamped at 0.
+    cost.  Three rounds, the fastest of each (:func:`_fastest_medians`); clamped at 0.
     """
-    from .runtime.comm import TorchGroup
-
-    group = TorchGroup(dist.group.WORLD)
     tiny = torch.ones(16, device=device)
     a = torch.randn(384, 384, device=device)
     n = BLOCKING_SEGMENTS
-    # on a GPU the kernels are queued: time them done, not launched
-    done = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def each() -> None:
         for _ in range(n):
             a @ a
             group.all_reduce(tiny)
-        done()
 
     def once() -> None:
         for _ in range(n):
             a @ a
         group.all_reduce(tiny)
-        done()
 
-    def alone() -> None:
-        group.all_reduce(tiny)
-        done()
-
-    rounds = [(_median_time(each, reps), _median_time(once, reps), _median_time(alone, reps)) for _ in range(3)]
-    ta, tb, tc = (min(r[i] for r in rounds) for i in range(3))
+    ta, tb, tc = _fastest_medians((each, once, lambda: group.all_reduce(tiny)), reps)
     return float(max(0.0, (ta - tb) / (n - 1) - tc))
 
 
 def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
     torch.set_num_threads(1)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    group = TorchGroup(dist.group.WORLD)  # the runtime's own collectives, as the generated programs call them
     rows = []
     total = len(KINDS) * len(SIZES)
     for i, (kind, size) in enumerate((k, s) for k in KINDS for s in SIZES):
-        t = _median_time(_collective(kind, size, world, rank, device), reps if size < (8 << 20) else max(2, reps // 3))
+        t = _median_time(_collective(group, kind, size, world, rank, device), reps if size < (8 << 20) else max(2, reps // 3))
         rows.append({"kind": kind, "bytes": size, "seconds": t})
         if show and rank == 0:
             done = i + 1
@@ -240,8 +237,8 @@ def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
             print(f"\rcalibrate [{bar:<30}] {done}/{total} {kind:<14} {size / 2**20:8.3f} MB {t * 1e3:9.3f} ms", end="", file=sys.stderr, flush=True)
     if show and rank == 0:
         print(file=sys.stderr)
-    overlap = _grad_overlap(device, reps)
-    blocking = _blocking_cost(device, reps)
+    overlap = _grad_overlap(group, device, reps)
+    blocking = _blocking_cost(group, device, reps)
     # Every rank measures at once, as every rank computes at once in training: cores that share
     # caches, memory bandwidth or a physical core run slower together than one alone.
     rates = _compute_rates(device, dist.barrier)

@@ -60,9 +60,10 @@ BUILTIN: dict[str, Profile] = {
     # ~1.8 GB/s; fp32 matmul ~110 GFLOP/s; elementwise ops on activation-sized tensors ~20 GB/s;
     # a fresh allocation of 32 MiB or more is page-faulted in at ~2.5 GB/s; AdamW ~1 GB/s of
     # parameter bytes (~0.45 GB/s on a 32 MiB tile, its temporaries page-faulted in) plus ~0.2 ms
-    # per parameter tensor (torch's CPU AdamW runs a dozen small kernels per tensor); 0-35% of an async all_reduce hides behind a matmul loop (gloo needs CPU too);
-# a blocking collective between two stretches of compute costs ~0.45-0.65 ms more than the same
-# collective timed right after a barrier.
+    # per parameter tensor (torch's CPU AdamW runs a dozen small kernels per tensor); 0-35% of an
+    # async all_reduce hides behind a matmul loop (gloo needs CPU too); a blocking collective between
+    # two stretches of compute costs ~0.45-0.65 ms more than the same collective timed right after a
+    # barrier.
     "cpu-gloo": Profile("cpu-gloo", alpha=2e-4, beta=1 / 1.8e9, flops=1.1e11, mem_bw=2e10, memory_gb=12.0, conv_flops=1.0e11,
                         optimizer_bw=1.0e9, optimizer_large_bw=0.45e9, optimizer_tensor_s=2e-4, grad_overlap=0.25, large_alloc=float(LARGE_ALLOC), alloc_bw=2.5e9,
                         blocking_s=5e-4),
