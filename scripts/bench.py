@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from soybean.bench import main  # noqa: E402
+from soybean.bench.harness import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,7 +21,7 @@ from examples.models import transformer  # noqa: E402
 from soybean.capture import capture  # noqa: E402
 from soybean.graph import build  # noqa: E402
 from soybean.mesh import factorizations  # noqa: E402
-from soybean.profiles import load_profile  # noqa: E402
+from soybean.cost.profiles import load_profile  # noqa: E402
 from soybean.search import solve, to_problem  # noqa: E402
 
 

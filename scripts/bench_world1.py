@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import soybean  # noqa: E402
-from soybean import modelref  # noqa: E402
+from soybean import models  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,11 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    args = modelref.parse_args(a.arg) or {"hidden": 512, "batch": 1024, "layers": 2}
+    args = models.parse_args(a.arg) or {"hidden": 512, "batch": 1024, "layers": 2}
     variants = {}
     for name in ("eager", "soybean"):
         torch.manual_seed(0)
-        model, inputs = modelref.load(a.model, args)
+        model, inputs = models.load(a.model, args)
         if name == "soybean":
             model = soybean.parallelize(model, inputs, devices=1)
         variants[name] = (model, inputs, torch.optim.AdamW(model.parameters(), lr=1e-3))

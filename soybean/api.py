@@ -21,7 +21,7 @@ from .mesh import Mesh
 from .plan import Plan
 from .planner import plan as make_plan
 from .runtime.comm import Group
-from .runtime.module import ParallelModule
+from .module import ParallelModule
 
 
 def _resolve_plan(plan: Plan | str | Path | None) -> Plan | None:

@@ -13,10 +13,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
-    from . import modelref
+    from . import models
     from .mesh import Mesh
     from .planner import plan
-    from .profiles import load_profile
+    from .cost.profiles import load_profile
     from .report import table
 
     if a.devices < 1:
@@ -25,7 +25,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     if mesh is not None and mesh.size != a.devices:
         raise ValueError(f"--mesh {a.mesh} has {mesh.size} devices but --devices is {a.devices}: make them agree")
     profile = load_profile(a.profile)
-    model, inputs = modelref.load(a.model, modelref.parse_args(a.arg))
+    model, inputs = models.load(a.model, models.parse_args(a.arg))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         p = plan(model, inputs, a.devices, mesh=mesh, objective=a.objective, profile=profile, solver=a.solver, memory_gb=a.memory_gb)
@@ -86,7 +86,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(a: argparse.Namespace) -> int:
-    from .calibrate import main_cli
+    from .cost.calibrate import main_cli
 
     return main_cli(a.devices, a.out, a.reps)
 
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="profile JSON to write (default: print it)")
     c.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (median)")
     c.set_defaults(fn=_cmd_calibrate)
-    from .bench import add_parser as add_bench
+    from .bench.harness import add_parser as add_bench
 
     add_bench(sub)
     return ap

@@ -17,7 +17,6 @@ locally and all-reduced once, as the runtime does.
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 from dataclasses import dataclass, field, replace
 
@@ -28,23 +27,13 @@ from torch.utils._pytree import tree_flatten
 
 from . import rules
 from .capture import Captured
-from .cost import compute_seconds, reshard_cost, work_fraction
+from .cost.collectives import reshard_cost
+from .cost.compute import compute_seconds, flops, fresh_bytes, optimizer_seconds, passes, work_fraction
+from .cost.memory import PARAM_COPIES
 from .mesh import Mesh
-from .profiles import Profile
+from .cost.profiles import Profile
 from .rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, strategies_1d
 from .tiling import Partial, R, Replicate, Shard, is_valid, max_local_numel
-
-# Adam/AdamW keep two states per parameter, plus the gradient: 4 copies in all.
-PARAM_COPIES = 4
-# An AdamW step reads parameter, gradient and both states and writes parameter and both states:
-# about 7 passes over the local tile, memory-bound (the reason split weights train faster when
-# weights are large and batches small).  A calibrated profile measures it instead (optimizer_bw).
-OPTIMIZER_PASSES = 7
-# torch's AdamW step allocates about two parameter-sized temporaries: for a large tile they are
-# page-faulted in (``Profile.large_alloc``), which a 32 MiB parameter's step shows as ~1.5x the time.
-# A calibrated profile measures that rate instead (optimizer_large_bw).
-OPTIMIZER_TEMPS = 2
-
 
 @dataclass
 class Var:
@@ -85,83 +74,6 @@ class PlanGraph:
     fallback_ops: list[str] = field(default_factory=list)
     shapes: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)  # placeholder outputs
     dtypes: dict[tuple[int, int], torch.dtype] = field(default_factory=dict)
-
-
-def _flops(op: OpSpec) -> tuple[float, float]:
-    """(FLOPs, bytes moved) of one forward op from its shapes."""
-    name = op.name
-    out = op.outputs[0] if op.outputs else None
-    out_n = math.prod(out.shape) if out else 0
-    byts = sum(math.prod(t.shape) * t.dtype.itemsize for t in op.inputs + op.outputs)
-    if name in ("aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.matmul.default", "aten.bmm.default", "aten.baddbmm.default"):
-        w = op.inputs[1] if name != "aten.addmm.default" and name != "aten.baddbmm.default" else op.inputs[2]
-        k = w.shape[-1] if name == "aten.linear.default" else w.shape[-2]
-        return 2.0 * out_n * k, byts
-    if name.startswith("aten.conv"):
-        w = op.inputs[1]
-        return 2.0 * out_n * math.prod(w.shape[1:]), byts
-    if name == "aten.scaled_dot_product_attention.default":
-        q, k = op.inputs[0], op.inputs[1]
-        return 4.0 * math.prod(q.shape) * k.shape[-2], byts
-    return float(out_n), byts
-
-
-# Ops that only re-describe memory (a view or an alias): no arithmetic, no traffic.
-VIEW_OPS = frozenset({
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.expand.default", "aten.t.default",
-    "aten.transpose.int", "aten.permute.default", "aten.slice.Tensor", "aten.select.int", "aten.unsqueeze.default",
-    "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.broadcast_tensors.default", "aten.alias.default",
-    "aten.detach.default", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.unbind.int", "aten.chunk.default",
-    "aten.narrow.default", "aten.view_as.default", "aten.expand_as.default", "aten.flatten.using_ints", "aten.unflatten.int",
-    "aten.movedim.int", "aten.unsqueeze_copy.default", "aten.as_strided.default",
-})
-# Products whose backward is one product per operand that needs a gradient, and where their
-# two operands sit among the op's tensor inputs.
-MATMUL_OPERANDS = {
-    "aten.linear.default": (0, 1), "aten.mm.default": (0, 1), "aten.matmul.default": (0, 1), "aten.bmm.default": (0, 1),
-    "aten.addmm.default": (1, 2), "aten.baddbmm.default": (1, 2), "aten.conv1d.default": (0, 1), "aten.conv2d.default": (0, 1),
-    "aten.conv3d.default": (0, 1), "aten.convolution.default": (0, 1),
-}
-
-
-def passes(op: OpSpec, grads: list[bool]) -> float:
-    """Forward-equivalents of one training step of ``op`` (see ``cost.compute_seconds``), given
-    which of its tensor inputs need a gradient: a view is free; a product's backward is one
-    product per operand needing a gradient; any other op's backward is about one forward."""
-    if op.name in VIEW_OPS:
-        return 0.0
-    operands = MATMUL_OPERANDS.get(op.name)
-    if operands is not None:
-        return 1.0 + sum(1.0 for i in operands if i < len(grads) and grads[i])
-    if op.name == "aten.scaled_dot_product_attention.default":
-        return 3.5 if any(grads) else 1.0  # FlashAttention's backward: about 2.5x its forward
-    return 2.0 if any(grads) else 1.0
-
-
-def fresh_bytes(op: OpSpec, s: Strategy, grads: list[bool], mesh: Mesh, profile: Profile) -> float:
-    """Local bytes of the large tensors ``op`` allocates under strategy ``s``: its outputs, and
-    in backward the gradients of its inputs (only those of at least ``profile.large_alloc``)."""
-    if not profile.large_alloc or op.name in VIEW_OPS:
-        return 0.0
-    big = 0.0
-    for spec, t in zip(op.outputs, s.outputs):
-        n = max_local_numel(spec.shape, t, mesh) * spec.dtype.itemsize
-        big += n if n >= profile.large_alloc else 0.0
-    for spec, t, gr in zip(op.inputs, s.inputs, grads):
-        n = max_local_numel(spec.shape, t, mesh) * spec.dtype.itemsize if gr else 0
-        big += n if n >= profile.large_alloc else 0.0
-    return big
-
-
-def _optimizer_seconds(nbytes: float, profile: Profile) -> float:
-    """An AdamW step on a local parameter tile of ``nbytes``: its fixed per-tensor cost plus its
-    bytes at the optimizer's rate (for a large tile, with its temporaries page-faulted in)."""
-    t = profile.optimizer_tensor_s
-    if profile.large_alloc and nbytes >= profile.large_alloc:
-        if profile.optimizer_large_bw:
-            return t + nbytes / profile.optimizer_large_bw
-        t += OPTIMIZER_TEMPS * nbytes / profile.alloc_bw if profile.alloc_bw else 0.0
-    return t + nbytes / (profile.optimizer_bw or profile.mem_bw / OPTIMIZER_PASSES)
 
 
 def _module_path(node: fx.Node) -> str:
@@ -282,7 +194,7 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
             copies = PARAM_COPIES if kind == "param" else 1
             mem = np.array([max_local_numel(shape, t, mesh) * val.dtype.itemsize * copies for t in tilings], dtype=float)
             needs_grad[node.name] = kind == "param" and val.dtype.is_floating_point
-            opt_s = np.array([_optimizer_seconds(max_local_numel(shape, t, mesh) * val.dtype.itemsize, profile) if needs_grad[node.name] else 0.0
+            opt_s = np.array([optimizer_seconds(max_local_numel(shape, t, mesh) * val.dtype.itemsize, profile) if needs_grad[node.name] else 0.0
                               for t in tilings])
             vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=needs_grad[node.name]))
             g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
@@ -304,11 +216,11 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
                 # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
                 full = [s for s in strategies if all(s.divides_work())]
                 strategies = full or strategies
-            flops, byts = _flops(op)
+            n_flops, byts = flops(op)
             rate = profile if not (op.name.startswith("aten.conv") and profile.conv_flops) else replace(profile, flops=profile.conv_flops)
             grads = [needs_grad.get(a.name, False) for a in tensor_args]
             n_pass = passes(op, grads)
-            compute = np.array([compute_seconds(flops, byts, work_fraction(s.divides_work(), mesh), rate, n_pass, fresh_bytes(op, s, grads, mesh, profile))
+            compute = np.array([compute_seconds(n_flops, byts, work_fraction(s.divides_work(), mesh), rate, n_pass, fresh_bytes(op, s, grads, mesh, profile))
                                 for s in strategies])
             mem = np.array([sum(max_local_numel(o.shape, t, mesh) * o.dtype.itemsize for o, t in zip(op.outputs, s.outputs)) for s in strategies], dtype=float)
             ng = any(grads) and any(o.dtype.is_floating_point for o in op.outputs)

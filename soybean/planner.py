@@ -23,7 +23,7 @@ from .capture import Captured, capture
 from .graph import PlanGraph, build
 from .mesh import Mesh, factorizations
 from .plan import Plan
-from .profiles import Profile, load_profile
+from .cost.profiles import Profile, load_profile
 from .reshard import plan_reshard
 from .search import Solution, solve, to_problem
 from .tiling import R, Replicate, Shard, fmt, is_valid

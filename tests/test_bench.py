@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.models import mlp  # noqa: E402
-from soybean.bench import (SOYBEAN_MODES, VARIANTS, BenchConfig, add_parser, auto_rounds, candidates, cmd_bench, format_table, run_bench,  # noqa: E402
+from soybean.bench.harness import (SOYBEAN_MODES, VARIANTS, BenchConfig, add_parser, auto_rounds, candidates, cmd_bench, format_table, run_bench,  # noqa: E402
                            tp_layout, training_state_bytes)
 from soybean.plan import Plan  # noqa: E402
 

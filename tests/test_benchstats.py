@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from soybean.benchstats import fastest_verdict, median_interval, paired_ratio, spearman
+from soybean.bench.stats import fastest_verdict, median_interval, paired_ratio, spearman
 
 
 def test_spearman_ranks_with_ties() -> None:

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from soybean.calibrate import fit
-from soybean.cost import RING_FACTOR
-from soybean.profiles import Profile, load_profile
+from soybean.cost.calibrate import fit
+from soybean.cost.collectives import RING_FACTOR
+from soybean.cost.profiles import Profile, load_profile
 
 
 def test_fit_recovers_alpha_beta() -> None:
@@ -36,7 +36,7 @@ def test_profile_json_roundtrip_ignores_measurements(tmp_path) -> None:
 def test_calibrate_measures_every_field() -> None:
     """One short run on 2 gloo processes: every rate positive, the overlap a share, and on a CPU
     the large-allocation rate measured (the caching allocator of a GPU has no page faults)."""
-    from soybean.calibrate import calibrate
+    from soybean.cost.calibrate import calibrate
 
     prof, raw = calibrate(devices=2, reps=2, show=False)
     assert prof.alpha > 0 and prof.beta > 0 and prof.flops > 0 and prof.conv_flops > 0 and prof.mem_bw > 0 and prof.optimizer_bw > 0

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from examples.models import resnet
-from soybean.verify import compare, train_parallel_threads, train_serial
+from soybean.testing import compare, train_parallel_threads, train_serial
 
 CASES = [((2,), "dp", torch.float32), ((2,), "auto", torch.float64), ((2, 2), "auto", torch.float32), ((2, 2), "dp", torch.float64)]
 

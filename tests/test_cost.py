@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 from soybean.capture import capture
-from soybean.cost import compute_seconds, reshard_cost
-from soybean.graph import passes
+from soybean.cost.collectives import reshard_cost
+from soybean.cost.compute import compute_seconds
+from soybean.cost.compute import passes
 from soybean.mesh import Mesh
 from soybean.planner import BACKWARD_SHARE, solve_on
-from soybean.profiles import BUILTIN
+from soybean.cost.profiles import BUILTIN
 from soybean.rules.base import make_opspec
 from soybean.tiling import R, Shard
 

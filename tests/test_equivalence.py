@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from examples.models import alexnet, mlp, transformer, vgg16
-from soybean.verify import compare, train_parallel_threads, train_serial
+from soybean.testing import compare, train_parallel_threads, train_serial
 
 MODELS = {
     "mlp": lambda: mlp(batch=8, hidden=12, layers=1),
@@ -90,7 +90,7 @@ def test_local_batch_contract(mesh: tuple, mode: str) -> None:
     from soybean.mesh import Mesh
     from soybean.planner import plan as make_plan
     from soybean.runtime.launch import run_threads
-    from soybean.verify import _gather_grads
+    from soybean.testing import _gather_grads
 
     model, inputs = MODELS["mlp"]()
     serial = train_serial(model, inputs, steps=1)

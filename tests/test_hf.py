@@ -20,11 +20,12 @@ import torch
 
 pytest.importorskip("transformers", reason="Hugging Face tests need transformers: pip install -e '.[hf]'")
 
-from soybean import hf, modelref  # noqa: E402
+from soybean import models
+from soybean.models import hf  # noqa: E402
 from soybean.capture import Captured, capture  # noqa: E402
 from soybean.planner import plan as make_plan  # noqa: E402
 from soybean.report import table  # noqa: E402
-from soybean.verify import Trace, compare, train_parallel_threads, train_serial  # noqa: E402
+from soybean.testing import Trace, compare, train_parallel_threads, train_serial  # noqa: E402
 
 CONFIGS: dict[str, dict[str, int]] = {
     "gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128),
@@ -101,18 +102,18 @@ def test_config_overrides_and_training_settings() -> None:
 
 
 def test_model_references() -> None:
-    model, inputs = modelref.load("hf:gpt2", modelref.parse_args(["n_layer=1", "n_embd=32", "n_head=2", "batch=2", "seq=8"]))
+    model, inputs = models.load("hf:gpt2", models.parse_args(["n_layer=1", "n_embd=32", "n_head=2", "batch=2", "seq=8"]))
     assert isinstance(model, hf.LossOnly) and tuple(inputs[0].shape) == (2, 8)
     with pytest.raises(ValueError, match="no model type 'nonsense'"):
-        modelref.resolve("hf:nonsense")
+        models.resolve("hf:nonsense")
     with pytest.raises(ValueError, match="hf:NAME"):
-        modelref.resolve("hf:")
+        models.resolve("hf:")
 
 
 def test_missing_transformers_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     with pytest.raises(ValueError, match=r"pip install -e '\.\[hf\]'"):
-        modelref.resolve("hf:gpt2")
+        models.resolve("hf:gpt2")
 
 
 def test_gpt2_small_on_8_h100s_beats_both_baselines() -> None:

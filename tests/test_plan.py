@@ -189,7 +189,7 @@ def test_capture_error_names_the_construct() -> None:
 
 def test_unknown_op_falls_back_to_replicate_with_one_warning() -> None:
     """An op without a rule runs replicated; the warning lists it once; the plan still trains like serial."""
-    from soybean.verify import compare, train_parallel_threads, train_serial
+    from soybean.testing import compare, train_parallel_threads, train_serial
 
     class Repeats(torch.nn.Module):
         def __init__(self) -> None:

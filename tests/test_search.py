@@ -13,7 +13,7 @@ from torch import nn
 from soybean.capture import capture
 from soybean.graph import build
 from soybean.mesh import Mesh, factorizations
-from soybean.profiles import BUILTIN
+from soybean.cost.profiles import BUILTIN
 from soybean.search import Problem, brute_force, reduce, solve, solve_dp, solve_ilp, to_problem
 from soybean.search.kcuts import kcuts
 

@@ -15,7 +15,7 @@ import numpy as np
 from ..capture import Captured
 from ..graph import build
 from ..mesh import Mesh
-from ..profiles import Profile
+from ..cost.profiles import Profile
 from ..tiling import Replicate
 from . import solve, to_problem
 from .ilp import Solution

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .cost import RING_FACTOR
+from .collectives import RING_FACTOR
 from .profiles import LARGE_ALLOC, Profile
-from .runtime.comm import TorchGroup
+from ..runtime.comm import TorchGroup
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20]
 KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
@@ -264,7 +264,7 @@ def fit(rows: list[dict[str, Any]], world: int) -> tuple[float, float]:
 
 def calibrate(devices: int = 2, reps: int = 10, show: bool = True, name: str = "calibrated") -> tuple[Profile, dict[str, Any]]:
     """Measure on ``devices`` local processes; returns the profile and the raw measurements."""
-    from .runtime.launch import spawn
+    from ..runtime.launch import spawn
 
     if devices < 2:
         raise ValueError("calibrate needs --devices >= 2 to measure collectives")

@@ -15,15 +15,15 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..capture import Captured
-from ..codegen.lower import emit_reshard, lower
-from ..mesh import Mesh
-from ..plan import Plan
-from ..tiling import R, chunk_range, parse_placement, Shard
-from .comm import Group
-from .context import use_groups
-from .gradsync import GradSync
-from .pending import wait_all
+from .capture import Captured
+from .codegen.lower import emit_reshard, lower
+from .mesh import Mesh
+from .plan import Plan
+from .tiling import R, chunk_range, parse_placement, Shard
+from .runtime.comm import Group
+from .runtime.context import use_groups
+from .runtime.gradsync import GradSync
+from .runtime.pending import wait_all
 
 
 def local_tile(full: torch.Tensor, tiling: Sequence, mesh: Mesh, coords: Sequence[int]) -> torch.Tensor:
@@ -134,13 +134,13 @@ class ParallelModule(nn.Module):
 
     def save_sharded(self, path: str) -> None:
         """Save this rank's tiles as a ``torch.distributed.checkpoint`` that loads under any plan."""
-        from .checkpoint import save
+        from .runtime.checkpoint import save
 
         save(self, path)
 
     def load_sharded(self, path: str) -> None:
         """Load a ``torch.distributed.checkpoint`` (written under any plan) into this rank's tiles."""
-        from .checkpoint import load
+        from .runtime.checkpoint import load
 
         load(self, path)
 

@@ -1,7 +1,7 @@
 """Model references: ``pkg.module:fn``, ``path/file.py:fn`` or ``hf:NAME``; ``fn(**args)`` -> (model, example_inputs).
 
 ``hf:NAME`` is a Hugging Face ``transformers`` model type (``hf:gpt2``, ``hf:bert``, ``hf:llama``)
-built with random weights from its config; see ``soybean.hf``.
+built with random weights from its config; see ``soybean.models.hf``.
 """
 from __future__ import annotations
 

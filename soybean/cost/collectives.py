@@ -1,4 +1,4 @@
-"""Cost model: bytes and seconds of collectives, compute and memory.
+"""Collectives: bytes and seconds of the reshard steps of one tensor, forward and backward.
 
 Ring collectives on a group of ``p`` devices, message of ``m`` bytes
 (``m`` = the full result for all-gather, the full input for reduce-scatter,
@@ -23,28 +23,16 @@ The all-reduce of a ``grad_all_reduce`` step is also reported apart
 (``Cost.sync_seconds``): on a parameter's own edge the runtime defers it to the
 bucketed, asynchronous gradient sync, which overlaps the rest of backward (see
 ``planner.evaluate`` for how much of it is hidden).
-Compute (``compute_seconds``): an op's forward is a roofline,
-``max(flops / F, bytes / mem_bw)``; its backward repeats that once per input whose
-gradient is needed (a matmul's two products, an elementwise op's one pass), so
-training is 1x (nothing needs a gradient) to 3x the forward.  The work is divided
-by the product of the mesh axes the strategy splits.  Where a profile sets
-``large_alloc``, every local tensor at least that large that the op allocates
-(its outputs, and in backward the gradients of its inputs) is also charged
-``bytes / alloc_bw``: fresh large allocations are page-faulted in on a CPU
-(glibc maps blocks of 32 MiB and up afresh each time), which costs several
-times the arithmetic on them.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
 
-from .mesh import Mesh
+from ..mesh import Mesh
 from .profiles import Profile
-from .reshard import apply_step, plan_reshard
-from .tiling import max_local_numel
+from ..reshard import apply_step, plan_reshard
+from ..tiling import max_local_numel
 
 RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
 # The adjoint of each forward step, as the collective that runs in backward (None: free).
@@ -108,16 +96,3 @@ def reshard_cost(src: tuple, dst: tuple, shape: tuple, itemsize: int, mesh: Mesh
         ns += c.seconds + blocking
         sync += c.seconds if is_sync else 0.0
     return Cost(nb, ns, sync)
-
-
-def compute_seconds(flops: float, bytes_moved: float, work_fraction: float, profile: Profile, passes: float = 3.0,
-                    fresh_bytes: float = 0.0) -> float:
-    """Time of one training step of an op: ``passes`` forward-equivalents of its roofline time
-    (see the module docstring) on ``work_fraction`` of the work, plus first-touching
-    ``fresh_bytes`` of large new allocations."""
-    t = passes * work_fraction * max(flops / profile.flops, bytes_moved / profile.mem_bw)
-    return t + (fresh_bytes / profile.alloc_bw if profile.alloc_bw and fresh_bytes else 0.0)
-
-
-def work_fraction(split_axes: Sequence[bool], mesh: Mesh) -> float:
-    return 1.0 / math.prod(p for p, s in zip(mesh.shape, split_axes) if s) if any(split_axes) else 1.0

@@ -54,9 +54,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import modelref
-from .benchstats import fastest_verdict, spearman
-from .plan import Plan
+from .. import models
+from .stats import fastest_verdict, spearman
+from ..plan import Plan
 
 __all__ = ["BenchConfig", "VARIANTS", "auto_rounds", "training_state_bytes", "run_bench", "format_table", "spearman", "candidates", "tp_layout", "add_parser", "cmd_bench", "main"]
 
@@ -112,7 +112,7 @@ class BenchConfig:
         unknown = [v for v in self.variants if v not in VARIANTS]
         if unknown or not self.variants:
             raise ValueError(f"--variants: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(VARIANTS)}")
-        from .profiles import load_profile
+        from ..cost.profiles import load_profile
 
         if self.profile == CALIBRATE:
             if self.devices < 2:
@@ -197,7 +197,7 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
 def _load(cfg: BenchConfig) -> tuple[nn.Module, tuple]:
     """A fresh model and inputs from the factory, under the benchmark seed."""
     torch.manual_seed(cfg.seed)
-    return modelref.load(cfg.model, cfg.args)
+    return models.load(cfg.model, cfg.args)
 
 
 def _measure(prepare: Callable[[nn.Module, tuple], Prepared], cfg: BenchConfig, sync: Callable[[], None]) -> Measurement:
@@ -444,8 +444,8 @@ def _interleaved(ctx: _Context) -> dict[str, Measurement] | None:
 def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any = None) -> dict[str, Plan | str]:
     """soybean's plans (optimal, forced DP, forced MP) from one capture; a failure is its reason.
     ``profile``: a ``Profile`` (or name or path) instead of ``cfg.profile``."""
-    from .capture import capture
-    from .planner import plan
+    from ..capture import capture
+    from ..planner import plan
 
     try:
         cap = capture(model, inputs)
@@ -561,7 +561,7 @@ def training_state_bytes(param_bytes: int, variants: Sequence[str], devices: int
     """Parameters, gradients and AdamW state of ``variants`` together, over all ranks: a replicating
     variant holds ``PARAM_COPIES`` copies of the model on each of ``devices`` ranks, a sharded one
     that much in all."""
-    from .graph import PARAM_COPIES
+    from ..cost.memory import PARAM_COPIES
 
     return PARAM_COPIES * param_bytes * sum(devices if v in REPLICATING else 1 for v in variants)
 
@@ -588,12 +588,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     Raises ``ValueError`` for a bad config or model reference, and ``RuntimeError`` /
     ``TimeoutError`` when the spawned ranks fail outside a variant.
     """
-    from .runtime.launch import spawn
+    from ..runtime.launch import spawn
 
     cfg.validate()
     prof = None
     if cfg.profile == CALIBRATE:
-        from .calibrate import calibrate
+        from ..cost.calibrate import calibrate
 
         prof, _ = calibrate(cfg.devices, show=False, name="calibrated just before")
     serial_threads = torch.get_num_threads()
@@ -737,10 +737,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     Bad input raises ``ValueError`` (the caller prints it, exit 2); ranks that fail or time out
     outside a variant print one line and give 1.
     """
-    cfg = BenchConfig(model=a.model, devices=a.devices, args=modelref.parse_args(a.arg), steps=a.steps, warmup=a.warmup,
+    cfg = BenchConfig(model=a.model, devices=a.devices, args=models.parse_args(a.arg), steps=a.steps, warmup=a.warmup,
                       profile=a.profile, timeout_s=a.timeout, rounds=a.rounds,
                       variants=tuple(v.strip() for v in a.variants.split(",") if v.strip()))
-    modelref.resolve(cfg.model)  # a bad reference fails here, before anything runs
+    models.resolve(cfg.model)  # a bad reference fails here, before anything runs
     try:
         report = run_bench(cfg)
     except (RuntimeError, TimeoutError) as e:

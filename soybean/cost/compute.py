@@ -1,0 +1,126 @@
+"""Compute: seconds of one training step of an op, and of the optimizer step on a parameter tile.
+
+An op's (``compute_seconds``) forward is a roofline,
+``max(flops / F, bytes / mem_bw)``; its backward repeats that once per input whose
+gradient is needed (a matmul's two products, an elementwise op's one pass), so
+training is 1x (nothing needs a gradient) to 3x the forward.  The work is divided
+by the product of the mesh axes the strategy splits.  Where a profile sets
+``large_alloc``, every local tensor at least that large that the op allocates
+(its outputs, and in backward the gradients of its inputs) is also charged
+``bytes / alloc_bw``: fresh large allocations are page-faulted in on a CPU
+(glibc maps blocks of 32 MiB and up afresh each time), which costs several
+times the arithmetic on them.
+
+The optimizer (``optimizer_seconds``): an AdamW step on a local tile costs a fixed time per
+tensor plus its bytes at the optimizer's rate (see ``OPTIMIZER_PASSES``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from ..mesh import Mesh
+from ..rules.base import OpSpec, Strategy
+from ..tiling import max_local_numel
+from .profiles import Profile
+
+# An AdamW step reads parameter, gradient and both states and writes parameter and both states:
+# about 7 passes over the local tile, memory-bound (the reason split weights train faster when
+# weights are large and batches small).  A calibrated profile measures it instead (optimizer_bw).
+OPTIMIZER_PASSES = 7
+# torch's AdamW step allocates about two parameter-sized temporaries: for a large tile they are
+# page-faulted in (``Profile.large_alloc``), which a 32 MiB parameter's step shows as ~1.5x the time.
+# A calibrated profile measures that rate instead (optimizer_large_bw).
+OPTIMIZER_TEMPS = 2
+
+
+
+
+def flops(op: OpSpec) -> tuple[float, float]:
+    """(FLOPs, bytes moved) of one forward op from its shapes."""
+    name = op.name
+    out = op.outputs[0] if op.outputs else None
+    out_n = math.prod(out.shape) if out else 0
+    byts = sum(math.prod(t.shape) * t.dtype.itemsize for t in op.inputs + op.outputs)
+    if name in ("aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.matmul.default", "aten.bmm.default", "aten.baddbmm.default"):
+        w = op.inputs[1] if name != "aten.addmm.default" and name != "aten.baddbmm.default" else op.inputs[2]
+        k = w.shape[-1] if name == "aten.linear.default" else w.shape[-2]
+        return 2.0 * out_n * k, byts
+    if name.startswith("aten.conv"):
+        w = op.inputs[1]
+        return 2.0 * out_n * math.prod(w.shape[1:]), byts
+    if name == "aten.scaled_dot_product_attention.default":
+        q, k = op.inputs[0], op.inputs[1]
+        return 4.0 * math.prod(q.shape) * k.shape[-2], byts
+    return float(out_n), byts
+
+
+# Ops that only re-describe memory (a view or an alias): no arithmetic, no traffic.
+VIEW_OPS = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.expand.default", "aten.t.default",
+    "aten.transpose.int", "aten.permute.default", "aten.slice.Tensor", "aten.select.int", "aten.unsqueeze.default",
+    "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.broadcast_tensors.default", "aten.alias.default",
+    "aten.detach.default", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.unbind.int", "aten.chunk.default",
+    "aten.narrow.default", "aten.view_as.default", "aten.expand_as.default", "aten.flatten.using_ints", "aten.unflatten.int",
+    "aten.movedim.int", "aten.unsqueeze_copy.default", "aten.as_strided.default",
+})
+# Products whose backward is one product per operand that needs a gradient, and where their
+# two operands sit among the op's tensor inputs.
+MATMUL_OPERANDS = {
+    "aten.linear.default": (0, 1), "aten.mm.default": (0, 1), "aten.matmul.default": (0, 1), "aten.bmm.default": (0, 1),
+    "aten.addmm.default": (1, 2), "aten.baddbmm.default": (1, 2), "aten.conv1d.default": (0, 1), "aten.conv2d.default": (0, 1),
+    "aten.conv3d.default": (0, 1), "aten.convolution.default": (0, 1),
+}
+
+
+def passes(op: OpSpec, grads: list[bool]) -> float:
+    """Forward-equivalents of one training step of ``op`` (see ``cost.compute_seconds``), given
+    which of its tensor inputs need a gradient: a view is free; a product's backward is one
+    product per operand needing a gradient; any other op's backward is about one forward."""
+    if op.name in VIEW_OPS:
+        return 0.0
+    operands = MATMUL_OPERANDS.get(op.name)
+    if operands is not None:
+        return 1.0 + sum(1.0 for i in operands if i < len(grads) and grads[i])
+    if op.name == "aten.scaled_dot_product_attention.default":
+        return 3.5 if any(grads) else 1.0  # FlashAttention's backward: about 2.5x its forward
+    return 2.0 if any(grads) else 1.0
+
+
+def fresh_bytes(op: OpSpec, s: Strategy, grads: list[bool], mesh: Mesh, profile: Profile) -> float:
+    """Local bytes of the large tensors ``op`` allocates under strategy ``s``: its outputs, and
+    in backward the gradients of its inputs (only those of at least ``profile.large_alloc``)."""
+    if not profile.large_alloc or op.name in VIEW_OPS:
+        return 0.0
+    big = 0.0
+    for spec, t in zip(op.outputs, s.outputs):
+        n = max_local_numel(spec.shape, t, mesh) * spec.dtype.itemsize
+        big += n if n >= profile.large_alloc else 0.0
+    for spec, t, gr in zip(op.inputs, s.inputs, grads):
+        n = max_local_numel(spec.shape, t, mesh) * spec.dtype.itemsize if gr else 0
+        big += n if n >= profile.large_alloc else 0.0
+    return big
+
+
+def optimizer_seconds(nbytes: float, profile: Profile) -> float:
+    """An AdamW step on a local parameter tile of ``nbytes``: its fixed per-tensor cost plus its
+    bytes at the optimizer's rate (for a large tile, with its temporaries page-faulted in)."""
+    t = profile.optimizer_tensor_s
+    if profile.large_alloc and nbytes >= profile.large_alloc:
+        if profile.optimizer_large_bw:
+            return t + nbytes / profile.optimizer_large_bw
+        t += OPTIMIZER_TEMPS * nbytes / profile.alloc_bw if profile.alloc_bw else 0.0
+    return t + nbytes / (profile.optimizer_bw or profile.mem_bw / OPTIMIZER_PASSES)
+
+
+def compute_seconds(flops: float, bytes_moved: float, work_fraction: float, profile: Profile, passes: float = 3.0,
+                    fresh_bytes: float = 0.0) -> float:
+    """Time of one training step of an op: ``passes`` forward-equivalents of its roofline time
+    (see the module docstring) on ``work_fraction`` of the work, plus first-touching
+    ``fresh_bytes`` of large new allocations."""
+    t = passes * work_fraction * max(flops / profile.flops, bytes_moved / profile.mem_bw)
+    return t + (fresh_bytes / profile.alloc_bw if profile.alloc_bw and fresh_bytes else 0.0)
+
+
+def work_fraction(split_axes: Sequence[bool], mesh: Mesh) -> float:
+    return 1.0 / math.prod(p for p, s in zip(mesh.shape, split_axes) if s) if any(split_axes) else 1.0
