@@ -13,12 +13,21 @@ gradient it collects partially).  Consumers that want the same tiling then
 share one collective, and partial gradients of replicated uses (Megatron's
 ``f`` for q, k and v, or the gradient sync of a tied weight) are summed
 locally and all-reduced once, as the runtime does.
+
+Edge semantics are decided here, once: which values need a gradient (``Var.needs_grad``),
+where each use reads its value from (the producer, or the shared reshard point), on which axes
+a replicated use's gradient is partial (the consumer splits its work there), which axes a
+reshard point sums partial gradients over, and which gradient all-reduce is a parameter's own,
+deferred to the runtime's bucketed gradient sync (``Edge.deferred``).  Each edge keeps, per
+pair of strategies, the ``reshard.Route`` these make; the cost model prices it and codegen
+emits it.  Built with ``fixed=plan``, every variable's domain is the one strategy the plan
+chose: the graph codegen lowers.
 """
 from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,12 +37,14 @@ from torch.utils._pytree import tree_flatten
 from . import rules
 from .capture import Captured
 from .cost.collectives import reshard_cost
-from .cost.compute import compute_seconds, flops, fresh_bytes, optimizer_seconds, passes, work_fraction
-from .cost.memory import PARAM_COPIES
+from .cost.compute import op_seconds, optimizer_step_seconds
+from .cost.memory import PARAM_COPIES, output_bytes, stored_bytes
 from .mesh import Mesh
+from .plan import Plan
 from .cost.profiles import Profile
+from .reshard import Route
 from .rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, strategies_1d
-from .tiling import Partial, R, Replicate, Shard, is_valid, max_local_numel
+from .tiling import Partial, R, Replicate, Shard, is_valid, parse_placement
 
 @dataclass
 class Var:
@@ -52,16 +63,32 @@ class Var:
 
 @dataclass
 class Edge:
+    """One use of a value: output ``src_out`` of var ``src`` read as input ``dst_in`` of var ``dst``."""
+
     src: int
     dst: int
     src_out: int
     dst_in: int
     bytes: np.ndarray             # [len(src strategies), len(dst strategies)]
     seconds: np.ndarray
-    shape: tuple[int, ...] = ()
-    # The part of ``seconds`` the runtime's asynchronous gradient sync takes (the gradient
-    # all-reduce of a parameter's own edge, deferred and bucketed by ``GradSync``); else None.
-    sync: np.ndarray | None = None
+    shape: tuple[int, ...]
+    itemsize: int
+    needs_grad: bool
+    # A parameter's own edge: its gradient all-reduce is deferred to the runtime's bucketed,
+    # asynchronous gradient sync (``GradSync``), whose time ``sync`` gives (else None).
+    deferred: bool
+    sync: np.ndarray | None
+    # Distinct (tiling, collected partial-gradient axes) of the source's strategies, and
+    # (tiling, partial-gradient axes) of the consumer's, with each strategy's index into them.
+    src_keys: list[tuple[tuple, tuple[int, ...]]] = field(default_factory=list)
+    src_key_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    dst_keys: list[tuple[tuple, tuple[int, ...]]] = field(default_factory=list)
+    dst_key_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def route(self, s: int, t: int) -> Route:
+        """The route of this use when the source takes strategy ``s`` and the consumer ``t``."""
+        (src, spa), (dst, pga) = self.src_keys[self.src_key_of[s]], self.dst_keys[self.dst_key_of[t]]
+        return Route.of(src, dst, pga, spa, self.needs_grad)
 
 
 @dataclass
@@ -133,15 +160,30 @@ def reshard_point_name(src: str, k: int) -> str:
     return f"{src}:{k}"
 
 
-def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int], needs_grad: bool) -> None:
-    """After adding producer ``vi``: a reshard point for each of its outputs used more than once."""
+def value_source(g: PlanGraph, a: fx.Node) -> tuple[int, int]:
+    """(var, output index) a use of fx value ``a`` reads: its producer's output, or the shared
+    reshard point of that output when it has one."""
+    src, k = _producer(a)
+    rp = reshard_point_name(src.name, k)
+    return (g.index[rp], 0) if rp in g.index else (g.index[src.name], k)
+
+
+def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int], needs_grad: bool,
+                        fixed: Plan | None = None) -> None:
+    """After adding producer ``vi``: a reshard point for each of its outputs used more than once
+    (with ``fixed``, the tiling and partial-gradient axes that plan chose for it)."""
     v = g.vars[vi]
     specs = v.op.outputs if v.op is not None else None
     for k in range(len(v.strategies[0].outputs)):
         if uses.get((v.name, k), 0) < 2:
             continue
-        tilings = sorted({tuple(s.outputs[k]) for s in v.strategies} | {(R,) * g.mesh.ndim}, key=str)
+        name = reshard_point_name(v.name, k)
         strategies, flags = [], []
+        if fixed is not None and name in fixed.nodes:
+            ins, outs = fixed.node_tilings(name)
+            strategies.append(Strategy(tuple(ins), tuple(outs)))
+            flags.append(tuple(fixed.nodes[name].get("grad_partial", [[]])[0]) if needs_grad else ())
+        tilings = [] if strategies else sorted({tuple(s.outputs[k]) for s in v.strategies} | {(R,) * g.mesh.ndim}, key=str)
         for t in tilings:
             r_axes = [a for a in range(g.mesh.ndim) if isinstance(t[a], Replicate)] if needs_grad else []
             for n in range(len(r_axes) + 1):
@@ -149,7 +191,7 @@ def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int],
                     strategies.append(Strategy((t,), (t,)))
                     flags.append(tuple(A))
         spec = specs[k] if specs is not None else TensorSpec(g.shapes[(vi, 0)], g.dtypes[(vi, 0)])
-        r = _add_var(g, Var(reshard_point_name(v.name, k), "reshard", strategies, np.zeros(len(strategies)), np.zeros(len(strategies)),
+        r = _add_var(g, Var(name, "reshard", strategies, np.zeros(len(strategies)), np.zeros(len(strategies)),
                             op=OpSpec("reshard", (), {}, (spec,), (spec,)), module=v.module,
                             needs_grad=needs_grad, grad_partial=flags, fqn=v.fqn, pinned=v.pinned))
         _add_edge(g, vi, r, k, 0, needs_grad)
@@ -158,25 +200,31 @@ def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int],
 PINNED = 1e30  # cost of a forbidden resharding
 
 
+def _fixed_tiling(key: str, names: dict[str, list[str]], n: int) -> tuple:
+    """A plan's tiling of ``key`` (replicated when the plan does not list it)."""
+    return tuple(parse_placement(x) for x in names[key]) if key in names else (R,) * n
+
+
 def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time", domains: dict[str, list[tuple]] | None = None,
-          pin_params: bool = False, local_outputs: bool = False, divide_work: bool | None = None) -> PlanGraph:
+          pin_params: bool = False, local_outputs: bool = False, divide_work: bool | None = None,
+          fixed: Plan | None = None) -> PlanGraph:
     """Variables and edges of ``cap`` on ``mesh``.
 
     ``domains`` optionally restricts placeholders (by parameter FQN or input name)
     to given tilings: the data- and model-parallel baselines are built this way.
     ``divide_work`` (default: only for the ``comm`` objective) keeps only strategies
     that cut every op's work on every axis wherever the rules allow one.
+    ``fixed``: every variable takes the one strategy ``fixed`` chose (and its output contract);
+    the graph codegen lowers.
     """
     g = PlanGraph(mesh, profile)
     domains = domains or {}
     needs_grad: dict[str, bool] = {}
     fallback: set[str] = set()
     uses = value_uses(cap.graph)
-
-    def source(a: fx.Node) -> tuple[int, int]:
-        src, k = _producer(a)
-        rp = reshard_point_name(src.name, k)
-        return (g.index[rp], 0) if rp in g.index else (g.index[src.name], k)
+    full = (R,) * mesh.ndim
+    if fixed is not None:
+        local_outputs = fixed.local_batch
 
     for node in cap.graph.nodes:
         if node.op == "placeholder":
@@ -188,18 +236,19 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
             shape = tuple(int(d) for d in val.shape)
             kind = "param" if node.name in cap.params else "buffer" if node.name in cap.buffers else "input"
             fqn = cap.params.get(node.name) or cap.buffers.get(node.name) or node.name
-            tilings = domains.get(fqn) or _placeholder_tilings(shape, mesh)
-            tilings = [t for t in tilings if is_valid(t, shape, mesh)] or [(R,) * mesh.ndim]
+            if fixed is not None:
+                tilings = [_fixed_tiling(fqn, fixed.params if kind != "input" else fixed.inputs, mesh.ndim)]
+            else:
+                tilings = domains.get(fqn) or _placeholder_tilings(shape, mesh)
+                tilings = [t for t in tilings if is_valid(t, shape, mesh)] or [full]
             strategies = [Strategy((), (t,)) for t in tilings]
-            copies = PARAM_COPIES if kind == "param" else 1
-            mem = np.array([max_local_numel(shape, t, mesh) * val.dtype.itemsize * copies for t in tilings], dtype=float)
             needs_grad[node.name] = kind == "param" and val.dtype.is_floating_point
-            opt_s = np.array([optimizer_seconds(max_local_numel(shape, t, mesh) * val.dtype.itemsize, profile) if needs_grad[node.name] else 0.0
-                              for t in tilings])
+            mem = stored_bytes(shape, val.dtype.itemsize, tilings, mesh, PARAM_COPIES if kind == "param" else 1)
+            opt_s = optimizer_step_seconds(shape, val.dtype.itemsize, tilings, mesh, profile, needs_grad[node.name])
             vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=needs_grad[node.name]))
             g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
             g.vars[vi].pinned = pin_params and kind == "param" and fqn in domains
-            _add_reshard_points(g, vi, uses, needs_grad[node.name])
+            _add_reshard_points(g, vi, uses, needs_grad[node.name], fixed)
         elif node.op == "call_function":
             if node.target is operator.getitem:
                 needs_grad[node.name] = needs_grad.get(node.args[0].name, False)
@@ -207,37 +256,38 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
             op = make_opspec(node.target, node.args, node.kwargs, node.meta.get("val"))
             if rules.lookup(node.target) is None and op.inputs:
                 fallback.add(op.name)
-            strategies = expand(op, mesh, strategies_1d(op))
             args, _ = tree_flatten((node.args, node.kwargs))
             tensor_args = [a for a in args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-            sources = [source(a) for a in tensor_args]
-            strategies = [s for s in strategies if not _needless_partial(g, s, sources)] or strategies
-            if divide_work if divide_work is not None else objective == "comm":
-                # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
-                full = [s for s in strategies if all(s.divides_work())]
-                strategies = full or strategies
-            n_flops, byts = flops(op)
-            rate = profile if not (op.name.startswith("aten.conv") and profile.conv_flops) else replace(profile, flops=profile.conv_flops)
+            sources = [value_source(g, a) for a in tensor_args]
+            if fixed is not None:
+                ins, outs = fixed.node_tilings(node.name) if node.name in fixed.nodes else (
+                    [full] * len(op.inputs), [full] * len(op.outputs))
+                strategies = [Strategy(tuple(ins), tuple(outs))]
+            else:
+                strategies = expand(op, mesh, strategies_1d(op))
+                strategies = [s for s in strategies if not _needless_partial(g, s, sources)] or strategies
+                if divide_work if divide_work is not None else objective == "comm":
+                    # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
+                    whole = [s for s in strategies if all(s.divides_work())]
+                    strategies = whole or strategies
             grads = [needs_grad.get(a.name, False) for a in tensor_args]
-            n_pass = passes(op, grads)
-            compute = np.array([compute_seconds(n_flops, byts, work_fraction(s.divides_work(), mesh), rate, n_pass, fresh_bytes(op, s, grads, mesh, profile))
-                                for s in strategies])
-            mem = np.array([sum(max_local_numel(o.shape, t, mesh) * o.dtype.itemsize for o, t in zip(op.outputs, s.outputs)) for s in strategies], dtype=float)
+            compute = op_seconds(op, strategies, grads, mesh, profile)
+            mem = output_bytes(op, strategies, mesh)
             ng = any(grads) and any(o.dtype.is_floating_point for o in op.outputs)
             needs_grad[node.name] = ng
             v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node), needs_grad=ng))
             for i, (a, (u, k)) in enumerate(zip(tensor_args, sources)):
                 _add_edge(g, u, v, k, i, needs_grad.get(a.name, False))
-            _add_reshard_points(g, v, uses, ng)
+            _add_reshard_points(g, v, uses, ng, fixed)
         elif node.op == "output":
             outs, _ = tree_flatten(node.args)
             outs = [o for o in outs if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
             if local_outputs:  # only scalars (losses) must be whole; other outputs stay as tiled
                 outs = [o for o in outs if o.meta["val"].dim() == 0]
-            st = Strategy(tuple((R,) * mesh.ndim for _ in outs), ())
+            st = Strategy(tuple(full for _ in outs), ())
             v = _add_var(g, Var("output", "output", [st], np.zeros(1), np.zeros(1)))
             for i, a in enumerate(outs):
-                u, k = source(a)
+                u, k = value_source(g, a)
                 _add_edge(g, u, v, k, i, needs_grad.get(a.name, False))
     g.fallback_ops = sorted(fallback)
     return g
@@ -258,24 +308,26 @@ def _unique(keys: list) -> tuple[list, np.ndarray]:
     return list(pos), idx
 
 
+def partial_grad_axes(s: Strategy, dst: tuple, mesh: Mesh) -> tuple[int, ...]:
+    """Axes on which an op under strategy ``s`` reads an input of tiling ``dst`` replicated while it
+    splits its work: each device's gradient of that input is then a partial sum (Megatron's ``f``)."""
+    split = s.split_axes()
+    return tuple(a for a in range(mesh.ndim) if split[a] and isinstance(dst[a], Replicate))
+
+
 def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_grad: bool) -> None:
-    su, sv = g.vars[u].strategies, g.vars[v].strategies
-    spec = g.vars[v].op.inputs[in_idx] if g.vars[v].op is not None else None
+    U, V = g.vars[u], g.vars[v]
+    spec = V.op.inputs[in_idx] if V.op is not None else None
     if spec is None:  # output var: the producer's output spec
-        pu = g.vars[u]
-        spec = pu.op.outputs[out_idx] if pu.op is not None else None
+        spec = U.op.outputs[out_idx] if U.op is not None else None
     shape = spec.shape if spec is not None else g.shapes.get((u, out_idx), ())
     itemsize = spec.dtype.itemsize if spec is not None else g.dtypes[(u, out_idx)].itemsize
-    U, V = g.vars[u], g.vars[v]
-    src_keys = [(tuple(st.outputs[out_idx]), U.grad_partial[s] if U.kind == "reshard" else ()) for s, st in enumerate(su)]
+    src_keys = [(tuple(st.outputs[out_idx]), U.grad_partial[s] if U.kind == "reshard" else ())
+                for s, st in enumerate(U.strategies)]
     dst_keys = []
-    for t, s_dst in enumerate(sv):
+    for t, s_dst in enumerate(V.strategies):
         dst = tuple(s_dst.inputs[in_idx])
-        if V.kind == "reshard":
-            pga = V.grad_partial[t]
-        else:
-            split = s_dst.split_axes() if V.kind == "op" else (False,) * g.mesh.ndim
-            pga = tuple(a for a in range(g.mesh.ndim) if split[a] and isinstance(dst[a], Replicate))
+        pga = V.grad_partial[t] if V.kind == "reshard" else partial_grad_axes(s_dst, dst, g.mesh) if V.kind == "op" else ()
         dst_keys.append((dst, pga))
     # Price each distinct (source tiling, target tiling) pair once; repeated layers share the table.
     us, si = _unique(src_keys)
@@ -287,7 +339,7 @@ def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_gra
         Su = np.zeros((len(us), len(ud)))
         for a, (src, spa) in enumerate(us):
             for b, (dst, pga) in enumerate(ud):
-                c = reshard_cost(src, dst, shape, itemsize, g.mesh, g.profile, pga, needs_grad, spa)
+                c = reshard_cost(Route.of(src, dst, pga, spa, needs_grad), shape, itemsize, g.mesh, g.profile)
                 Bu[a, b], Tu[a, b], Su[a, b] = c.bytes, c.seconds, c.sync_seconds
                 if U.pinned and src != dst:
                     Bu[a, b] = Tu[a, b] = PINNED
@@ -297,6 +349,6 @@ def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_gra
         _EDGE_MEMO[key] = (Bu, Tu, Su)
     Bu, Tu, Su = _EDGE_MEMO[key]
     B, T = Bu[np.ix_(si, di)], Tu[np.ix_(si, di)]
-    # Only a parameter's own edge is deferred to the gradient sync (codegen.lower's ``defer``).
-    S = Su[np.ix_(si, di)] if U.kind == "param" and Su.any() else None
-    g.edges.append(Edge(u, v, out_idx, in_idx, B, T, shape, S))
+    deferred = U.kind == "param"
+    S = Su[np.ix_(si, di)] if deferred and Su.any() else None
+    g.edges.append(Edge(u, v, out_idx, in_idx, B, T, shape, itemsize, needs_grad, deferred, S, us, si, ud, di))

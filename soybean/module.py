@@ -19,6 +19,7 @@ from .capture import Captured
 from .codegen.lower import emit_reshard, lower
 from .mesh import Mesh
 from .plan import Plan
+from .reshard import Route
 from .tiling import R, chunk_range, parse_placement, Shard
 from .runtime.comm import Group
 from .runtime.context import use_groups
@@ -119,7 +120,7 @@ class ParallelModule(nn.Module):
                 full_shape = self._full_shape(fqn)
                 g = fx.Graph()
                 x = g.placeholder("x")
-                g.output(emit_reshard(g, x, full_shape, tiling, (R,) * self._mesh.ndim, (), self._mesh, self._coords))
+                g.output(emit_reshard(g, x, full_shape, Route.of(tiling, (R,) * self._mesh.ndim), self._mesh, self._coords))
                 out[fqn] = fx.GraphModule(nn.Module(), g)(t.detach()).clone()
         for alias, fqn in self._cap.aliases.items():
             if fqn in out:

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 from .capture import Captured, capture
-from .graph import PlanGraph, build
+from .graph import Edge, PlanGraph, build
 from .mesh import Mesh, factorizations
 from .plan import Plan
 from .cost.profiles import Profile, load_profile
-from .reshard import plan_reshard
+from .reshard import Step
 from .search import Solution, solve, to_problem
-from .tiling import R, Replicate, Shard, fmt, is_valid
+from .tiling import R, Shard, fmt, is_valid
 
 MODES = ("auto", "dp", "mp")
 
@@ -212,22 +212,9 @@ def to_plan(cap: Captured, r: Result, objective: str, profile: str, devices: int
     )
 
 
-def edge_steps(g: PlanGraph, e: Any, sol: Solution) -> list:
+def edge_steps(g: PlanGraph, e: Edge, sol: Solution) -> list[Step]:
     """The collective steps one edge runs under the solution (as codegen emits them)."""
-    U, V = g.vars[e.src], g.vars[e.dst]
-    su, sv = sol.choice[e.src], sol.choice[e.dst]
-    src_t = U.strategies[su].outputs[e.src_out]
-    dst_t = V.strategies[sv].inputs[e.dst_in]
-    if not U.needs_grad:
-        return plan_reshard(src_t, dst_t)
-    if V.kind == "reshard":
-        pga = list(V.grad_partial[sv])
-    elif V.kind == "op":
-        split = V.strategies[sv].split_axes()
-        pga = [a for a in range(g.mesh.ndim) if split[a] and isinstance(dst_t[a], Replicate)]
-    else:
-        pga = []
-    return plan_reshard(src_t, dst_t, pga, U.grad_partial[su] if U.kind == "reshard" else ())
+    return e.route(sol.choice[e.src], sol.choice[e.dst]).steps()
 
 
 def layer_rows(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:

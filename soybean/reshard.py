@@ -1,20 +1,9 @@
 """Resharding: the collective steps that turn one tiling into another.
 
 One function, ``plan_reshard``, decides the steps; the cost model prices them and
-codegen emits them, so what is priced is what runs.  Steps act on one mesh axis:
-
-=================  ==================  =========================================
-forward            placement change    backward (its adjoint)
-=================  ==================  =========================================
-all_gather         S(d) -> R           slice (replicated grad) or reduce_scatter
-shard (slice)      R -> S(d)           all_gather
-all_reduce         P -> R              identity
-reduce_scatter     P -> S(d)           all_gather
-all_to_all         S(d) -> S(e)        all_to_all back
-to_partial         R -> P              identity
-grad_all_reduce    R -> R              all_reduce (Megatron's f)
-grad_to_partial    R -> R              keep the gradient on member 0 only
-=================  ==================  =========================================
+codegen emits them, so what is priced is what runs.  Steps act on one mesh axis; their
+kinds (placement change, collective, adjoint, runtime call) are the entries of
+``runtime.kinds.KINDS``.
 
 Nesting rule: with DTensor chunking, axis ``i`` cuts the chunk left by axes
 ``< i``.  So an axis may gather or slice dim ``d`` only when no later axis
@@ -37,20 +26,42 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Sequence
 
+from .runtime.kinds import Step, apply_step
 from .tiling import Partial, Placement, R, Replicate, Shard
+
+__all__ = ["Route", "Step", "apply_step", "plan_reshard"]
+
+Tiling = tuple[Placement, ...]
 
 
 @dataclass(frozen=True)
-class Step:
-    kind: str          # all_gather | shard | all_reduce | reduce_scatter | all_to_all | to_partial | grad_all_reduce | grad_to_partial
-    axis: int
-    dim: int = -1      # the dim gathered / sliced / scattered (all_to_all: source dim)
-    dim2: int = -1     # all_to_all: destination dim
-    grad_partial: bool = False  # all_gather only: backward is reduce_scatter
+class Route:
+    """How one use of a value travels: from its source's tiling ``src`` to the tiling ``dst`` its
+    consumer reads.  ``graph`` decides every field once; the cost model prices ``steps()`` and
+    codegen emits them, so what is priced is what runs.
 
-    def __str__(self) -> str:
-        extra = {"all_to_all": f"S({self.dim})->S({self.dim2})", "all_gather": f"dim {self.dim}", "shard": f"dim {self.dim}", "reduce_scatter": f"dim {self.dim}"}.get(self.kind, "")
-        return f"{self.kind}[axis {self.axis}{' ' + extra if extra else ''}]"
+    ``partial_grad_axes`` and ``src_partial_axes`` (see the module docstring) only matter when
+    the value ``needs_grad``; otherwise they are empty.
+    """
+
+    src: Tiling
+    dst: Tiling
+    partial_grad_axes: tuple[int, ...] = ()
+    src_partial_axes: tuple[int, ...] = ()
+    needs_grad: bool = False
+
+    @staticmethod
+    def of(src: Tiling, dst: Tiling, partial_grad_axes: Sequence[int] = (), src_partial_axes: Sequence[int] = (),
+           needs_grad: bool = False) -> Route:
+        """The route, with the gradient-only fields dropped when nothing needs a gradient."""
+        if not needs_grad:
+            return Route(tuple(src), tuple(dst))
+        return Route(tuple(src), tuple(dst), tuple(sorted(set(partial_grad_axes))),
+                     tuple(sorted(set(src_partial_axes))), True)
+
+    def steps(self) -> list[Step]:
+        """The steps of this route, forward order."""
+        return plan_reshard(self.src, self.dst, self.partial_grad_axes, self.src_partial_axes)
 
 
 def plan_reshard(src: Sequence[Placement], dst: Sequence[Placement], partial_grad_axes: Sequence[int] = (), src_partial_axes: Sequence[int] = ()) -> list[Step]:
@@ -121,13 +132,3 @@ def _plan(src: Sequence[Placement], dst: Sequence[Placement], partial_grad_axes:
         else:
             steps.append(Step("grad_all_reduce", i))
     return steps
-
-
-def apply_step(tiling: Sequence[Placement], step: Step) -> tuple[Placement, ...]:
-    """The tiling after ``step``."""
-    t = list(tiling)
-    t[step.axis] = {
-        "all_gather": R, "all_reduce": R, "grad_all_reduce": t[step.axis], "grad_to_partial": t[step.axis], "to_partial": Partial(),
-        "shard": Shard(step.dim), "reduce_scatter": Shard(step.dim), "all_to_all": Shard(step.dim2),
-    }[step.kind]
-    return tuple(t)

@@ -10,6 +10,7 @@ from torch import nn
 
 from soybean.capture import capture
 from soybean.cost.collectives import reshard_cost
+from soybean.reshard import Route
 from soybean.cost.compute import compute_seconds
 from soybean.cost.compute import passes
 from soybean.mesh import Mesh
@@ -45,10 +46,10 @@ def test_large_fresh_tensors_are_charged_their_page_faults() -> None:
 def test_gradient_all_reduce_is_reported_as_sync() -> None:
     mesh, shape = Mesh((2,)), (64, 64)
     # a replicated weight used by batch-split work: its gradient all-reduce is all the cost
-    c = reshard_cost((R,), (R,), shape, 4, mesh, PROFILE, (0,), True)
+    c = reshard_cost(Route.of((R,), (R,), (0,), (), True), shape, 4, mesh, PROFILE)
     assert c.seconds > 0 and c.sync_seconds == pytest.approx(c.seconds)
     # gathering a split weight (FSDP-like) is no gradient sync
-    c = reshard_cost((Shard(0),), (R,), shape, 4, mesh, PROFILE, (), True)
+    c = reshard_cost(Route.of((Shard(0),), (R,), (), (), True), shape, 4, mesh, PROFILE)
     assert c.seconds > 0 and c.sync_seconds == 0.0
 
 
@@ -56,16 +57,16 @@ def test_each_blocking_collective_pays_the_wait() -> None:
     mesh, shape = Mesh((2,)), (64, 64)
     free, waits = replace(PROFILE, blocking_s=0.0), replace(PROFILE, blocking_s=1e-3)
     # gathering a split weight: a blocking all-gather forward (its backward, a slice, is free)
-    gather = reshard_cost((Shard(0),), (R,), shape, 4, mesh, waits, (), True)
-    assert gather.seconds == pytest.approx(reshard_cost((Shard(0),), (R,), shape, 4, mesh, free, (), True).seconds + 1e-3)
+    gather = reshard_cost(Route.of((Shard(0),), (R,), (), (), True), shape, 4, mesh, waits)
+    assert gather.seconds == pytest.approx(reshard_cost(Route.of((Shard(0),), (R,), (), (), True), shape, 4, mesh, free).seconds + 1e-3)
     # ... and when batch-split work leaves its gradient partial: a blocking reduce-scatter backward too
-    fsdp = reshard_cost((Shard(0),), (R,), shape, 4, mesh, waits, (0,), True)
-    assert fsdp.seconds == pytest.approx(reshard_cost((Shard(0),), (R,), shape, 4, mesh, free, (0,), True).seconds + 2e-3)
+    fsdp = reshard_cost(Route.of((Shard(0),), (R,), (0,), (), True), shape, 4, mesh, waits)
+    assert fsdp.seconds == pytest.approx(reshard_cost(Route.of((Shard(0),), (R,), (0,), (), True), shape, 4, mesh, free).seconds + 2e-3)
     # the asynchronous gradient all-reduce waits for nobody in the middle of compute
-    sync = reshard_cost((R,), (R,), shape, 4, mesh, waits, (0,), True)
-    assert sync.seconds == pytest.approx(reshard_cost((R,), (R,), shape, 4, mesh, free, (0,), True).seconds)
+    sync = reshard_cost(Route.of((R,), (R,), (0,), (), True), shape, 4, mesh, waits)
+    assert sync.seconds == pytest.approx(reshard_cost(Route.of((R,), (R,), (0,), (), True), shape, 4, mesh, free).seconds)
     # a one-device axis runs no collective and waits for nothing
-    assert reshard_cost((Shard(0),), (R,), shape, 4, Mesh((1,)), waits, (), True).seconds == 0.0
+    assert reshard_cost(Route.of((Shard(0),), (R,), (), (), True), shape, 4, Mesh((1,)), waits).seconds == 0.0
 
 
 @pytest.mark.parametrize("overlap", [0.0, 0.5, 1.0])

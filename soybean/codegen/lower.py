@@ -1,14 +1,22 @@
 """Lower the captured graph + plan into the per-rank program of one device.
 
-Every op runs on local tiles; before an op, each tensor argument whose tiling
-(as produced) differs from the tiling the op's strategy takes gets the steps of
-``reshard.plan_reshard`` as ``sb_*`` calls (a parameter or buffer that an op
-updates in place through such a resharded copy is written back to its stored
-tile afterwards); shape-carrying arguments are rewritten by the rule's ``localize`` to this device's tile shapes (which is
-why the program is per rank: with uneven chunks tile shapes depend on the
-coordinates).  User inputs arrive full (``R``) and are sliced; outputs leave
-full (``R``).  The result is an ``fx.GraphModule`` whose ``.code`` is plain
-Python.
+The plan's choices are turned back into the planning graph (``graph.build(fixed=plan)``), which
+decides every edge's semantics; lowering reads them and derives nothing.  ``Lowering`` walks the
+captured graph with one method per node kind:
+
+* ``placeholder``: parameters and buffers arrive as local tiles; a user input arrives full and is
+  sliced to its planned tiling (unless the plan's contract is ``local_batch``);
+* ``getitem``: picks an output of a multi-output op;
+* ``op``: every tensor argument is read along its edge's ``reshard.Route`` (its steps emitted as
+  the kinds table's ``sb_*`` calls; a value with several uses is resharded once, at its shared
+  reshard point); shape-carrying arguments are rewritten by the rule's ``localize`` to this
+  device's tile shapes (so the program is per rank: uneven tiles depend on the coordinates); a
+  parameter or buffer an op updates in place through a resharded copy is written back;
+* ``output``: outputs leave full (``R``), or as tiles under ``local_batch``.
+
+A parameter's own gradient all-reduce is not emitted: its axes are collected in
+``meta["grad_sync"]`` for the runtime's bucketed gradient sync.  The result is an
+``fx.GraphModule`` whose ``.code`` is plain Python.
 """
 from __future__ import annotations
 
@@ -18,64 +26,46 @@ from typing import Any, Callable
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import rules
 from ..capture import Captured
-from ..graph import reshard_point_name
+from ..cost.profiles import load_profile
+from ..graph import Edge, PlanGraph, build, value_source
 from ..mesh import Mesh
 from ..plan import Plan
-from ..reshard import apply_step, plan_reshard
+from ..reshard import Route
 from ..rules._common import Args
-from ..rules.base import OpSpec, Strategy, make_opspec
+from ..rules.base import OpSpec, make_opspec
 from ..runtime import context as rt
-from ..tiling import Partial, Placement, R, Replicate, local_shape, parse_placement
+from ..runtime.kinds import KINDS, apply_step
+from ..tiling import Partial, Placement, R, local_shape
 
 Tiling = tuple[Placement, ...]
-
-
-def _tiling(strs: list[str]) -> Tiling:
-    return tuple(parse_placement(s) for s in strs)
+ALL_REDUCE = KINDS["all_reduce"].call
 
 
 def _val(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
-def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], src: Tiling, dst: Tiling, partial_grad_axes: tuple[int, ...], mesh: Mesh, coords: tuple[int, ...],
-                 src_partial_axes: tuple[int, ...] = (), defer: set[int] | None = None, view: bool = False) -> fx.Node:
-    """Append the collective calls turning ``x`` (tiling ``src``) into ``dst``.
+def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], route: Route, mesh: Mesh, coords: tuple[int, ...],
+                 defer: set[int] | None = None, view: bool = False) -> fx.Node:
+    """Append the runtime calls of ``route``'s steps (the kinds table's ``call``) to ``x``.
 
-    With ``defer`` (a parameter's own edges), gradient all-reduces are not emitted but their axes
+    With ``defer`` (a parameter's own edge), the gradient-sync steps are not emitted but their axes
     collected: the runtime sums those parameter gradients after backward, bucketed (``GradSync``).
     ``view``: ``x`` is never written in place, so slicing it may return views.
     """
-    cur = src
-    for step in plan_reshard(src, dst, partial_grad_axes, src_partial_axes):
-        if defer is not None and step.kind == "grad_all_reduce":
+    cur = route.src
+    for step in route.steps():
+        kind = KINDS[step.kind]
+        if defer is not None and kind.gradient_sync:
             defer.add(step.axis)
             continue
         nxt = apply_step(cur, step)
         after = local_shape(shape, nxt, mesh, coords)
-        k, a = step.kind, step.axis
-        if k == "all_gather":
-            x = g.call_function(rt.sb_all_gather, (x, a, step.dim, after[step.dim], step.grad_partial))
-        elif k == "shard":
-            x = g.call_function(rt.sb_shard, (x, a, step.dim), {"view": True} if view else {})
-        elif k == "all_reduce":
-            x = g.call_function(rt.sb_all_reduce, (x, a))
-        elif k == "reduce_scatter":
-            x = g.call_function(rt.sb_reduce_scatter, (x, a, step.dim))
-        elif k == "all_to_all":
-            x = g.call_function(rt.sb_all_to_all, (x, a, step.dim, step.dim2, after[step.dim]))
-        elif k == "to_partial":
-            x = g.call_function(rt.sb_to_partial, (x, a))
-        elif k == "grad_all_reduce":
-            x = g.call_function(rt.sb_grad_all_reduce, (x, a))
-        elif k == "grad_to_partial":
-            x = g.call_function(rt.sb_grad_to_partial, (x, a))
-        else:  # pragma: no cover - plan_reshard only makes the kinds above
-            raise AssertionError(k)
+        x = g.call_function(kind.call, (x, step.axis, *kind.args(step, after)), {"view": True} if view and kind.viewable else {})
         cur = nxt
     return x
 
@@ -99,13 +89,14 @@ def written_inputs(op: OpSpec) -> list[int]:
     return [a.slots[n] for n in names if isinstance(a.slots.get(n), int)]
 
 
-def write_back(g: fx.Graph, stored: fx.Node, updated: fx.Node, shape: tuple[int, ...], used: Tiling, kept: Tiling, mesh: Mesh, coords: tuple[int, ...]) -> None:
+def write_back(g: fx.Graph, stored: fx.Node, updated: fx.Node, shape: tuple[int, ...], used: Tiling, kept: Tiling,
+               mesh: Mesh, coords: tuple[int, ...]) -> None:
     """Copy a state tensor an op updated in place, in tiling ``used``, into its stored tile (tiling ``kept``).
 
     When the op read a resharded copy of a parameter or buffer (batch norm's running statistics,
     stored whole and updated channel-split), the update would otherwise be lost with the copy.
     """
-    g.call_function(torch.ops.aten.copy_.default, (stored, emit_reshard(g, updated, shape, used, kept, (), mesh, coords)))
+    g.call_function(torch.ops.aten.copy_.default, (stored, emit_reshard(g, updated, shape, Route.of(used, kept), mesh, coords)))
 
 
 _SCALINGS = (torch.ops.aten.div.Tensor, torch.ops.aten.mul.Tensor)
@@ -123,11 +114,11 @@ def _lazy_output_sums(g: fx.Graph) -> None:
     for a in tree_flatten(out.args)[0]:
         if not isinstance(a, fx.Node) or len(a.users) != 1:
             continue
-        if a.target is rt.sb_all_reduce:
+        if a.target is ALL_REDUCE:
             a.target = rt.sb_all_reduce_lazy
             continue
         ar = a.args[0] if a.target in _SCALINGS and len(a.args) == 2 and not a.kwargs else None
-        if isinstance(ar, fx.Node) and ar.target is rt.sb_all_reduce and len(ar.users) == 1 and isinstance(a.args[1], (int, float)):
+        if isinstance(ar, fx.Node) and ar.target is ALL_REDUCE and len(ar.users) == 1 and isinstance(a.args[1], (int, float)):
             x, axis = ar.args
             with g.inserting_before(a):
                 scaled = g.call_function(a.target, (x, a.args[1]))
@@ -148,124 +139,149 @@ def _written_placeholders(cap: Captured) -> set[str]:
     return out
 
 
-def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
-    """Rank ``rank``'s program for ``plan``: placeholders as in ``cap`` (params and buffers as local tiles)."""
-    mesh = Mesh(tuple(plan.mesh))
-    coords = mesh.coords(rank)
-    full = (R,) * mesh.ndim
-    g = fx.Graph()
-    env: dict[str, Any] = {}
-    tiles: dict[str, list[Tiling]] = {}
-    shared: dict[str, tuple[fx.Node, Tiling, tuple[int, ...]]] = {}  # reshard point -> (node, tiling, grad-partial axes)
-    grad: dict[str, bool] = {}  # does the value need a gradient (as graph.build decides)? else no grad_* steps
-    grad_sync: dict[str, set[int]] = {}  # parameter FQN -> mesh axes its gradient is summed over
-    written = _written_placeholders(cap)  # inputs an op updates in place: sliced by copy, not by view
+class Lowering:
+    """One rank's program for ``plan``: placeholders as in ``cap`` (params and buffers as local tiles)."""
 
-    def defer_for(a: fx.Node) -> set[int] | None:
-        return grad_sync.setdefault(cap.params[a.name], set()) if a.op == "placeholder" and a.name in cap.params else None
+    def __init__(self, cap: Captured, plan: Plan, rank: int) -> None:
+        self.cap, self.plan, self.rank = cap, plan, rank
+        self.mesh = Mesh(tuple(plan.mesh))
+        self.coords = self.mesh.coords(rank)
+        self.full: Tiling = (R,) * self.mesh.ndim
+        # The plan's graph: one strategy per var, the edge semantics decided there (pricing unused).
+        self.pg: PlanGraph = build(cap, self.mesh, load_profile(None), fixed=plan)
+        self.into: dict[int, list[Edge]] = {}
+        for e in self.pg.edges:
+            self.into.setdefault(e.dst, []).append(e)
+        for es in self.into.values():
+            es.sort(key=lambda e: e.dst_in)
+        self.g = fx.Graph()
+        self.env: dict[str, Any] = {}                       # captured node -> lowered node
+        self.values: dict[tuple[int, int], fx.Node] = {}    # (var, output) -> its lowered value, as produced
+        self.shared: dict[int, fx.Node] = {}                # reshard point var -> its value, emitted once
+        self.stored: dict[str, tuple[fx.Node, Tiling]] = {}  # param/buffer placeholder -> (tile, tiling)
+        self.grad_sync: dict[str, set[int]] = {}            # parameter FQN -> axes its gradient is summed over
+        self.written = _written_placeholders(cap)           # inputs an op updates in place: sliced by copy
+        self.readonly: set[fx.Node] = set()                 # lowered values of placeholders nothing writes
 
-    def source(a: fx.Node, shape: tuple[int, ...]) -> tuple[Any, Tiling, tuple[int, ...]]:
-        """The value a consumer reads: the producer's, or its shared reshard point (emitted once)."""
-        src, k = (a.args[0], int(a.args[1])) if a.op == "call_function" and a.target is operator.getitem else (a, 0)
-        rp = reshard_point_name(src.name, k)
-        if rp not in plan.nodes:
-            return env[a.name], tiles[a.name][0], ()
-        if rp not in shared:
-            rec = plan.nodes[rp]
-            t = _tiling(rec["out"][0])
-            axes = tuple(rec.get("grad_partial", [[]])[0])
-            shared[rp] = (emit_reshard(g, env[a.name], shape, tiles[a.name][0], t, axes, mesh, coords, defer=defer_for(a)), t, axes)
-        return shared[rp]
-    for node in cap.graph.nodes:
-        if node.op == "placeholder":
-            ph = g.placeholder(node.name)
-            ph.meta.update(node.meta)
-            env[node.name] = ph
-            fqn = cap.params.get(node.name) or cap.buffers.get(node.name)
-            v = _val(node)
-            grad[node.name] = node.name in cap.params and isinstance(v, torch.Tensor) and v.is_floating_point()
-            if fqn is not None:
-                tiles[node.name] = [_tiling(plan.params[fqn]) if fqn in plan.params else full]
-            elif node.name in plan.inputs and isinstance(_val(node), torch.Tensor):
-                want = _tiling(plan.inputs[node.name])
-                if not plan.local_batch:  # full inputs arrive on every rank: keep my tile
-                    env[node.name] = emit_reshard(g, ph, tuple(_val(node).shape), full, want, (), mesh, coords, view=node.name not in written)
-                tiles[node.name] = [want]
-            else:
-                tiles[node.name] = [full]
-        elif node.op == "call_function" and node.target is operator.getitem:
-            src, idx = node.args
-            env[node.name] = g.call_function(operator.getitem, (env[src.name], idx))
-            grad[node.name] = grad.get(src.name, False)
-            tiles[node.name] = [tiles[src.name][idx]]
-        elif node.op == "call_function":
-            if node.name in plan.nodes:
-                ins, outs = plan.node_tilings(node.name)
-            else:  # not in the plan (e.g. unused): run replicated
-                ins, outs = None, None
-            op = make_opspec(node.target, node.args, node.kwargs, _val(node))
-            if ins is None:
-                ins = [full] * len(op.inputs)
-                outs = [full] * len(op.outputs)
-            st = Strategy(tuple(ins), tuple(outs))
-            split = st.split_axes()
-            i = 0
-            passed: list[tuple[fx.Node, fx.Node]] = []  # per tensor input: (graph value, what the op reads)
+    def run(self) -> fx.GraphModule:
+        for node in self.cap.graph.nodes:
+            if node.op == "placeholder":
+                self.placeholder(node)
+            elif node.op == "call_function" and node.target is operator.getitem:
+                self.getitem(node)
+            elif node.op == "call_function":
+                self.op(node)
+            elif node.op == "output":
+                self.output(node)
+        _lazy_output_sums(self.g)
+        gm = fx.GraphModule(torch.nn.Module(), self.g, class_name=f"Rank{self.rank}Program")
+        gm.meta["grad_sync"] = {k: tuple(sorted(v)) for k, v in self.grad_sync.items() if v}
+        return gm
 
-            def arg(a: Any) -> Any:
-                nonlocal i
-                if isinstance(a, fx.Node):
-                    v = _val(a)
-                    if isinstance(v, torch.Tensor):
-                        dst = ins[i]
-                        x, src, spa = source(a, tuple(v.shape))
-                        pga = tuple(ax for ax in range(mesh.ndim) if split[ax] and isinstance(dst[ax], Replicate)) if grad.get(a.name) else ()
-                        i += 1
-                        direct = x is env[a.name]
-                        view = direct and a.op == "placeholder" and a.name not in written  # slices of a read-only input may alias it
-                        passed.append((a, emit_reshard(g, x, tuple(v.shape), src, dst, pga, mesh, coords, spa, defer=defer_for(a) if direct else None,
-                                                       view=view)))
-                        return passed[-1][1]
-                    return env[a.name]
+    # ---- reading values along edges ----
+
+    def value(self, u: int, k: int) -> fx.Node:
+        """Output ``k`` of var ``u`` as the consumers of ``u`` read it (a reshard point's, emitted once)."""
+        if self.pg.vars[u].kind == "reshard":
+            if u not in self.shared:
+                self.shared[u] = self.read(self.into[u][0])
+            return self.shared[u]
+        return self.values[(u, k)]
+
+    def read(self, e: Edge) -> fx.Node:
+        """The value edge ``e``'s consumer reads: its source's value moved along the edge's route."""
+        U, V = self.pg.vars[e.src], self.pg.vars[e.dst]
+        defer = self.grad_sync.setdefault(U.fqn, set()) if e.deferred else None
+        x = self.value(e.src, e.src_out)
+        # An op's slices of a placeholder's value that nothing writes may alias it.
+        view = V.kind == "op" and x in self.readonly
+        return emit_reshard(self.g, x, e.shape, e.route(0, 0), self.mesh, self.coords, defer=defer, view=view)
+
+    # ---- one method per node kind ----
+
+    def placeholder(self, node: fx.Node) -> None:
+        ph = self.g.placeholder(node.name)
+        ph.meta.update(node.meta)
+        self.env[node.name] = ph
+        vi = self.pg.index.get(node.name)
+        if vi is None:  # unused, or not a tensor
+            return
+        v = self.pg.vars[vi]
+        tiling = v.strategies[0].outputs[0]
+        if v.kind == "input" and not self.plan.local_batch:  # full inputs arrive on every rank: keep my tile
+            x = emit_reshard(self.g, ph, tuple(_val(node).shape), Route.of(self.full, tiling), self.mesh, self.coords,
+                             view=node.name not in self.written)
+            self.env[node.name] = x
+        elif v.kind != "input":
+            self.stored[node.name] = (ph, tiling)
+        self.values[(vi, 0)] = self.env[node.name]
+        if node.name not in self.written:
+            self.readonly.add(self.env[node.name])
+
+    def getitem(self, node: fx.Node) -> None:
+        src, idx = node.args
+        self.env[node.name] = self.g.call_function(operator.getitem, (self.env[src.name], idx))
+        if src.name in self.pg.index:
+            self.values[(self.pg.index[src.name], int(idx))] = self.env[node.name]
+
+    def op(self, node: fx.Node) -> None:
+        vi = self.pg.index[node.name]
+        v = self.pg.vars[vi]
+        op, st = v.op, v.strategies[0]
+        assert op is not None
+        edges = iter(self.into.get(vi, []))
+        passed: list[tuple[fx.Node, fx.Node, Edge]] = []  # per tensor input: (graph value, what the op reads, edge)
+
+        def arg(a: Any) -> Any:
+            if not isinstance(a, fx.Node):
                 return a
+            if not isinstance(_val(a), torch.Tensor):
+                return self.env[a.name]
+            e = next(edges)
+            passed.append((a, self.read(e), e))
+            return passed[-1][1]
 
-            args, kwargs = tree_map(arg, (tuple(node.args), dict(node.kwargs)))
-            entry = rules.lookup(node.target)
-            if entry is not None and entry.localize is not None:
-                in_shapes = [local_shape(s.shape, t, mesh, coords) for s, t in zip(op.inputs, ins)]
-                out_shapes = [local_shape(s.shape, t, mesh, coords) for s, t in zip(op.outputs, outs)]
-                args, kwargs = entry.localize(op, args, kwargs, in_shapes, out_shapes)
-            out = g.call_function(node.target, tuple(args), dict(kwargs))
-            out.name = node.name
-            for k in written_inputs(op):
-                a, x = passed[k]
-                if x is not env[a.name] and (a.name in cap.buffers or a.name in cap.params):
-                    write_back(g, env[a.name], x, tuple(_val(a).shape), ins[k], tiles[a.name][0], mesh, coords)
-            env[node.name] = out
-            tiles[node.name] = list(outs)
-            leaves, _ = tree_flatten((node.args, node.kwargs))
-            outs_float = any(isinstance(o, torch.Tensor) and o.is_floating_point() for o in tree_flatten(_val(node))[0])
-            grad[node.name] = outs_float and any(grad.get(a.name, False) for a in leaves if isinstance(a, fx.Node))
-        elif node.op == "output":
-            flat, spec = tree_flatten(node.args[0])
-            res = []
-            for a in flat:
-                if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor):
-                    x, src, spa = source(a, tuple(_val(a).shape))
-                    # the local-batch contract returns tiles: only pending sums are reduced
-                    dst = full if not plan.local_batch or _val(a).dim() == 0 else tuple(R if isinstance(p_, Partial) else p_ for p_ in src)
-                    res.append(emit_reshard(g, x, tuple(_val(a).shape), src, dst, (), mesh, coords, spa))
-                elif isinstance(a, fx.Node):
-                    res.append(env[a.name])
-                else:
-                    res.append(a)
-            from torch.utils._pytree import tree_unflatten
+        args, kwargs = tree_map(arg, (tuple(node.args), dict(node.kwargs)))
+        entry = rules.lookup(node.target)
+        if entry is not None and entry.localize is not None:
+            in_shapes = [local_shape(s.shape, t, self.mesh, self.coords) for s, t in zip(op.inputs, st.inputs)]
+            out_shapes = [local_shape(s.shape, t, self.mesh, self.coords) for s, t in zip(op.outputs, st.outputs)]
+            args, kwargs = entry.localize(op, args, kwargs, in_shapes, out_shapes)
+        out = self.g.call_function(node.target, tuple(args), dict(kwargs))
+        out.name = node.name
+        for k in written_inputs(op):
+            a, x, e = passed[k]
+            if a.name in self.stored and x is not self.stored[a.name][0]:
+                tile, kept = self.stored[a.name]
+                write_back(self.g, tile, x, e.shape, e.route(0, 0).dst, kept, self.mesh, self.coords)
+        self.env[node.name] = out
+        self.values[(vi, 0)] = out
 
-            g.output(tree_unflatten(res, spec))
-    _lazy_output_sums(g)
-    gm = fx.GraphModule(torch.nn.Module(), g, class_name=f"Rank{rank}Program")
-    gm.meta["grad_sync"] = {k: tuple(sorted(v)) for k, v in grad_sync.items() if v}
-    return gm
+    def output(self, node: fx.Node) -> None:
+        flat, spec = tree_flatten(node.args[0])
+        edges = iter(self.into.get(self.pg.index["output"], []))
+        res: list[Any] = []
+        for a in flat:
+            v = _val(a)
+            if not isinstance(a, fx.Node):
+                res.append(a)
+            elif not isinstance(v, torch.Tensor):
+                res.append(self.env[a.name])
+            elif not self.plan.local_batch or v.dim() == 0:
+                res.append(self.read(next(edges)))
+            else:  # the local-batch contract returns tiles: only pending sums are reduced
+                u, k = value_source(self.pg, a)
+                U = self.pg.vars[u]
+                src = U.strategies[0].outputs[k]
+                dst = tuple(R if isinstance(p, Partial) else p for p in src)
+                route = Route.of(src, dst, (), U.grad_partial[0] if U.kind == "reshard" else (), U.needs_grad)
+                res.append(emit_reshard(self.g, self.value(u, k), tuple(v.shape), route, self.mesh, self.coords))
+        self.g.output(tree_unflatten(res, spec))
+
+
+def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
+    """Rank ``rank``'s program for ``plan`` (see ``Lowering``)."""
+    return Lowering(cap, plan, rank).run()
 
 
 def emit_files(model: torch.nn.Module, inputs: tuple, plan: Plan, out_dir: str | Path) -> list[Path]:

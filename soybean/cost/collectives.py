@@ -13,7 +13,7 @@ reduce_scatter  (p-1)/p * m              (p-1) alpha + bytes beta
 all_to_all      (p-1)/p * m              (p-1) alpha + bytes beta
 ==============  =======================  ===========================
 
-Each forward step has a backward (its adjoint, see ``reshard``) that is priced
+Each forward step has a backward (its adjoint, see ``runtime.kinds``) that is priced
 too when the tensor needs a gradient: training comm per step = forward + backward.
 A blocking collective (every one but the asynchronous gradient all-reduce) also costs the
 profile's ``blocking_s``: inside a program the ranks reach it after compute rather than
@@ -30,17 +30,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..mesh import Mesh
-from .profiles import Profile
-from ..reshard import apply_step, plan_reshard
+from ..reshard import Route
+from ..runtime.kinds import KINDS, RING_FACTOR, apply_step
 from ..tiling import max_local_numel
-
-RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
-# The adjoint of each forward step, as the collective that runs in backward (None: free).
-BACKWARD = {
-    "all_gather": None,  # slice; reduce_scatter when grad_partial (handled below)
-    "shard": "all_gather", "all_reduce": None, "reduce_scatter": "all_gather",
-    "all_to_all": "all_to_all", "to_partial": None, "grad_all_reduce": "all_reduce", "grad_to_partial": None,
-}
+from .profiles import Profile
 
 
 @dataclass(frozen=True)
@@ -63,32 +56,28 @@ def collective(kind: str, m: float, p: int, alpha: float, beta: float) -> Cost:
 
 
 @lru_cache(maxsize=200_000)
-def _collectives(src: tuple, dst: tuple, partial_grad_axes: tuple, src_partial_axes: tuple, needs_grad: bool) -> tuple[tuple[str, int, tuple, bool], ...]:
-    """Shape-free: the (collective, mesh axis, tiling whose tile size is ``m``, is a gradient
-    all-reduce) of every forward and backward step of ``src -> dst``; one table serves every
-    tensor shape."""
-    steps = plan_reshard(src, dst, partial_grad_axes, src_partial_axes) if needs_grad else plan_reshard(src, dst)
+def priced_steps(route: Route) -> tuple[tuple[str, int, tuple, bool], ...]:
+    """Shape-free: the (collective, mesh axis, tiling whose local tile is the message ``m``, is the
+    gradient sync) of every forward and backward collective of ``route``, read from the kinds
+    table; one table serves every tensor shape."""
     out: list[tuple[str, int, tuple, bool]] = []
-    cur = src
-    for step in steps:
+    cur = route.src
+    for step in route.steps():
+        kind = KINDS[step.kind]
         nxt = apply_step(cur, step)
-        m_tiling = nxt if step.kind == "all_gather" else cur
-        if not step.kind.startswith("grad_") and step.kind in RING_FACTOR:
-            out.append((step.kind, step.axis, m_tiling, False))
-        if needs_grad:
-            bwd = "reduce_scatter" if step.kind == "all_gather" and step.grad_partial else BACKWARD[step.kind]
-            if bwd is not None:
-                # a backward all_gather rebuilds the gradient of the tensor before the step
-                out.append((bwd, step.axis, cur if bwd == "all_gather" else m_tiling, step.kind == "grad_all_reduce"))
+        priced = [(kind.forward, False)] + ([(kind.adjoint(step), kind.gradient_sync)] if route.needs_grad else [])
+        for c, sync in priced:
+            if c is not None:
+                out.append((c.collective, step.axis, nxt if c.message == "after" else cur, sync))
         cur = nxt
     return tuple(out)
 
 
 @lru_cache(maxsize=400_000)
-def reshard_cost(src: tuple, dst: tuple, shape: tuple, itemsize: int, mesh: Mesh, profile: Profile, partial_grad_axes: tuple, needs_grad: bool, src_partial_axes: tuple = ()) -> Cost:
-    """Forward + backward cost of turning ``src`` into ``dst`` for one tensor."""
+def reshard_cost(route: Route, shape: tuple, itemsize: int, mesh: Mesh, profile: Profile) -> Cost:
+    """Forward + backward cost of ``route`` for one tensor of ``shape``."""
     nb = ns = sync = 0.0
-    for kind, axis, tiling, is_sync in _collectives(src, dst, tuple(partial_grad_axes), tuple(src_partial_axes), needs_grad):
+    for kind, axis, tiling, is_sync in priced_steps(route):
         a, b = profile.ab(axis, kind)
         c = collective(kind, float(max_local_numel(shape, tiling, mesh) * itemsize), mesh.shape[axis], a, b)
         blocking = profile.blocking_s if not is_sync and mesh.shape[axis] > 1 else 0.0

@@ -17,7 +17,10 @@ tensor plus its bytes at the optimizer's rate (see ``OPTIMIZER_PASSES``).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Sequence
+
+import numpy as np
 
 from ..mesh import Mesh
 from ..rules.base import OpSpec, Strategy
@@ -124,3 +127,19 @@ def compute_seconds(flops: float, bytes_moved: float, work_fraction: float, prof
 
 def work_fraction(split_axes: Sequence[bool], mesh: Mesh) -> float:
     return 1.0 / math.prod(p for p, s in zip(mesh.shape, split_axes) if s) if any(split_axes) else 1.0
+
+
+def op_seconds(op: OpSpec, strategies: Sequence[Strategy], grads: list[bool], mesh: Mesh, profile: Profile) -> np.ndarray:
+    """Training-step seconds of ``op`` under each strategy, given which tensor inputs need a gradient."""
+    n_flops, byts = flops(op)
+    rate = replace(profile, flops=profile.conv_flops) if op.name.startswith("aten.conv") and profile.conv_flops else profile
+    n_pass = passes(op, grads)
+    return np.array([compute_seconds(n_flops, byts, work_fraction(s.divides_work(), mesh), rate, n_pass,
+                                     fresh_bytes(op, s, grads, mesh, profile)) for s in strategies])
+
+
+def optimizer_step_seconds(shape: tuple[int, ...], itemsize: int, tilings: Sequence[tuple], mesh: Mesh, profile: Profile,
+                           trains: bool) -> np.ndarray:
+    """Optimizer seconds of a stored tensor under each tiling (zero where it does not train)."""
+    return np.array([optimizer_seconds(max_local_numel(shape, t, mesh) * itemsize, profile) if trains else 0.0
+                     for t in tilings])
