@@ -18,7 +18,9 @@ Edge semantics are decided here, once: which values need a gradient (``Var.needs
 where each use reads its value from (the producer, or the shared reshard point), on which axes
 a replicated use's gradient is partial (the consumer splits its work there), which axes a
 reshard point sums partial gradients over, and which gradient all-reduce is a parameter's own,
-deferred to the runtime's bucketed gradient sync (``Edge.deferred``).  Each edge keeps, per
+deferred to the runtime's bucketed gradient sync (``Edge.deferred``), and which stored tensors an
+op updates in place through a resharded copy (a *write-back* edge: batch norm's running
+statistics, stored whole and updated channel-split, travel back to their stored tiling).  Each edge keeps, per
 pair of strategies, the ``reshard.Route`` these make; the cost model prices it and codegen
 emits it.  Built with ``fixed=plan``, every variable's domain is the one strategy the plan
 chose: the graph codegen lowers.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,10 +42,11 @@ from .capture import Captured
 from .cost.collectives import reshard_cost
 from .cost.compute import op_seconds, optimizer_step_seconds
 from .cost.memory import PARAM_COPIES, output_bytes, stored_bytes
+from .cost.profiles import Profile
 from .mesh import Mesh
 from .plan import Plan
-from .cost.profiles import Profile
 from .reshard import Route
+from .rules._common import Args
 from .rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, strategies_1d
 from .tiling import Partial, R, Replicate, Shard, is_valid, parse_placement
 
@@ -78,6 +82,9 @@ class Edge:
     # asynchronous gradient sync (``GradSync``), whose time ``sync`` gives (else None).
     deferred: bool
     sync: np.ndarray | None
+    # A write-back: ``dst`` (an op) updates stored tensor ``src`` (a parameter or buffer) in place
+    # through the copy it read in its own tiling, which travels back to the stored tiling.
+    write_back: bool
     # Distinct (tiling, collected partial-gradient axes) of the source's strategies, and
     # (tiling, partial-gradient axes) of the consumer's, with each strategy's index into them.
     src_keys: list[tuple[tuple, tuple[int, ...]]] = field(default_factory=list)
@@ -88,7 +95,7 @@ class Edge:
     def route(self, s: int, t: int) -> Route:
         """The route of this use when the source takes strategy ``s`` and the consumer ``t``."""
         (src, spa), (dst, pga) = self.src_keys[self.src_key_of[s]], self.dst_keys[self.dst_key_of[t]]
-        return Route.of(src, dst, pga, spa, self.needs_grad)
+        return Route.of(dst, src) if self.write_back else Route.of(src, dst, pga, spa, self.needs_grad)
 
 
 @dataclass
@@ -197,6 +204,38 @@ def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int],
         _add_edge(g, vi, r, k, 0, needs_grad)
 
 
+def _batch_norm_writes(a: Args) -> tuple[str, ...]:
+    return ("running_mean", "running_var") if a["training"] else ()
+
+
+# Ops that write into arguments their schema does not mark as written (``Tensor(a!)``):
+# ``aten.batch_norm`` updates its running statistics in place in training mode.
+HIDDEN_WRITES: dict[str, Callable[[Args], tuple[str, ...]]] = {"aten.batch_norm.default": _batch_norm_writes}
+
+
+def written_inputs(op: OpSpec) -> list[int]:
+    """Indices into ``op.inputs`` of the tensors the op writes in place."""
+    schema = getattr(op.target, "_schema", None)
+    names = [x.name for x in schema.arguments if x.alias_info is not None and x.alias_info.is_write] if schema else []
+    a = Args(op)
+    if op.name in HIDDEN_WRITES:
+        names += HIDDEN_WRITES[op.name](a)
+    return [a.slots[n] for n in names if isinstance(a.slots.get(n), int)]
+
+
+
+def written_placeholders(cap: Captured) -> set[str]:
+    """Names of the placeholders some op of ``cap`` writes in place."""
+    out: set[str] = set()
+    for node in cap.graph.nodes:
+        if node.op == "call_function" and node.target is not operator.getitem:
+            op = make_opspec(node.target, node.args, node.kwargs, node.meta.get("val"))
+            ins = [a for a in tree_flatten((node.args, node.kwargs))[0]
+                   if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+            out.update(ins[k].name for k in written_inputs(op) if k < len(ins) and ins[k].op == "placeholder")
+    return out
+
+
 PINNED = 1e30  # cost of a forbidden resharding
 
 
@@ -278,6 +317,10 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
             v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node), needs_grad=ng))
             for i, (a, (u, k)) in enumerate(zip(tensor_args, sources)):
                 _add_edge(g, u, v, k, i, needs_grad.get(a.name, False))
+            for i in written_inputs(op):
+                a = tensor_args[i]
+                if a.op == "placeholder" and (a.name in cap.params or a.name in cap.buffers):
+                    _add_edge(g, g.index[a.name], v, 0, i, False, write_back=True)
             _add_reshard_points(g, v, uses, ng, fixed)
         elif node.op == "output":
             outs, _ = tree_flatten(node.args)
@@ -315,7 +358,7 @@ def partial_grad_axes(s: Strategy, dst: tuple, mesh: Mesh) -> tuple[int, ...]:
     return tuple(a for a in range(mesh.ndim) if split[a] and isinstance(dst[a], Replicate))
 
 
-def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_grad: bool) -> None:
+def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_grad: bool, write_back: bool = False) -> None:
     U, V = g.vars[u], g.vars[v]
     spec = V.op.inputs[in_idx] if V.op is not None else None
     if spec is None:  # output var: the producer's output spec
@@ -332,16 +375,17 @@ def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_gra
     # Price each distinct (source tiling, target tiling) pair once; repeated layers share the table.
     us, si = _unique(src_keys)
     ud, di = _unique(dst_keys)
-    key = (tuple(us), tuple(ud), shape, itemsize, needs_grad, U.pinned, g.mesh, g.profile)
+    key = (tuple(us), tuple(ud), shape, itemsize, needs_grad, U.pinned, write_back, g.mesh, g.profile)
     if key not in _EDGE_MEMO:
         Bu = np.zeros((len(us), len(ud)))
         Tu = np.zeros((len(us), len(ud)))
         Su = np.zeros((len(us), len(ud)))
         for a, (src, spa) in enumerate(us):
             for b, (dst, pga) in enumerate(ud):
-                c = reshard_cost(Route.of(src, dst, pga, spa, needs_grad), shape, itemsize, g.mesh, g.profile)
+                route = Route.of(dst, src) if write_back else Route.of(src, dst, pga, spa, needs_grad)
+                c = reshard_cost(route, shape, itemsize, g.mesh, g.profile)
                 Bu[a, b], Tu[a, b], Su[a, b] = c.bytes, c.seconds, c.sync_seconds
-                if U.pinned and src != dst:
+                if U.pinned and src != dst and not write_back:
                     Bu[a, b] = Tu[a, b] = PINNED
                     Su[a, b] = 0.0
         if len(_EDGE_MEMO) > 4096:
@@ -349,6 +393,6 @@ def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_gra
         _EDGE_MEMO[key] = (Bu, Tu, Su)
     Bu, Tu, Su = _EDGE_MEMO[key]
     B, T = Bu[np.ix_(si, di)], Tu[np.ix_(si, di)]
-    deferred = U.kind == "param"
+    deferred = U.kind == "param" and not write_back
     S = Su[np.ix_(si, di)] if deferred and Su.any() else None
-    g.edges.append(Edge(u, v, out_idx, in_idx, B, T, shape, itemsize, needs_grad, deferred, S, us, si, ud, di))
+    g.edges.append(Edge(u, v, out_idx, in_idx, B, T, shape, itemsize, needs_grad, deferred, S, write_back, us, si, ud, di))

@@ -11,7 +11,8 @@ captured graph with one method per node kind:
   the kinds table's ``sb_*`` calls; a value with several uses is resharded once, at its shared
   reshard point); shape-carrying arguments are rewritten by the rule's ``localize`` to this
   device's tile shapes (so the program is per rank: uneven tiles depend on the coordinates); a
-  parameter or buffer an op updates in place through a resharded copy is written back;
+  parameter or buffer an op updates in place through a resharded copy is written back along its
+  write-back edge;
 * ``output``: outputs leave full (``R``), or as tiles under ``local_batch``.
 
 A parameter's own gradient all-reduce is not emitted: its axes are collected in
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import operator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx
@@ -31,12 +32,10 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .. import rules
 from ..capture import Captured
 from ..cost.profiles import load_profile
-from ..graph import Edge, PlanGraph, build, value_source
+from ..graph import Edge, PlanGraph, build, value_source, written_placeholders
 from ..mesh import Mesh
 from ..plan import Plan
 from ..reshard import Route
-from ..rules._common import Args
-from ..rules.base import OpSpec, make_opspec
 from ..runtime import context as rt
 from ..runtime.kinds import KINDS, apply_step
 from ..tiling import Partial, Placement, R, local_shape
@@ -61,42 +60,14 @@ def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], route: Route, 
     for step in route.steps():
         kind = KINDS[step.kind]
         if defer is not None and kind.gradient_sync:
-            defer.add(step.axis)
+            if mesh.shape[step.axis] > 1:  # a group of one has nothing to sum
+                defer.add(step.axis)
             continue
         nxt = apply_step(cur, step)
         after = local_shape(shape, nxt, mesh, coords)
         x = g.call_function(kind.call, (x, step.axis, *kind.args(step, after)), {"view": True} if view and kind.viewable else {})
         cur = nxt
     return x
-
-
-def _batch_norm_writes(a: Args) -> tuple[str, ...]:
-    return ("running_mean", "running_var") if a["training"] else ()
-
-
-# Ops that write into arguments their schema does not mark as written (``Tensor(a!)``):
-# ``aten.batch_norm`` updates its running statistics in place in training mode.
-HIDDEN_WRITES: dict[str, Callable[[Args], tuple[str, ...]]] = {"aten.batch_norm.default": _batch_norm_writes}
-
-
-def written_inputs(op: OpSpec) -> list[int]:
-    """Indices into ``op.inputs`` of the tensors the op writes in place."""
-    schema = getattr(op.target, "_schema", None)
-    names = [x.name for x in schema.arguments if x.alias_info is not None and x.alias_info.is_write] if schema is not None else []
-    a = Args(op)
-    if op.name in HIDDEN_WRITES:
-        names += HIDDEN_WRITES[op.name](a)
-    return [a.slots[n] for n in names if isinstance(a.slots.get(n), int)]
-
-
-def write_back(g: fx.Graph, stored: fx.Node, updated: fx.Node, shape: tuple[int, ...], used: Tiling, kept: Tiling,
-               mesh: Mesh, coords: tuple[int, ...]) -> None:
-    """Copy a state tensor an op updated in place, in tiling ``used``, into its stored tile (tiling ``kept``).
-
-    When the op read a resharded copy of a parameter or buffer (batch norm's running statistics,
-    stored whole and updated channel-split), the update would otherwise be lost with the copy.
-    """
-    g.call_function(torch.ops.aten.copy_.default, (stored, emit_reshard(g, updated, shape, Route.of(used, kept), mesh, coords)))
 
 
 _SCALINGS = (torch.ops.aten.div.Tensor, torch.ops.aten.mul.Tensor)
@@ -128,17 +99,6 @@ def _lazy_output_sums(g: fx.Graph) -> None:
             g.erase_node(ar)
 
 
-def _written_placeholders(cap: Captured) -> set[str]:
-    """Names of the placeholders some op of ``cap`` writes in place."""
-    out: set[str] = set()
-    for node in cap.graph.nodes:
-        if node.op == "call_function" and node.target is not operator.getitem:
-            op = make_opspec(node.target, node.args, node.kwargs, _val(node))
-            ins = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor)]
-            out.update(ins[k].name for k in written_inputs(op) if k < len(ins) and ins[k].op == "placeholder")
-    return out
-
-
 class Lowering:
     """One rank's program for ``plan``: placeholders as in ``cap`` (params and buffers as local tiles)."""
 
@@ -149,9 +109,10 @@ class Lowering:
         self.full: Tiling = (R,) * self.mesh.ndim
         # The plan's graph: one strategy per var, the edge semantics decided there (pricing unused).
         self.pg: PlanGraph = build(cap, self.mesh, load_profile(None), fixed=plan)
-        self.into: dict[int, list[Edge]] = {}
+        self.into: dict[int, list[Edge]] = {}        # the edges a var reads, by input index
+        self.write_backs: dict[int, list[Edge]] = {}  # the stored tensors an op updates in place
         for e in self.pg.edges:
-            self.into.setdefault(e.dst, []).append(e)
+            (self.write_backs if e.write_back else self.into).setdefault(e.dst, []).append(e)
         for es in self.into.values():
             es.sort(key=lambda e: e.dst_in)
         self.g = fx.Graph()
@@ -160,7 +121,7 @@ class Lowering:
         self.shared: dict[int, fx.Node] = {}                # reshard point var -> its value, emitted once
         self.stored: dict[str, tuple[fx.Node, Tiling]] = {}  # param/buffer placeholder -> (tile, tiling)
         self.grad_sync: dict[str, set[int]] = {}            # parameter FQN -> axes its gradient is summed over
-        self.written = _written_placeholders(cap)           # inputs an op updates in place: sliced by copy
+        self.written = written_placeholders(cap)           # inputs an op updates in place: sliced by copy
         self.readonly: set[fx.Node] = set()                 # lowered values of placeholders nothing writes
 
     def run(self) -> fx.GraphModule:
@@ -249,11 +210,11 @@ class Lowering:
             args, kwargs = entry.localize(op, args, kwargs, in_shapes, out_shapes)
         out = self.g.call_function(node.target, tuple(args), dict(kwargs))
         out.name = node.name
-        for k in written_inputs(op):
-            a, x, e = passed[k]
-            if a.name in self.stored and x is not self.stored[a.name][0]:
-                tile, kept = self.stored[a.name]
-                write_back(self.g, tile, x, e.shape, e.route(0, 0).dst, kept, self.mesh, self.coords)
+        for e in self.write_backs.get(vi, []):
+            tile, x = self.values[(e.src, 0)], passed[e.dst_in][1]
+            if x is not tile:  # the op updated a resharded copy: copy it back into the stored tile
+                self.g.call_function(torch.ops.aten.copy_.default,
+                                     (tile, emit_reshard(self.g, x, e.shape, e.route(0, 0), self.mesh, self.coords)))
         self.env[node.name] = out
         self.values[(vi, 0)] = out
 

@@ -1,0 +1,148 @@
+"""What is priced is what runs: the collectives a generated program runs in one training step equal,
+kind by kind and byte by byte, the collectives the cost model priced for its plan.
+
+Every plan of the serial-equivalence suite is trained for one step (forward and backward) with every
+rank as a thread, through groups that log each collective call: its kind, its mesh axis and its
+message ``m`` in the cost model's sense (the full result of an all-gather, the full input of a
+reduce-scatter, the local buffer of an all-reduce or all-to-all).  The ranks run the same calls on
+each axis in the same order, so the calls are aligned across ranks and each call's message is the
+largest over ranks, as the cost model prices uneven tiles (``max_local_numel``).
+
+The priced list is read from the plan's planning graph (``graph.build(fixed=plan)``): every edge's
+route and the forward and backward collectives ``cost.collectives.priced_steps`` gives it, on axes of
+more than one device.  Every priced collective must run exactly once with exactly its bytes, and
+nothing else may run, except that the deferred parameter-gradient all-reduces are bucketed by the
+runtime (``GradSync``): those must add up, per axis, to the bytes priced for them.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from soybean.api import parallelize
+from soybean.capture import capture
+from soybean.cost.collectives import priced_steps
+from soybean.cost.profiles import load_profile
+from soybean.graph import build
+from soybean.mesh import Mesh
+from soybean.plan import Plan
+from soybean.planner import plan as make_plan
+from soybean.runtime.comm import Group
+from soybean.runtime.launch import run_threads
+from soybean.tiling import max_local_numel
+from examples.models import resnet
+from tests.test_equivalence import CASES as EQUIVALENCE_CASES
+from tests.test_equivalence import MODELS as EQUIVALENCE_MODELS
+
+pytestmark = pytest.mark.sim
+
+# The equivalence suite's plans, and the batch-norm ResNet's of tests/test_cnn.py (its running
+# statistics are written back to their stored tiles).  Not its forced-DP plan on 2x2: that plan takes
+# a forbidden resharding of a pinned parameter, so its recorded cost is the 1e30 penalty, not bytes.
+MODELS = {**EQUIVALENCE_MODELS, "resnet": lambda: resnet(batch=4, image=32, width=0.125, classes=10)}
+CASES = EQUIVALENCE_CASES + [("resnet", (2,), "auto"), ("resnet", (2, 2), "auto")]
+
+Call = tuple[str, int, int]  # (collective, mesh axis, message bytes)
+
+
+class Recorder:
+    """A group that logs every collective it runs (as ``Call``) and delegates it to ``inner``."""
+
+    def __init__(self, inner: Group, axis: int, log: list[Call]) -> None:
+        self.inner, self.axis, self.log = inner, axis, log
+        self.size, self.index = inner.size, inner.index
+
+    def _note(self, kind: str, t: torch.Tensor, numel: int | None = None) -> None:
+        self.log.append((kind, self.axis, (t.numel() if numel is None else numel) * t.element_size()))
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self._note("all_reduce", t)
+        return self.inner.all_reduce(t)
+
+    def all_gather(self, t: torch.Tensor, dim: int, full: int) -> torch.Tensor:
+        out = self.inner.all_gather(t, dim, full)
+        self._note("all_gather", out)
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        self._note("reduce_scatter", t)
+        return self.inner.reduce_scatter(t, dim)
+
+    def all_to_all(self, t: torch.Tensor, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
+        self._note("all_to_all", t)
+        return self.inner.all_to_all(t, src_dim, dst_dim, full_src)
+
+
+def run_one_step(model: torch.nn.Module, inputs: tuple, plan: Plan, cap: Any) -> list[Call]:
+    """One forward and backward on every rank; the calls aligned across ranks, each with its largest message."""
+    mesh = Mesh(tuple(plan.mesh))
+    logs: list[list[Call]] = [[] for _ in range(mesh.size)]
+
+    def rank_fn(rank: int, groups: list) -> None:
+        rec = [Recorder(g, a, logs[rank]) for a, g in enumerate(groups)]
+        pm = parallelize(model, inputs, plan=plan, rank=rank, groups=rec, captured=cap)
+        out = pm(*inputs)
+        out.backward()
+        float(out)  # the loss sum may be pending until read
+
+    run_threads(mesh, rank_fn)
+    calls: list[Call] = []
+    for axis in range(mesh.ndim):
+        per_rank = [[c for c in log if c[1] == axis] for log in logs]
+        assert len({len(p) for p in per_rank}) == 1, f"ranks ran different numbers of collectives on axis {axis}"
+        for same in zip(*per_rank):
+            assert len({c[0] for c in same}) == 1, f"ranks ran different collectives together on axis {axis}: {same}"
+            calls.append((same[0][0], axis, max(c[2] for c in same)))
+    return calls
+
+
+def priced(cap: Any, plan: Plan) -> tuple[list[Call], Counter[int], float]:
+    """(collectives priced outside the gradient sync, sync bytes priced per axis, bytes sent per device)."""
+    mesh = Mesh(tuple(plan.mesh))
+    g = build(cap, mesh, load_profile(plan.profile), fixed=plan)
+    calls: list[Call] = []
+    sync: Counter[int] = Counter()
+    for e in g.edges:
+        for kind, axis, tiling, is_sync in priced_steps(e.route(0, 0)):
+            if mesh.shape[axis] == 1:
+                continue
+            m = max_local_numel(e.shape, tiling, mesh) * e.itemsize
+            if is_sync and e.deferred:
+                sync[axis] += m
+            else:
+                calls.append((kind, axis, m))
+    return calls, sync, float(sum(e.bytes[0, 0] for e in g.edges))
+
+
+@pytest.mark.parametrize("name,mesh,mode", CASES, ids=[f"{n}-{'x'.join(map(str, m))}-{md}" for n, m, md in CASES])
+def test_collectives_run_equal_collectives_priced(name: str, mesh: tuple, mode: str) -> None:
+    model, inputs = MODELS[name]()
+    cap = capture(model, inputs)
+    plan = make_plan(None, (), captured=cap, devices=Mesh(mesh).size, mesh=mesh, mode=mode, objective="comm",
+                     baselines=False)
+    want, want_sync, comm_bytes = priced(cap, plan)
+    # The fixed graph prices the plan as the planner did: the plan's own record of its bytes.
+    assert comm_bytes == pytest.approx(plan.cost["comm_bytes"], rel=1e-5, abs=1e-6)
+    ran = Counter(run_one_step(model, inputs, plan, cap))
+    missing = Counter(want) - ran
+    assert not missing, f"priced but not run: {dict(missing)}"
+    extra = ran - Counter(want)
+    assert all(kind == "all_reduce" for kind, _, _ in extra), f"run but not priced: {dict(extra)}"
+    got_sync: Counter[int] = Counter()
+    for (_, axis, m), n in extra.items():
+        got_sync[axis] += m * n
+    assert got_sync == want_sync, f"gradient sync bytes per axis: ran {dict(got_sync)}, priced {dict(want_sync)}"
+
+
+def test_recorder_sees_a_missing_collective() -> None:
+    """The check can fail: a program that runs one more collective than priced is caught."""
+    model, inputs = MODELS["mlp"]()
+    cap = capture(model, inputs)
+    plan = make_plan(None, (), captured=cap, devices=2, mesh=(2,), mode="mp", objective="comm", baselines=False)
+    want, _, _ = priced(cap, plan)
+    ran = run_one_step(model, inputs, plan, cap)
+    assert Counter(want) - Counter(ran) == Counter()
+    assert Counter(want + [("all_gather", 0, 4)]) - Counter(ran) != Counter()
