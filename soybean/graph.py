@@ -50,6 +50,7 @@ from .rules._common import Args
 from .rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, strategies_1d
 from .tiling import Partial, R, Replicate, Shard, is_valid, parse_placement
 
+
 @dataclass
 class Var:
     name: str

@@ -22,8 +22,9 @@ from typing import Sequence
 
 import numpy as np
 
+from .. import rules
 from ..mesh import Mesh
-from ..rules.base import OpSpec, Strategy
+from ..rules.base import ELEMENTWISE, OpCost, OpSpec, Strategy
 from ..tiling import max_local_numel
 from .profiles import Profile
 
@@ -39,61 +40,36 @@ OPTIMIZER_TEMPS = 2
 
 
 
+def facts(op: OpSpec) -> OpCost:
+    """The cost facts ``op``'s rule declared; an op without a rule is priced as elementwise."""
+    entry = rules.lookup(op.target)
+    return entry.cost if entry is not None and entry.cost is not None else ELEMENTWISE
+
+
 def flops(op: OpSpec) -> tuple[float, float]:
     """(FLOPs, bytes moved) of one forward op from its shapes."""
-    name = op.name
-    out = op.outputs[0] if op.outputs else None
-    out_n = math.prod(out.shape) if out else 0
+    out_n = math.prod(op.outputs[0].shape) if op.outputs else 0
     byts = sum(math.prod(t.shape) * t.dtype.itemsize for t in op.inputs + op.outputs)
-    if name in ("aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.matmul.default", "aten.bmm.default", "aten.baddbmm.default"):
-        w = op.inputs[1] if name != "aten.addmm.default" and name != "aten.baddbmm.default" else op.inputs[2]
-        k = w.shape[-1] if name == "aten.linear.default" else w.shape[-2]
-        return 2.0 * out_n * k, byts
-    if name.startswith("aten.conv"):
-        w = op.inputs[1]
-        return 2.0 * out_n * math.prod(w.shape[1:]), byts
-    if name == "aten.scaled_dot_product_attention.default":
-        q, k = op.inputs[0], op.inputs[1]
-        return 4.0 * math.prod(q.shape) * k.shape[-2], byts
-    return float(out_n), byts
-
-
-# Ops that only re-describe memory (a view or an alias): no arithmetic, no traffic.
-VIEW_OPS = frozenset({
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.expand.default", "aten.t.default",
-    "aten.transpose.int", "aten.permute.default", "aten.slice.Tensor", "aten.select.int", "aten.unsqueeze.default",
-    "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.broadcast_tensors.default", "aten.alias.default",
-    "aten.detach.default", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.unbind.int", "aten.chunk.default",
-    "aten.narrow.default", "aten.view_as.default", "aten.expand_as.default", "aten.flatten.using_ints", "aten.unflatten.int",
-    "aten.movedim.int", "aten.unsqueeze_copy.default", "aten.as_strided.default",
-})
-# Products whose backward is one product per operand that needs a gradient, and where their
-# two operands sit among the op's tensor inputs.
-MATMUL_OPERANDS = {
-    "aten.linear.default": (0, 1), "aten.mm.default": (0, 1), "aten.matmul.default": (0, 1), "aten.bmm.default": (0, 1),
-    "aten.addmm.default": (1, 2), "aten.baddbmm.default": (1, 2), "aten.conv1d.default": (0, 1), "aten.conv2d.default": (0, 1),
-    "aten.conv3d.default": (0, 1), "aten.convolution.default": (0, 1),
-}
+    f = facts(op).flops
+    return (f(op) if f is not None else float(out_n)), byts
 
 
 def passes(op: OpSpec, grads: list[bool]) -> float:
-    """Forward-equivalents of one training step of ``op`` (see ``cost.compute_seconds``), given
-    which of its tensor inputs need a gradient: a view is free; a product's backward is one
-    product per operand needing a gradient; any other op's backward is about one forward."""
-    if op.name in VIEW_OPS:
+    """Forward-equivalents of one training step of ``op`` (see ``compute_seconds``), given which of its
+    tensor inputs need a gradient: a view is free; a product's backward is one product per operand
+    needing a gradient; any other op's backward is its declared ``backward`` (one forward by default)."""
+    c = facts(op)
+    if c.view:
         return 0.0
-    operands = MATMUL_OPERANDS.get(op.name)
-    if operands is not None:
-        return 1.0 + sum(1.0 for i in operands if i < len(grads) and grads[i])
-    if op.name == "aten.scaled_dot_product_attention.default":
-        return 3.5 if any(grads) else 1.0  # FlashAttention's backward: about 2.5x its forward
-    return 2.0 if any(grads) else 1.0
+    if c.operands is not None:
+        return 1.0 + sum(1.0 for i in c.operands if i < len(grads) and grads[i])
+    return 1.0 + (c.backward if any(grads) else 0.0)
 
 
 def fresh_bytes(op: OpSpec, s: Strategy, grads: list[bool], mesh: Mesh, profile: Profile) -> float:
     """Local bytes of the large tensors ``op`` allocates under strategy ``s``: its outputs, and
     in backward the gradients of its inputs (only those of at least ``profile.large_alloc``)."""
-    if not profile.large_alloc or op.name in VIEW_OPS:
+    if not profile.large_alloc or facts(op).view:
         return 0.0
     big = 0.0
     for spec, t in zip(op.outputs, s.outputs):
@@ -132,7 +108,7 @@ def work_fraction(split_axes: Sequence[bool], mesh: Mesh) -> float:
 def op_seconds(op: OpSpec, strategies: Sequence[Strategy], grads: list[bool], mesh: Mesh, profile: Profile) -> np.ndarray:
     """Training-step seconds of ``op`` under each strategy, given which tensor inputs need a gradient."""
     n_flops, byts = flops(op)
-    rate = replace(profile, flops=profile.conv_flops) if op.name.startswith("aten.conv") and profile.conv_flops else profile
+    rate = replace(profile, flops=profile.conv_flops) if facts(op).conv and profile.conv_flops else profile
     n_pass = passes(op, grads)
     return np.array([compute_seconds(n_flops, byts, work_fraction(s.divides_work(), mesh), rate, n_pass,
                                      fresh_bytes(op, s, grads, mesh, profile)) for s in strategies])

@@ -16,11 +16,19 @@ broadcastable to ``(..., L, S)``.  Exact one-axis strategies:
 """
 from __future__ import annotations
 
+import math
+
 from ._common import Args, Shard, bcast, partial_strategies
-from .base import OpSpec, Strategy1D, register
+from .base import OpCost, OpSpec, Strategy1D, register
 
 
-@register("aten.scaled_dot_product_attention.default", family="attention")
+def sdpa_flops(op: OpSpec) -> float:
+    """``Q K^T`` and ``P V``: ``2 * 2 * |Q| * L_k`` (the softmax's share is negligible)."""
+    q, k = op.inputs[0], op.inputs[1]
+    return 4.0 * math.prod(q.shape) * k.shape[-2]
+
+
+@register("aten.scaled_dot_product_attention.default", family="attention", cost=OpCost(flops=sdpa_flops, backward=2.5))
 def sdpa(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     q, k, v, mask = a.spec("query"), a.spec("key"), a.spec("value"), a.spec("attn_mask")

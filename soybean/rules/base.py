@@ -94,6 +94,31 @@ class Strategy:
         )
 
 
+@dataclass(frozen=True)
+class OpCost:
+    """What the cost model (``cost.compute``) knows of an op beyond its shapes, declared with its rule.
+
+    * ``view``: the op only re-describes memory (a view or an alias): no arithmetic, no traffic,
+      no allocation.
+    * ``flops``: forward FLOPs from the op's shapes; ``None``: one per output element.
+    * ``operands``: a product's two operands (indices into ``op.inputs``): its backward is one
+      product per operand that needs a gradient, so training is 1x to 3x the forward.
+    * ``backward``: any other op's backward, in forward-equivalents, when some input needs a
+      gradient (an elementwise op's one pass; FlashAttention's backward is about 2.5x its forward).
+    * ``conv``: priced at the profile's convolution rate (``Profile.conv_flops``) where it has one.
+    """
+
+    view: bool = False
+    flops: Callable[[OpSpec], float] | None = None
+    operands: tuple[int, int] | None = None
+    backward: float = 1.0
+    conv: bool = False
+
+
+ELEMENTWISE = OpCost()       # one FLOP per output element, backward one pass
+VIEW = OpCost(view=True)     # free
+
+
 RuleFn = Callable[[OpSpec], list[Strategy1D]]
 # localize(op, args, kwargs, local_input_shapes, local_output_shapes) -> (args, kwargs):
 # rewrites shape-carrying arguments (view sizes, expand sizes, ...) for one device's tiles.
@@ -106,6 +131,7 @@ class RuleEntry:
     localize: LocalizeFn | None = None
     # ``linear_in`` ops may take Partial inputs (their rule lists them); kept for docs.
     family: str = ""
+    cost: OpCost | None = None  # every registered op declares one (tests/test_rules.py checks)
 
 
 REGISTRY: dict[str, RuleEntry] = {}
@@ -120,14 +146,16 @@ def op_name(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def register(*names: str, localize: LocalizeFn | None = None, family: str = "") -> Callable[[RuleFn], RuleFn]:
-    """Register ``fn`` as the rule of every op in ``names`` (``"aten.mm.default"`` form)."""
+def register(*names: str, cost: OpCost | None = None, localize: LocalizeFn | None = None,
+             family: str = "") -> Callable[[RuleFn], RuleFn]:
+    """Register ``fn`` as the rule of every op in ``names`` (``"aten.mm.default"`` form), with the
+    ops' cost facts ``cost``."""
 
     def deco(fn: RuleFn) -> RuleFn:
         for n in names:
             if n in REGISTRY:
                 raise ValueError(f"two rules for {n}")
-            REGISTRY[n] = RuleEntry(fn, localize, family)
+            REGISTRY[n] = RuleEntry(fn, localize, family, cost)
         return fn
 
     return deco
@@ -234,7 +262,7 @@ def is_float(spec: TensorSpec) -> bool:
 
 
 __all__ = [
-    "TensorSpec", "OpSpec", "Strategy1D", "Strategy", "REGISTRY", "register", "lookup",
+    "TensorSpec", "OpSpec", "Strategy1D", "Strategy", "REGISTRY", "register", "lookup", "OpCost", "ELEMENTWISE", "VIEW",
     "strategies_1d", "expand", "make_opspec", "spec_of", "op_name", "norm_dim", "shards_except", "is_float",
     "Partial", "Replicate", "Shard", "R",
 ]

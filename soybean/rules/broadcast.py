@@ -7,11 +7,11 @@ the local chunk of the output.
 """
 from __future__ import annotations
 
-from .base import OpSpec, Strategy1D, register
 from ..tiling import R, Shard
+from .base import VIEW, OpSpec, Strategy1D, register
 
 
-@register("aten.broadcast_tensors.default", family="broadcast")
+@register("aten.broadcast_tensors.default", family="broadcast", cost=VIEW)
 def broadcast_tensors(op: OpSpec) -> list[Strategy1D]:
     if not op.outputs:
         return []

@@ -15,13 +15,20 @@ channels whole (a chunk of channels is not a whole number of groups in general).
 """
 from __future__ import annotations
 
+import math
+
 from ._common import Args, P, R, Shard, partial_strategies
-from .base import OpSpec, Strategy1D, register
+from .base import OpCost, OpSpec, Strategy1D, register
 
 CONVS = tuple(f"aten.conv{k}d.{o}" for k in (1, 2, 3) for o in ("default", "padding"))
 
 
-@register(*CONVS, family="conv")
+def conv_flops(op: OpSpec) -> float:
+    """``2 * |out| * C_in/groups * prod(kernel)``: one multiply-add per output element and weight tap."""
+    return 2.0 * math.prod(op.outputs[0].shape) * math.prod(op.inputs[1].shape[1:])
+
+
+@register(*CONVS, family="conv", cost=OpCost(flops=conv_flops, operands=(0, 1), conv=True))
 def conv(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x, w = a.spec("input"), a.spec("weight")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ._common import Args, P, R, Shard, bcast, free_placements, partial_strategies
-from .base import OpSpec, Strategy1D, register
+from .base import ELEMENTWISE, VIEW, OpSpec, Strategy1D, register
 
 # op -> the groups of arguments the op is linear in (each group all-P, rest R)
 LinearFn = Callable[[Args], list[list[str]]]
@@ -136,11 +136,14 @@ TABLE: dict[str, LinearFn] = {
     "aten.masked_fill.Tensor": _masked_fill_tensor,
 }
 
+# Aliases of their input: free for the cost model.
+ALIASES = frozenset({"aten.alias.default", "aten.detach.default"})
+
 for _name, _lin in TABLE.items():
-    register(_name, family="elementwise")(_rule(_lin))
+    register(_name, family="elementwise", cost=VIEW if _name in ALIASES else ELEMENTWISE)(_rule(_lin))
 
 
-@register("aten.type_as.default", family="elementwise")
+@register("aten.type_as.default", family="elementwise", cost=ELEMENTWISE)
 def type_as(op: OpSpec) -> list[Strategy1D]:
     """``self.to(other.dtype)``: ``other``'s values are unused, so it may be placed anyhow.
 

@@ -10,10 +10,10 @@ which plain ``aten.embedding`` does not do (out-of-range ids): not listed.
 from __future__ import annotations
 
 from ._common import Args, R, Shard, partial_strategies
-from .base import OpSpec, Strategy1D, register
+from .base import ELEMENTWISE, OpSpec, Strategy1D, register
 
 
-@register("aten.embedding.default", family="embedding")
+@register("aten.embedding.default", family="embedding", cost=ELEMENTWISE)
 def embedding(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     w, idx = a.spec("weight"), a.spec("indices")

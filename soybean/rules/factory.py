@@ -18,7 +18,7 @@ dims may be sharded; the matrix dims would shift the diagonal.  Linear.
 from __future__ import annotations
 
 from ._common import Args, P, R, Shard, free_placements, outputs_float, partial_strategies, size_localizer
-from .base import OpSpec, Strategy1D, register
+from .base import ELEMENTWISE, OpSpec, Strategy1D, register
 
 
 def _constant_is_zero(a: Args) -> bool:
@@ -40,11 +40,11 @@ def created(op: OpSpec) -> list[Strategy1D]:
 register(
     "aten.zeros.default", "aten.ones.default", "aten.full.default",
     "aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
-    localize=size_localizer("size"), family="factory",
+    localize=size_localizer("size"), family="factory", cost=ELEMENTWISE,
 )(created)
 
 
-@register("aten.zeros_like.default", "aten.ones_like.default", "aten.full_like.default", family="factory")
+@register("aten.zeros_like.default", "aten.ones_like.default", "aten.full_like.default", family="factory", cost=ELEMENTWISE)
 def like(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.tensor("self")
@@ -54,12 +54,12 @@ def like(op: OpSpec) -> list[Strategy1D]:
     return found
 
 
-@register("aten.arange.default", "aten.arange.start", "aten.arange.start_step", family="factory")
+@register("aten.arange.default", "aten.arange.start", "aten.arange.start_step", family="factory", cost=ELEMENTWISE)
 def arange(op: OpSpec) -> list[Strategy1D]:
     return []
 
 
-@register("aten.tril.default", "aten.triu.default", family="factory")
+@register("aten.tril.default", "aten.triu.default", family="factory", cost=ELEMENTWISE)
 def triangle(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.tensor("self")

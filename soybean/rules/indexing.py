@@ -23,7 +23,7 @@ import torch
 
 from ..tiling import Placement
 from ._common import Args, R, Shard, bcast, partial_strategies
-from .base import OpSpec, Strategy1D, TensorSpec, register
+from .base import ELEMENTWISE, OpSpec, Strategy1D, TensorSpec, register
 
 
 def _broadcast_shape(specs: list[TensorSpec]) -> tuple[int, ...]:
@@ -32,7 +32,7 @@ def _broadcast_shape(specs: list[TensorSpec]) -> tuple[int, ...]:
     return tuple(max((s.shape[d - (nb - s.ndim)] for s in specs if d - (nb - s.ndim) >= 0), default=1) for d in range(nb))
 
 
-@register("aten.index.Tensor", family="indexing")
+@register("aten.index.Tensor", family="indexing", cost=ELEMENTWISE)
 def index(op: OpSpec) -> list[Strategy1D]:
     """``self[indices]`` with integer index tensors (``None`` entries keep a dim whole)."""
     a = Args(op)
@@ -57,7 +57,7 @@ def index(op: OpSpec) -> list[Strategy1D]:
     return found + partial_strategies(a, [["self"]])
 
 
-@register("aten.gather.default", family="indexing")
+@register("aten.gather.default", family="indexing", cost=ELEMENTWISE)
 def gather(op: OpSpec) -> list[Strategy1D]:
     """``out[..., i_d, ...] = self[..., index[..., i_d, ...] if d == dim else i_d, ...]``."""
     a = Args(op)
@@ -70,7 +70,7 @@ def gather(op: OpSpec) -> list[Strategy1D]:
     return found + partial_strategies(a, [["self"]])
 
 
-@register("aten.index_select.default", family="indexing")
+@register("aten.index_select.default", family="indexing", cost=ELEMENTWISE)
 def index_select(op: OpSpec) -> list[Strategy1D]:
     """``dim`` of the output is the 1-D ``index``; every other dim is self's."""
     a = Args(op)

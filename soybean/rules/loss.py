@@ -17,9 +17,9 @@ not linear.  Integer targets are never ``P``.
 """
 from __future__ import annotations
 
-from ._common import Args, P, R, Shard, partial_strategies
 from ..tiling import Placement
-from .base import OpSpec, Strategy1D, register
+from ._common import Args, P, R, Shard, partial_strategies
+from .base import ELEMENTWISE, OpSpec, Strategy1D, register
 
 NONE, MEAN, SUM = 0, 1, 2
 
@@ -44,12 +44,12 @@ def per_sample(a: Args, input_name: str = "self") -> list[Strategy1D]:
     return found
 
 
-@register("aten.cross_entropy_loss.default", family="loss")
+@register("aten.cross_entropy_loss.default", family="loss", cost=ELEMENTWISE)
 def cross_entropy(op: OpSpec) -> list[Strategy1D]:
     return per_sample(Args(op))
 
 
-@register("aten.nll_loss.default", "aten.nll_loss_nd.default", "aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default", family="loss")
+@register("aten.nll_loss.default", "aten.nll_loss_nd.default", "aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default", family="loss", cost=ELEMENTWISE)
 def nll_loss(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     lin = partial_strategies(a, [["self"]])
@@ -58,7 +58,7 @@ def nll_loss(op: OpSpec) -> list[Strategy1D]:
     return per_sample(a) + lin
 
 
-@register("aten.mse_loss.default", family="loss")
+@register("aten.mse_loss.default", family="loss", cost=ELEMENTWISE)
 def mse_loss(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x, t = a.spec("self"), a.spec("target")

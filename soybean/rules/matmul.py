@@ -16,12 +16,13 @@ DTensor's ``mm`` is ``"mk,kn->mn"``; ``linear`` is ``"...k,nk->...n"`` plus bias
 """
 from __future__ import annotations
 
+import math
 import string
 from typing import Sequence
 
 from ..tiling import Placement
 from ._common import Args, P, R, Shard, outputs_float
-from .base import OpSpec, Strategy1D, TensorSpec, is_float, register
+from .base import OpCost, OpSpec, Strategy1D, TensorSpec, is_float, register
 
 
 def einsum_strategies(a: Args, operands: Sequence[tuple[str, str]], out: str, bias: str | None = None) -> list[Strategy1D]:
@@ -73,25 +74,35 @@ def einsum_strategies(a: Args, operands: Sequence[tuple[str, str]], out: str, bi
     return found
 
 
-@register("aten.mm.default", family="matmul")
+def product(operands: tuple[int, int], k_dim: int) -> OpCost:
+    """Cost facts of a product whose operands are ``op.inputs[operands]``: ``2 * |out| * k`` FLOPs,
+    with ``k`` the second operand's dim ``k_dim`` (the contracted length)."""
+
+    def flops(op: OpSpec) -> float:
+        return 2.0 * math.prod(op.outputs[0].shape) * op.inputs[operands[1]].shape[k_dim]
+
+    return OpCost(flops=flops, operands=operands)
+
+
+@register("aten.mm.default", family="matmul", cost=product((0, 1), -2))
 def mm(op: OpSpec) -> list[Strategy1D]:
     """``mk,kn->mn``."""
     return einsum_strategies(Args(op), [("self", "mk"), ("mat2", "kn")], "mn")
 
 
-@register("aten.bmm.default", family="matmul")
+@register("aten.bmm.default", family="matmul", cost=product((0, 1), -2))
 def bmm(op: OpSpec) -> list[Strategy1D]:
     """``bmk,bkn->bmn``."""
     return einsum_strategies(Args(op), [("self", "bmk"), ("mat2", "bkn")], "bmn")
 
 
-@register("aten.addmm.default", family="matmul")
+@register("aten.addmm.default", family="matmul", cost=product((1, 2), -2))
 def addmm(op: OpSpec) -> list[Strategy1D]:
     """``beta * self + alpha * (mk,kn->mn)``; ``self`` broadcasts to ``mn``."""
     return einsum_strategies(Args(op), [("mat1", "mk"), ("mat2", "kn")], "mn", bias="self")
 
 
-@register("aten.baddbmm.default", family="matmul")
+@register("aten.baddbmm.default", family="matmul", cost=product((1, 2), -2))
 def baddbmm(op: OpSpec) -> list[Strategy1D]:
     """``beta * self + alpha * (bmk,bkn->bmn)``; ``self`` broadcasts to ``bmn``."""
     return einsum_strategies(Args(op), [("batch1", "bmk"), ("batch2", "bkn")], "bmn", bias="self")
@@ -100,7 +111,7 @@ def baddbmm(op: OpSpec) -> list[Strategy1D]:
 _BATCH = string.ascii_uppercase  # batch-dim letters; m, n, k are the matrix indices
 
 
-@register("aten.linear.default", family="matmul")
+@register("aten.linear.default", family="matmul", cost=product((0, 1), -1))
 def linear(op: OpSpec) -> list[Strategy1D]:
     """``...k,nk->...n`` (``...k,k->...`` for a 1-D weight) plus bias ``n``."""
     a = Args(op)
@@ -111,7 +122,7 @@ def linear(op: OpSpec) -> list[Strategy1D]:
     return einsum_strategies(a, [("input", batch + "k"), ("weight", w_sub)], batch + w_sub[:-1], bias="bias")
 
 
-@register("aten.matmul.default", family="matmul")
+@register("aten.matmul.default", family="matmul", cost=product((0, 1), -2))
 def matmul(op: OpSpec) -> list[Strategy1D]:
     """``torch.matmul``: 1-D operands get/lose a matrix index, batch dims broadcast (right-aligned)."""
     a = Args(op)

@@ -16,10 +16,10 @@ None is linear (mean subtraction, scaling by a data-dependent std): no ``P``.
 from __future__ import annotations
 
 from ._common import Args, R, Shard
-from .base import OpSpec, Strategy1D, register
+from .base import ELEMENTWISE, OpSpec, Strategy1D, register
 
 
-@register("aten.layer_norm.default", "aten.rms_norm.default", family="norm")
+@register("aten.layer_norm.default", "aten.rms_norm.default", family="norm", cost=ELEMENTWISE)
 def layer_norm(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.spec("input")
@@ -28,7 +28,7 @@ def layer_norm(op: OpSpec) -> list[Strategy1D]:
     return [a.strategy({"input": Shard(d), "weight": R, "bias": R}, Shard(d)) for d in range(lead)]
 
 
-@register("aten.group_norm.default", family="norm")
+@register("aten.group_norm.default", family="norm", cost=ELEMENTWISE)
 def group_norm(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     return [a.strategy({"input": Shard(0)}, Shard(0))]
@@ -37,7 +37,7 @@ def group_norm(op: OpSpec) -> list[Strategy1D]:
 _BN_PARAMS = ("weight", "bias", "running_mean", "running_var")
 
 
-@register("aten.batch_norm.default", family="norm")
+@register("aten.batch_norm.default", family="norm", cost=ELEMENTWISE)
 def batch_norm(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.spec("input")

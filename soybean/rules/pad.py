@@ -9,14 +9,14 @@ circular only copy elements, constant padding with 0 adds zeros.
 from __future__ import annotations
 
 from ._common import Args, Shard, partial_strategies
-from .base import OpSpec, Strategy1D, register
+from .base import ELEMENTWISE, OpSpec, Strategy1D, register
 
 
 def _padded_dims(ndim: int, pad: list[int]) -> set[int]:
     return {ndim - 1 - k for k in range(len(pad) // 2) if pad[2 * k] or pad[2 * k + 1]}
 
 
-@register("aten.pad.default", "aten.constant_pad_nd.default", family="pad")
+@register("aten.pad.default", "aten.constant_pad_nd.default", family="pad", cost=ELEMENTWISE)
 def pad(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.tensor("self")

@@ -9,7 +9,7 @@ inside a plane, unchanged by such a split).  Average pools are linear, so
 from __future__ import annotations
 
 from ._common import Args, Shard, partial_strategies
-from .base import OpSpec, Strategy1D, register
+from .base import ELEMENTWISE, OpSpec, Strategy1D, register
 
 # op -> (spatial rank, linear?)
 TABLE: dict[str, tuple[int, bool]] = {
@@ -35,4 +35,4 @@ def pool(op: OpSpec) -> list[Strategy1D]:
     return found + (partial_strategies(a, [["self"]]) if linear else [])
 
 
-register(*TABLE, family="pool")(pool)
+register(*TABLE, family="pool", cost=ELEMENTWISE)(pool)

@@ -16,7 +16,7 @@ one; both are linear (``diff`` jointly in the input, ``prepend`` and ``append``)
 from __future__ import annotations
 
 from ._common import Args, P, Shard, dims_arg, outputs_float, partial_strategies
-from .base import OpSpec, Strategy1D, is_float, register
+from .base import ELEMENTWISE, OpSpec, Strategy1D, is_float, register
 
 # op -> (name of its dim argument or None for "all dims", sum-like over a split dim, linear)
 TABLE: dict[str, tuple[str | None, bool, bool]] = {
@@ -56,10 +56,10 @@ def reduce_rule(op: OpSpec) -> list[Strategy1D]:
     return found
 
 
-register(*TABLE, family="reduction")(reduce_rule)
+register(*TABLE, family="reduction", cost=ELEMENTWISE)(reduce_rule)
 
 
-@register("aten.cumsum.default", family="reduction")
+@register("aten.cumsum.default", family="reduction", cost=ELEMENTWISE)
 def cumsum(op: OpSpec) -> list[Strategy1D]:
     """Prefix sum along ``dim``: other dims split freely; linear."""
     a = Args(op)
@@ -69,7 +69,7 @@ def cumsum(op: OpSpec) -> list[Strategy1D]:
     return found + partial_strategies(a, [["self"]])
 
 
-@register("aten.diff.default", family="reduction")
+@register("aten.diff.default", family="reduction", cost=ELEMENTWISE)
 def diff(op: OpSpec) -> list[Strategy1D]:
     """``n``-th forward difference along ``dim``: other dims split on input, prepend, append alike."""
     a = Args(op)

@@ -7,10 +7,10 @@ needs a global max/sum: never split.  Not linear: no ``P``.
 from __future__ import annotations
 
 from ._common import Args, Shard
-from .base import OpSpec, Strategy1D, register
+from .base import ELEMENTWISE, OpSpec, Strategy1D, register
 
 
-@register("aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default", family="softmax")
+@register("aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default", family="softmax", cost=ELEMENTWISE)
 def softmax(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.tensor("self")

@@ -26,7 +26,7 @@ import math
 from typing import Sequence
 
 from ._common import Args, P, Shard, bcast, norm_dim, outputs_float, partial_strategies, size_localizer
-from .base import OpSpec, Strategy1D, register
+from .base import ELEMENTWISE, VIEW, OpSpec, Strategy1D, register
 
 
 def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, bool]]:
@@ -80,9 +80,9 @@ def _reshape(op: OpSpec) -> list[Strategy1D]:
     return reshape_strategies(Args(op))
 
 
-register("aten.view.default", "aten._unsafe_view.default", localize=size_localizer("size"), family="views")(_reshape)
-register("aten.reshape.default", localize=size_localizer("shape"), family="views")(_reshape)
-register("aten.flatten.using_ints", family="views")(_reshape)
+register("aten.view.default", "aten._unsafe_view.default", localize=size_localizer("size"), family="views", cost=VIEW)(_reshape)
+register("aten.reshape.default", localize=size_localizer("shape"), family="views", cost=VIEW)(_reshape)
+register("aten.flatten.using_ints", family="views", cost=VIEW)(_reshape)
 
 
 def _unflatten_sizes(op: OpSpec, local_out: Sequence[int]) -> list[int]:
@@ -92,10 +92,10 @@ def _unflatten_sizes(op: OpSpec, local_out: Sequence[int]) -> list[int]:
     return list(local_out[d: d + len(a["sizes"])])
 
 
-register("aten.unflatten.int", localize=size_localizer("sizes", _unflatten_sizes), family="views")(_reshape)
+register("aten.unflatten.int", localize=size_localizer("sizes", _unflatten_sizes), family="views", cost=VIEW)(_reshape)
 
 
-@register("aten.view_as.default", family="views")
+@register("aten.view_as.default", family="views", cost=VIEW)
 def view_as(op: OpSpec) -> list[Strategy1D]:
     """Reshape to ``other``'s shape: ``other`` (values unused) is placed like the output."""
     return reshape_strategies(Args(op), shape_like="other")
@@ -112,7 +112,7 @@ def _ndim(a: Args) -> int:
     return x.ndim
 
 
-@register("aten.permute.default", family="views")
+@register("aten.permute.default", family="views", cost=VIEW)
 def permute(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     n = _ndim(a)
@@ -120,7 +120,7 @@ def permute(op: OpSpec) -> list[Strategy1D]:
     return renumber(a, [dims.index(d) for d in range(n)])
 
 
-@register("aten.transpose.int", family="views")
+@register("aten.transpose.int", family="views", cost=VIEW)
 def transpose(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     n = _ndim(a)
@@ -129,14 +129,14 @@ def transpose(op: OpSpec) -> list[Strategy1D]:
     return renumber(a, [swap.get(d, d) for d in range(n)])
 
 
-@register("aten.t.default", family="views")
+@register("aten.t.default", family="views", cost=VIEW)
 def t(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     n = _ndim(a)
     return renumber(a, [1, 0] if n == 2 else list(range(n)))
 
 
-@register("aten.unsqueeze.default", family="views")
+@register("aten.unsqueeze.default", family="views", cost=VIEW)
 def unsqueeze(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     n = _ndim(a)
@@ -144,7 +144,7 @@ def unsqueeze(op: OpSpec) -> list[Strategy1D]:
     return renumber(a, [d if d < dim else d + 1 for d in range(n)])
 
 
-@register("aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", family="views")
+@register("aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", family="views", cost=VIEW)
 def squeeze(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.tensor("self")
@@ -157,7 +157,7 @@ def squeeze(op: OpSpec) -> list[Strategy1D]:
     return renumber(a, perm)
 
 
-@register("aten.expand.default", localize=size_localizer("size"), family="views")
+@register("aten.expand.default", localize=size_localizer("size"), family="views", cost=VIEW)
 def expand(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.tensor("self")
@@ -166,7 +166,7 @@ def expand(op: OpSpec) -> list[Strategy1D]:
     return found + partial_strategies(a, [["self"]])
 
 
-@register("aten.expand_as.default", family="views")
+@register("aten.expand_as.default", family="views", cost=VIEW)
 def expand_as(op: OpSpec) -> list[Strategy1D]:
     """Expand to ``other``'s shape: ``other`` (values unused) is placed like the output."""
     a = Args(op)
@@ -176,7 +176,7 @@ def expand_as(op: OpSpec) -> list[Strategy1D]:
     return found + partial_strategies(a, [["self"]])
 
 
-@register("aten.slice.Tensor", family="views")
+@register("aten.slice.Tensor", family="views", cost=VIEW)
 def slice_(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.tensor("self")
@@ -185,7 +185,7 @@ def slice_(op: OpSpec) -> list[Strategy1D]:
     return renumber(a, [d if (d != dim or whole) else None for d in range(x.ndim)])
 
 
-@register("aten.select.int", "aten.unbind.int", family="views")
+@register("aten.select.int", "aten.unbind.int", family="views", cost=VIEW)
 def select(op: OpSpec) -> list[Strategy1D]:
     """``dim`` disappears (one index, or one output per index): every other dim may be sharded."""
     a = Args(op)
@@ -194,7 +194,7 @@ def select(op: OpSpec) -> list[Strategy1D]:
     return renumber(a, [None if d == dim else d - (d > dim) for d in range(n)])
 
 
-@register("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.narrow.default", family="views")
+@register("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.narrow.default", family="views", cost=VIEW)
 def split(op: OpSpec) -> list[Strategy1D]:
     """Outputs are pieces along ``dim`` (``narrow``: one piece): any other dim is sharded on every piece."""
     a = Args(op)
@@ -213,7 +213,7 @@ def _joined(a: Args) -> tuple[int, int] | None:
     return n, a["dim"]
 
 
-@register("aten.cat.default", family="views")
+@register("aten.cat.default", family="views", cost=ELEMENTWISE)
 def cat(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     j = _joined(a)
@@ -224,7 +224,7 @@ def cat(op: OpSpec) -> list[Strategy1D]:
     return found + partial_strategies(a, [["tensors"]])
 
 
-@register("aten.stack.default", family="views")
+@register("aten.stack.default", family="views", cost=ELEMENTWISE)
 def stack(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     j = _joined(a)
