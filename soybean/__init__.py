@@ -1,18 +1,28 @@
 """soybean: automatic tensor-tiling parallelizer for PyTorch."""
-from .mesh import Mesh  # noqa: F401
-from .tiling import Partial, Replicate, Shard  # noqa: F401
+from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+from .mesh import Mesh
+from .plan import Plan
+from .tiling import Partial, Replicate, Shard
+
+if TYPE_CHECKING:
+    from .module import ParallelModule
+
+__all__ = ["Mesh", "Partial", "Plan", "Replicate", "Shard", "parallelize", "plan"]
 __version__ = "0.1.0"
-from .plan import Plan  # noqa: F401,E402
 
 
-def parallelize(*args, **kwargs):  # noqa: D103 - lazy import keeps `import soybean` light
+# The two entry points import their modules when called: `import soybean` stays light (no capture,
+# planner, solver or runtime), and the core never has to import this facade.
+def parallelize(*args: Any, **kwargs: Any) -> ParallelModule:
     from .api import parallelize as _p
 
     return _p(*args, **kwargs)
 
 
-def plan(*args, **kwargs):  # noqa: D103
+def plan(*args: Any, **kwargs: Any) -> Plan:
     from .planner import plan as _p
 
     return _p(*args, **kwargs)

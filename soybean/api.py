@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from .capture import Captured, capture
 from .mesh import Mesh
+from .module import ParallelModule
 from .plan import Plan
 from .planner import plan as make_plan
 from .runtime.comm import Group
-from .module import ParallelModule
 
 
 def _resolve_plan(plan: Plan | str | Path | None) -> Plan | None:
@@ -33,16 +33,18 @@ def _resolve_plan(plan: Plan | str | Path | None) -> Plan | None:
 def check_plan(p: Plan, fingerprint: str, world: int) -> None:
     """Raise ``ValueError`` naming the mismatch when ``p`` cannot run here."""
     if p.devices != world:
-        raise ValueError(f"plan is for {p.devices} devices but the world size is {world}: launch {p.devices} processes or re-plan with --devices {world}")
+        raise ValueError(f"plan is for {p.devices} devices but the world size is {world}: "
+                         f"launch {p.devices} processes or re-plan with --devices {world}")
     if p.fingerprint != fingerprint:
         raise ValueError("plan was made for another model or other input shapes (fingerprint "
                          f"{p.fingerprint} != {fingerprint}): re-run `soybean plan` for this model and batch")
 
 
-def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int | None = None, mesh: tuple | Mesh | None = None,
-                plan: Plan | str | Path | None = None, objective: str = "time", profile: str | None = None,
-                mode: str = "auto", rank: int | None = None, groups: Sequence[Group] | None = None,
-                captured: "Captured | None" = None, local_batch: bool = False) -> ParallelModule:
+def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int | None = None,
+                mesh: tuple | Mesh | None = None, plan: Plan | str | Path | None = None, objective: str = "time",
+                profile: str | None = None, mode: str = "auto", rank: int | None = None,
+                groups: Sequence[Group] | None = None, captured: Captured | None = None,
+                local_batch: bool = False) -> ParallelModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
 
     ``mesh``: a shape such as ``(2, 2)`` (default: the planner picks).  ``plan``: a Plan or a path to
@@ -65,7 +67,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
 
         groups, rank = ThreadWorld(Mesh((1,))).groups(0), 0
     simulated = groups is not None
-    if not simulated:
+    if groups is None:
         if not dist.is_initialized():
             from .runtime.launch import init_from_env
 
@@ -78,18 +80,25 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
         if rank is None:
             raise ValueError("simulated groups need an explicit rank")
     if devices is not None and devices != world:
-        raise ValueError(f"devices={devices} but the world size is {world}: launch {devices} processes or pass devices={world}")
+        raise ValueError(f"devices={devices} but the world size is {world}: "
+                         f"launch {devices} processes or pass devices={world}")
     if mesh_obj is not None and mesh_obj.size != world:
         raise ValueError(f"mesh {mesh_obj} has {mesh_obj.size} devices but the world size is {world}")
     cap = captured or capture(model, example_inputs)
     p = _resolve_plan(plan)
     if p is None:
+        def make() -> Plan:
+            return make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode,
+                             baselines=False, captured=cap, local_batch=local_batch)
+
         if simulated or world == 1:
-            p = make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode, baselines=False, captured=cap, local_batch=local_batch)
+            p = make()
         else:  # plan once on rank 0 and broadcast: every rank runs the same plan
-            box = [make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode, baselines=False, captured=cap, local_batch=local_batch).to_json() if rank == 0 else None]
+            box: list[str | None] = [make().to_json() if rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
-            p = Plan.from_dict(json.loads(box[0]))
+            received = box[0]
+            assert received is not None  # rank 0 sent its plan
+            p = Plan.from_dict(json.loads(received))
     check_plan(p, cap.fingerprint, world)
     pmesh = Mesh(tuple(p.mesh))
     if groups is None:

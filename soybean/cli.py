@@ -9,14 +9,15 @@ import warnings
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="pkg.module:fn or path/file.py:fn, fn(**args) returning (model, example_inputs); "
                                  "or hf:NAME, a Hugging Face model type (--arg: config overrides, batch, seq, meta)")
-    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="keyword for the model factory (repeatable)")
+    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword for the model factory (repeatable)")
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
     from . import models
+    from .cost.profiles import load_profile
     from .mesh import Mesh
     from .planner import plan
-    from .cost.profiles import load_profile
     from .report import table
 
     if a.devices < 1:
@@ -28,7 +29,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     model, inputs = models.load(a.model, models.parse_args(a.arg))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        p = plan(model, inputs, a.devices, mesh=mesh, objective=a.objective, profile=profile, solver=a.solver, memory_gb=a.memory_gb)
+        p = plan(model, inputs, a.devices, mesh=mesh, objective=a.objective, profile=profile, solver=a.solver,
+                 memory_gb=a.memory_gb)
     for w in caught:
         if "soybean" in str(w.message):
             print(f"warning: {w.message}", file=sys.stderr)
@@ -99,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, required=True, help="number of devices P")
     p.add_argument("--mesh", help="mesh shape such as 8 or 2x4 (default: try every factorisation into 1-3 axes)")
     p.add_argument("--objective", choices=["comm", "time"], default="time")
-    p.add_argument("--profile", default="cpu-gloo", help="cpu-gloo, h100-nvlink or a JSON file from `soybean calibrate`")
+    p.add_argument("--profile", default="cpu-gloo",
+                   help="cpu-gloo, h100-nvlink or a JSON file from `soybean calibrate`")
     p.add_argument("--memory-gb", type=float, default=None, help="per-device memory budget")
     p.add_argument("--solver", choices=["ilp", "dp"], default="ilp")
     p.add_argument("--format", choices=["table", "json"], default="table")

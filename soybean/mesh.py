@@ -75,7 +75,7 @@ class Mesh:
         return "x".join(str(p) for p in self.shape)
 
     @staticmethod
-    def parse(text: str) -> "Mesh":
+    def parse(text: str) -> Mesh:
         """``"2x4"`` -> ``Mesh((2, 4))``."""
         try:
             return Mesh(tuple(int(t) for t in text.lower().split("x")))

@@ -49,7 +49,10 @@ class Plan:
 
     def node_tilings(self, name: str) -> tuple[list[tuple[Placement, ...]], list[tuple[Placement, ...]]]:
         rec = self.nodes[name]
-        conv = lambda ts: [tuple(parse_placement(s) for s in t) for t in ts]  # noqa: E731
+
+        def conv(ts: list[list[str]]) -> list[tuple[Placement, ...]]:
+            return [tuple(parse_placement(s) for s in t) for t in ts]
+
         return conv(rec["in"]), conv(rec["out"])
 
     # ---- JSON ----
@@ -71,15 +74,16 @@ class Plan:
         Path(path).write_text(self.to_json())
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "Plan":
+    def from_dict(d: dict[str, Any]) -> Plan:
         v = d.get("schema_version")
         if v != SCHEMA_VERSION:
-            raise ValueError(f"plan schema_version {v} is not {SCHEMA_VERSION}: re-run `soybean plan` with this soybean")
+            raise ValueError(f"plan schema_version {v} is not {SCHEMA_VERSION}: "
+                             "re-run `soybean plan` with this soybean")
         keys = set(Plan.__dataclass_fields__)
         return Plan(**{k: d[k] for k in d if k in keys})
 
     @staticmethod
-    def load(path: str | Path) -> "Plan":
+    def load(path: str | Path) -> Plan:
         try:
             return Plan.from_dict(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError, TypeError, KeyError) as e:

@@ -1,6 +1,8 @@
 """Human-readable reports of a plan: the per-layer table and totals beside the baselines."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from .plan import Plan
 
 
@@ -15,27 +17,35 @@ def _row(cells: list[str], widths: list[int]) -> str:
     return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
 
 
+def _total(name: str, cost: Mapping[str, float]) -> str:
+    """One line of totals: the plan's or a baseline's."""
+    return f"{name:<16} comm {_bytes(cost['comm_bytes']):>10}/device/step   step {cost['step_time_s'] * 1e3:10.3f} ms"
+
+
 def table(plan: Plan) -> str:
     head = ["layer", "op", "weight", "input", "output", "collectives", "bytes"]
     rows = [[r["layer"], r["op"].replace("aten.", "").replace(".default", ""), r["weight"], r["input"], r["output"],
              ", ".join(r["collectives"]) or "-", _bytes(r["bytes"])] for r in plan.layers]
     widths = [max(len(x) for x in col) for col in zip(head, *rows)] if rows else [len(h) for h in head]
     widths[5] = min(widths[5], 60)
-    lines = [f"soybean plan: {plan.devices} devices, mesh {'x'.join(map(str, plan.mesh))}, objective {plan.objective}, profile {plan.profile}", ""]
+    lines = [f"soybean plan: {plan.devices} devices, mesh {'x'.join(map(str, plan.mesh))}, "
+             f"objective {plan.objective}, profile {plan.profile}", ""]
     lines.append(_row(head, widths))
     lines.append(_row(["-" * w for w in widths], widths))
     lines += [_row(r, widths) for r in rows]
     lines.append("")
     c = plan.cost
-    lines.append(f"{'plan':<16} comm {_bytes(c['comm_bytes']):>10}/device/step   step {c['step_time_s'] * 1e3:10.3f} ms")
+    lines.append(_total("plan", c))
     if "compute_s" in c:
         lines.append(f"{'':<16} = compute {c['compute_s'] * 1e3:.3f} ms + comm {c.get('comm_s', 0) * 1e3:.3f} ms"
                      f" - gradient sync hidden behind backward {c.get('hidden_s', 0) * 1e3:.3f} ms")
     for k, v in plan.baselines.items():
-        lines.append(f"{k:<16} comm {_bytes(v['comm_bytes']):>10}/device/step   step {v['step_time_s'] * 1e3:10.3f} ms")
+        lines.append(_total(k, v))
     if plan.meshes and len(plan.meshes) > 1:
-        lines.append("meshes tried: " + ", ".join(f"{'x'.join(map(str, m['mesh']))}={m['objective']:.4g}" for m in plan.meshes))
+        lines.append("meshes tried: " + ", ".join(f"{'x'.join(map(str, m['mesh']))}={m['objective']:.4g}"
+                                                  for m in plan.meshes))
     s = plan.solver
-    lines.append(f"solver {s.get('name')}: {s.get('status')} in {s.get('seconds', 0):.2f} s (objective {s.get('objective', 0):.6g}, bound {s.get('bound', 0):.6g})")
+    lines.append(f"solver {s.get('name')}: {s.get('status')} in {s.get('seconds', 0):.2f} s "
+                 f"(objective {s.get('objective', 0):.6g}, bound {s.get('bound', 0):.6g})")
     lines.append("replicate fallbacks: " + (", ".join(plan.fallback_ops) if plan.fallback_ops else "none"))
     return "\n".join(lines) + "\n"

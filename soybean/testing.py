@@ -8,13 +8,22 @@ threads of this process (the simulated tier), so no process group is needed.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from .mesh import Mesh
 from .plan import Plan
+from .runtime.comm import Group
 from .runtime.launch import run_threads
+
+if TYPE_CHECKING:
+    from .module import ParallelModule
+
+M = TypeVar("M", bound=torch.nn.Module)
+Grads = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -33,10 +42,11 @@ def _loss(out: object) -> torch.Tensor:
     raise TypeError("verify needs a model returning a tensor (its loss, or an output to square)")
 
 
-def _train(m: torch.nn.Module, inputs: tuple, steps: int, lr: float, grads_of) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _train(m: M, inputs: tuple, steps: int, lr: float, grads_of: Callable[[M], Grads]) -> tuple[list[float], Grads]:
     """``steps`` AdamW steps; returns the losses and ``grads_of(m)`` after the first backward."""
     opt = torch.optim.AdamW(m.parameters(), lr=lr)
-    losses, grads = [], {}
+    losses: list[float] = []
+    grads: Grads = {}
     for i in range(steps):
         loss = _loss(m(*inputs))
         loss.backward()
@@ -50,12 +60,18 @@ def _train(m: torch.nn.Module, inputs: tuple, steps: int, lr: float, grads_of) -
 
 def train_serial(model: torch.nn.Module, inputs: tuple, steps: int = 3, lr: float = 1e-3) -> Trace:
     m = copy.deepcopy(model)
-    losses, grads = _train(m, inputs, steps, lr, lambda m: {k: p.grad.detach().clone() for k, p in m.named_parameters() if p.grad is not None})
-    return Trace(losses, grads, {k: p.detach().clone() for k, p in m.named_parameters()}, {k: b.clone() for k, b in m.named_buffers()})
+    losses, grads = _train(m, inputs, steps, lr, _local_grads)
+    return Trace(losses, grads, {k: p.detach().clone() for k, p in m.named_parameters()},
+                 {k: b.clone() for k, b in m.named_buffers()})
 
 
-def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | str | None = None, *, devices: int | None = None,
-                           mesh: tuple | None = None, mode: str = "auto", objective: str = "time", steps: int = 3, lr: float = 1e-3) -> tuple[Trace, Plan]:
+def _local_grads(m: torch.nn.Module) -> Grads:
+    return {k: p.grad.detach().clone() for k, p in m.named_parameters() if p.grad is not None}
+
+
+def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | str | None = None, *,
+                           devices: int | None = None, mesh: tuple | None = None, mode: str = "auto",
+                           objective: str = "time", steps: int = 3, lr: float = 1e-3) -> tuple[Trace, Plan]:
     """Every rank as a thread: parallelize, train ``steps`` steps, gather full grads/params."""
     from .api import parallelize
     from .capture import capture
@@ -65,25 +81,27 @@ def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | s
     if isinstance(plan, str):
         plan = Plan.load(plan)
     if plan is None:
-        plan = make_plan(None, (), captured=cap, devices=devices or (Mesh(mesh).size if mesh else 1), mesh=mesh, mode=mode, objective=objective, baselines=False)
+        plan = make_plan(None, (), captured=cap, devices=devices or (Mesh(mesh).size if mesh else 1), mesh=mesh,
+                         mode=mode, objective=objective, baselines=False)
     m_shape = Mesh(tuple(plan.mesh))
 
-    def rank_fn(rank: int, groups: list) -> Trace:
+    def rank_fn(rank: int, groups: list[Group]) -> Trace:
         pm = parallelize(model, inputs, plan=plan, rank=rank, groups=groups, captured=cap)
         losses, grads = _train(pm, inputs, steps, lr, _gather_grads)
         full = pm.full_state_dict()
         names = {k for k, _ in model.named_parameters()}
-        return Trace(losses, grads, {k: v for k, v in full.items() if k in names}, {k: v for k, v in full.items() if k not in names})
+        return Trace(losses, grads, {k: v for k, v in full.items() if k in names},
+                     {k: v for k, v in full.items() if k not in names})
 
     traces = run_threads(m_shape, rank_fn)
     return traces[0], plan
 
 
-def _gather_grads(pm: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _gather_grads(pm: ParallelModule) -> Grads:
     """Full gradients: swap each local grad in as the tile, gather like a state dict."""
     saved = {k: p.detach().clone() for k, p in pm.named_parameters()}
     with torch.no_grad():
-        for k, p in pm.named_parameters():
+        for _, p in pm.named_parameters():
             p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
     full = pm.full_state_dict()
     with torch.no_grad():
@@ -98,10 +116,13 @@ def compare(serial: Trace, parallel: Trace, rtol: float = 1e-4, atol: float = 1e
     for i, (a, b) in enumerate(zip(parallel.losses, serial.losses)):
         if abs(a - b) > atol + rtol * abs(b):
             bad.append(f"loss step {i}: {a} != {b}")
-    for kind, pa, se in (("grad", parallel.grads, serial.grads), ("param", parallel.params, serial.params), ("buffer", parallel.buffers, serial.buffers)):
+    pairs = (("grad", parallel.grads, serial.grads), ("param", parallel.params, serial.params),
+             ("buffer", parallel.buffers, serial.buffers))
+    for kind, pa, se in pairs:
         for k, v in se.items():
             if k not in pa:
                 bad.append(f"{kind} {k} missing")
             elif pa[k].shape != v.shape or not torch.allclose(pa[k].to(v.dtype), v, rtol=rtol, atol=atol):
-                bad.append(f"{kind} {k}: max diff {(pa[k].double() - v.double()).abs().max().item() if pa[k].shape == v.shape else 'shape'}")
+                diff = (pa[k].double() - v.double()).abs().max().item() if pa[k].shape == v.shape else "shape"
+                bad.append(f"{kind} {k}: max diff {diff}")
     return bad

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 import re
-from functools import lru_cache
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
+from functools import lru_cache
 
 import torch
 
@@ -45,7 +45,7 @@ class Partial:
         return "P"
 
 
-Placement = Union[Shard, Replicate, Partial]
+Placement = Shard | Replicate | Partial
 Tiling = tuple  # tuple[Placement, ...], one per mesh axis
 
 R = Replicate()
@@ -89,7 +89,8 @@ def chunk_range(n: int, p: int, k: int) -> tuple[int, int]:
     return start, min(start + c, n)
 
 
-def local_shape(shape: Sequence[int], tiling: Sequence[Placement], mesh: Mesh, coords: Sequence[int]) -> tuple[int, ...]:
+def local_shape(shape: Sequence[int], tiling: Sequence[Placement], mesh: Mesh,
+                coords: Sequence[int]) -> tuple[int, ...]:
     """Shape of the tile held by the device at ``coords``."""
     out = list(shape)
     for axis, pl in enumerate(tiling):
@@ -140,7 +141,8 @@ def _is_valid(tiling: tuple, shape: tuple, mesh: Mesh) -> bool:
 # ---- one-process simulation of all devices' tiles ---------------------------------
 
 
-def shard(full: torch.Tensor, tiling: Sequence[Placement], mesh: Mesh, generator: torch.Generator | None = None) -> dict[tuple[int, ...], torch.Tensor]:
+def shard(full: torch.Tensor, tiling: Sequence[Placement], mesh: Mesh,
+          generator: torch.Generator | None = None) -> dict[tuple[int, ...], torch.Tensor]:
     """Every device's tile of ``full``; ``Partial`` summands are random but sum to ``full``."""
     tiles: dict[tuple[int, ...], torch.Tensor] = {}
     for coords in all_coords(mesh):
@@ -172,7 +174,8 @@ def shard(full: torch.Tensor, tiling: Sequence[Placement], mesh: Mesh, generator
     return tiles
 
 
-def assemble(tiles: dict[tuple[int, ...], torch.Tensor], tiling: Sequence[Placement], mesh: Mesh, check_replicas: float | None = None) -> torch.Tensor:
+def assemble(tiles: dict[tuple[int, ...], torch.Tensor], tiling: Sequence[Placement], mesh: Mesh,
+             check_replicas: float | None = None) -> torch.Tensor:
     """Inverse of ``shard``: sum partials, concatenate shards (last axis first).
 
     With ``check_replicas`` set, replicas must agree to that absolute tolerance

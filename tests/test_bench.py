@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from examples.models import mlp
+from soybean.bench.harness import (SOYBEAN_MODES, VARIANTS, BenchConfig, add_parser, auto_rounds, candidates, cmd_bench,
+                                   format_table, run_bench, tp_layout, training_state_bytes)
+from soybean.plan import Plan
 
-from examples.models import mlp  # noqa: E402
-from soybean.bench.harness import (SOYBEAN_MODES, VARIANTS, BenchConfig, add_parser, auto_rounds, candidates, cmd_bench, format_table, run_bench,  # noqa: E402
-                           tp_layout, training_state_bytes)
-from soybean.plan import Plan  # noqa: E402
+pytestmark = pytest.mark.unit  # the two runs of the harness are marked dist
 
 
 def test_tp_layout_pairs_linears_and_leaves_an_odd_last_one() -> None:

@@ -7,6 +7,8 @@ import pytest
 
 from soybean.bench.stats import fastest_verdict, median_interval, paired_ratio, spearman
 
+pytestmark = pytest.mark.unit
+
 
 def test_spearman_ranks_with_ties() -> None:
     assert spearman([1.0, 2.0, 3.0], [10.0, 20.0, 30.0]) == pytest.approx(1.0)

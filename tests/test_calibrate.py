@@ -9,6 +9,8 @@ from soybean.cost.calibrate import fit
 from soybean.cost.collectives import RING_FACTOR
 from soybean.cost.profiles import Profile, load_profile
 
+pytestmark = pytest.mark.unit
+
 
 def test_fit_recovers_alpha_beta() -> None:
     alpha, beta, world = 2e-4, 1e-9, 4

@@ -16,6 +16,8 @@ import torch
 from examples.models import resnet
 from soybean.testing import compare, train_parallel_threads, train_serial
 
+pytestmark = pytest.mark.sim
+
 CASES = [((2,), "dp", torch.float32), ((2,), "auto", torch.float64), ((2, 2), "auto", torch.float32), ((2, 2), "dp", torch.float64)]
 
 

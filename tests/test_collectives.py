@@ -27,6 +27,8 @@ from soybean.runtime import (ThreadWorld, current_groups, run_threads, sb_all_ga
 from soybean.runtime import collectives as C
 from soybean.tiling import P, Placement, R, Replicate, S, Shard, assemble, chunk_range, local_shape
 
+pytestmark = pytest.mark.sim
+
 # Uneven on purpose: over 4 members dim 0 (7) splits 2,2,2,1 and dim 1 (5) splits 2,2,1,0
 # (an empty tile); over 2 members 4,3 and 3,2.
 SHAPE = (7, 5, 3)

@@ -19,6 +19,8 @@ from soybean.cost.profiles import BUILTIN
 from soybean.rules.base import make_opspec
 from soybean.tiling import R, Shard
 
+pytestmark = pytest.mark.unit
+
 PROFILE = BUILTIN["cpu-gloo"]
 
 

@@ -8,6 +8,8 @@ from examples.models import mlp
 from examples.train_mlp import fit
 from soybean.runtime.launch import spawn
 
+pytestmark = pytest.mark.dist
+
 
 def _train(rank: int, world: int) -> list[float]:
     import soybean

@@ -7,6 +7,8 @@ import torch
 from examples.models import alexnet, mlp, transformer, vgg16
 from soybean.testing import compare, train_parallel_threads, train_serial
 
+pytestmark = pytest.mark.sim
+
 MODELS = {
     "mlp": lambda: mlp(batch=8, hidden=12, layers=1),
     "mlp_uneven": lambda: mlp(batch=6, hidden=10, layers=1),
@@ -41,6 +43,7 @@ def test_plan_roundtrips_through_json(tmp_path) -> None:
     assert a.losses == b.losses
 
 
+@pytest.mark.unit  # plans and checks, runs nothing
 def test_wrong_world_size_and_wrong_model_are_clear_errors() -> None:
     from soybean.api import check_plan
     from soybean.capture import capture

@@ -1,14 +1,11 @@
 """The example model factories build, train one step, and export."""
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from examples.models import FACTORIES, alexnet, mlp, resnet, transformer, vgg16
 
-from examples.models import FACTORIES, alexnet, mlp, resnet, transformer, vgg16  # noqa: E402
+pytestmark = pytest.mark.unit
 
 TINY = {
     "mlp": dict(batch=4, hidden=16, layers=2, in_features=8, out_features=6),

@@ -15,6 +15,8 @@ import pytest
 
 from examples.models import alexnet, mlp, resnet, transformer, vgg16
 
+pytestmark = pytest.mark.unit
+
 GOLDEN = Path(__file__).parent / "golden"
 MODELS = {
     "mlp": lambda: mlp(batch=8, hidden=12, layers=2),

@@ -12,6 +12,8 @@ from soybean.mesh import Mesh
 from soybean.runtime import run_threads
 from soybean.runtime.gradsync import GradSync
 
+pytestmark = pytest.mark.sim
+
 
 def _params(rank: int) -> list[nn.Parameter]:
     gen = torch.Generator().manual_seed(0)  # not the global RNG: the ranks are threads drawing at once

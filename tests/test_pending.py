@@ -2,6 +2,7 @@
 never for metadata or backward, and the lowering makes the output's last all-reduce lazy."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from examples.models import mlp
@@ -10,6 +11,8 @@ from soybean.codegen.lower import lower
 from soybean.planner import plan
 from soybean.runtime import context as rt
 from soybean.runtime.pending import PendingSum, all_reduce_lazy, wait_all
+
+pytestmark = pytest.mark.unit
 
 
 class _Work:

@@ -17,6 +17,8 @@ from soybean.cost.profiles import BUILTIN
 from soybean.search import Problem, brute_force, reduce, solve, solve_dp, solve_ilp, to_problem
 from soybean.search.kcuts import kcuts
 
+pytestmark = pytest.mark.unit
+
 PROFILE = BUILTIN["cpu-gloo"]
 
 

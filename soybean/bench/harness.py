@@ -1,7 +1,8 @@
 """Training-step benchmark: serial, DDP, tensor parallel, FSDP2 and soybean's plans, in one run.
 
     python scripts/bench.py examples.models:mlp --devices 2 --arg hidden=4096 --arg batch=32 --arg layers=2
-    python scripts/bench.py MODEL --devices N [--arg key=value ...] [--steps 12] [--warmup 3] [--json] [--profile NAME_OR_JSON|calibrate]
+    python scripts/bench.py MODEL --devices N [--arg key=value ...] [--steps 12] [--warmup 3] [--json]
+                            [--profile NAME_OR_JSON|calibrate]
 
 One training step is ``loss = model(*inputs)``, ``loss.backward()``, an AdamW step and
 ``zero_grad`` (the model factories return the loss when the target is among the inputs; any
@@ -47,18 +48,20 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .. import models
-from .stats import fastest_verdict, spearman
 from ..plan import Plan
+from .stats import fastest_verdict, spearman
 
-__all__ = ["BenchConfig", "VARIANTS", "auto_rounds", "training_state_bytes", "run_bench", "format_table", "spearman", "candidates", "tp_layout", "add_parser", "cmd_bench", "main"]
+__all__ = ["BenchConfig", "VARIANTS", "auto_rounds", "training_state_bytes", "run_bench", "format_table", "spearman",
+           "candidates", "tp_layout", "add_parser", "cmd_bench", "main"]
 
 SERIAL = "serial"
 DIST_VARIANTS: tuple[str, ...] = ("ddp", "tp", "fsdp", "soybean", "soybean_dp", "soybean_mp")
@@ -91,7 +94,8 @@ class BenchConfig:
     timeout_s: float = 1800.0                   # for the whole spawned run
     lr: float = 1e-3
     seed: int = 0
-    rounds: int | None = None                   # None: auto_rounds; 0: turns after every step; 1: one after the other; n: steps/n at a time
+    # None: auto_rounds; 0: turns after every step; 1: one after the other; n: steps/n at a time
+    rounds: int | None = None
     variants: tuple[str, ...] = VARIANTS        # which to run; the others report "not selected"
 
     @property
@@ -111,7 +115,8 @@ class BenchConfig:
             raise ValueError(f"--rounds must be >= 0, got {self.rounds}")
         unknown = [v for v in self.variants if v not in VARIANTS]
         if unknown or not self.variants:
-            raise ValueError(f"--variants: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(VARIANTS)}")
+            raise ValueError(f"--variants: unknown {', '.join(unknown) or '(none given)'}; "
+                             f"choose from {', '.join(VARIANTS)}")
         from ..cost.profiles import load_profile
 
         if self.profile == CALIBRATE:
@@ -131,7 +136,7 @@ class Measurement:
     times: list[float] = field(default_factory=list)  # every timed step, in order (rank 0's clock)
 
     @staticmethod
-    def failed(err: BaseException) -> "Measurement":
+    def failed(err: BaseException) -> Measurement:
         """A null measurement whose reason is ``err`` in one line."""
         text = str(err).strip().splitlines()[0] if str(err).strip() else ""
         reason = text if isinstance(err, Unavailable) else f"{type(err).__name__}: {text}".rstrip(": ")
@@ -167,7 +172,8 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple) -> 
     return loss.detach()
 
 
-def _time_steps(step: Callable[[], torch.Tensor], steps: int, warmup: int, sync: Callable[[], None]) -> tuple[list[float], float]:
+def _time_steps(step: Callable[[], torch.Tensor], steps: int, warmup: int,
+                sync: Callable[[], None]) -> tuple[list[float], float]:
     """Seconds of each of ``steps`` steps after ``warmup`` untimed ones, and the first step's loss.
 
     ``sync`` runs before and after every timed step (a barrier across ranks, or nothing).
@@ -200,7 +206,8 @@ def _load(cfg: BenchConfig) -> tuple[nn.Module, tuple]:
     return models.load(cfg.model, cfg.args)
 
 
-def _measure(prepare: Callable[[nn.Module, tuple], Prepared], cfg: BenchConfig, sync: Callable[[], None]) -> Measurement:
+def _measure(prepare: Callable[[nn.Module, tuple], Prepared], cfg: BenchConfig,
+             sync: Callable[[], None]) -> Measurement:
     """Build a fresh model, prepare it for the variant, train it and time it."""
     model, inputs = _load(cfg)
     prep = prepare(model, inputs)
@@ -263,15 +270,16 @@ def _prepare_ddp(ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
 
 
 def _prepare_tp(ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
     layout = tp_layout(model)
     if not layout:
         raise Unavailable("no pair of nn.Linear layers to split column- then row-wise")
-    styles = {name: ColwiseParallel() if kind == "colwise" else RowwiseParallel() for name, kind in layout.items()}
+    styles: dict[str, ParallelStyle] = {name: ColwiseParallel() if kind == "colwise" else RowwiseParallel()
+                                        for name, kind in layout.items()}
     try:
         model = parallelize_module(model, ctx.mesh, styles)
-    except Exception as e:  # noqa: BLE001 -- torch raises many kinds; all mean "this plan does not apply"
+    except Exception as e:  # torch raises many kinds; all mean "this plan does not apply"
         raise Unavailable(f"parallelize_module failed: {type(e).__name__}: {e}") from e
     return Prepared(model, inputs)
 
@@ -322,11 +330,12 @@ def _run_dist_variant(variant: str, ctx: _Context) -> Measurement:
     err: BaseException | None = None
     try:
         m = _measure(functools.partial(_DIST_PREPARE[variant], ctx), ctx.cfg, dist.barrier)
-    except Exception as e:  # noqa: BLE001 -- a failing variant is reported, the others still run
+    except Exception as e:  # a failing variant is reported, the others still run
         err = e
     reason = _agree(ctx, variant, err)
     if reason is not None:
         return Measurement(reason=reason)
+    assert m.loss is not None  # _measure always records the first step's loss
     m.loss = _mean_over_ranks(ctx, m.loss)
     return m
 
@@ -342,7 +351,8 @@ def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str
     turns favours no variant.
     """
     torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # torch's advice about views; nothing here is in place
+    # torch's advice about views; nothing here is in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     if cfg.rounds != 1:
         return _interleaved(_Context(rank, world, cfg, plans))
     ctx = _Context(rank, world, replace(cfg, steps=max(1, cfg.steps // 2)), plans)
@@ -355,7 +365,10 @@ def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str
     out: dict[str, Measurement] = {}
     for variant in cfg.dist_variants:
         a, b = passes[0][variant], passes[1][variant]
-        out[variant] = a if a.step_s is None else b if b.step_s is None else replace(a, step_s=(a.step_s + b.step_s) / 2, times=a.times + b.times)
+        if a.step_s is None or b.step_s is None:
+            out[variant] = a if a.step_s is None else b
+        else:
+            out[variant] = replace(a, step_s=(a.step_s + b.step_s) / 2, times=a.times + b.times)
     return out if rank == 0 else None
 
 
@@ -404,7 +417,7 @@ def _interleaved(ctx: _Context) -> dict[str, Measurement] | None:
             for _ in range(max(0, cfg.warmup - 1)):
                 step()
             steps[variant] = step
-        except Exception as e:  # noqa: BLE001 -- a failing variant is reported, the others still run
+        except Exception as e:  # a failing variant is reported, the others still run
             err = e
         reason = _agree(ctx, variant, err)
         if reason is not None:
@@ -423,7 +436,7 @@ def _interleaved(ctx: _Context) -> dict[str, Measurement] | None:
                     steps[variant]()
                     dist.barrier()
                     times[variant].append(time.perf_counter() - t0)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 err = e
             reason = _agree(ctx, variant, err)
             if reason is not None:
@@ -434,7 +447,8 @@ def _interleaved(ctx: _Context) -> dict[str, Measurement] | None:
         if variant in failed:
             out[variant] = Measurement(reason=failed[variant])
         else:
-            out[variant] = Measurement(step_s=statistics.median(times[variant]), loss=_mean_over_ranks(ctx, first[variant]), times=times[variant])
+            out[variant] = Measurement(step_s=statistics.median(times[variant]),
+                                       loss=_mean_over_ranks(ctx, first[variant]), times=times[variant])
     return out if ctx.rank == 0 else None
 
 
@@ -449,7 +463,7 @@ def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any =
 
     try:
         cap = capture(model, inputs)
-    except Exception as e:  # noqa: BLE001 -- reported for every soybean variant
+    except Exception as e:  # reported for every soybean variant
         return {v: Measurement.failed(e).reason or "capture failed" for v in SOYBEAN_MODES}
     plans: dict[str, Plan | str] = {}
     for variant, mode in SOYBEAN_MODES.items():
@@ -457,9 +471,9 @@ def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any =
             plans[variant] = NOT_SELECTED
             continue
         try:
-            plans[variant] = plan(None, (), cfg.devices, objective="time", profile=profile or cfg.profile, mode=mode, baselines=False,
-                                  captured=cap)
-        except Exception as e:  # noqa: BLE001
+            plans[variant] = plan(None, (), cfg.devices, objective="time", profile=profile or cfg.profile, mode=mode,
+                                  baselines=False, captured=cap)
+        except Exception as e:
             plans[variant] = Measurement.failed(e).reason or "planning failed"
     return plans
 
@@ -467,7 +481,9 @@ def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any =
 def _same_plan(a: Plan, b: Plan) -> bool:
     """The same program: mesh, stored tilings and every op's strategy agree.  Full inputs arrive
     whole on every rank, so their planned tiling only says where the (free) slicing happens."""
-    key = lambda p: (p.mesh, p.params, p.nodes, p.local_batch, p.inputs if p.local_batch else None)  # noqa: E731
+    def key(p: Plan) -> tuple:
+        return p.mesh, p.params, p.nodes, p.local_batch, p.inputs if p.local_batch else None
+
     return key(a) == key(b)
 
 
@@ -481,22 +497,25 @@ def candidates(plans: dict[str, Plan | str], predicted: dict[str, float | None],
     (``same_plan``: variant -> the one it repeats), the measurement per distinct variant, which one
     is predicted and which measured fastest, and -- when ``paired_times`` holds step times taken in
     turns (step ``i`` of every variant in round ``i``) -- ``significance``:
-    :func:`~soybean.benchstats.fastest_verdict` of the predicted fastest against the others.
+    :func:`~soybean.bench.stats.fastest_verdict` of the predicted fastest against the others.
     """
+    # Each candidate's plan, prediction and median: variants lacking one take no part.
+    planned: dict[str, tuple[Plan, float, float]] = {}
+    for v in SOYBEAN_MODES:
+        p, pred, t = plans.get(v), predicted.get(v), step_s.get(v)
+        if isinstance(p, Plan) and pred is not None and t is not None:
+            planned[v] = (p, pred, t)
     distinct: list[str] = []
     same: dict[str, str] = {}
-    for v in SOYBEAN_MODES:
-        p = plans.get(v)
-        if not isinstance(p, Plan) or predicted.get(v) is None or step_s.get(v) is None:
-            continue
-        twin = next((d for d in distinct if _same_plan(plans[d], p)), None)  # type: ignore[arg-type]
+    for v, (p, _, _) in planned.items():
+        twin = next((d for d in distinct if _same_plan(planned[d][0], p)), None)
         if twin is None:
             distinct.append(v)
         else:
             same[v] = twin
     group = {d: [d] + [v for v, t in same.items() if t == d] for d in distinct}
-    measured = {d: statistics.fmean(step_s[v] for v in vs) for d, vs in group.items()}  # type: ignore[misc]
-    fastest = min(distinct, key=lambda d: predicted[d]) if distinct else None  # type: ignore[arg-type, return-value]
+    measured = {d: statistics.fmean(planned[v][2] for v in vs) for d, vs in group.items()}
+    fastest = min(distinct, key=lambda d: planned[d][1]) if distinct else None
     significance = None
     if fastest is not None and paired_times is not None:
         steps = {d: [statistics.fmean(ts) for ts in zip(*(paired_times[v] for v in vs))] for d, vs in group.items()}
@@ -507,6 +526,16 @@ def candidates(plans: dict[str, Plan | str], predicted: dict[str, float | None],
         "measured_fastest": min(distinct, key=lambda d: measured[d]) if distinct else None,
         "significance": significance,
     }
+
+
+def _prediction_errors(predicted: dict[str, float | None], step_s: dict[str, float | None]) -> dict[str, float]:
+    """``predicted / measured - 1`` of soybean's variants that have both (and neither zero)."""
+    out = {}
+    for v in SOYBEAN_MODES:
+        pred, t = predicted[v], step_s[v]
+        if pred and t:
+            out[v] = pred / t - 1
+    return out
 
 
 def machine_info(serial_threads: int) -> dict[str, Any]:
@@ -615,11 +644,14 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     _check_losses(ms, notes)
     predicted = {v: (p.cost["step_time_s"] if isinstance(p, Plan) else None) for v, p in plans.items()}
     step_s = {v: ms[v].step_s for v in VARIANTS}
-    cand = candidates(plans, predicted, step_s, {v: ms[v].times for v in SOYBEAN_MODES if ms[v].times} if cfg.rounds != 1 else None)
+    paired = {v: ms[v].times for v in SOYBEAN_MODES if ms[v].times} if cfg.rounds != 1 else None
+    cand = candidates(plans, predicted, step_s, paired)
     ranked = cand["distinct"]
-    rho = spearman([predicted[v] for v in ranked], [cand["measured_s"][v] for v in ranked])
+    known = {v: t for v, t in predicted.items() if t is not None}  # every candidate's
+    rho = spearman([known[v] for v in ranked], [cand["measured_s"][v] for v in ranked])
     return {
-        "model": cfg.model, "args": dict(cfg.args), "devices": cfg.devices, "steps": cfg.steps, "warmup": cfg.warmup, "rounds": cfg.rounds,
+        "model": cfg.model, "args": dict(cfg.args), "devices": cfg.devices, "steps": cfg.steps, "warmup": cfg.warmup,
+        "rounds": cfg.rounds,
         "profile": cfg.profile,
         "calibrated_profile": asdict(prof) if prof is not None else None,
         "step_s": step_s,
@@ -630,7 +662,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "spearman": {"rho": rho, "variants": ranked},
         "candidates": cand,
         "step_times_s": {v: ms[v].times for v in VARIANTS if ms[v].times},
-        "prediction_error": {v: predicted[v] / step_s[v] - 1 for v in SOYBEAN_MODES if predicted[v] and step_s[v]},
+        "prediction_error": _prediction_errors(predicted, step_s),
         "plans": {v: plan_summary(p) for v, p in plans.items() if isinstance(p, Plan)},
         "tp_layout": layout,
         "first_loss": {v: ms[v].loss for v in VARIANTS},
@@ -666,7 +698,8 @@ def format_table(report: dict[str, Any]) -> str:
     m = report["machine"]
     args = " ".join(f"{k}={v}" for k, v in report["args"].items())
     lines = [
-        f"{report['model']} {args} | {report['devices']} ranks | median of {report['steps']} steps after {report['warmup']} warm-up, "
+        f"{report['model']} {args} | {report['devices']} ranks | "
+        f"median of {report['steps']} steps after {report['warmup']} warm-up, "
         + ("variants one after the other" if report.get("rounds") == 1 else "variants taking turns")
         + f" | profile {report['profile']}",
         f"machine: {m['cores']} cores ({m['cpu']}), load {_fmt(m['loadavg_1m'], '.2f')}, torch {m['torch']}, "
@@ -678,7 +711,8 @@ def format_table(report: dict[str, Any]) -> str:
         t = report["step_s"][v]
         note = report["reasons"].get(v) or report["notes"].get(v, "")
         lines.append(f"{v:<11} {_ms(t):>9} {_fmt(report['speedup_vs_serial'][v], '.2f', 'x'):>10} "
-                     f"{_fmt(report['speedup_vs_ddp'][v], '.2f', 'x'):>8} {_ms(report['predicted_step_s'].get(v)):>13}  {note}".rstrip())
+                     f"{_fmt(report['speedup_vs_ddp'][v], '.2f', 'x'):>8} "
+                     f"{_ms(report['predicted_step_s'].get(v)):>13}  {note}".rstrip())
     lines.append("(vs serial / vs ddp: speedup, that time divided by this one; above 1x is faster)")
     lines.append("")
     if report["tp_layout"]:
@@ -689,16 +723,20 @@ def format_table(report: dict[str, Any]) -> str:
     for v, twin in c["same_plan"].items():
         lines.append(f"{v} runs the same plan as {twin}: the two count as one candidate, timed as the mean of both")
     if c["distinct"]:
-        lines.append(f"candidates: predicted fastest {c['predicted_fastest']}, measured fastest {c['measured_fastest']}; prediction error "
+        lines.append(f"candidates: predicted fastest {c['predicted_fastest']}, "
+                     f"measured fastest {c['measured_fastest']}; prediction error "
                      + ", ".join(f"{v} {e:+.0%}" for v, e in report["prediction_error"].items()))
     sig = c.get("significance")
     if sig is not None and sig["versus"]:
+        def ratio(v: str, r: dict[str, Any]) -> str:
+            ci = f" (95% {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f})" if r["ci95"] else " (too few steps)"
+            return f"{v} {r['ratio']:.3f}x{ci}"
+
         lines.append(f"paired steps, against {c['predicted_fastest']}: "
-                     + ", ".join(f"{v} {r['ratio']:.3f}x" + (f" (95% {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f})" if r["ci95"] else " (too few steps)")
-                                 for v, r in sig["versus"].items())
-                     + f": {sig['verdict']}")
+                     + ", ".join(ratio(v, r) for v, r in sig["versus"].items()) + f": {sig['verdict']}")
     sp = report["spearman"]
-    lines.append(f"Spearman rank correlation, predicted vs measured step time over {', '.join(sp['variants']) or 'no plans'}: "
+    lines.append("Spearman rank correlation, predicted vs measured step time over "
+                 f"{', '.join(sp['variants']) or 'no plans'}: "
                  f"{_fmt(sp['rho'], '.2f')} (n={len(sp['variants'])})")
     return "\n".join(lines) + "\n"
 
@@ -709,16 +747,20 @@ def format_table(report: dict[str, Any]) -> str:
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="pkg.module:fn or path/file.py:fn; fn(**args) returns (model, example_inputs)")
     p.add_argument("--devices", type=int, required=True, help="number of local gloo processes N")
-    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="keyword for the model factory (repeatable)")
+    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword for the model factory (repeatable)")
     p.add_argument("--steps", type=int, default=12, help="timed steps; the median is reported")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     p.add_argument("--profile", default="cpu-gloo",
-                   help="soybean's machine profile: cpu-gloo, h100-nvlink, a JSON file, or 'calibrate' to measure one just before timing")
+                   help="soybean's machine profile: cpu-gloo, h100-nvlink, a JSON file, "
+                        "or 'calibrate' to measure one just before timing")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the spawned ranks are stopped")
     p.add_argument("--rounds", type=int, default=None,
-                   help="0: the variants take turns after every timed step; 1: one after the other; N: N turns of steps/N steps "
+                   help="0: the variants take turns after every timed step; 1: one after the other; "
+                        "N: N turns of steps/N steps "
                         "(default: 0, or 1 when all variants' training state together exceeds half of physical memory)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TypedDict
 
 __all__ = ["spearman", "median_interval", "paired_ratio", "fastest_verdict"]
 
@@ -75,17 +76,24 @@ def median_interval(xs: Sequence[float], alpha: float = 0.05) -> tuple[float, fl
     return s[k - 1], s[n - k]
 
 
-def paired_ratio(times: Sequence[float], reference: Sequence[float], alpha: float = 0.05) -> dict[str, object]:
+class PairedRatio(TypedDict):
+    ratio: float              # the median of the paired ratios
+    ci95: list[float] | None  # [low, high], or None with too few pairs
+    pairs: int
+
+
+def paired_ratio(times: Sequence[float], reference: Sequence[float], alpha: float = 0.05) -> PairedRatio:
     """``times[i] / reference[i]`` over paired steps: the median ratio and its ``1 - alpha``
     interval (``None`` with too few pairs).  Above 1: ``times`` is the slower."""
     if len(times) != len(reference) or not times:
-        raise ValueError(f"paired_ratio needs two equally long, non-empty step lists, got {len(times)} and {len(reference)}")
+        raise ValueError("paired_ratio needs two equally long, non-empty step lists, "
+                         f"got {len(times)} and {len(reference)}")
     ratios = [t / r for t, r in zip(times, reference)]
     ci = median_interval(ratios, alpha)
     return {"ratio": statistics.median(ratios), "ci95": None if ci is None else list(ci), "pairs": len(ratios)}
 
 
-def fastest_verdict(predicted_fastest: str, steps: dict[str, Sequence[float]]) -> dict[str, object]:
+def fastest_verdict(predicted_fastest: str, steps: Mapping[str, Sequence[float]]) -> dict[str, object]:
     """Is ``predicted_fastest`` measurably the fastest of ``steps`` (variant -> paired step times)?
 
     ``versus``: every other variant's :func:`paired_ratio` against it.  The verdict is
@@ -95,9 +103,9 @@ def fastest_verdict(predicted_fastest: str, steps: dict[str, Sequence[float]]) -
     ref = steps[predicted_fastest]
     versus = {v: paired_ratio(ts, ref) for v, ts in steps.items() if v != predicted_fastest}
     cis = [r["ci95"] for r in versus.values()]
-    if any(ci is not None and ci[1] < 1 for ci in cis):  # type: ignore[index]
+    if any(ci is not None and ci[1] < 1 for ci in cis):
         verdict = CONTRADICTED
-    elif all(ci is not None and ci[0] > 1 for ci in cis):  # type: ignore[index]
+    elif all(ci is not None and ci[0] > 1 for ci in cis):
         verdict = CONFIRMED
     else:
         verdict = UNRESOLVED

@@ -19,16 +19,17 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..runtime.comm import TorchGroup
 from .collectives import RING_FACTOR
 from .profiles import LARGE_ALLOC, Profile
-from ..runtime.comm import TorchGroup
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20]
 KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
@@ -92,10 +93,11 @@ def _collective(group: TorchGroup, kind: str, nbytes: int, world: int, rank: int
 
 
 def _compute_rates(device: torch.device, sync: Callable[[], None] = lambda: None) -> dict[str, float]:
-    """On one thread: FLOP/s of matmul (in a linear layer's training step) and conv; bytes/s of an elementwise op on activation-sized
-    (4 MiB, reused) tensors; bytes/s of first-touching a fresh large (32 MiB) allocation, on a CPU;
-    and the parameter bytes/s of an AdamW step.  ``sync`` runs before each measurement (a barrier:
-    every rank times the same kernel at the same time, contending as in training)."""
+    """On one thread: FLOP/s of matmul (in a linear layer's training step) and conv; bytes/s of an
+    elementwise op on activation-sized (4 MiB, reused) tensors; bytes/s of first-touching a fresh
+    large (32 MiB) allocation, on a CPU; and the parameter bytes/s of an AdamW step.  ``sync`` runs
+    before each measurement (a barrier: every rank times the same kernel at the same time,
+    contending as in training)."""
     # The matmul rate as training gets it: a linear layer's forward and backward (three products,
     # plus the bias, the autograd bookkeeping and the allocations that come with them).
     lin = torch.nn.Linear(1024, 1024, device=device)
@@ -127,7 +129,8 @@ def _compute_rates(device: torch.device, sync: Callable[[], None] = lambda: None
         t_reused = _median_local(lambda: torch.add(big, big, out=out), 5)
         alloc_bw = LARGE_ALLOC / max(t_fresh - t_reused, 1e-6)
     rates = {}
-    for key, numel in (("optimizer_bw", 1 << 20), ("optimizer_large_bw", LARGE_ALLOC // 4)):  # 4 MiB; 32 MiB (page faults on a CPU)
+    # 4 MiB; 32 MiB (page faults on a CPU)
+    for key, numel in (("optimizer_bw", 1 << 20), ("optimizer_large_bw", LARGE_ALLOC // 4)):
         param = torch.nn.Parameter(torch.randn(numel, device=device))
         param.grad = torch.randn_like(param)
         opt = torch.optim.AdamW([param], lr=1e-3)
@@ -141,8 +144,8 @@ def _compute_rates(device: torch.device, sync: Callable[[], None] = lambda: None
     opt = torch.optim.AdamW(tiny, lr=1e-3)
     sync()
     rates["optimizer_tensor_s"] = _median_local(opt.step, 5) / len(tiny)
-    return {"matmul_flops": 2 * 1024**3 / t, "conv_flops": 2 * 16 * 64 * 32 * 32 * 64 * 9 / tc, "mem_bw": 2 * act.numel() * 4 / te,
-            "alloc_bw": alloc_bw, **rates}
+    return {"matmul_flops": 2 * 1024**3 / t, "conv_flops": 2 * 16 * 64 * 32 * 32 * 64 * 9 / tc,
+            "mem_bw": 2 * act.numel() * 4 / te, "alloc_bw": alloc_bw, **rates}
 
 
 def _median_local(fn, reps: int) -> float:
@@ -229,12 +232,14 @@ def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
     rows = []
     total = len(KINDS) * len(SIZES)
     for i, (kind, size) in enumerate((k, s) for k in KINDS for s in SIZES):
-        t = _median_time(_collective(group, kind, size, world, rank, device), reps if size < (8 << 20) else max(2, reps // 3))
+        n = reps if size < (8 << 20) else max(2, reps // 3)
+        t = _median_time(_collective(group, kind, size, world, rank, device), n)
         rows.append({"kind": kind, "bytes": size, "seconds": t})
         if show and rank == 0:
             done = i + 1
             bar = "#" * (30 * done // total)
-            print(f"\rcalibrate [{bar:<30}] {done}/{total} {kind:<14} {size / 2**20:8.3f} MB {t * 1e3:9.3f} ms", end="", file=sys.stderr, flush=True)
+            print(f"\rcalibrate [{bar:<30}] {done}/{total} {kind:<14} {size / 2**20:8.3f} MB {t * 1e3:9.3f} ms",
+                  end="", file=sys.stderr, flush=True)
     if show and rank == 0:
         print(file=sys.stderr)
     overlap = _grad_overlap(group, device, reps)
@@ -242,7 +247,8 @@ def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
     # Every rank measures at once, as every rank computes at once in training: cores that share
     # caches, memory bandwidth or a physical core run slower together than one alone.
     rates = _compute_rates(device, dist.barrier)
-    return {"collectives": rows, "compute": {**rates, "grad_overlap": overlap, "blocking_s": blocking} if rank == 0 else {}}
+    compute = {**rates, "grad_overlap": overlap, "blocking_s": blocking} if rank == 0 else {}
+    return {"collectives": rows, "compute": compute}
 
 
 def fit(rows: list[dict[str, Any]], world: int) -> tuple[float, float]:
@@ -262,7 +268,8 @@ def fit(rows: list[dict[str, Any]], world: int) -> tuple[float, float]:
     return max(float(alpha), 1e-7), max(float(beta), 1e-13)
 
 
-def calibrate(devices: int = 2, reps: int = 10, show: bool = True, name: str = "calibrated") -> tuple[Profile, dict[str, Any]]:
+def calibrate(devices: int = 2, reps: int = 10, show: bool = True,
+              name: str = "calibrated") -> tuple[Profile, dict[str, Any]]:
     """Measure on ``devices`` local processes; returns the profile and the raw measurements."""
     from ..runtime.launch import spawn
 
@@ -273,10 +280,11 @@ def calibrate(devices: int = 2, reps: int = 10, show: bool = True, name: str = "
     alpha, beta = fit(rows, devices)
     per_kind = tuple((k, *fit([r for r in rows if r["kind"] == k], devices)) for k in RING_FACTOR)
     mem = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 12.0
-    prof = Profile(name, alpha=alpha, beta=beta, flops=comp["matmul_flops"], mem_bw=comp["mem_bw"], memory_gb=mem, conv_flops=comp["conv_flops"],
-                   collectives=per_kind, optimizer_bw=comp["optimizer_bw"], optimizer_large_bw=comp["optimizer_large_bw"],
-                   optimizer_tensor_s=comp["optimizer_tensor_s"], grad_overlap=comp["grad_overlap"],
-                   alloc_bw=comp["alloc_bw"], large_alloc=float(LARGE_ALLOC) if comp["alloc_bw"] else 0.0, blocking_s=comp["blocking_s"])
+    prof = Profile(name, alpha=alpha, beta=beta, flops=comp["matmul_flops"], mem_bw=comp["mem_bw"], memory_gb=mem,
+                   conv_flops=comp["conv_flops"], collectives=per_kind, optimizer_bw=comp["optimizer_bw"],
+                   optimizer_large_bw=comp["optimizer_large_bw"], optimizer_tensor_s=comp["optimizer_tensor_s"],
+                   grad_overlap=comp["grad_overlap"], alloc_bw=comp["alloc_bw"],
+                   large_alloc=float(LARGE_ALLOC) if comp["alloc_bw"] else 0.0, blocking_s=comp["blocking_s"])
     return prof, {"devices": devices, "collectives": rows, "compute": comp}
 
 
@@ -287,10 +295,12 @@ def main_cli(devices: int, out: str | None, reps: int) -> int:
     if out:
         with open(out, "w") as f:
             f.write(text)
-        print(f"wrote {out}: alpha {prof.alpha * 1e6:.1f} us, {1 / prof.beta / 1e9:.2f} GB/s, matmul {prof.flops / 1e9:.1f} GFLOP/s, "
-              f"conv {prof.conv_flops / 1e9:.1f} GFLOP/s, memory-bound {prof.mem_bw / 1e9:.1f} GB/s, large allocations {prof.alloc_bw / 1e9:.1f} GB/s, "
-              f"AdamW {prof.optimizer_bw / 1e9:.2f} GB/s ({prof.optimizer_large_bw / 1e9:.2f} on 32 MiB) + {prof.optimizer_tensor_s * 1e6:.0f} us a tensor, "
-              f"gradient sync hidden {prof.grad_overlap:.0%}, a blocking collective amid compute +{prof.blocking_s * 1e6:.0f} us",
+        print(f"wrote {out}: alpha {prof.alpha * 1e6:.1f} us, {1 / prof.beta / 1e9:.2f} GB/s, "
+              f"matmul {prof.flops / 1e9:.1f} GFLOP/s, conv {prof.conv_flops / 1e9:.1f} GFLOP/s, "
+              f"memory-bound {prof.mem_bw / 1e9:.1f} GB/s, large allocations {prof.alloc_bw / 1e9:.1f} GB/s, "
+              f"AdamW {prof.optimizer_bw / 1e9:.2f} GB/s ({prof.optimizer_large_bw / 1e9:.2f} on 32 MiB) "
+              f"+ {prof.optimizer_tensor_s * 1e6:.0f} us a tensor, gradient sync hidden {prof.grad_overlap:.0%}, "
+              f"a blocking collective amid compute +{prof.blocking_s * 1e6:.0f} us",
               file=sys.stderr)
     else:
         sys.stdout.write(text)

@@ -13,7 +13,6 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-
 # glibc's largest mmap threshold: blocks this big are mapped afresh, and page-faulted in, on every
 # allocation (the CPU profiles' ``large_alloc``).
 LARGE_ALLOC = 32 << 20
@@ -64,9 +63,9 @@ BUILTIN: dict[str, Profile] = {
     # async all_reduce hides behind a matmul loop (gloo needs CPU too); a blocking collective between
     # two stretches of compute costs ~0.45-0.65 ms more than the same collective timed right after a
     # barrier.
-    "cpu-gloo": Profile("cpu-gloo", alpha=2e-4, beta=1 / 1.8e9, flops=1.1e11, mem_bw=2e10, memory_gb=12.0, conv_flops=1.0e11,
-                        optimizer_bw=1.0e9, optimizer_large_bw=0.45e9, optimizer_tensor_s=2e-4, grad_overlap=0.25, large_alloc=float(LARGE_ALLOC), alloc_bw=2.5e9,
-                        blocking_s=5e-4),
+    "cpu-gloo": Profile("cpu-gloo", alpha=2e-4, beta=1 / 1.8e9, flops=1.1e11, mem_bw=2e10, memory_gb=12.0,
+                        conv_flops=1.0e11, optimizer_bw=1.0e9, optimizer_large_bw=0.45e9, optimizer_tensor_s=2e-4,
+                        grad_overlap=0.25, large_alloc=float(LARGE_ALLOC), alloc_bw=2.5e9, blocking_s=5e-4),
     # 8x H100 SXM with NVLink 4 / NVSwitch: 450 GB/s per direction per GPU, NCCL reaches ~360 GB/s
     # bus bandwidth on large all-reduces; ~5 us per ring step. Compute: 989 TFLOP/s dense bf16 at
     # ~40% achieved; HBM3 3.35 TB/s; 80 GB. (NVIDIA H100 datasheet; NCCL tests.)  NCCL runs on its own
@@ -90,4 +89,5 @@ def load_profile(name_or_path: str | None) -> Profile:
         d["collectives"] = tuple(tuple(x) for x in d.get("collectives", ()))
         known = set(Profile.__dataclass_fields__)
         return Profile(**{k: v for k, v in d.items() if k in known})  # e.g. calibrate's raw "measurements"
-    raise ValueError(f"unknown profile {name_or_path!r}: use one of {', '.join(sorted(BUILTIN))} or a JSON file from `soybean calibrate`")
+    raise ValueError(f"unknown profile {name_or_path!r}: use one of {', '.join(sorted(BUILTIN))} "
+                     "or a JSON file from `soybean calibrate`")

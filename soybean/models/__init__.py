@@ -9,8 +9,9 @@ import ast
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def parse_args(pairs: list[str]) -> dict[str, Any]:

@@ -31,8 +31,9 @@ causal LMs) cross-entropy.  Parameter names gain the prefix ``model.``.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -116,7 +117,8 @@ def build(model_type: str, *, batch: int = 8, seq: int | None = None, seed: int 
 def factory(model_type: str) -> Callable[..., tuple[nn.Module, tuple]]:
     """A model-reference factory: ``fn(**kwargs) -> (model, example_inputs)`` for ``hf:model_type``."""
     if model_type not in _transformers().CONFIG_MAPPING:
-        raise ValueError(f"hf:{model_type}: transformers has no model type {model_type!r} (try hf:gpt2, hf:bert or hf:llama)")
+        raise ValueError(f"hf:{model_type}: transformers has no model type {model_type!r} "
+                         "(try hf:gpt2, hf:bert or hf:llama)")
 
     def fn(**kwargs: Any) -> tuple[nn.Module, tuple]:
         return build(model_type, **kwargs)

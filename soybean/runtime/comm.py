@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,8 @@ from ..tiling import chunk_range
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["Group", "ThreadGroup", "ThreadWorld", "TorchGroup", "torch_groups", "chunk_len", "take_chunk"]
+__all__ = ["AsyncGroup", "Group", "ThreadGroup", "ThreadWorld", "TorchGroup", "Work", "torch_groups", "chunk_len",
+           "take_chunk"]
 
 
 @runtime_checkable
@@ -62,6 +64,23 @@ class Group(Protocol):
     def all_to_all(self, t: torch.Tensor, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
         """Input: my chunk of ``src_dim`` (length ``full_src`` in all), all of ``dst_dim``.
         Output: all of ``src_dim``, my chunk of ``dst_dim``."""
+        ...
+
+
+class Work(Protocol):
+    """A started collective."""
+
+    def wait(self) -> Any:
+        """Block until the collective's result is in place."""
+        ...
+
+
+class AsyncGroup(Group, Protocol):
+    """A group that can also start a sum and return before it completes (``TorchGroup``; the thread
+    tier's groups cannot, and callers test for the method)."""
+
+    def all_reduce_inplace_async(self, t: torch.Tensor) -> Work:
+        """Start summing ``t`` in place; ``wait`` on the result before reading ``t``."""
         ...
 
 
@@ -154,7 +173,7 @@ class ThreadWorld:
             for g in mesh.axis_groups(axis)
         }
 
-    def groups(self, rank: int) -> list["ThreadGroup"]:
+    def groups(self, rank: int) -> list[Group]:
         """``rank``'s group on every mesh axis, in axis order."""
         coords = self.mesh.coords(rank)
         return [ThreadGroup(self._exchanges[(axis, tuple(self.mesh.axis_group(rank, axis)))], coords[axis])
@@ -257,7 +276,8 @@ class TorchGroup:
         n = x.numel()
         out = x.new_empty(self.size * n)
         _all_gather_single(out, x.reshape(-1), group=self.pg)
-        blocks = [out[k * n:(k + 1) * n].view(x.shape).narrow(dim, 0, chunk_len(full, self.size, k)) for k in range(self.size)]
+        blocks = [out[k * n:(k + 1) * n].view(x.shape).narrow(dim, 0, chunk_len(full, self.size, k))
+                  for k in range(self.size)]
         return torch.cat(blocks, dim)
 
     def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -314,7 +334,7 @@ def _resized(shape: Sequence[int], sizes: dict[int, int]) -> list[int]:
     return [sizes.get(i, s) for i, s in enumerate(shape)]
 
 
-def _prod(shape: Sequence[int]) -> int:
+def _prod(shape: Iterable[int]) -> int:
     out = 1
     for s in shape:
         out *= s

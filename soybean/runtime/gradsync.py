@@ -19,24 +19,24 @@ backward: the hook sums the whole accumulated gradient.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from .comm import Group
+from .comm import Group, Work
 
 
 class GradSync:
-    def __init__(self, params: Sequence[tuple[nn.Parameter, tuple[int, ...]]], groups: Sequence[Group], bucket_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0) -> None:
+    def __init__(self, params: Sequence[tuple[nn.Parameter, tuple[int, ...]]], groups: Sequence[Group],
+                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0) -> None:
         self.groups = list(groups)
         self.buckets: list[list[nn.Parameter]] = []
         self.axes: list[tuple[int, ...]] = []
-        self._pending: list[tuple[object, torch.Tensor, int]] = []
+        self._pending: list[tuple[Work, torch.Tensor, int]] = []
         cap = first_bucket_mb * 2**20
         cur: list[nn.Parameter] = []
-        cur_axes: tuple[int, ...] | None = None
+        cur_axes: tuple[int, ...] = ()  # read only once ``cur`` holds a parameter
         size = 0.0
         seen: set[int] = set()
         for p, axes in reversed(list(params)):  # backward produces late layers' gradients first
@@ -68,7 +68,8 @@ class GradSync:
         gradient): their gradients would silently stay unsummed."""
         if self._next == 0 and not any(self._ready):
             return
-        missing = [tuple(p.shape) for b in range(self._next, len(self.buckets)) for p in self.buckets[b] if p.grad is None]
+        missing = [tuple(p.shape) for b in range(self._next, len(self.buckets)) for p in self.buckets[b]
+                   if p.grad is None]
         raise RuntimeError(
             f"soybean: the last backward did not reach every parameter whose gradient must be summed across devices "
             f"({len(missing)} without a gradient, shapes {missing[:4]}): every parameter must take part in the loss; "
@@ -88,10 +89,11 @@ class GradSync:
     @torch.no_grad()
     def _flush(self, b: int) -> None:
         ps = self.buckets[b]
-        grads = [p.grad.reshape(-1) for p in ps]
+        grads = [_grad(p).reshape(-1) for p in ps]
         flat = self._flat[b]
         if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
-            flat = self._flat[b] = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+            numel = sum(g.numel() for g in grads)
+            flat = self._flat[b] = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
         torch.cat(grads, out=flat)
         axes = self.axes[b]
         start = getattr(self.groups[axes[0]], "all_reduce_inplace_async", None) if len(axes) == 1 else None
@@ -113,5 +115,13 @@ class GradSync:
         off = 0
         for p in self.buckets[b]:
             n = p.numel()
-            p.grad.copy_(flat[off:off + n].view_as(p.grad))
+            g = _grad(p)
+            g.copy_(flat[off:off + n].view_as(g))
             off += n
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad``, which a bucket's parameters all have: it is synchronised only once every one is ready."""
+    g = p.grad
+    assert g is not None
+    return g

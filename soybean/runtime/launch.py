@@ -13,10 +13,12 @@ import os
 import pickle
 import queue as queue_mod
 import socket
+import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -180,7 +182,7 @@ def run_threads(mesh: Mesh, fn: Callable[[int, list[Group]], Any], timeout_s: fl
         try:
             with use_groups(groups):
                 results[rank] = fn(rank, groups)
-        except BaseException as e:  # noqa: BLE001 -- reported to the caller below
+        except BaseException as e:  # reported to the caller below
             with lock:
                 errors.append((rank, e))
             world.abort(f"rank {rank} failed with {type(e).__name__}: {e}")
@@ -192,6 +194,7 @@ def run_threads(mesh: Mesh, fn: Callable[[int, list[Group]], Any], timeout_s: fl
         t.join()
     if errors:
         rank, err = errors[0]
-        err.add_note(f"(raised on rank {rank} of mesh {mesh})")
+        if sys.version_info >= (3, 11):  # add_note is new in 3.11; on 3.10 the error goes as it is
+            err.add_note(f"(raised on rank {rank} of mesh {mesh})")
         raise err
     return results

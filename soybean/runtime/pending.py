@@ -16,14 +16,15 @@ function (a ``torch.distributed`` call on the loss itself) calls ``loss.wait()``
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.autograd import Function
 from torch.utils._pytree import tree_flatten
 
 from .collectives import all_reduce
-from .comm import Group
+from .comm import AsyncGroup, Group, Work
 
 __all__ = ["PendingSum", "all_reduce_lazy", "wait_all"]
 
@@ -35,7 +36,7 @@ _NO_WAIT = frozenset({
     "register_hook", "retain_grad", "requires_grad_", "__hash__", "__len__",
 })
 
-_PENDING: list["PendingSum"] = []
+_PENDING: list[PendingSum] = []
 
 
 class PendingSum(torch.Tensor):
@@ -68,9 +69,9 @@ class _StartSum(Function):
     (the adjoint of P -> R, as for ``collectives._AllReduce``)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group, handles: list) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: AsyncGroup, handles: list[Work]) -> torch.Tensor:
         buf = x.detach().contiguous().clone()
-        handles.append(group.all_reduce_inplace_async(buf))  # type: ignore[attr-defined]
+        handles.append(group.all_reduce_inplace_async(buf))
         return buf
 
     @staticmethod
@@ -87,7 +88,7 @@ def all_reduce_lazy(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     if getattr(group, "all_reduce_inplace_async", None) is None:
         return all_reduce(x, group)
-    handles: list = []
+    handles: list[Work] = []
     out = _StartSum.apply(x, group, handles).as_subclass(PendingSum)
     out._sb_finish = handles[0].wait
     _PENDING.append(out)

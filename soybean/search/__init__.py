@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from ..graph import PlanGraph
 from .brute import brute_force
 from .dp import solve_dp
@@ -19,7 +17,8 @@ from .problem import Problem, reduce
 OBJECTIVES = ("comm", "time")
 
 
-def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None, overlap: float | None = None) -> Problem:
+def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
+               overlap: float | None = None) -> Problem:
     """Unary and pairwise costs of ``g`` under ``objective``.
 
     ``comm``: bytes sent per device per training step; step seconds are added
@@ -33,7 +32,8 @@ def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}: use comm or time")
     unary = [v.compute_s.astype(float).copy() for v in g.vars]
-    p = Problem(unary, {}, [v.memory for v in g.vars] if memory_budget else None, memory_budget, [v.name for v in g.vars])
+    memory = [v.memory for v in g.vars] if memory_budget else None
+    p = Problem(unary, {}, memory, memory_budget, [v.name for v in g.vars])
     # Under ``comm`` the seconds only break ties: priced without overlap, a replicated weight's
     # gradient all-reduce and a split weight's gather/reduce-scatter stay tied on time as on bytes.
     ov = 0.0 if objective == "comm" else g.profile.grad_overlap if overlap is None else overlap

@@ -32,6 +32,16 @@ def _align(f: _Factor, scope: tuple[int, ...], sizes: dict[int, int]) -> np.ndar
     return t.reshape(shape)
 
 
+def _scope_of(v: int, factors: list[_Factor]) -> set[int]:
+    """The variables that share a factor with ``v``."""
+    s: set[int] = set()
+    for f in factors:
+        if v in f.vars:
+            s.update(f.vars)
+    s.discard(v)
+    return s
+
+
 def solve_dp(p: Problem, *, max_table: int = 20_000_000) -> Solution:
     t0 = time.perf_counter()
     if p.budget is not None:
@@ -44,16 +54,8 @@ def solve_dp(p: Problem, *, max_table: int = 20_000_000) -> Solution:
     const = 0.0
     while remaining:
         # min-degree: the variable whose elimination makes the smallest table
-        def scope_of(v: int) -> set[int]:
-            s: set[int] = set()
-            for f in factors:
-                if v in f.vars:
-                    s.update(f.vars)
-            s.discard(v)
-            return s
-
-        v = min(remaining, key=lambda x: (int(np.prod([sizes[w] for w in scope_of(x)] or [1])), x))
-        rest = tuple(sorted(scope_of(v)))
+        _, v = min((int(np.prod([sizes[w] for w in _scope_of(x, factors)] or [1])), x) for x in remaining)
+        rest = tuple(sorted(_scope_of(v, factors)))
         scope = (v,) + rest
         if int(np.prod([sizes[w] for w in scope])) > max_table:
             raise ValueError("graph too wide for the DP (table too large): use --solver ilp")

@@ -32,7 +32,8 @@ class Solution:
     solver: str
 
 
-_STATUS = {pywraplp.Solver.OPTIMAL: "optimal", pywraplp.Solver.FEASIBLE: "feasible", pywraplp.Solver.INFEASIBLE: "infeasible"}
+_STATUS = {pywraplp.Solver.OPTIMAL: "optimal", pywraplp.Solver.FEASIBLE: "feasible",
+           pywraplp.Solver.INFEASIBLE: "infeasible"}
 
 
 class _Builder:
@@ -80,7 +81,8 @@ class _Builder:
     def _memory(self) -> None:
         if self.p.budget is None or self.p.memory is None:
             return
-        self.s.Add(sum(float(m) * var for v, ms in enumerate(self.p.memory) for m, var in zip(ms, self.x[v]) if m) <= float(self.p.budget))
+        used = sum(float(m) * var for v, ms in enumerate(self.p.memory) for m, var in zip(ms, self.x[v]) if m)
+        self.s.Add(used <= float(self.p.budget))
 
 
 def solve_ilp(p: Problem, *, backend: str = "HIGHS", time_limit_s: float = 120.0) -> Solution:
@@ -97,7 +99,8 @@ def solve_ilp(p: Problem, *, backend: str = "HIGHS", time_limit_s: float = 120.0
     status = b.s.Solve()
     name = _STATUS.get(status, "error")
     if name not in ("optimal", "feasible"):
-        raise RuntimeError("no plan satisfies the constraints (memory budget too small?)" if name == "infeasible" else f"ILP solver failed ({status})")
+        raise RuntimeError("no plan satisfies the constraints (memory budget too small?)" if name == "infeasible"
+                           else f"ILP solver failed ({status})")
     choice = [int(np.argmax([var.solution_value() for var in xs])) for xs in b.x]
     obj = p.evaluate(choice)
     try:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..capture import Captured
+from ..cost.profiles import Profile
 from ..graph import build
 from ..mesh import Mesh
-from ..cost.profiles import Profile
 from ..tiling import Replicate
 from . import solve, to_problem
 from .ilp import Solution
@@ -37,8 +37,11 @@ def kcuts(cap: Captured, k: int, profile: Profile, objective: str = "comm", solv
     for axis in range(k):
         doms = []
         for vi, v in enumerate(g.vars):
-            later_r = [s for s in allowed[vi] if all(isinstance(t[a], Replicate) for t in v.strategies[s].inputs + v.strategies[s].outputs for a in range(axis + 1, k))
-                       and not any(a in (v.grad_partial[s] if v.grad_partial else ()) for a in range(axis + 1, k))]
+            later = range(axis + 1, k)
+            later_r = [s for s in allowed[vi]
+                       if all(isinstance(t[a], Replicate)
+                              for t in v.strategies[s].inputs + v.strategies[s].outputs for a in later)
+                       and not any(a in (v.grad_partial[s] if v.grad_partial else ()) for a in later)]
             dom = later_r or allowed[vi]
             if objective == "comm" and v.kind == "op":
                 split = [s for s in dom if v.strategies[s].divides_work()[axis]]

@@ -1,0 +1,171 @@
+"""The package's layering, read from the source: the core never imports tooling, and no import cycle.
+
+The import graph has one node per module of ``soybean/`` (a package is its ``__init__``) and an edge
+``a -> b`` for every ``import``/``from ... import`` statement in ``a`` naming ``b``, wherever it
+stands: at module level, inside a function, or under ``if TYPE_CHECKING:``.  Function-level imports
+count because a dependency deferred to call time is still a dependency: the layering is about which
+module knows about which, not about what happens to be loaded first.  Relative imports are resolved
+against the importing module's package.  ``from pkg import name`` is an import of ``pkg.name`` when
+that is a module, else of ``pkg`` itself.  Importing ``a.b.c`` is an edge to ``a.b.c`` only, not to its
+parent packages: Python runs the parents' ``__init__`` first, but counting that would make every
+package's ``__init__`` part of a cycle with the modules it re-exports.
+
+``soybean/__init__.py`` is the public facade: it imports ``api`` and ``planner`` lazily, inside the
+``parallelize``/``plan`` functions, to keep ``import soybean`` light.  Those lazy imports are edges like
+any other, so the facade sits at the top of the graph: a module that imports ``soybean`` itself
+(``import soybean``, ``from soybean import X``) reaches ``soybean.api`` through it, and does so
+from the core it is a layering violation, and from anything ``api`` reaches it is a cycle.
+
+Imports done by name at run time (``importlib.import_module``, as ``soybean.rules`` does to register
+every rule module) are not statements and are not seen; they stay inside one layer.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parent.parent / "soybean"
+
+# A module is in a layer when its name is the prefix or starts with "prefix.".
+CORE = ["soybean.capture", "soybean.graph", "soybean.reshard", "soybean.mesh", "soybean.tiling", "soybean.plan",
+        "soybean.planner", "soybean.rules", "soybean.cost", "soybean.search", "soybean.codegen", "soybean.runtime"]
+TOOLING = ["soybean.bench", "soybean.testing", "soybean.models", "soybean.cli", "soybean.report", "soybean.api"]
+
+
+def in_layer(module: str, prefixes: list[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def module_files(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, is a package's ``__init__``), for every ``.py`` under ``root``."""
+    out: dict[str, tuple[Path, bool]] = {}
+    for f in sorted(root.rglob("*.py")):
+        parts = list(f.relative_to(root.parent).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts.pop()
+        out[".".join(parts)] = (f, is_pkg)
+    return out
+
+
+def imported_modules(tree: ast.AST, module: str, is_pkg: bool, known: set[str]) -> set[str]:
+    """The modules of ``known`` that the statements of ``tree`` import, at any depth of nesting."""
+    package = module if is_pkg else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")
+                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in known else base)
+    return found & known
+
+
+def import_graph(root: Path = ROOT) -> nx.DiGraph:
+    files = module_files(root)
+    known = set(files)
+    g = nx.DiGraph()
+    g.add_nodes_from(known)
+    for name, (path, is_pkg) in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for target in imported_modules(tree, name, is_pkg, known):
+            if target != name:
+                g.add_edge(name, target)
+    return g
+
+
+def core_to_tooling(g: nx.DiGraph) -> list[list[str]]:
+    """One import path from a core module to a tooling module, for each pair that has one."""
+    paths = []
+    for src in sorted(n for n in g if in_layer(n, CORE)):
+        for dst in sorted(nx.descendants(g, src)):
+            if in_layer(dst, TOOLING):
+                paths.append(nx.shortest_path(g, src, dst))
+    return paths
+
+
+def cycles(g: nx.DiGraph) -> list[list[str]]:
+    """One cycle through each strongly connected component of more than one module."""
+    out = []
+    for comp in nx.strongly_connected_components(g):
+        if len(comp) > 1:
+            out.append([a for a, _ in nx.find_cycle(g.subgraph(comp))])
+    return sorted(out)
+
+
+def fmt(paths: list[list[str]]) -> str:
+    return "\n".join(" -> ".join(p) for p in paths)
+
+
+# ---- self-checks: the graph and the checks see what they must ----
+
+def test_relative_and_nested_imports_are_resolved() -> None:
+    known = {"soybean", "soybean.a", "soybean.pkg", "soybean.pkg.b", "soybean.pkg.c"}
+    src = (
+        "from . import c\n"            # sibling module, via the package
+        "from ..a import x\n"          # parent package's module
+        "import soybean\n"             # the facade
+        "def f():\n"
+        "    from .c import y\n"       # function-level
+        "    from .. import pkg\n"     # a package is its __init__
+        "from .b import z\n"           # itself: dropped by import_graph, kept here
+        "import os\n"                  # outside soybean: ignored
+    )
+    got = imported_modules(ast.parse(src), "soybean.pkg.b", False, known)
+    assert got == {"soybean.pkg.c", "soybean.a", "soybean", "soybean.pkg", "soybean.pkg.b"}
+    # In a package's __init__, "." is the package itself.
+    got = imported_modules(ast.parse("from . import b\nfrom .c import q\n"), "soybean.pkg", True, known)
+    assert got == {"soybean.pkg.b", "soybean.pkg.c"}
+
+
+def test_checks_fail_on_a_synthetic_cycle_and_a_core_to_tooling_path(tmp_path: Path) -> None:
+    g = nx.DiGraph([("soybean.graph", "soybean.planner"), ("soybean.planner", "soybean.search.ilp"),
+                    ("soybean.search.ilp", "soybean.graph"), ("soybean.tiling", "soybean.mesh")])
+    assert cycles(g) and set(cycles(g)[0]) == {"soybean.graph", "soybean.planner", "soybean.search.ilp"}
+    assert not cycles(nx.DiGraph([("soybean.a", "soybean.b"), ("soybean.b", "soybean.c")]))
+    # Through a module of neither layer and through the facade's lazy import.
+    g = nx.DiGraph([("soybean.runtime.comm", "soybean.module"), ("soybean.module", "soybean"),
+                    ("soybean", "soybean.api"), ("soybean.api", "soybean.planner")])
+    assert core_to_tooling(g) == [["soybean.runtime.comm", "soybean.module", "soybean", "soybean.api"]]
+    # End to end, from source files: a cycle closed by a function-level import is found.
+    pkg = tmp_path / "soybean"
+    (pkg / "codegen").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "codegen" / "__init__.py").write_text("from .lower import lower\n")
+    (pkg / "codegen" / "lower.py").write_text("from ..runtime import context\n")
+    (pkg / "runtime").mkdir()
+    (pkg / "runtime" / "__init__.py").write_text("")
+    (pkg / "runtime" / "context.py").write_text("def f():\n    from soybean.codegen.lower import lower\n")
+    assert cycles(import_graph(pkg)) == [["soybean.codegen.lower", "soybean.runtime.context"]]
+
+
+def test_graph_of_the_package_is_read() -> None:
+    g = import_graph()
+    assert {"soybean", "soybean.planner", "soybean.rules.matmul", "soybean.bench.harness"} <= set(g)
+    assert g.has_edge("soybean.bench.harness", "soybean.bench.stats")  # module level, relative
+    assert g.has_edge("soybean.cli", "soybean.bench.harness")          # function level
+    assert g.has_edge("soybean", "soybean.api")                        # lazy, in the facade
+
+
+# ---- the layering of soybean/ ----
+
+def test_core_never_imports_tooling() -> None:
+    bad = core_to_tooling(import_graph())
+    assert not bad, "core modules reach tooling:\n" + fmt(bad)
+
+
+def test_no_import_cycle() -> None:
+    found = cycles(import_graph())
+    assert not found, "import cycles:\n" + fmt([c + [c[0]] for c in found])
