@@ -7,6 +7,8 @@ import torch
 from examples.models import mlp
 from soybean.runtime.launch import spawn
 
+pytestmark = pytest.mark.dist
+
 
 def _save_then_load(rank: int, world: int, path: str) -> bool:
     import soybean

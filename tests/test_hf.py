@@ -18,14 +18,16 @@ import sys
 import pytest
 import torch
 
+from soybean import models
+from soybean.capture import Captured, capture
+from soybean.models import hf  # imports transformers only when a model is built
+from soybean.planner import plan as make_plan
+from soybean.report import table
+from soybean.testing import Trace, compare, train_parallel_threads, train_serial
+
 pytest.importorskip("transformers", reason="Hugging Face tests need transformers: pip install -e '.[hf]'")
 
-from soybean import models
-from soybean.models import hf  # noqa: E402
-from soybean.capture import Captured, capture  # noqa: E402
-from soybean.planner import plan as make_plan  # noqa: E402
-from soybean.report import table  # noqa: E402
-from soybean.testing import Trace, compare, train_parallel_threads, train_serial  # noqa: E402
+pytestmark = pytest.mark.unit  # but the training test, marked sim
 
 CONFIGS: dict[str, dict[str, int]] = {
     "gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128),
@@ -54,6 +56,7 @@ CASES = [(n, (2,), "auto", "comm") for n in CONFIGS] + [(n, (2,), "dp", "time") 
     ("gpt2", (2, 2), "mp", "comm"), ("bert", (2, 2), "auto", "comm"), ("llama", (2, 2), "mp", "comm")]
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("name,mesh,mode,objective", CASES, ids=[f"{n}-{'x'.join(map(str, m))}-{md}-{o}" for n, m, md, o in CASES])
 def test_parallel_training_equals_serial(name: str, mesh: tuple, mode: str, objective: str) -> None:
     model, inputs, serial = tiny(name)

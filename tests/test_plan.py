@@ -13,6 +13,8 @@ from examples.models import alexnet, mlp, resnet, transformer, vgg16
 from soybean.capture import capture
 from soybean.planner import plan
 
+pytestmark = pytest.mark.unit  # but one test, marked sim, that trains its plan
+
 MB = 1e6
 
 
@@ -187,6 +189,7 @@ def test_capture_error_names_the_construct() -> None:
         capture(DataDependent(), (torch.randn(3),))
 
 
+@pytest.mark.sim
 def test_unknown_op_falls_back_to_replicate_with_one_warning() -> None:
     """An op without a rule runs replicated; the warning lists it once; the plan still trains like serial."""
     from soybean.testing import compare, train_parallel_threads, train_serial

@@ -20,6 +20,8 @@ from soybean.rules.base import OpSpec, RuleEntry, Strategy1D, op_name
 from soybean.rules.validate import check_op
 from soybean.tiling import P, R, Partial, S
 
+pytestmark = pytest.mark.unit
+
 aten = torch.ops.aten
 MESHES = [Mesh((2,)), Mesh((3,)), Mesh((2, 2))]
 _gen = torch.Generator().manual_seed(1234)
