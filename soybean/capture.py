@@ -6,28 +6,30 @@
 their fully qualified names; a tied weight (one parameter used under two names)
 is one placeholder with several users, the alias's placeholder has none.
 
-Grad-mode regions that ``torch.export`` wraps in a higher-order op (a ``torch.no_grad()``
-block, such as Llama's rotary embedding) are inlined, with their outputs detached, and runtime
-metadata assertions (``_assert_tensor_metadata``: no output, no effect on values) are dropped,
-so every remaining node is a plain aten op.
+Then the exported graph goes through ``PASSES``, exact in-place rewrites run in this order:
 
-An attention mask computed from constants only (Hugging Face builds its causal or all-true
-mask from ``arange`` under ``torch.export``, where eager mode passes none) is evaluated once;
-when it is the causal mask it becomes ``is_causal=True``, when it masks nothing it is dropped.
-The mask subgraph then disappears: it was one value read by every layer.
-
-Then a few exact rewrites make losses splittable: ``mean`` and ``mse_loss(mean)``
-become ``sum / n`` and
-``cross_entropy_loss(reduction='mean')`` becomes ``sum-loss / count`` so that a
-batch-split loss is a pending sum (``Partial``) instead of forcing a gather of
-the logits.
+1. ``inline_grad_regions``: grad-mode regions that ``torch.export`` wraps in a higher-order op
+   (a ``torch.no_grad()`` block, such as Llama's rotary embedding) are inlined, with their
+   outputs detached, so every remaining node is a plain aten op.
+2. ``drop_assertions``: runtime metadata assertions (``_assert_tensor_metadata``: no output,
+   no effect on values) are erased.
+3. ``fold_constant_masks``: an attention mask computed from constants only (Hugging Face builds
+   its causal or all-true mask from ``arange`` under ``torch.export``, where eager mode passes
+   none) is evaluated once; when it is the causal mask it becomes ``is_causal=True``, when it
+   masks nothing it is dropped.  The mask subgraph then disappears: it was one value read by
+   every layer.
+4. ``means_to_sums``: ``mean`` and ``mse_loss(mean)`` become ``sum / n`` and
+   ``cross_entropy_loss(reduction='mean')`` becomes ``sum-loss / count`` so that a
+   batch-split loss is a pending sum (``Partial``) instead of forcing a gather of
+   the logits.
 """
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import fx
@@ -68,13 +70,16 @@ def _fingerprint(gm: fx.GraphModule) -> str:
 _EXPORT_LOCK = threading.Lock()  # torch.export patches global state: one capture at a time
 
 
-def capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> Captured:
-    """Export ``model(*example_inputs)`` at aten level (training IR) and name its placeholders."""
+def capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None, *,
+            passes: Sequence[Pass] | None = None) -> Captured:
+    """Export ``model(*example_inputs)`` at aten level (training IR), name its placeholders and
+    rewrite the graph with ``passes`` (default ``PASSES``; another list is for inspecting a pass)."""
     with _EXPORT_LOCK:
-        return _capture(model, example_inputs, example_kwargs)
+        return _capture(model, example_inputs, example_kwargs, passes)
 
 
-def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None) -> Captured:
+def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None,
+             passes: Sequence[Pass] | None) -> Captured:
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     try:
@@ -104,13 +109,10 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
         if n.op == "placeholder" and n.name in params and not n.users:
             fq = params[n.name]
             if fq not in aliases:
-                for other, q in params.items():
+                for q in params.values():
                     if q != fq and named.get(q) is named.get(fq):
                         aliases[fq] = q
-    inline_grad_regions(gm)
-    drop_assertions(gm)
-    fold_constant_masks(gm)
-    decompose(gm)
+    run_passes(gm, passes)
     return Captured(gm, params, buffers, inputs, aliases, _fingerprint(gm))
 
 
@@ -140,7 +142,8 @@ def _meta(x: Any) -> Any:
     return v
 
 
-def _call(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None, like: fx.Node | None = None) -> fx.Node:
+def _call(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None,
+          like: fx.Node | None = None) -> fx.Node:
     """Insert ``target(*args)`` with ``meta['val']`` computed on the meta device."""
     node = graph.call_function(target, args, kwargs or {})
     margs = tuple(_meta(a) for a in args)
@@ -170,12 +173,13 @@ def inline_grad_regions(gm: fx.GraphModule) -> None:
         for n in calls:
             enabled, sub, *args = n.args
             body = getattr(gm, sub.target)
-            env = dict(zip([p for p in body.graph.nodes if p.op == "placeholder"], args))
+            env = dict(zip([p for p in body.graph.nodes if p.op == "placeholder"], args, strict=True))
             with g.inserting_before(n):
                 result = g.graph_copy(body.graph, env)
                 outs = list(result) if isinstance(result, (tuple, list)) else [result]
                 if not enabled:
-                    outs = [_call(g, aten.detach.default, (o,), like=n) if isinstance(o, fx.Node) and _is_float(o) else o for o in outs]
+                    outs = [_call(g, aten.detach.default, (o,), like=n)
+                            if isinstance(o, fx.Node) and _is_float(o) else o for o in outs]
             for user in list(n.users):  # getitem(call, i)
                 user.replace_all_uses_with(outs[user.args[1]])
                 g.erase_node(user)
@@ -233,11 +237,15 @@ def _constant_nodes(g: fx.Graph) -> set[fx.Node]:
 def _evaluate(node: fx.Node, memo: dict[fx.Node, Any]) -> Any:
     """The value of a constant node, computed on the CPU (device arguments are moved there)."""
     cpu = torch.device("cpu")
+
+    def value(a: Any) -> Any:
+        return memo[a] if isinstance(a, fx.Node) else cpu if isinstance(a, torch.device) else a
+
     for n in _cone(node):
         if n not in memo:
-            args, kwargs = tree_map(lambda a: memo[a] if isinstance(a, fx.Node) else cpu if isinstance(a, torch.device) else a,
-                                    (tuple(n.args), dict(n.kwargs)))
-            memo[n] = n.target(*args, **kwargs)
+            args, kwargs = tree_map(value, (tuple(n.args), dict(n.kwargs)))
+            # Every node of a constant cone is a call_function node: its target is callable.
+            memo[n] = cast(Callable[..., Any], n.target)(*args, **kwargs)
     return memo[node]
 
 
@@ -304,54 +312,109 @@ def fold_constant_masks(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def decompose(gm: fx.GraphModule) -> None:
-    """Rewrite means into sums divided by a count (exact in fp32 up to rounding)."""
+def means_to_sums(gm: fx.GraphModule) -> None:
+    """Rewrite means into sums divided by a count (exact in fp32 up to rounding).
+
+    One walk in node order hands each node to the rewrite of its family.  One walk, not one pass
+    per family: the new nodes are then created in graph order, and their names (which plans
+    record) stay those of a single walk whatever families a model mixes.
+    """
     g = gm.graph
     for n in list(g.nodes):
         if n.op != "call_function":
             continue
         if n.target in (aten.mean.default, aten.mean.dim):
-            x = n.args[0]
-            shape = tuple(x.meta["val"].shape)
-            if n.target is aten.mean.default:
-                dims, keep = list(range(len(shape))), False
-            else:
-                dims = n.args[1] if len(n.args) > 1 and n.args[1] is not None else list(range(len(shape)))
-                keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
-            dtype = n.kwargs.get("dtype")
-            if dtype is not None or not x.meta["val"].dtype.is_floating_point:
-                continue
-            count = math.prod(shape[d] for d in dims) if shape else 1
-            with g.inserting_before(n):
-                s = _call(g, aten.sum.dim_IntList, (x, list(dims), keep), like=n)
-                d = _call(g, aten.div.Tensor, (s, float(count)), like=n)
-            n.replace_all_uses_with(d)
-            g.erase_node(n)
-        elif n.target is aten.mse_loss.default and (n.args[2] if len(n.args) > 2 else n.kwargs.get("reduction", 1)) == 1:
-            x, y = n.args[0], n.args[1]
-            count = math.prod(x.meta["val"].shape)
-            with g.inserting_before(n):
-                total = _call(g, aten.mse_loss.default, (x, y, 2), like=n)
-                d = _call(g, aten.div.Tensor, (total, float(count)), like=n)
-            n.replace_all_uses_with(d)
-            g.erase_node(n)
+            _mean_to_sum(g, n)
+        elif n.target is aten.mse_loss.default:
+            _mse_mean_to_sum(g, n)
         elif n.target is aten.cross_entropy_loss.default:
-            args = list(n.args) + [None] * (6 - len(n.args))
-            x, y, weight, reduction, ignore_index, smoothing = args[:6]
-            weight = n.kwargs.get("weight", weight)
-            reduction = n.kwargs.get("reduction", 1 if reduction is None else reduction)
-            ignore_index = n.kwargs.get("ignore_index", -100 if ignore_index is None else ignore_index)
-            smoothing = n.kwargs.get("label_smoothing", 0.0 if smoothing is None else smoothing)
-            if reduction != 1 or weight is not None or smoothing:
-                continue
-            if not isinstance(y.meta["val"], torch.Tensor) or y.meta["val"].dtype.is_floating_point:
-                continue  # probability targets: leave the mean
-            with g.inserting_before(n):
-                total = _call(g, aten.cross_entropy_loss.default, (x, y, None, 2, ignore_index), like=n)
-                valid = _call(g, aten.ne.Scalar, (y, ignore_index), like=n)
-                cnt = _call(g, aten.sum.default, (valid,), like=n)
-                d = _call(g, aten.div.Tensor, (total, cnt), like=n)
-            n.replace_all_uses_with(d)
-            g.erase_node(n)
+            _cross_entropy_mean_to_sum(g, n)
     g.lint()
     gm.recompile()
+
+
+def _mean_to_sum(g: fx.Graph, n: fx.Node) -> None:
+    """``mean(x, dims)`` of a floating-point ``x`` (no ``dtype``) -> ``sum(x, dims) / count``."""
+    x = n.args[0]
+    assert isinstance(x, fx.Node)
+    shape = tuple(x.meta["val"].shape)
+    dims: Any  # a list of ints, as fx recorded it
+    keep: Any
+    if n.target is aten.mean.default:
+        dims, keep = list(range(len(shape))), False
+    else:
+        dims = n.args[1] if len(n.args) > 1 and n.args[1] is not None else list(range(len(shape)))
+        keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+    dtype = n.kwargs.get("dtype")
+    if dtype is not None or not x.meta["val"].dtype.is_floating_point:
+        return
+    count = math.prod(shape[d] for d in dims) if shape else 1
+    with g.inserting_before(n):
+        s = _call(g, aten.sum.dim_IntList, (x, list(dims), keep), like=n)
+        d = _call(g, aten.div.Tensor, (s, float(count)), like=n)
+    n.replace_all_uses_with(d)
+    g.erase_node(n)
+
+
+def _mse_mean_to_sum(g: fx.Graph, n: fx.Node) -> None:
+    """``mse_loss(x, y, reduction=mean)`` -> ``mse_loss(x, y, reduction=sum) / numel(x)``."""
+    if (n.args[2] if len(n.args) > 2 else n.kwargs.get("reduction", 1)) != 1:
+        return
+    x, y = n.args[0], n.args[1]
+    assert isinstance(x, fx.Node)
+    count = math.prod(x.meta["val"].shape)
+    with g.inserting_before(n):
+        total = _call(g, aten.mse_loss.default, (x, y, 2), like=n)
+        d = _call(g, aten.div.Tensor, (total, float(count)), like=n)
+    n.replace_all_uses_with(d)
+    g.erase_node(n)
+
+
+def _cross_entropy_mean_to_sum(g: fx.Graph, n: fx.Node) -> None:
+    """Unweighted, unsmoothed ``cross_entropy_loss(x, labels, reduction=mean)`` ->
+    ``cross_entropy_loss(..., reduction=sum) / count of labels != ignore_index``."""
+    args = list(n.args) + [None] * (6 - len(n.args))
+    x, y, weight, reduction, ignore_index, smoothing = args[:6]
+    weight = n.kwargs.get("weight", weight)
+    reduction = n.kwargs.get("reduction", 1 if reduction is None else reduction)
+    ignore_index = n.kwargs.get("ignore_index", -100 if ignore_index is None else ignore_index)
+    smoothing = n.kwargs.get("label_smoothing", 0.0 if smoothing is None else smoothing)
+    if reduction != 1 or weight is not None or smoothing:
+        return
+    assert isinstance(y, fx.Node)
+    if not isinstance(y.meta["val"], torch.Tensor) or y.meta["val"].dtype.is_floating_point:
+        return  # probability targets: leave the mean
+    with g.inserting_before(n):
+        total = _call(g, aten.cross_entropy_loss.default, (x, y, None, 2, ignore_index), like=n)
+        valid = _call(g, aten.ne.Scalar, (y, ignore_index), like=n)
+        cnt = _call(g, aten.sum.default, (valid,), like=n)
+        d = _call(g, aten.div.Tensor, (total, cnt), like=n)
+    n.replace_all_uses_with(d)
+    g.erase_node(n)
+
+
+# ---- the pipeline --------------------------------------------------------------------------
+
+
+class Pass(NamedTuple):
+    """One rewrite of a captured graph: ``run(gm)`` edits ``gm`` in place."""
+
+    name: str
+    run: Callable[[fx.GraphModule], None]
+    purpose: str  # one line
+
+
+# Run in this order by ``run_passes`` (the module docstring lists them alike).  The order matters:
+# a region's nodes must be inlined before the later passes can see them.
+PASSES: tuple[Pass, ...] = (
+    Pass("inline_grad_regions", inline_grad_regions, "inline torch.no_grad() regions, their float outputs detached"),
+    Pass("drop_assertions", drop_assertions, "erase _assert_tensor_metadata calls (no output, no effect)"),
+    Pass("fold_constant_masks", fold_constant_masks, "constant causal/all-true attention masks -> is_causal or none"),
+    Pass("means_to_sums", means_to_sums, "mean, mse_loss(mean), cross_entropy(mean) -> sum / count"),
+)
+
+
+def run_passes(gm: fx.GraphModule, passes: Sequence[Pass] | None = None) -> None:
+    """Run ``passes`` on ``gm`` in order; ``None`` means ``PASSES`` (read at call time)."""
+    for p in PASSES if passes is None else passes:
+        p.run(gm)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -132,16 +131,26 @@ def test_plan_json_is_deterministic_and_complete() -> None:
     assert {"name", "status", "seconds"} <= set(d["solver"])
 
 
-def test_gpt2_small_shape_plans_fast_on_every_mesh() -> None:
-    """12 layers, hidden 768, seq 1024, batch 8, 8 devices, every mesh shape: optimal.
+def test_gpt2_small_shape_is_planned_on_every_mesh_and_the_best_kept_optimal() -> None:
+    """12 layers, hidden 768, seq 1024, batch 8, 8 devices: the planner solves every mesh shape
+    (8, 2x4, 4x2, 2x2x2), keeps the one of least modelled step time (the fewer axes on a tie), and
+    that plan is optimal, certified: the solver's bound is within HiGHS's relative MIP gap
+    (1e-4) of its objective, and the plan's priced step time is that objective (no overlap
+    credit was capped after the search, so the certificate holds for the price).
 
-    Timing is printed, not asserted (scripts/bench_planner.py reports it)."""
+    How fast it plans is not a test (no wall-clock thresholds): scripts/bench_planner.py times
+    this case (``--layers 12 --profile cpu-gloo``)."""
     m, inp = meta(transformer, batch=8, seq=1024, hidden=768, layers=12, heads=12)
-    t0 = time.perf_counter()
     p = plan(m, inp, 8, objective="time", baselines=False)
-    print(f"12-layer plan: {time.perf_counter() - t0:.2f} s, solver {p.solver}")
+    meshes = {tuple(r["mesh"]): float(r["objective"]) for r in p.meshes}
+    assert sorted(meshes) == [(2, 2, 2), (2, 4), (4, 2), (8,)] and len(p.meshes) == 4
+    best = min(meshes, key=lambda shape: (meshes[shape], len(shape)))
+    assert tuple(p.mesh) == best, f"kept {p.mesh} of {meshes}"
     assert p.solver["status"] == "optimal"
-    assert len(p.meshes) == 4  # 8, 2x4, 4x2, 2x2x2
+    objective, bound = p.solver["objective"], p.solver["bound"]
+    assert bound <= objective * (1 + 1e-9) and objective - bound <= 1e-4 * abs(objective), p.solver
+    assert p.cost["step_time_s"] == pytest.approx(meshes[best], rel=1e-9)
+    assert p.cost["step_time_s"] == pytest.approx(objective, rel=1e-9)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

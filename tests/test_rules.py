@@ -2,7 +2,9 @@
 
 ``CASES`` lists realistic small calls of every registered op; each is checked
 with ``check_op`` (all N-D strategies, every device simulated) on a 2-way, an
-uneven 3-way (sizes 5 and 7) and a 2x2 mesh.  Further tests make sure no rule
+uneven 3-way (sizes 5 and 7) and a 2x2 mesh, and must check a real split on each
+(a strategy besides all-R), unless marked ``splits=False``: arguments for which
+the rule deliberately lists nothing, checked to stay so.  Further tests make sure no rule
 can be registered without a case, that rules really split work, that integers
 are never ``P``, and that the validator rejects wrong strategies.
 """
@@ -49,6 +51,7 @@ class Case:
     args: tuple
     kwargs: dict = field(default_factory=dict)
     tol: float = 1e-5
+    splits: bool = True  # False: the rule lists no strategy for these arguments, on any mesh
 
     @property
     def name(self) -> str:
@@ -62,8 +65,8 @@ class Case:
 CASES: list[Case] = []
 
 
-def case(target: Any, *args: Any, tol: float = 1e-5, **kwargs: Any) -> None:
-    CASES.append(Case(target, args, kwargs, tol))
+def case(target: Any, *args: Any, tol: float = 1e-5, splits: bool = True, **kwargs: Any) -> None:
+    CASES.append(Case(target, args, kwargs, tol, splits))
 
 
 # ---- elementwise -------------------------------------------------------------------------
@@ -186,7 +189,7 @@ case(aten.layer_norm.default, randn(6, 5, 8), [5, 8])
 case(aten.rms_norm.default, randn(6, 5, 8), [8], randn(8))
 case(aten.rms_norm.default, randn(7, 8), [8], None, 1e-6)
 case(aten.group_norm.default, randn(6, 4, 5), 2, randn(4), randn(4), 1e-5, False)
-_BN = (randn(6, 4, 5, 3), pos(4), randn(4), randn(4), pos(4))
+_BN = (randn(6, 5, 4, 3), pos(5), randn(5), randn(5), pos(5))  # 5 channels: 2+2+1 on 3 devices, none empty
 case(aten.batch_norm.default, *_BN, True, 0.1, 1e-5, False)
 case(aten.batch_norm.default, *_BN, False, 0.1, 1e-5, False)
 case(aten.batch_norm.default, randn(7, 6), None, None, None, None, True, 0.1, 1e-5, False)
@@ -198,10 +201,10 @@ case(aten.log_softmax.int, X, 0)
 case(aten._log_softmax.default, X, -1, False)
 
 LOGITS, LABELS = randn(6, 5), torch.tensor([0, 4, 2, -100, 1, 3])
-for _r in (0, 1, 2):
-    case(aten.cross_entropy_loss.default, LOGITS, LABELS, pos(5), _r)
+for _r in (0, 1, 2):  # a mean (1) weighs uneven chunks differently: not a pending sum, so no split
+    case(aten.cross_entropy_loss.default, LOGITS, LABELS, pos(5), _r, splits=_r != 1)
     case(aten.nll_loss_forward.default, LOGITS.log_softmax(1), LABELS, pos(5), _r, -100)
-    case(aten.mse_loss.default, X, randn(6, 5, 7), _r)
+    case(aten.mse_loss.default, X, randn(6, 5, 7), _r, splits=_r != 1)
 case(aten.cross_entropy_loss.default, randn(4, 5, 7), ints(5, 4, 7), None, 2, -100, 0.1)
 case(aten.cross_entropy_loss.default, LOGITS, LOGITS.softmax(1), None, 2)
 case(aten.cross_entropy_loss.default, LOGITS, LOGITS.softmax(1), None, 0, -100, 0.2)
@@ -216,7 +219,7 @@ case(aten.embedding.default, randn(10, 6), ints(10, 7), 0)
 
 # ---- reductions --------------------------------------------------------------------------
 case(aten.sum.default, X)
-case(aten.sum.default, ints(5, 6, 7))
+case(aten.sum.default, ints(5, 6, 7), splits=False)  # integers are never P, and all dims are reduced
 case(aten.sum.default, X, dtype=torch.float64)
 case(aten.sum.dim_IntList, X, [1])
 case(aten.sum.dim_IntList, X, [0, -1], True)
@@ -225,21 +228,21 @@ case(aten.mean.default, X)
 case(aten.mean.dim, X, [-1])
 case(aten.mean.dim, X, [0, 1], True)
 case(aten.amax.default, X, [1], True)
-case(aten.amax.default, X)
+case(aten.amax.default, X, splits=False)  # over every dim: no placement for a pending max
 case(aten.amin.default, X, [0, 2])
 case(aten.max.dim, X, 1)
 case(aten.min.dim, X, 0, True)
 case(aten.argmax.default, X, 1)
-case(aten.argmax.default, X)
+case(aten.argmax.default, X, splits=False)  # an index into the flattened tensor
 case(aten.argmin.default, X, -1, True)
 case(aten.var.correction, X, [1], correction=1)
 case(aten.var.dim, X, [0], True, True)
 case(aten.std.correction, X, [1], correction=0, keepdim=True)
-case(aten.var.correction, X, None)
+case(aten.var.correction, X, None, splits=False)  # over every dim: not linear
 case(aten.std.dim, X, [2])
 case(aten.cumsum.default, X, 1)
 case(aten.diff.default, X, 1, 1)
-case(aten.diff.default, ints(9, 4, 7), 1, -1, ints(9, 4, 1))
+case(aten.diff.default, ints(9, 5, 7), 1, -1, ints(9, 5, 1))  # integer (no P): dim 0 splits 2+2+1 on 3
 case(aten.diff.default, X, 2, 0, randn(2, 5, 7), randn(1, 5, 7))
 
 # ---- gathers by index and padding ----------------------------------------------------------
@@ -318,9 +321,9 @@ case(aten.new_full.default, randn(3), [4, 6], 3.0)
 case(aten.zeros_like.default, X)
 case(aten.ones_like.default, X)
 case(aten.full_like.default, ints(9, 5, 6), 2)
-case(aten.arange.default, 10)
-case(aten.arange.start, 2, 9)
-case(aten.arange.start_step, 0, 10, 3)
+case(aten.arange.default, 10, splits=False)  # REPLICATE_ONLY, below
+case(aten.arange.start, 2, 9, splits=False)
+case(aten.arange.start_step, 0, 10, 3, splits=False)
 case(aten.tril.default, randn(5, 6, 6))
 case(aten.triu.default, randn(3, 5, 6, 7), 1)
 
@@ -341,10 +344,28 @@ def _id(c: Case, i: int) -> str:
     return f"{i}-{c.name.removeprefix('aten.')}"
 
 
+# A case whose only strategy is all-R checks nothing: every device runs the serial op.  So a
+# splitting case must check more than that one on every mesh (its shapes are chosen so that no
+# split leaves a device an empty tile), and the cases where the rule rightly lists no split
+# (means, reductions over every dim, integer sums, arange) are a test of their own, which fails
+# when the rule starts splitting them: then they move here.
+SPLIT = [(i, c) for i, c in enumerate(CASES) if c.splits]
+UNSPLIT = [(i, c) for i, c in enumerate(CASES) if not c.splits]
+
+
 @pytest.mark.parametrize("mesh", MESHES, ids=str)
-@pytest.mark.parametrize("c", CASES, ids=[_id(c, i) for i, c in enumerate(CASES)])
+@pytest.mark.parametrize("c", [c for _, c in SPLIT], ids=[_id(c, i) for i, c in SPLIT])
 def test_rule_is_exact(c: Case, mesh: Mesh) -> None:
-    check_op(c.target, c.args, c.kwargs, mesh, rtol=c.tol, atol=c.tol)
+    """Every strategy the rule allows is exact on ``mesh``, and some allowed strategy splits."""
+    checked = check_op(c.target, c.args, c.kwargs, mesh, rtol=c.tol, atol=c.tol)
+    assert checked > 1, f"{c.name}: only the all-R strategy on mesh {mesh}: nothing was split"
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+@pytest.mark.parametrize("c", [c for _, c in UNSPLIT], ids=[_id(c, i) for i, c in UNSPLIT])
+def test_unsplit_case_allows_only_all_replicated(c: Case, mesh: Mesh) -> None:
+    """For these arguments the rule lists nothing: all-R (run and checked) is the one strategy."""
+    assert check_op(c.target, c.args, c.kwargs, mesh, rtol=c.tol, atol=c.tol) == 1
 
 
 def test_every_registered_rule_has_a_case() -> None:

@@ -1,0 +1,132 @@
+"""Capture's rewrites are the named, ordered list ``capture.PASSES``, and each pass is observable.
+
+A toy model carries one construct per pass: a ``torch.no_grad()`` block (which ``torch.export``
+wraps in a higher-order op), a ``.to(dtype)`` (which it guards with ``_assert_tensor_metadata``),
+a constant causal attention mask, and the three mean losses (``mean``, ``mse_loss``,
+``cross_entropy``).  The full pipeline removes every construct and keeps the loss's value; leaving
+out any one pass leaves exactly that pass's construct in the graph.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import soybean.capture as capmod
+from soybean.capture import PASSES, Captured, Pass, capture
+
+pytestmark = pytest.mark.unit
+
+aten = torch.ops.aten
+BATCH, SEQ, HIDDEN = 2, 5, 8
+
+
+class Toy(nn.Module):
+    """A linear layer, causal self-attention with an explicit mask, and a sum of three mean losses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # a grad-mode region
+            pos = torch.arange(SEQ, device=x.device).to(x.dtype) / SEQ
+        h = self.lin(x.to(torch.float32)) + pos[:, None]  # .to(dtype): an assertion under export
+        mask = torch.ones(SEQ, SEQ, dtype=torch.bool, device=x.device).tril()  # constant and causal
+        q = h.view(BATCH, SEQ, 2, HIDDEN // 2).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, q, q, attn_mask=mask).transpose(1, 2).reshape(BATCH, SEQ, HIDDEN)
+        return F.mse_loss(a, y) + a.mean(-1).mean() + F.cross_entropy(a.reshape(-1, HIDDEN), labels)
+
+
+def toy() -> tuple[Toy, tuple[torch.Tensor, ...]]:
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCH, SEQ, HIDDEN, generator=gen), torch.randn(BATCH, SEQ, HIDDEN, generator=gen)
+    labels = torch.randint(0, HIDDEN, (BATCH * SEQ,), generator=gen)
+    labels[3] = -100  # an ignored label: the cross-entropy count must skip it
+    return Toy(), (x, y, labels)
+
+
+@functools.cache
+def captured(without: str | None = None) -> Captured:
+    """The toy captured with every pass but ``without``."""
+    model, inputs = toy()
+    return capture(model, inputs, passes=tuple(p for p in PASSES if p.name != without))
+
+
+def calls(g: fx.Graph, target: object) -> list[fx.Node]:
+    return [n for n in g.nodes if n.op == "call_function" and n.target == target]
+
+
+def _reduction(n: fx.Node, position: int) -> object:
+    return n.args[position] if len(n.args) > position else n.kwargs.get("reduction", 1)
+
+
+# What each pass removes: True when the construct it rewrites is still in the graph.
+CONSTRUCT: dict[str, Callable[[fx.Graph], bool]] = {
+    "inline_grad_regions": lambda g: bool(calls(g, torch.ops.higher_order.wrap_with_set_grad_enabled)),
+    "drop_assertions": lambda g: bool(calls(g, aten._assert_tensor_metadata.default)),
+    "fold_constant_masks": lambda g: any(n.args[3] is not None or n.kwargs.get("attn_mask") is not None
+                                         for n in calls(g, aten.scaled_dot_product_attention.default)),
+    "means_to_sums": lambda g: bool(calls(g, aten.mean.default) or calls(g, aten.mean.dim)
+                                    or any(_reduction(n, 2) == 1 for n in calls(g, aten.mse_loss.default))
+                                    or any(_reduction(n, 3) == 1 for n in calls(g, aten.cross_entropy_loss.default))),
+}
+
+
+def test_passes_are_named_uniquely_and_documented_in_order() -> None:
+    """Each entry names its function; names are unique; the module docstring lists them in run order."""
+    names = [p.name for p in PASSES]
+    assert len(set(names)) == len(names), names
+    for p in PASSES:
+        assert p.run is getattr(capmod, p.name), f"pass {p.name!r} runs {p.run.__name__}"
+        assert p.purpose and "\n" not in p.purpose
+    doc = capmod.__doc__ or ""
+    where = [doc.find(f"``{name}``") for name in names]
+    assert -1 not in where and where == sorted(where), f"docstring order {where} for {names}"
+    assert set(CONSTRUCT) == set(names), "every pass needs a construct in the toy model"
+
+
+def test_capture_runs_exactly_the_pass_list_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``capture`` runs what ``PASSES`` holds, in its order, and nothing else."""
+    ran: list[str] = []
+
+    def recorded(p: Pass) -> Pass:
+        def run(gm: fx.GraphModule) -> None:
+            ran.append(p.name)
+            p.run(gm)
+
+        return p._replace(run=run)
+
+    monkeypatch.setattr(capmod, "PASSES", tuple(recorded(p) for p in PASSES))
+    model, inputs = toy()
+    capture(model, inputs)
+    assert ran == [p.name for p in PASSES]
+
+
+def test_full_pipeline_rewrites_every_construct_and_keeps_the_loss() -> None:
+    """No construct is left; the mask became ``is_causal``; losses are sums over counts of equal value."""
+    cap = captured()
+    g = cap.graph
+    assert not [name for name, present in CONSTRUCT.items() if present(g)]
+    (sdpa,) = calls(g, aten.scaled_dot_product_attention.default)
+    assert sdpa.args[3] is None and sdpa.args[5] is True
+    assert calls(g, aten.detach.default), "the no-grad region's output is detached"
+    assert len(calls(g, aten.div.Tensor)) >= 3  # one per mean loss (the model's own / SEQ is a fourth)
+    model, inputs = toy()
+    state = dict(model.named_parameters())
+    flat = [state[cap.params[n.name]] for n in g.nodes if n.op == "placeholder" and n.name in cap.params]
+    (got,) = cap.graph_module(*flat, *inputs)
+    torch.testing.assert_close(got, model(*inputs), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("left_out", [p.name for p in PASSES])
+def test_leaving_out_a_pass_leaves_exactly_its_construct(left_out: str) -> None:
+    """Every pass has an effect of its own: without it, its construct stays and only its construct."""
+    g = captured(left_out).graph
+    present = sorted(name for name, check in CONSTRUCT.items() if check(g))
+    assert present == [left_out]
