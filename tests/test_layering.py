@@ -80,7 +80,7 @@ def import_graph(root: Path = ROOT) -> nx.DiGraph:
     g.add_nodes_from(known)
     for name, (path, is_pkg) in files.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        for target in imported_modules(tree, name, is_pkg, known):
+        for target in sorted(imported_modules(tree, name, is_pkg, known)):
             if target != name:
                 g.add_edge(name, target)
     return g
@@ -97,11 +97,12 @@ def core_to_tooling(g: nx.DiGraph) -> list[list[str]]:
 
 
 def cycles(g: nx.DiGraph) -> list[list[str]]:
-    """One cycle through each strongly connected component of more than one module."""
+    """One cycle in each strongly connected component of more than one module, searched from the
+    component's first module in name order (set order varies with string hashing: this keeps reports stable)."""
     out = []
     for comp in nx.strongly_connected_components(g):
         if len(comp) > 1:
-            out.append([a for a, _ in nx.find_cycle(g.subgraph(comp))])
+            out.append([a for a, _ in nx.find_cycle(g.subgraph(comp), source=min(comp))])
     return sorted(out)
 
 
