@@ -20,8 +20,8 @@ a replicated use's gradient is partial (the consumer splits its work there), whi
 reshard point sums partial gradients over, and which gradient all-reduce is a parameter's own,
 deferred to the runtime's bucketed gradient sync (``Edge.deferred``), and which stored tensors an
 op updates in place through a resharded copy (a *write-back* edge: batch norm's running
-statistics, stored whole and updated channel-split, travel back to their stored tiling).  Each edge keeps, per
-pair of strategies, the ``reshard.Route`` these make; the cost model prices it and codegen
+statistics, stored whole and updated channel-split, travel back to their stored tiling).  Each
+edge keeps, per pair of strategies, the ``reshard.Route`` these make; the cost model prices it and codegen
 emits it.  Built with ``fixed=plan``, every variable's domain is the one strategy the plan
 chose: the graph codegen lowers.
 """
@@ -129,7 +129,9 @@ def _placeholder_tilings(shape: tuple[int, ...], mesh: Mesh) -> list[tuple]:
 
 def _producer(arg: fx.Node) -> tuple[fx.Node, int]:
     if arg.op == "call_function" and arg.target is operator.getitem:
-        return arg.args[0], int(arg.args[1])
+        src, idx = arg.args[0], arg.args[1]
+        assert isinstance(src, fx.Node) and isinstance(idx, int)
+        return src, int(idx)
     return arg, 0
 
 
@@ -145,7 +147,9 @@ def _needless_partial(g: PlanGraph, s: Strategy, sources: list[tuple[int, int]])
         if cut:
             continue
         for t, (u, k) in zip(s.inputs, sources):
-            if isinstance(t[a], Partial) and not any(isinstance(st.outputs[k][a], Partial) for st in g.vars[u].strategies):
+            if isinstance(t[a], Partial) and not any(
+                isinstance(st.outputs[k][a], Partial) for st in g.vars[u].strategies
+            ):
                 return True
     return False
 
@@ -154,7 +158,9 @@ def value_uses(graph: fx.Graph) -> dict[tuple[str, int], int]:
     """How many tensor arguments (ops and graph outputs) read each (producer, output index)."""
     uses: dict[tuple[str, int], int] = {}
     for node in graph.nodes:
-        if node.op not in ("call_function", "output") or (node.op == "call_function" and node.target is operator.getitem):
+        if node.op not in ("call_function", "output"):
+            continue
+        if node.op == "call_function" and node.target is operator.getitem:
             continue
         leaves, _ = tree_flatten((node.args, node.kwargs))
         for a in leaves:
@@ -186,12 +192,15 @@ def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int],
         if uses.get((v.name, k), 0) < 2:
             continue
         name = reshard_point_name(v.name, k)
-        strategies, flags = [], []
+        strategies: list[Strategy] = []
+        flags: list[tuple[int, ...]] = []
         if fixed is not None and name in fixed.nodes:
             ins, outs = fixed.node_tilings(name)
             strategies.append(Strategy(tuple(ins), tuple(outs)))
-            flags.append(tuple(fixed.nodes[name].get("grad_partial", [[]])[0]) if needs_grad else ())
-        tilings = [] if strategies else sorted({tuple(s.outputs[k]) for s in v.strategies} | {(R,) * g.mesh.ndim}, key=str)
+            flags.append(tuple(int(a) for a in fixed.nodes[name].get("grad_partial", [[]])[0]) if needs_grad else ())
+        tilings = [] if strategies else sorted(
+            {tuple(s.outputs[k]) for s in v.strategies} | {(R,) * g.mesh.ndim}, key=str
+        )
         for t in tilings:
             r_axes = [a for a in range(g.mesh.ndim) if isinstance(t[a], Replicate)] if needs_grad else []
             for n in range(len(r_axes) + 1):
@@ -221,7 +230,7 @@ def written_inputs(op: OpSpec) -> list[int]:
     a = Args(op)
     if op.name in HIDDEN_WRITES:
         names += HIDDEN_WRITES[op.name](a)
-    return [a.slots[n] for n in names if isinstance(a.slots.get(n), int)]
+    return [slot for n in names if isinstance(slot := a.slots.get(n), int)]
 
 
 
@@ -245,9 +254,18 @@ def _fixed_tiling(key: str, names: dict[str, list[str]], n: int) -> tuple:
     return tuple(parse_placement(x) for x in names[key]) if key in names else (R,) * n
 
 
-def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time", domains: dict[str, list[tuple]] | None = None,
-          pin_params: bool = False, local_outputs: bool = False, divide_work: bool | None = None,
-          fixed: Plan | None = None) -> PlanGraph:
+def build(
+    cap: Captured,
+    mesh: Mesh,
+    profile: Profile,
+    *,
+    objective: str = "time",
+    domains: dict[str, list[tuple]] | None = None,
+    pin_params: bool = False,
+    local_outputs: bool = False,
+    divide_work: bool | None = None,
+    fixed: Plan | None = None,
+) -> PlanGraph:
     """Variables and edges of ``cap`` on ``mesh``.
 
     ``domains`` optionally restricts placeholders (by parameter FQN or input name)
@@ -315,7 +333,8 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
             mem = output_bytes(op, strategies, mesh)
             ng = any(grads) and any(o.dtype.is_floating_point for o in op.outputs)
             needs_grad[node.name] = ng
-            v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node), needs_grad=ng))
+            v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node),
+                                needs_grad=ng))
             for i, (a, (u, k)) in enumerate(zip(tensor_args, sources)):
                 _add_edge(g, u, v, k, i, needs_grad.get(a.name, False))
             for i in written_inputs(op):
@@ -324,13 +343,13 @@ def build(cap: Captured, mesh: Mesh, profile: Profile, *, objective: str = "time
                     _add_edge(g, g.index[a.name], v, 0, i, False, write_back=True)
             _add_reshard_points(g, v, uses, ng, fixed)
         elif node.op == "output":
-            outs, _ = tree_flatten(node.args)
-            outs = [o for o in outs if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
+            leaves, _ = tree_flatten(node.args)
+            returned = [o for o in leaves if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
             if local_outputs:  # only scalars (losses) must be whole; other outputs stay as tiled
-                outs = [o for o in outs if o.meta["val"].dim() == 0]
-            st = Strategy(tuple(full for _ in outs), ())
+                returned = [o for o in returned if o.meta["val"].dim() == 0]
+            st = Strategy(tuple(full for _ in returned), ())
             v = _add_var(g, Var("output", "output", [st], np.zeros(1), np.zeros(1)))
-            for i, a in enumerate(outs):
+            for i, a in enumerate(returned):
                 u, k = value_source(g, a)
                 _add_edge(g, u, v, k, i, needs_grad.get(a.name, False))
     g.fallback_ops = sorted(fallback)
@@ -359,7 +378,9 @@ def partial_grad_axes(s: Strategy, dst: tuple, mesh: Mesh) -> tuple[int, ...]:
     return tuple(a for a in range(mesh.ndim) if split[a] and isinstance(dst[a], Replicate))
 
 
-def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_grad: bool, write_back: bool = False) -> None:
+def _add_edge(
+    g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_grad: bool, write_back: bool = False
+) -> None:
     U, V = g.vars[u], g.vars[v]
     spec = V.op.inputs[in_idx] if V.op is not None else None
     if spec is None:  # output var: the producer's output spec
@@ -371,7 +392,10 @@ def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_gra
     dst_keys = []
     for t, s_dst in enumerate(V.strategies):
         dst = tuple(s_dst.inputs[in_idx])
-        pga = V.grad_partial[t] if V.kind == "reshard" else partial_grad_axes(s_dst, dst, g.mesh) if V.kind == "op" else ()
+        if V.kind == "reshard":
+            pga = V.grad_partial[t]
+        else:
+            pga = partial_grad_axes(s_dst, dst, g.mesh) if V.kind == "op" else ()
         dst_keys.append((dst, pga))
     # Price each distinct (source tiling, target tiling) pair once; repeated layers share the table.
     us, si = _unique(src_keys)
@@ -396,4 +420,5 @@ def _add_edge(g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_gra
     B, T = Bu[np.ix_(si, di)], Tu[np.ix_(si, di)]
     deferred = U.kind == "param" and not write_back
     S = Su[np.ix_(si, di)] if deferred and Su.any() else None
-    g.edges.append(Edge(u, v, out_idx, in_idx, B, T, shape, itemsize, needs_grad, deferred, S, write_back, us, si, ud, di))
+    g.edges.append(Edge(u, v, out_idx, in_idx, B, T, shape, itemsize, needs_grad, deferred, S, write_back,
+                        us, si, ud, di))

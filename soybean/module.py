@@ -10,21 +10,22 @@ replicated parameters are summed by the program's adjoint collectives, so
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from .capture import Captured
 from .codegen.lower import emit_reshard, lower
 from .mesh import Mesh
 from .plan import Plan
 from .reshard import Route
-from .tiling import R, chunk_range, parse_placement, Shard
 from .runtime.comm import Group
 from .runtime.context import use_groups
 from .runtime.gradsync import GradSync
 from .runtime.pending import wait_all
+from .tiling import R, Shard, chunk_range, parse_placement
 
 
 def local_tile(full: torch.Tensor, tiling: Sequence, mesh: Mesh, coords: Sequence[int]) -> torch.Tensor:
@@ -53,6 +54,8 @@ def _attach(root: nn.Module, fqn: str, value: torch.Tensor, kind: str) -> None:
 class ParallelModule(nn.Module):
     """The per-rank program plus the local tiles it runs on."""
 
+    program: fx.GraphModule  # set with object.__setattr__ in __init__ (a plain attribute, not a submodule)
+
     def __init__(self, model: nn.Module, cap: Captured, plan: Plan, rank: int, groups: Sequence[Group]) -> None:
         super().__init__()
         mesh = Mesh(tuple(plan.mesh))
@@ -62,7 +65,7 @@ class ParallelModule(nn.Module):
         self._groups = list(groups)
         self.plan = plan
         self._cap = cap
-        state = dict(model.named_parameters())
+        state: dict[str, torch.Tensor] = dict(model.named_parameters())
         state.update(dict(model.named_buffers()))
         self._order: list[tuple[str, str]] = []  # (kind, fqn) in placeholder order
         for node in cap.graph.nodes:
@@ -82,7 +85,9 @@ class ParallelModule(nn.Module):
         sync = self.program.meta.get("grad_sync", {})
         # A tied weight is one parameter behind two placeholders: sync it once.
         synced = list(dict.fromkeys(fqn for kind, fqn in self._order if fqn in sync))
-        self._grad_sync = GradSync([(self.get_parameter(fqn), sync[fqn]) for fqn in synced], self._groups) if sync else None
+        self._grad_sync = (
+            GradSync([(self.get_parameter(fqn), sync[fqn]) for fqn in synced], self._groups) if sync else None
+        )
 
     def local_slice(self, x: torch.Tensor, input_index: int = 0) -> torch.Tensor:
         """This rank's tile of a full input, under the plan's tiling of input ``input_index``
@@ -110,8 +115,6 @@ class ParallelModule(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors of every parameter and buffer, gathered (on every rank; rank 0 saves)."""
-        from torch import fx
-
         out: dict[str, torch.Tensor] = {}
         with use_groups(self._groups):
             for kind, fqn in self._order:
@@ -120,7 +123,8 @@ class ParallelModule(nn.Module):
                 full_shape = self._full_shape(fqn)
                 g = fx.Graph()
                 x = g.placeholder("x")
-                g.output(emit_reshard(g, x, full_shape, Route.of(tiling, (R,) * self._mesh.ndim), self._mesh, self._coords))
+                gather = Route.of(tiling, (R,) * self._mesh.ndim)
+                g.output(emit_reshard(g, x, full_shape, gather, self._mesh, self._coords))
                 out[fqn] = fx.GraphModule(nn.Module(), g)(t.detach()).clone()
         for alias, fqn in self._cap.aliases.items():
             if fqn in out:
@@ -128,8 +132,9 @@ class ParallelModule(nn.Module):
         return out
 
     def _full_shape(self, fqn: str) -> tuple[int, ...]:
-        for node in self._cap.graph.nodes:
-            if node.op == "placeholder" and (self._cap.params.get(node.name) == fqn or self._cap.buffers.get(node.name) == fqn):
+        cap = self._cap
+        for node in cap.graph.nodes:
+            if node.op == "placeholder" and (cap.params.get(node.name) == fqn or cap.buffers.get(node.name) == fqn):
                 return tuple(node.meta["val"].shape)
         raise KeyError(fqn)
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from .capture import Captured, capture
+from .capture import Captured, CaptureError, capture
+from .cost.profiles import Profile, load_profile
 from .graph import Edge, PlanGraph, build
 from .mesh import Mesh, factorizations
 from .plan import Plan
-from .cost.profiles import Profile, load_profile
 from .reshard import Step
 from .search import Solution, solve, to_problem
 from .tiling import R, Shard, fmt, is_valid
@@ -67,11 +67,13 @@ def _domains(cap: Captured, mesh: Mesh, mode: str, local_batch: bool = False) ->
     doms: dict[str, list[tuple]] = {}
     vals = {node.name: node.meta.get("val") for node in cap.graph.nodes if node.op == "placeholder"}
     if local_batch and mode == "mp":
-        raise ValueError("local_batch splits the inputs by batch, the model-parallel baseline replicates them: use mode auto or dp")
+        raise ValueError(
+            "local_batch splits the inputs by batch, the model-parallel baseline replicates them: use mode auto or dp"
+        )
     if local_batch:
         doms.update(_batch_split(cap, mesh))
     if mode == "dp":
-        for name, fqn in cap.params.items():
+        for fqn in cap.params.values():
             doms[fqn] = [(R,) * n]
         doms.update(_batch_split(cap, mesh))
     elif mode == "mp":
@@ -96,12 +98,21 @@ def _all_shard_tilings(shape: tuple[int, ...], mesh: Mesh) -> list[tuple]:
     return out
 
 
-def solve_on(cap: Captured, mesh: Mesh, profile: Profile, objective: str, solver: str = "ilp", memory_bytes: float | None = None, mode: str = "auto",
-             local_batch: bool = False) -> Result:
+def solve_on(
+    cap: Captured,
+    mesh: Mesh,
+    profile: Profile,
+    objective: str,
+    solver: str = "ilp",
+    memory_bytes: float | None = None,
+    mode: str = "auto",
+    local_batch: bool = False,
+) -> Result:
     """Build the candidate table on ``mesh`` and solve it."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
-    g = build(cap, mesh, profile, objective=objective, domains=_domains(cap, mesh, mode, local_batch), pin_params=mode in ("dp", "mp"),
+    g = build(cap, mesh, profile, objective=objective,
+              domains=_domains(cap, mesh, mode, local_batch), pin_params=mode in ("dp", "mp"),
               local_outputs=local_batch, divide_work=True if mode in ("dp", "mp") else None)
     r = evaluate(g, solve(to_problem(g, objective, memory_bytes), solver))
     # The search credits ``grad_overlap * sync`` as hidden; ``evaluate`` caps that at the backward
@@ -110,7 +121,8 @@ def solve_on(cap: Captured, mesh: Mesh, profile: Profile, objective: str, solver
     # gap matters is the plan priced with no overlap at all tried too, and the better one kept.
     gap = profile.grad_overlap * r.sync_s - r.hidden_s
     if objective == "time" and gap > RESOLVE_GAP * r.step_time_s:
-        r = min(r, evaluate(g, solve(to_problem(g, objective, memory_bytes, overlap=0.0), solver)), key=lambda x: x.step_time_s)
+        no_overlap = evaluate(g, solve(to_problem(g, objective, memory_bytes, overlap=0.0), solver))
+        r = min(r, no_overlap, key=lambda x: x.step_time_s)
     return r
 
 
@@ -142,9 +154,21 @@ def evaluate(g: PlanGraph, sol: Solution) -> Result:
     return Result(g, sol, b, s, comp, mem, hidden, sync)
 
 
-def plan(model: torch.nn.Module | None, example_inputs: tuple = (), devices: int | None = None, *, mesh: Mesh | tuple | None = None,
-         objective: str = "time", profile: str | Profile | None = None, solver: str = "ilp", memory_gb: float | None = None,
-         mode: str = "auto", baselines: bool = True, captured: Captured | None = None, local_batch: bool = False) -> Plan:
+def plan(
+    model: torch.nn.Module | None,
+    example_inputs: tuple = (),
+    devices: int | None = None,
+    *,
+    mesh: Mesh | tuple | None = None,
+    objective: str = "time",
+    profile: str | Profile | None = None,
+    solver: str = "ilp",
+    memory_gb: float | None = None,
+    mode: str = "auto",
+    baselines: bool = True,
+    captured: Captured | None = None,
+    local_batch: bool = False,
+) -> Plan:
     """The best plan for ``model`` on ``devices`` (or on ``mesh``).
 
     ``local_batch``: the cheaper contract -- every input split on dim 0 over the whole mesh (each
@@ -157,12 +181,20 @@ def plan(model: torch.nn.Module | None, example_inputs: tuple = (), devices: int
     if devices < 1:
         raise ValueError(f"--devices must be >= 1, got {devices}")
     if mesh is not None and mesh.size != devices:
-        raise ValueError(f"mesh {mesh} has {mesh.size} devices, not {devices}: give a mesh whose sizes multiply to {devices}")
+        raise ValueError(
+            f"mesh {mesh} has {mesh.size} devices, not {devices}: give a mesh whose sizes multiply to {devices}"
+        )
     prof = profile if isinstance(profile, Profile) else load_profile(profile)
-    cap = captured or capture(model, tuple(example_inputs))
+    if captured is not None:
+        cap = captured
+    elif model is not None:
+        cap = capture(model, tuple(example_inputs))
+    else:
+        raise CaptureError("could not capture: plan() was given neither a model nor captured=")
     budget = memory_gb * 2**30 if memory_gb else None
     t0 = time.perf_counter()
-    results = [solve_on(cap, m, prof, objective, solver, budget, mode, local_batch) for m in ([mesh] if mesh else factorizations(devices))]
+    meshes = [mesh] if mesh else factorizations(devices)
+    results = [solve_on(cap, m, prof, objective, solver, budget, mode, local_batch) for m in meshes]
     best = min(results, key=lambda r: (r.value(objective), r.graph.mesh.ndim))
     seconds = time.perf_counter() - t0
     base: dict[str, dict[str, float]] = {}
@@ -175,17 +207,30 @@ def plan(model: torch.nn.Module | None, example_inputs: tuple = (), devices: int
             except RuntimeError:
                 pass
     if best.graph.fallback_ops:
-        warnings.warn(f"soybean: no sharding rule for {', '.join(best.graph.fallback_ops)}; these ops run replicated", stacklevel=2)
+        warnings.warn(
+            f"soybean: no sharding rule for {', '.join(best.graph.fallback_ops)}; these ops run replicated",
+            stacklevel=2,
+        )
     out = to_plan(cap, best, objective, prof.name, devices, base, seconds, solver, results)
     out.local_batch = local_batch
     return out
 
 
-def to_plan(cap: Captured, r: Result, objective: str, profile: str, devices: int, baselines: dict, seconds: float, solver: str, all_results: list[Result]) -> Plan:
+def to_plan(
+    cap: Captured,
+    r: Result,
+    objective: str,
+    profile: str,
+    devices: int,
+    baselines: dict,
+    seconds: float,
+    solver: str,
+    all_results: list[Result],
+) -> Plan:
     g, sol = r.graph, r.solution
     params: dict[str, list[str]] = {}
     inputs: dict[str, list[str]] = {}
-    nodes: dict[str, dict[str, list[list[str]]]] = {}
+    nodes: dict[str, dict[str, list[list[Any]]]] = {}  # "in"/"out": placement strings; "grad_partial": axes
     for v, c in zip(g.vars, sol.choice):
         st = v.strategies[c]
         if v.kind in ("param", "buffer"):
@@ -193,9 +238,11 @@ def to_plan(cap: Captured, r: Result, objective: str, profile: str, devices: int
         elif v.kind == "input":
             inputs[v.name] = [str(p) for p in st.outputs[0]]
         elif v.kind == "op":
-            nodes[v.name] = {"in": [[str(p) for p in t] for t in st.inputs], "out": [[str(p) for p in t] for t in st.outputs]}
+            nodes[v.name] = {"in": [[str(p) for p in t] for t in st.inputs],
+                             "out": [[str(p) for p in t] for t in st.outputs]}
         elif v.kind == "reshard":
-            nodes[v.name] = {"in": [[str(p) for p in t] for t in st.inputs], "out": [[str(p) for p in t] for t in st.outputs],
+            nodes[v.name] = {"in": [[str(p) for p in t] for t in st.inputs],
+                             "out": [[str(p) for p in t] for t in st.outputs],
                              "grad_partial": [list(v.grad_partial[c])]}
     for alias, fqn in cap.aliases.items():
         if fqn in params:
@@ -203,10 +250,11 @@ def to_plan(cap: Captured, r: Result, objective: str, profile: str, devices: int
     return Plan(
         devices=devices, mesh=list(g.mesh.shape), objective=objective, profile=profile, fingerprint=cap.fingerprint,
         params=params, inputs=inputs, nodes=nodes,
-        cost={"comm_bytes": float(r.comm_bytes), "step_time_s": float(r.step_time_s), "comm_s": float(r.comm_s), "compute_s": float(r.compute_s),
-              "hidden_s": float(r.hidden_s), "memory_bytes": float(r.memory)},
+        cost={"comm_bytes": float(r.comm_bytes), "step_time_s": float(r.step_time_s), "comm_s": float(r.comm_s),
+              "compute_s": float(r.compute_s), "hidden_s": float(r.hidden_s), "memory_bytes": float(r.memory)},
         baselines=baselines,
-        solver={"name": sol.solver if solver != "brute" else "brute", "status": sol.status, "seconds": seconds, "objective": sol.objective, "bound": sol.bound},
+        solver={"name": sol.solver if solver != "brute" else "brute", "status": sol.status, "seconds": seconds,
+                "objective": sol.objective, "bound": sol.bound},
         meshes=[{"mesh": list(x.graph.mesh.shape), "objective": x.value(objective)} for x in all_results],
         fallback_ops=g.fallback_ops, layers=layer_rows(g, sol),
     )

@@ -22,9 +22,9 @@ the sum stays right.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Sequence
 
 from .runtime.kinds import Step, apply_step
 from .tiling import Partial, Placement, R, Replicate, Shard
@@ -64,9 +64,16 @@ class Route:
         return plan_reshard(self.src, self.dst, self.partial_grad_axes, self.src_partial_axes)
 
 
-def plan_reshard(src: Sequence[Placement], dst: Sequence[Placement], partial_grad_axes: Sequence[int] = (), src_partial_axes: Sequence[int] = ()) -> list[Step]:
+def plan_reshard(
+    src: Sequence[Placement],
+    dst: Sequence[Placement],
+    partial_grad_axes: Sequence[int] = (),
+    src_partial_axes: Sequence[int] = (),
+) -> list[Step]:
     """Steps from tiling ``src`` to ``dst`` (forward order)."""
-    return list(_plan_cached(tuple(src), tuple(dst), tuple(sorted(set(partial_grad_axes))), tuple(sorted(set(src_partial_axes)))))
+    return list(_plan_cached(
+        tuple(src), tuple(dst), tuple(sorted(set(partial_grad_axes))), tuple(sorted(set(src_partial_axes)))
+    ))
 
 
 @lru_cache(maxsize=100_000)
@@ -119,10 +126,11 @@ def _plan(src: Sequence[Placement], dst: Sequence[Placement], partial_grad_axes:
                 steps.append(Step("all_reduce", i))
                 cur[i] = R
     for i in sorted(reset):  # phase 2: shard, outer axes first
-        if cur[i] != dst[i]:
+        want = dst[i]
+        if cur[i] != want:
             assert isinstance(cur[i], Replicate)
-            steps.append(Step("shard", i, dst[i].dim) if isinstance(dst[i], Shard) else Step("to_partial", i))
-            cur[i] = dst[i]
+            steps.append(Step("shard", i, want.dim) if isinstance(want, Shard) else Step("to_partial", i))
+            cur[i] = want
     for i in sorted(set(partial_grad_axes)):  # phase 3: partial gradients of replicated inputs
         if not isinstance(dst[i], Replicate):
             continue

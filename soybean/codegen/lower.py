@@ -65,7 +65,8 @@ def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], route: Route, 
             continue
         nxt = apply_step(cur, step)
         after = local_shape(shape, nxt, mesh, coords)
-        x = g.call_function(kind.call, (x, step.axis, *kind.args(step, after)), {"view": True} if view and kind.viewable else {})
+        kwargs: dict[str, Any] = {"view": True} if view and kind.viewable else {}
+        x = g.call_function(kind.call, (x, step.axis, *kind.args(step, after)), kwargs)
         cur = nxt
     return x
 
@@ -88,11 +89,16 @@ def _lazy_output_sums(g: fx.Graph) -> None:
         if a.target is ALL_REDUCE:
             a.target = rt.sb_all_reduce_lazy
             continue
-        ar = a.args[0] if a.target in _SCALINGS and len(a.args) == 2 and not a.kwargs else None
-        if isinstance(ar, fx.Node) and ar.target is ALL_REDUCE and len(ar.users) == 1 and isinstance(a.args[1], (int, float)):
+        scale = a.target
+        ar = a.args[0] if scale in _SCALINGS and len(a.args) == 2 and not a.kwargs else None
+        if (
+            isinstance(ar, fx.Node) and ar.target is ALL_REDUCE and len(ar.users) == 1
+            and isinstance(a.args[1], (int, float))
+        ):
+            assert callable(scale)  # one of _SCALINGS
             x, axis = ar.args
             with g.inserting_before(a):
-                scaled = g.call_function(a.target, (x, a.args[1]))
+                scaled = g.call_function(scale, (x, a.args[1]))
                 lazy = g.call_function(rt.sb_all_reduce_lazy, (scaled, axis))
             a.replace_all_uses_with(lazy)
             g.erase_node(a)
@@ -181,6 +187,7 @@ class Lowering:
 
     def getitem(self, node: fx.Node) -> None:
         src, idx = node.args
+        assert isinstance(src, fx.Node) and isinstance(idx, int)
         self.env[node.name] = self.g.call_function(operator.getitem, (self.env[src.name], idx))
         if src.name in self.pg.index:
             self.values[(self.pg.index[src.name], int(idx))] = self.env[node.name]
@@ -208,7 +215,9 @@ class Lowering:
             in_shapes = [local_shape(s.shape, t, self.mesh, self.coords) for s, t in zip(op.inputs, st.inputs)]
             out_shapes = [local_shape(s.shape, t, self.mesh, self.coords) for s, t in zip(op.outputs, st.outputs)]
             args, kwargs = entry.localize(op, args, kwargs, in_shapes, out_shapes)
-        out = self.g.call_function(node.target, tuple(args), dict(kwargs))
+        target = node.target
+        assert callable(target)  # a call_function node's target is the function
+        out = self.g.call_function(target, tuple(args), dict(kwargs))
         out.name = node.name
         for e in self.write_backs.get(vi, []):
             tile, x = self.values[(e.src, 0)], passed[e.dst_in][1]
@@ -256,6 +265,7 @@ def emit_files(model: torch.nn.Module, inputs: tuple, plan: Plan, out_dir: str |
     for r in range(plan.devices):
         gm = lower(cap, plan, r)
         p = out / f"rank{r}.py"
-        p.write_text(f"# soybean per-rank program: rank {r} of mesh {plan.mesh}, coordinates {Mesh(tuple(plan.mesh)).coords(r)}\n" + gm.code)
+        coords = Mesh(tuple(plan.mesh)).coords(r)
+        p.write_text(f"# soybean per-rank program: rank {r} of mesh {plan.mesh}, coordinates {coords}\n" + gm.code)
         paths.append(p)
     return paths

@@ -42,7 +42,7 @@ class Cost:
     seconds: float = 0.0
     sync_seconds: float = 0.0  # the part of ``seconds`` that gradient all-reduces take
 
-    def __add__(self, o: "Cost") -> "Cost":
+    def __add__(self, o: Cost) -> Cost:
         return Cost(self.bytes + o.bytes, self.seconds + o.seconds, self.sync_seconds + o.sync_seconds)
 
 

@@ -17,8 +17,8 @@ tensor plus its bytes at the optimizer's rate (see ``OPTIMIZER_PASSES``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 import numpy as np
 
@@ -105,7 +105,9 @@ def work_fraction(split_axes: Sequence[bool], mesh: Mesh) -> float:
     return 1.0 / math.prod(p for p, s in zip(mesh.shape, split_axes) if s) if any(split_axes) else 1.0
 
 
-def op_seconds(op: OpSpec, strategies: Sequence[Strategy], grads: list[bool], mesh: Mesh, profile: Profile) -> np.ndarray:
+def op_seconds(
+    op: OpSpec, strategies: Sequence[Strategy], grads: list[bool], mesh: Mesh, profile: Profile
+) -> np.ndarray:
     """Training-step seconds of ``op`` under each strategy, given which tensor inputs need a gradient."""
     n_flops, byts = flops(op)
     rate = replace(profile, flops=profile.conv_flops) if facts(op).conv and profile.conv_flops else profile
@@ -114,8 +116,14 @@ def op_seconds(op: OpSpec, strategies: Sequence[Strategy], grads: list[bool], me
                                      fresh_bytes(op, s, grads, mesh, profile)) for s in strategies])
 
 
-def optimizer_step_seconds(shape: tuple[int, ...], itemsize: int, tilings: Sequence[tuple], mesh: Mesh, profile: Profile,
-                           trains: bool) -> np.ndarray:
+def optimizer_step_seconds(
+    shape: tuple[int, ...],
+    itemsize: int,
+    tilings: Sequence[tuple],
+    mesh: Mesh,
+    profile: Profile,
+    trains: bool,
+) -> np.ndarray:
     """Optimizer seconds of a stored tensor under each tiling (zero where it does not train)."""
     return np.array([optimizer_seconds(max_local_numel(shape, t, mesh) * itemsize, profile) if trains else 0.0
                      for t in tilings])

@@ -5,7 +5,7 @@ states); any other tensor, its local tile.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -17,7 +17,9 @@ from ..tiling import max_local_numel
 PARAM_COPIES = 4
 
 
-def stored_bytes(shape: tuple[int, ...], itemsize: int, tilings: Sequence[tuple], mesh: Mesh, copies: int) -> np.ndarray:
+def stored_bytes(
+    shape: tuple[int, ...], itemsize: int, tilings: Sequence[tuple], mesh: Mesh, copies: int
+) -> np.ndarray:
     """Bytes per device of a stored tensor under each tiling, ``copies`` times (``PARAM_COPIES`` for a parameter)."""
     return np.array([max_local_numel(shape, t, mesh) * itemsize * copies for t in tilings], dtype=float)
 

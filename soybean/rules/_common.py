@@ -13,14 +13,15 @@
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from ..tiling import Partial, Placement, R, Shard
 from .base import LocalizeFn, OpSpec, Strategy1D, TensorSpec, is_float, norm_dim
 
 P = Partial()
-Slot = Union[int, list, None]
-Roles = Mapping[str, Union[Placement, Sequence[Placement]]]
+Slot = int | list | None
+Roles = Mapping[str, Placement | Sequence[Placement]]
 
 
 def _schema_names(target: Any) -> list[str]:
@@ -94,7 +95,9 @@ class Args:
         """Index of output ``j`` in ``inputs + outputs``."""
         return len(self.op.inputs) + j
 
-    def strategy(self, roles: Roles, outs: Sequence[Placement] | Placement, even: Iterable[tuple[int, int]] = ()) -> Strategy1D:
+    def strategy(
+        self, roles: Roles, outs: Sequence[Placement] | Placement, even: Iterable[tuple[int, int]] = ()
+    ) -> Strategy1D:
         """``Strategy1D`` from ``{argument name: placement(s)}``; absent tensors are skipped."""
         ins: list[Placement] = [R] * len(self.op.inputs)
         for name, pl in roles.items():
@@ -108,7 +111,7 @@ class Args:
                 for s, p in zip(slot, pls):
                     if s is not None:
                         ins[s] = p
-        if not isinstance(outs, (list, tuple)):
+        if not isinstance(outs, Sequence):  # one placement for every output
             outs = [outs] * len(self.op.outputs)
         return Strategy1D(tuple(ins), tuple(outs), frozenset(even))
 
@@ -172,7 +175,13 @@ def size_localizer(name: str, pick: Callable[[OpSpec, Sequence[int]], list[int]]
     describes (default: all of it).  Replacing the whole list also removes ``-1``.
     """
 
-    def localize(op: OpSpec, args: tuple, kwargs: dict, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> tuple:
+    def localize(
+        op: OpSpec,
+        args: tuple,
+        kwargs: dict,
+        in_shapes: Sequence[tuple[int, ...]],
+        out_shapes: Sequence[tuple[int, ...]],
+    ) -> tuple:
         shape = list(out_shapes[0])
         return set_arg(op, args, kwargs, name, pick(op, shape) if pick else shape)
 

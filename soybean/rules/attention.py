@@ -40,7 +40,8 @@ def sdpa(op: OpSpec) -> list[Strategy1D]:
     found: list[Strategy1D] = []
     for d in range(nd - 2):
         if q.shape[d] == k.shape[d] == v.shape[d]:
-            found.append(a.strategy({"query": Shard(d), "key": Shard(d), "value": Shard(d), "attn_mask": bcast(mask, scores, d)}, Shard(d)))
+            roles = {"query": Shard(d), "key": Shard(d), "value": Shard(d), "attn_mask": bcast(mask, scores, d)}
+            found.append(a.strategy(roles, Shard(d)))
     if not a["is_causal"]:
         found.append(a.strategy({"query": Shard(nd - 2), "attn_mask": bcast(mask, scores, nd - 2)}, Shard(nd - 2)))
     if not a["dropout_p"]:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -220,7 +221,8 @@ def has_empty_tile(tiling: tuple[Placement, ...], shape: tuple[int, ...], mesh: 
         lengths = {n}
         for axis, pl in enumerate(tiling):
             if pl == Shard(d):
-                lengths = {b - a for m in lengths for a, b in (chunk_range(m, mesh.shape[axis], k) for k in range(mesh.shape[axis]))}
+                p = mesh.shape[axis]
+                lengths = {b - a for m in lengths for a, b in (chunk_range(m, p, k) for k in range(p))}
         if n > 0 and 0 in lengths:
             return True
     return False
@@ -232,8 +234,14 @@ def expand(op: OpSpec, mesh: Mesh, one_axis: list[Strategy1D] | None = None) -> 
     specs = op.inputs + op.outputs
     out: list[Strategy] = []
     for combo in itertools.product(one_axis, repeat=mesh.ndim):
-        tilings = [tuple(s.inputs[i] if i < len(op.inputs) else s.outputs[i - len(op.inputs)] for s in combo) for i in range(len(specs))]
-        ok = all(is_valid(t, spec.shape, mesh) and not has_empty_tile(tuple(t), tuple(spec.shape), mesh) for t, spec in zip(tilings, specs))
+        tilings = [
+            tuple(s.inputs[i] if i < len(op.inputs) else s.outputs[i - len(op.inputs)] for s in combo)
+            for i in range(len(specs))
+        ]
+        ok = all(
+            is_valid(t, spec.shape, mesh) and not has_empty_tile(tuple(t), tuple(spec.shape), mesh)
+            for t, spec in zip(tilings, specs)
+        )
         if ok:
             for s in combo:
                 for (i, d) in s.even:

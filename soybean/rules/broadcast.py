@@ -7,7 +7,7 @@ the local chunk of the output.
 """
 from __future__ import annotations
 
-from ..tiling import R, Shard
+from ..tiling import Placement, R, Shard
 from .base import VIEW, OpSpec, Strategy1D, register
 
 
@@ -19,7 +19,7 @@ def broadcast_tensors(op: OpSpec) -> list[Strategy1D]:
     nd = len(shape)
     out = []
     for d in range(nd):
-        ins = []
+        ins: list[Placement] = []
         for spec in op.inputs:
             k = d - (nd - spec.ndim)  # the input's aligned dim
             if k >= 0 and spec.shape[k] == shape[d] and shape[d] > 1:

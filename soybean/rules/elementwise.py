@@ -17,7 +17,7 @@ Integer or bool tensors are never ``P`` (checked by ``partial_strategies``).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ._common import Args, P, R, Shard, bcast, free_placements, partial_strategies
 from .base import ELEMENTWISE, VIEW, OpSpec, Strategy1D, register
@@ -90,8 +90,8 @@ def _rule(linear: LinearFn) -> Callable[[OpSpec], list[Strategy1D]]:
 
 
 NONLINEAR_UNARY = (
-    "relu", "relu_", "gelu", "gelu_", "silu", "silu_", "tanh", "sigmoid", "exp", "exp_", "log", "log1p", "rsqrt", "sqrt",
-    "abs", "sin", "cos", "erf", "reciprocal", "square", "hardtanh", "hardtanh_", "relu6", "leaky_relu", "elu",
+    "relu", "relu_", "gelu", "gelu_", "silu", "silu_", "tanh", "sigmoid", "exp", "exp_", "log", "log1p", "rsqrt",
+    "sqrt", "abs", "sin", "cos", "erf", "reciprocal", "square", "hardtanh", "hardtanh_", "relu6", "leaky_relu", "elu",
     "softplus", "mish", "hardswish", "hardsigmoid", "logical_not", "bitwise_not", "clamp_min", "clamp_max",
     "sign", "floor", "ceil", "round",
 )
@@ -155,7 +155,8 @@ def type_as(op: OpSpec) -> list[Strategy1D]:
     self_, other = a.spec("self"), a.spec("other")
     assert self_ is not None and other is not None
     found: list[Strategy1D] = []
-    moves = [Shard(d) for d in range(self_.ndim)] + ([P] if a.all_float("self") and op.outputs[0].dtype.is_floating_point else [])
+    partial_ok = a.all_float("self") and op.outputs[0].dtype.is_floating_point
+    moves = [Shard(d) for d in range(self_.ndim)] + ([P] if partial_ok else [])
     for x in moves:
         found.append(a.strategy({"self": x, "other": R}, x))
         if other.shape == self_.shape and (x != P or a.all_float("other")):

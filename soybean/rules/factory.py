@@ -44,7 +44,10 @@ register(
 )(created)
 
 
-@register("aten.zeros_like.default", "aten.ones_like.default", "aten.full_like.default", family="factory", cost=ELEMENTWISE)
+@register(
+    "aten.zeros_like.default", "aten.ones_like.default", "aten.full_like.default",
+    family="factory", cost=ELEMENTWISE,
+)
 def like(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.tensor("self")

@@ -29,7 +29,10 @@ from .base import ELEMENTWISE, OpSpec, Strategy1D, TensorSpec, register
 def _broadcast_shape(specs: list[TensorSpec]) -> tuple[int, ...]:
     """The NumPy broadcast of the specs' shapes."""
     nb = max(s.ndim for s in specs)
-    return tuple(max((s.shape[d - (nb - s.ndim)] for s in specs if d - (nb - s.ndim) >= 0), default=1) for d in range(nb))
+    return tuple(
+        max((s.shape[d - (nb - s.ndim)] for s in specs if d - (nb - s.ndim) >= 0), default=1)
+        for d in range(nb)
+    )
 
 
 @register("aten.index.Tensor", family="indexing", cost=ELEMENTWISE)

@@ -49,7 +49,11 @@ def cross_entropy(op: OpSpec) -> list[Strategy1D]:
     return per_sample(Args(op))
 
 
-@register("aten.nll_loss.default", "aten.nll_loss_nd.default", "aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default", family="loss", cost=ELEMENTWISE)
+@register(
+    "aten.nll_loss.default", "aten.nll_loss_nd.default", "aten.nll_loss_forward.default",
+    "aten.nll_loss2d_forward.default",
+    family="loss", cost=ELEMENTWISE,
+)
 def nll_loss(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     lin = partial_strategies(a, [["self"]])

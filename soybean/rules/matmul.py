@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import math
 import string
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..tiling import Placement
 from ._common import Args, P, R, Shard, outputs_float
 from .base import OpCost, OpSpec, Strategy1D, TensorSpec, is_float, register
 
 
-def einsum_strategies(a: Args, operands: Sequence[tuple[str, str]], out: str, bias: str | None = None) -> list[Strategy1D]:
+def einsum_strategies(
+    a: Args, operands: Sequence[tuple[str, str]], out: str, bias: str | None = None
+) -> list[Strategy1D]:
     """One-axis strategies of ``out = einsum(operands) (+ bias)``.
 
     ``operands`` pairs an argument name with its subscripts (one letter per

@@ -75,5 +75,9 @@ def diff(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.tensor("self")
     dim = a.dim()
-    found = [a.strategy({"self": Shard(d), "prepend": Shard(d), "append": Shard(d)}, Shard(d)) for d in range(x.ndim) if d != dim]
+    found = [
+        a.strategy({"self": Shard(d), "prepend": Shard(d), "append": Shard(d)}, Shard(d))
+        for d in range(x.ndim)
+        if d != dim
+    ]
     return found + partial_strategies(a, [["self", "prepend", "append"]])

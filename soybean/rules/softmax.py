@@ -10,7 +10,10 @@ from ._common import Args, Shard
 from .base import ELEMENTWISE, OpSpec, Strategy1D, register
 
 
-@register("aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default", family="softmax", cost=ELEMENTWISE)
+@register(
+    "aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default",
+    family="softmax", cost=ELEMENTWISE,
+)
 def softmax(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.tensor("self")

@@ -16,7 +16,9 @@ from ..tiling import Partial, Placement, R, Replicate, assemble, local_shape, sh
 from .base import OpSpec, Strategy, expand, lookup, make_opspec
 
 
-def shard_exact(full: torch.Tensor, tiling: tuple[Placement, ...], mesh: Mesh, gen: torch.Generator) -> dict[tuple[int, ...], torch.Tensor]:
+def shard_exact(
+    full: torch.Tensor, tiling: tuple[Placement, ...], mesh: Mesh, gen: torch.Generator
+) -> dict[tuple[int, ...], torch.Tensor]:
     """Every device's tile of ``full``, ``Partial`` summands summing exactly to it.
 
     (``tiling.shard`` keeps the whole value on every non-first summand, so its
@@ -31,13 +33,24 @@ def shard_exact(full: torch.Tensor, tiling: tuple[Placement, ...], mesh: Mesh, g
         for coords in [c for c in tiles if c[axis] == 0]:
             base = tiles[coords]
             key = tuple(0 if isinstance(t, Replicate) else c for t, c in zip(tiling, coords))
-            noise = drawn.setdefault(key, [torch.randn(base.shape, generator=gen, dtype=base.dtype) if rnd else torch.zeros_like(base) for _ in range(1, mesh.shape[axis])])
+            noise = drawn.setdefault(key, [
+                torch.randn(base.shape, generator=gen, dtype=base.dtype) if rnd else torch.zeros_like(base)
+                for _ in range(1, mesh.shape[axis])
+            ])
             tiles[coords] = base - sum(noise, torch.zeros_like(base))
             tiles.update((coords[:axis] + (k,) + coords[axis + 1:], n.clone()) for k, n in enumerate(noise, 1))
     return tiles
 
 
-def run_local(op: OpSpec, target: Any, args: tuple, kwargs: dict, strategy: Strategy, mesh: Mesh, gen: torch.Generator) -> dict[tuple[int, ...], list[torch.Tensor]]:
+def run_local(
+    op: OpSpec,
+    target: Any,
+    args: tuple,
+    kwargs: dict,
+    strategy: Strategy,
+    mesh: Mesh,
+    gen: torch.Generator,
+) -> dict[tuple[int, ...], list[torch.Tensor]]:
     """Every device's output tiles of ``target`` under ``strategy``."""
     leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -58,7 +71,19 @@ def run_local(op: OpSpec, target: Any, args: tuple, kwargs: dict, strategy: Stra
     return result
 
 
-def check_op(target: Any, args: tuple, kwargs: dict | None = None, mesh: Mesh = Mesh((2,)), *, rtol: float = 1e-5, atol: float = 1e-5, seed: int = 0) -> int:
+_TWO_WAY = Mesh((2,))  # check_op's default mesh (immutable, so one shared instance is safe)
+
+
+def check_op(
+    target: Any,
+    args: tuple,
+    kwargs: dict | None = None,
+    mesh: Mesh = _TWO_WAY,
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-5,
+    seed: int = 0,
+) -> int:
     """Validate every strategy of ``target(*args, **kwargs)`` on ``mesh``; returns how many were checked.
 
     Raises ``AssertionError`` naming the op and strategy whose reassembled output
@@ -75,13 +100,25 @@ def check_op(target: Any, args: tuple, kwargs: dict | None = None, mesh: Mesh = 
     gen = torch.Generator().manual_seed(seed)
     for st in strategies:
         tiles = run_local(op, target, args, kwargs, st, mesh, gen)
+        where = (
+            f"{op.name} strategy in={[list(map(str, t)) for t in st.inputs]} "
+            f"out={[list(map(str, t)) for t in st.outputs]} on mesh {mesh}"
+        )
         for j, (exp, tiling) in enumerate(zip(exp_leaves, st.outputs)):
             for c, ts in tiles.items():  # tiles must be DTensor chunks, not just concatenate right
                 want = local_shape(tuple(exp.shape), tiling, mesh, c)
                 if tuple(ts[j].shape) != want:
-                    raise AssertionError(f"{op.name} strategy in={[list(map(str, t)) for t in st.inputs]} out={[list(map(str, t)) for t in st.outputs]} on mesh {mesh}: output {j} tile of device {c} is {tuple(ts[j].shape)}, not its chunk {want}")
-            got = assemble({c: ts[j] for c, ts in tiles.items()}, tiling, mesh, check_replicas=atol * 10 + rtol * float(exp.abs().max() if exp.numel() and exp.is_floating_point() else 1))
-            if got.shape != exp.shape or not torch.allclose(got.to(exp.dtype), exp, rtol=rtol, atol=atol, equal_nan=True):
-                diff = (got.double() - exp.double()).abs().max().item() if got.shape == exp.shape else f"shape {tuple(got.shape)} != {tuple(exp.shape)}"
-                raise AssertionError(f"{op.name} strategy in={[list(map(str, t)) for t in st.inputs]} out={[list(map(str, t)) for t in st.outputs]} on mesh {mesh}: output {j} wrong ({diff})")
+                    raise AssertionError(
+                        f"{where}: output {j} tile of device {c} is {tuple(ts[j].shape)}, not its chunk {want}"
+                    )
+            scale = float(exp.abs().max() if exp.numel() and exp.is_floating_point() else 1)
+            got = assemble({c: ts[j] for c, ts in tiles.items()}, tiling, mesh, check_replicas=atol * 10 + rtol * scale)
+            if got.shape != exp.shape or not torch.allclose(
+                got.to(exp.dtype), exp, rtol=rtol, atol=atol, equal_nan=True
+            ):
+                if got.shape == exp.shape:
+                    diff: object = (got.double() - exp.double()).abs().max().item()
+                else:
+                    diff = f"shape {tuple(got.shape)} != {tuple(exp.shape)}"
+                raise AssertionError(f"{where}: output {j} wrong ({diff})")
     return len(strategies)

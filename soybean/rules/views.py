@@ -23,7 +23,7 @@ only) and a sharded dim survives if it maps to one output dim:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from ._common import Args, P, Shard, bcast, norm_dim, outputs_float, partial_strategies, size_localizer
 from .base import ELEMENTWISE, VIEW, OpSpec, Strategy1D, register
@@ -80,7 +80,9 @@ def _reshape(op: OpSpec) -> list[Strategy1D]:
     return reshape_strategies(Args(op))
 
 
-register("aten.view.default", "aten._unsafe_view.default", localize=size_localizer("size"), family="views", cost=VIEW)(_reshape)
+register(
+    "aten.view.default", "aten._unsafe_view.default", localize=size_localizer("size"), family="views", cost=VIEW
+)(_reshape)
 register("aten.reshape.default", localize=size_localizer("shape"), family="views", cost=VIEW)(_reshape)
 register("aten.flatten.using_ints", family="views", cost=VIEW)(_reshape)
 
@@ -194,7 +196,10 @@ def select(op: OpSpec) -> list[Strategy1D]:
     return renumber(a, [None if d == dim else d - (d > dim) for d in range(n)])
 
 
-@register("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.narrow.default", family="views", cost=VIEW)
+@register(
+    "aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.narrow.default",
+    family="views", cost=VIEW,
+)
 def split(op: OpSpec) -> list[Strategy1D]:
     """Outputs are pieces along ``dim`` (``narrow``: one piece): any other dim is sharded on every piece."""
     a = Args(op)

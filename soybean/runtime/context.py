@@ -9,8 +9,8 @@ captured by each autograd node in forward, so backward does not need the context
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 import torch
 
