@@ -197,7 +197,7 @@ def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int],
         if fixed is not None and name in fixed.nodes:
             ins, outs = fixed.node_tilings(name)
             strategies.append(Strategy(tuple(ins), tuple(outs)))
-            flags.append(tuple(int(a) for a in fixed.nodes[name].get("grad_partial", [[]])[0]) if needs_grad else ())
+            flags.append(fixed.grad_partial_axes(name) if needs_grad else ())
         tilings = [] if strategies else sorted(
             {tuple(s.outputs[k]) for s in v.strategies} | {(R,) * g.mesh.ndim}, key=str
         )

@@ -33,7 +33,7 @@ class Plan:
     fingerprint: str
     params: dict[str, list[str]]
     inputs: dict[str, list[str]]
-    nodes: dict[str, dict[str, list[list[str]]]]
+    nodes: dict[str, dict[str, list[list[Any]]]]  # "in"/"out": placement strings; "grad_partial": mesh axes
     cost: dict[str, float]
     baselines: dict[str, dict[str, float]] = field(default_factory=dict)
     solver: dict[str, Any] = field(default_factory=dict)
@@ -46,6 +46,10 @@ class Plan:
     # ---- placements as objects ----
     def param_tiling(self, fqn: str) -> tuple[Placement, ...]:
         return tuple(parse_placement(s) for s in self.params[fqn])
+
+    def grad_partial_axes(self, name: str) -> tuple[int, ...]:
+        """The axes over which reshard point ``name`` sums partial gradients (empty if none)."""
+        return tuple(int(a) for a in self.nodes[name].get("grad_partial", [[]])[0])
 
     def node_tilings(self, name: str) -> tuple[list[tuple[Placement, ...]], list[tuple[Placement, ...]]]:
         rec = self.nodes[name]

@@ -230,7 +230,7 @@ def to_plan(
     g, sol = r.graph, r.solution
     params: dict[str, list[str]] = {}
     inputs: dict[str, list[str]] = {}
-    nodes: dict[str, dict[str, list[list[Any]]]] = {}  # "in"/"out": placement strings; "grad_partial": axes
+    nodes: dict[str, dict[str, list[list[Any]]]] = {}
     for v, c in zip(g.vars, sol.choice):
         st = v.strategies[c]
         if v.kind in ("param", "buffer"):
