@@ -109,6 +109,7 @@ class PlanGraph:
     fallback_ops: list[str] = field(default_factory=list)
     shapes: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)  # placeholder outputs
     dtypes: dict[tuple[int, int], torch.dtype] = field(default_factory=dict)
+    written: set[str] = field(default_factory=set)  # placeholders some op updates in place
 
 
 def _module_path(node: fx.Node) -> str:
@@ -233,19 +234,6 @@ def written_inputs(op: OpSpec) -> list[int]:
     return [slot for n in names if isinstance(slot := a.slots.get(n), int)]
 
 
-
-def written_placeholders(cap: Captured) -> set[str]:
-    """Names of the placeholders some op of ``cap`` writes in place."""
-    out: set[str] = set()
-    for node in cap.graph.nodes:
-        if node.op == "call_function" and node.target is not operator.getitem:
-            op = make_opspec(node.target, node.args, node.kwargs, node.meta.get("val"))
-            ins = [a for a in tree_flatten((node.args, node.kwargs))[0]
-                   if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-            out.update(ins[k].name for k in written_inputs(op) if k < len(ins) and ins[k].op == "placeholder")
-    return out
-
-
 PINNED = 1e30  # cost of a forbidden resharding
 
 
@@ -339,7 +327,10 @@ def build(
                 _add_edge(g, u, v, k, i, needs_grad.get(a.name, False))
             for i in written_inputs(op):
                 a = tensor_args[i]
-                if a.op == "placeholder" and (a.name in cap.params or a.name in cap.buffers):
+                if a.op != "placeholder":
+                    continue
+                g.written.add(a.name)
+                if a.name in cap.params or a.name in cap.buffers:
                     _add_edge(g, g.index[a.name], v, 0, i, False, write_back=True)
             _add_reshard_points(g, v, uses, ng, fixed)
         elif node.op == "output":

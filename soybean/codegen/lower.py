@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .. import rules
 from ..capture import Captured
 from ..cost.profiles import load_profile
-from ..graph import Edge, PlanGraph, build, value_source, written_placeholders
+from ..graph import Edge, PlanGraph, build, value_source
 from ..mesh import Mesh
 from ..plan import Plan
 from ..reshard import Route
@@ -127,7 +127,6 @@ class Lowering:
         self.shared: dict[int, fx.Node] = {}                # reshard point var -> its value, emitted once
         self.stored: dict[str, tuple[fx.Node, Tiling]] = {}  # param/buffer placeholder -> (tile, tiling)
         self.grad_sync: dict[str, set[int]] = {}            # parameter FQN -> axes its gradient is summed over
-        self.written = written_placeholders(cap)           # inputs an op updates in place: sliced by copy
         self.readonly: set[fx.Node] = set()                 # lowered values of placeholders nothing writes
 
     def run(self) -> fx.GraphModule:
@@ -177,12 +176,12 @@ class Lowering:
         tiling = v.strategies[0].outputs[0]
         if v.kind == "input" and not self.plan.local_batch:  # full inputs arrive on every rank: keep my tile
             x = emit_reshard(self.g, ph, tuple(_val(node).shape), Route.of(self.full, tiling), self.mesh, self.coords,
-                             view=node.name not in self.written)
+                             view=node.name not in self.pg.written)
             self.env[node.name] = x
         elif v.kind != "input":
             self.stored[node.name] = (ph, tiling)
         self.values[(vi, 0)] = self.env[node.name]
-        if node.name not in self.written:
+        if node.name not in self.pg.written:
             self.readonly.add(self.env[node.name])
 
     def getitem(self, node: fx.Node) -> None:
