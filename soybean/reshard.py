@@ -23,7 +23,7 @@ the sum stays right.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from .runtime.kinds import Step, apply_step
@@ -49,15 +49,27 @@ class Route:
     partial_grad_axes: tuple[int, ...] = ()
     src_partial_axes: tuple[int, ...] = ()
     needs_grad: bool = False
+    # Routes key the pricing caches, hashed millions of times while a large model is planned.
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fields = (self.src, self.dst, self.partial_grad_axes, self.src_partial_axes, self.needs_grad)
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @staticmethod
-    def of(src: Tiling, dst: Tiling, partial_grad_axes: Sequence[int] = (), src_partial_axes: Sequence[int] = (),
+    @lru_cache(maxsize=400_000)
+    def of(src: Tiling, dst: Tiling, partial_grad_axes: tuple[int, ...] = (), src_partial_axes: tuple[int, ...] = (),
            needs_grad: bool = False) -> Route:
-        """The route, with the gradient-only fields dropped when nothing needs a gradient."""
+        """The route, with the gradient-only fields dropped when nothing needs a gradient.
+
+        Cached, one object per distinct route (the planner asks for hundreds of thousands), so the
+        arguments are tuples."""
         if not needs_grad:
-            return Route(tuple(src), tuple(dst))
-        return Route(tuple(src), tuple(dst), tuple(sorted(set(partial_grad_axes))),
-                     tuple(sorted(set(src_partial_axes))), True)
+            return Route(src, dst)
+        return Route(src, dst, tuple(sorted(set(partial_grad_axes))), tuple(sorted(set(src_partial_axes))), True)
 
     def steps(self) -> list[Step]:
         """The steps of this route, forward order."""
