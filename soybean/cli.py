@@ -22,6 +22,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
     if a.devices < 1:
         raise ValueError(f"--devices must be >= 1, got {a.devices}")
+    if a.time_limit <= 0:
+        raise ValueError(f"--time-limit must be positive, got {a.time_limit:g}")
     mesh = Mesh.parse(a.mesh) if a.mesh else None
     if mesh is not None and mesh.size != a.devices:
         raise ValueError(f"--mesh {a.mesh} has {mesh.size} devices but --devices is {a.devices}: make them agree")
@@ -30,7 +32,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         p = plan(model, inputs, a.devices, mesh=mesh, objective=a.objective, profile=profile, solver=a.solver,
-                 memory_gb=a.memory_gb)
+                 memory_gb=a.memory_gb, time_limit_s=a.time_limit)
     for w in caught:
         if "soybean" in str(w.message):
             print(f"warning: {w.message}", file=sys.stderr)
@@ -105,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu-gloo, h100-nvlink or a JSON file from `soybean calibrate`")
     p.add_argument("--memory-gb", type=float, default=None, help="per-device memory budget")
     p.add_argument("--solver", choices=["ilp", "dp"], default="ilp")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
+                   help="seconds per ILP solve; then the best plan found, with its gap (default 60)")
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--out", help="write the plan here (JSON when the name ends in .json)")
     p.add_argument("--emit-code", metavar="DIR", help="write each rank's generated program to DIR")

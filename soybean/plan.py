@@ -65,7 +65,7 @@ class Plan:
         d["cost"] = {k: _sig(v) for k, v in self.cost.items()}
         d["baselines"] = {k: {kk: _sig(vv) for kk, vv in v.items()} for k, v in self.baselines.items()}
         d["solver"] = {**self.solver, "seconds": round(float(self.solver.get("seconds", 0.0)), 1)}
-        for k in ("objective", "bound"):
+        for k in ("objective", "bound", "gap"):
             if k in d["solver"]:
                 d["solver"][k] = _sig(d["solver"][k])
         d["meshes"] = [{**m, "objective": _sig(m["objective"])} for m in self.meshes]

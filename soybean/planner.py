@@ -12,6 +12,7 @@ under the objective; it also solves the two baselines on the 1-D mesh:
 """
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from .graph import Edge, PlanGraph, build
 from .mesh import Mesh, factorizations
 from .plan import Plan
 from .reshard import Step
-from .search import Solution, solve, to_problem
+from .search import SearchError, Solution, solve, to_problem
 from .tiling import R, Shard, fmt, is_valid
 
 MODES = ("auto", "dp", "mp")
@@ -107,23 +108,45 @@ def solve_on(
     memory_bytes: float | None = None,
     mode: str = "auto",
     local_batch: bool = False,
+    time_limit_s: float = 60.0,
 ) -> Result:
-    """Build the candidate table on ``mesh`` and solve it."""
+    """Build the candidate table on ``mesh`` and solve it (``SearchError`` when no plan fits)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
     g = build(cap, mesh, profile, objective=objective,
               domains=_domains(cap, mesh, mode, local_batch), pin_params=mode in ("dp", "mp"),
               local_outputs=local_batch, divide_work=True if mode in ("dp", "mp") else None)
-    r = evaluate(g, solve(to_problem(g, objective, memory_bytes), solver))
+    least = least_memory(g)
+    if memory_bytes is not None and least > memory_bytes:
+        raise MemoryBudgetError(least, mesh)
+    r = evaluate(g, solve(to_problem(g, objective, memory_bytes), solver, time_limit_s))
     # The search credits ``grad_overlap * sync`` as hidden; ``evaluate`` caps that at the backward
     # compute.  That credit is a lower bound of every plan's true cost and exact for this one when
     # uncapped, so the plan is optimal within ``gap``, the credit the cap took away.  Only when the
     # gap matters is the plan priced with no overlap at all tried too, and the better one kept.
     gap = profile.grad_overlap * r.sync_s - r.hidden_s
     if objective == "time" and gap > RESOLVE_GAP * r.step_time_s:
-        no_overlap = evaluate(g, solve(to_problem(g, objective, memory_bytes, overlap=0.0), solver))
+        no_overlap = evaluate(g, solve(to_problem(g, objective, memory_bytes, overlap=0.0), solver, time_limit_s))
         r = min(r, no_overlap, key=lambda x: x.step_time_s)
     return r
+
+
+def least_memory(g: PlanGraph) -> float:
+    """The smallest per-device memory any plan of ``g`` reaches: memory is a sum of one term per
+    variable, so each variable's cheapest strategy together is the exact minimum."""
+    return float(sum(v.memory.min() for v in g.vars))
+
+
+class MemoryBudgetError(SearchError):
+    """No plan fits the per-device memory budget; ``least`` is the smallest any plan on ``mesh`` reaches."""
+
+    def __init__(self, least: float, mesh: Mesh) -> None:
+        self.least, self.mesh = least, mesh
+        gb = least / 2**30
+        step = 10 ** (math.floor(math.log10(gb)) - 3) if gb > 0 else 1.0
+        enough = math.ceil(gb / step) * step  # 4 significant digits, rounded up: a budget that fits
+        super().__init__(f"no plan fits the memory budget on mesh {mesh}: the smallest any plan reaches is "
+                         f"{gb:.4g} GB per device; give --memory-gb {enough:.4g} or more")
 
 
 # Re-solve without the overlap credit only when the capped credit exceeds this share of the step.
@@ -168,11 +191,15 @@ def plan(
     baselines: bool = True,
     captured: Captured | None = None,
     local_batch: bool = False,
+    time_limit_s: float = 60.0,
 ) -> Plan:
     """The best plan for ``model`` on ``devices`` (or on ``mesh``).
 
     ``local_batch``: the cheaper contract -- every input split on dim 0 over the whole mesh (each
     rank passes its slice) and non-scalar outputs left in their planned tiling.
+    ``time_limit_s``: each ILP solve stops after this long with the best plan found, its bound and
+    gap recorded in ``solver``.  A mesh on which no plan fits the memory budget is skipped; when none
+    fits, ``MemoryBudgetError`` names the smallest budget any mesh reaches.
     """
     if mesh is not None and not isinstance(mesh, Mesh):
         mesh = Mesh(tuple(mesh))
@@ -194,17 +221,25 @@ def plan(
     budget = memory_gb * 2**30 if memory_gb else None
     t0 = time.perf_counter()
     meshes = [mesh] if mesh else factorizations(devices)
-    results = [solve_on(cap, m, prof, objective, solver, budget, mode, local_batch) for m in meshes]
+    results: list[Result] = []
+    misfits: list[MemoryBudgetError] = []
+    for m in meshes:
+        try:
+            results.append(solve_on(cap, m, prof, objective, solver, budget, mode, local_batch, time_limit_s))
+        except MemoryBudgetError as e:
+            misfits.append(e)
+    if not results:
+        raise min(misfits, key=lambda e: e.least)
     best = min(results, key=lambda r: (r.value(objective), r.graph.mesh.ndim))
     seconds = time.perf_counter() - t0
     base: dict[str, dict[str, float]] = {}
     if baselines:
         flat = Mesh((devices,))
-        for key, m in (("data_parallel", "dp"), ("model_parallel", "mp")):
+        for key, forced in (("data_parallel", "dp"), ("model_parallel", "mp")):
             try:
-                r = solve_on(cap, flat, prof, objective, "ilp", None, m)
+                r = solve_on(cap, flat, prof, objective, "ilp", None, forced, time_limit_s=time_limit_s)
                 base[key] = {"comm_bytes": float(r.comm_bytes), "step_time_s": float(r.step_time_s)}
-            except RuntimeError:
+            except SearchError:
                 pass
     if best.graph.fallback_ops:
         warnings.warn(
@@ -214,6 +249,11 @@ def plan(
     out = to_plan(cap, best, objective, prof.name, devices, base, seconds, solver, results)
     out.local_batch = local_batch
     return out
+
+
+def relative_gap(objective: float, bound: float) -> float:
+    """``(objective - bound) / |objective|``: how far the plan may be from optimal (0: proven optimal)."""
+    return max(0.0, objective - bound) / abs(objective) if objective else 0.0
 
 
 def to_plan(
@@ -254,7 +294,8 @@ def to_plan(
               "compute_s": float(r.compute_s), "hidden_s": float(r.hidden_s), "memory_bytes": float(r.memory)},
         baselines=baselines,
         solver={"name": sol.solver if solver != "brute" else "brute", "status": sol.status, "seconds": seconds,
-                "objective": sol.objective, "bound": sol.bound},
+                "objective": sol.objective, "bound": sol.bound,
+                "gap": 0.0 if sol.status == "optimal" else relative_gap(sol.objective, sol.bound)},
         meshes=[{"mesh": list(x.graph.mesh.shape), "objective": x.value(objective)} for x in all_results],
         fallback_ops=g.fallback_ops, layers=layer_rows(g, sol),
     )

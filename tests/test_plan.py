@@ -10,7 +10,7 @@ import torch
 
 from examples.models import alexnet, mlp, resnet, transformer, vgg16
 from soybean.capture import capture
-from soybean.planner import plan
+from soybean.planner import MemoryBudgetError, plan
 
 pytestmark = pytest.mark.unit  # but one test, marked sim, that trains its plan
 
@@ -232,5 +232,5 @@ def test_memory_budget_shards_weights() -> None:
     tight = plan(None, (), 4, mesh=(4,), objective="comm", baselines=False, memory_gb=budget / 2**30, captured=cap)
     assert tight.cost["memory_bytes"] <= budget
     assert all(v != ["R"] for k, v in tight.params.items() if k.endswith("weight"))
-    with pytest.raises(RuntimeError, match="memory budget"):
+    with pytest.raises(MemoryBudgetError, match="memory budget"):
         plan(None, (), 4, mesh=(4,), objective="comm", baselines=False, memory_gb=1e-6, captured=cap)

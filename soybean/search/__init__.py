@@ -11,7 +11,7 @@ import time
 from ..graph import PlanGraph
 from .brute import brute_force
 from .dp import solve_dp
-from .ilp import Solution, solve_ilp
+from .ilp import SearchError, Solution, solve_ilp
 from .problem import Problem, reduce
 
 OBJECTIVES = ("comm", "time")
@@ -44,8 +44,9 @@ def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
     return p
 
 
-def solve(p: Problem, solver: str = "ilp") -> Solution:
-    """Optimal choice per variable of ``p`` with ``solver`` in {ilp, dp, brute}."""
+def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0) -> Solution:
+    """Optimal choice per variable of ``p`` with ``solver`` in {ilp, dp, brute} (the ILP stops after
+    ``time_limit_s`` with the best plan found and its bound)."""
     t0 = time.perf_counter()
     if solver == "brute":
         choice, obj = brute_force(p)
@@ -54,7 +55,7 @@ def solve(p: Problem, solver: str = "ilp") -> Solution:
     if solver == "dp":
         core = solve_dp(red.core)
     elif solver == "ilp":
-        core = solve_ilp(red.core)
+        core = solve_ilp(red.core, time_limit_s=time_limit_s)
     else:
         raise ValueError(f"unknown solver {solver!r}: use ilp or dp")
     choice = red.expand(core.choice, p.n)
@@ -63,4 +64,7 @@ def solve(p: Problem, solver: str = "ilp") -> Solution:
     return Solution(choice, obj, obj - gap, core.status, time.perf_counter() - t0, core.solver)
 
 
-__all__ = ["Problem", "Solution", "solve", "to_problem", "solve_ilp", "solve_dp", "brute_force", "reduce", "OBJECTIVES"]
+__all__ = [
+    "Problem", "SearchError", "Solution", "solve", "to_problem", "solve_ilp", "solve_dp", "brute_force", "reduce",
+    "OBJECTIVES",
+]

@@ -13,7 +13,11 @@ is exact on trees, so HiGHS usually proves optimality at the root.
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +36,24 @@ class Solution:
     solver: str
 
 
+class SearchError(ValueError):
+    """No plan: the constraints cannot be met, or the solver found none; the message names the fix."""
+
+
+@contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send whatever native code writes to file descriptor 1 to stderr meanwhile: HiGHS prints its
+    banner there even with output suppressed, which would corrupt ``soybean plan --format json``."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 _STATUS = {pywraplp.Solver.OPTIMAL: "optimal", pywraplp.Solver.FEASIBLE: "feasible",
            pywraplp.Solver.INFEASIBLE: "infeasible"}
 
@@ -41,7 +63,7 @@ class _Builder:
         self.p = p
         self.s = pywraplp.Solver.CreateSolver(backend)
         if self.s is None:
-            raise RuntimeError(f"OR-Tools has no {backend} backend in this build")
+            raise SearchError(f"OR-Tools has no {backend} backend in this build: use --solver dp")
         self.s.SuppressOutput()
         self.obj = self.s.Objective()
         self.x: list[list] = []
@@ -85,8 +107,9 @@ class _Builder:
         self.s.Add(used <= float(self.p.budget))
 
 
-def solve_ilp(p: Problem, *, backend: str = "HIGHS", time_limit_s: float = 120.0) -> Solution:
-    """Optimal choice for ``p`` (or the best found within the time limit, status ``feasible``)."""
+def solve_ilp(p: Problem, *, backend: str = "HIGHS", time_limit_s: float = 60.0) -> Solution:
+    """Optimal choice for ``p``, or the best found within ``time_limit_s`` (status ``feasible``, with
+    the solver's bound); ``SearchError`` when there is none."""
     t0 = time.perf_counter()
     if p.n == 0:
         return Solution([], 0.0, 0.0, "optimal", 0.0, f"ilp-{backend.lower()}")
@@ -95,12 +118,15 @@ def solve_ilp(p: Problem, *, backend: str = "HIGHS", time_limit_s: float = 120.0
     b._edges()
     b._memory()
     b.obj.SetMinimization()
-    b.s.SetTimeLimit(int(time_limit_s * 1000))
-    status = b.s.Solve()
+    b.s.SetTimeLimit(max(1, int(time_limit_s * 1000)))
+    with stdout_to_stderr():
+        status = b.s.Solve()
     name = _STATUS.get(status, "error")
+    if name == "infeasible":
+        raise SearchError("no plan satisfies the memory budget: raise it")
     if name not in ("optimal", "feasible"):
-        raise RuntimeError("no plan satisfies the constraints (memory budget too small?)" if name == "infeasible"
-                           else f"ILP solver failed ({status})")
+        raise SearchError(f"the ILP solver found no plan within {time_limit_s:g} s (status {status}): "
+                          "give more time (--time-limit) or use --solver dp")
     choice = [int(np.argmax([var.solution_value() for var in xs])) for xs in b.x]
     obj = p.evaluate(choice)
     try:

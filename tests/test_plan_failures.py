@@ -1,0 +1,123 @@
+"""Planning fails cleanly: a memory budget no plan fits names the smallest one that does (exactly), a
+solver that runs out of time returns its best plan with a gap or a one-line error, and nothing but the
+plan ever reaches stdout."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from examples.models import mlp
+from soybean.capture import capture
+from soybean.planner import MemoryBudgetError, plan, relative_gap
+from soybean.search import Problem, SearchError, solve_ilp
+
+pytestmark = pytest.mark.unit
+
+MLP = "examples.models:mlp"
+
+
+def _meta_mlp() -> tuple:
+    with torch.device("meta"):
+        return mlp(batch=4096, hidden=256, layers=2)
+
+
+def test_the_smallest_budget_named_is_exact() -> None:
+    """The error names the least memory any plan reaches over every mesh; that budget is met, with the
+    plan using exactly it, and one 0.1% smaller is not."""
+    m, inp = _meta_mlp()
+    cap = capture(m, inp)
+    with pytest.raises(MemoryBudgetError) as info:
+        plan(None, (), 4, objective="comm", baselines=False, memory_gb=1e-6, captured=cap)
+    least = info.value.least
+    assert f"--memory-gb {least / 2**30:.4g}"[:12] in str(info.value)
+    fits = plan(None, (), 4, objective="comm", baselines=False, memory_gb=least / 2**30, captured=cap)
+    assert fits.cost["memory_bytes"] == pytest.approx(least, rel=1e-6)
+    with pytest.raises(MemoryBudgetError):
+        plan(None, (), 4, objective="comm", baselines=False, memory_gb=0.999 * least / 2**30, captured=cap)
+
+
+def test_a_mesh_that_does_not_fit_is_skipped() -> None:
+    """With a budget only some meshes meet, the plan comes from one of them, not an error.  Width 2 cannot
+    be split 4 ways without an empty tile, but it can be split 2 ways on each axis of 2x2, so only 2x2
+    reaches the smaller footprint."""
+    with torch.device("meta"):
+        m, inp = mlp(batch=8, hidden=2, layers=2, in_features=2, out_features=2)
+    cap = capture(m, inp)
+    leasts = {}
+    for mesh in ((4,), (2, 2)):
+        with pytest.raises(MemoryBudgetError) as info:
+            plan(None, (), 4, mesh=mesh, objective="comm", baselines=False, memory_gb=1e-12, captured=cap)
+        leasts[mesh] = info.value.least
+    assert leasts[(2, 2)] < leasts[(4,)]
+    budget = (leasts[(2, 2)] + leasts[(4,)]) / 2 / 2**30
+    p = plan(None, (), 4, objective="comm", baselines=False, memory_gb=budget, captured=cap)
+    assert p.mesh == [2, 2] and [mm["mesh"] for mm in p.meshes] == [[2, 2]]
+
+
+def _random_problem(n: int, k: int, seed: int) -> Problem:
+    rng = np.random.default_rng(seed)
+    p = Problem([rng.random(k) for _ in range(n)])
+    for v in range(1, n):
+        for u in (v - 1, int(rng.integers(0, v))):
+            if u != v:
+                p.add_edge(u, v, rng.random((k, k)))
+    return p
+
+
+def test_time_limit_gives_the_best_plan_with_its_bound_or_a_clean_error() -> None:
+    """Whatever a 1 ms limit lets HiGHS do, the answer is honest: optimal with no gap, the best plan
+    found with a bound below it, or a ``SearchError`` that names ``--time-limit``."""
+    p = _random_problem(60, 6, 0)
+    try:
+        sol = solve_ilp(p, time_limit_s=0.001)
+    except SearchError as e:
+        assert "--time-limit" in str(e)
+        return
+    assert sol.status in ("optimal", "feasible")
+    assert sol.objective == pytest.approx(p.evaluate(sol.choice))
+    assert sol.bound <= sol.objective + 1e-9
+    if sol.status == "optimal":
+        assert relative_gap(sol.objective, sol.bound) < 1e-6
+
+
+def test_relative_gap() -> None:
+    assert relative_gap(2.0, 1.5) == 0.25
+    assert relative_gap(2.0, 2.0) == 0.0 and relative_gap(0.0, 0.0) == 0.0
+    assert relative_gap(1.0, 1.0 + 1e-12) == 0.0  # a bound past the objective is rounding, not a gap
+
+
+def test_solver_output_never_reaches_stdout() -> None:
+    """HiGHS prints its banner on file descriptor 1 even with output suppressed; the ILP sends it to
+    stderr, so a JSON plan on stdout stays valid."""
+    code = ("from soybean.search import solve_ilp, Problem; import numpy as np; "
+            "p = Problem([np.array([1.0, 2.0]), np.array([2.0, 1.0])]); "
+            "p.add_edge(0, 1, np.array([[0.0, 3.0], [3.0, 0.0]])); solve_ilp(p)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ""
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "soybean.cli", "plan", MLP, *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_budget_no_plan_fits_is_one_line_and_exit_2() -> None:
+    out = _cli("--devices", "2", "--arg", "hidden=64", "--memory-gb", "1e-6", "--format", "json")
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--memory-gb" in lines[0] and "Traceback" not in out.stderr
+
+
+def test_cli_plan_json_reports_the_gap_and_rejects_a_bad_time_limit() -> None:
+    out = _cli("--devices", "2", "--arg", "hidden=64", "--format", "json", "--time-limit", "30")
+    assert out.returncode == 0, out.stderr
+    solver = json.loads(out.stdout)["solver"]
+    assert solver["status"] == "optimal" and solver["gap"] == 0.0
+    bad = _cli("--devices", "2", "--time-limit", "0")
+    assert bad.returncode == 2 and "--time-limit" in bad.stderr
