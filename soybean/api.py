@@ -44,8 +44,11 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
                 mesh: tuple | Mesh | None = None, plan: Plan | str | Path | None = None, objective: str = "time",
                 profile: str | None = None, mode: str = "auto", rank: int | None = None,
                 groups: Sequence[Group] | None = None, captured: Captured | None = None,
-                local_batch: bool = False) -> ParallelModule:
+                local_batch: bool = False, gpus_per_node: int | None = None) -> ParallelModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
+
+    ``gpus_per_node``: devices per node; mesh axes whose groups cross nodes are priced at the profile's
+    inter-node link (``h100-nvlink-ib``).
 
     ``mesh``: a shape such as ``(2, 2)`` (default: the planner picks).  ``plan``: a Plan or a path to
     its JSON.  ``mode``: ``auto`` (optimal), ``dp`` or ``mp`` (forced baselines).
@@ -89,7 +92,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
     if p is None:
         def make() -> Plan:
             return make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode,
-                             baselines=False, captured=cap, local_batch=local_batch)
+                             baselines=False, captured=cap, local_batch=local_batch, gpus_per_node=gpus_per_node)
 
         if simulated or world == 1:
             p = make()

@@ -32,7 +32,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         p = plan(model, inputs, a.devices, mesh=mesh, objective=a.objective, profile=profile, solver=a.solver,
-                 memory_gb=a.memory_gb, time_limit_s=a.time_limit)
+                 memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node)
     for w in caught:
         if "soybean" in str(w.message):
             print(f"warning: {w.message}", file=sys.stderr)
@@ -104,9 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", help="mesh shape such as 8 or 2x4 (default: try every factorisation into 1-3 axes)")
     p.add_argument("--objective", choices=["comm", "time"], default="time")
     p.add_argument("--profile", default="cpu-gloo",
-                   help="cpu-gloo, h100-nvlink or a JSON file from `soybean calibrate`")
+                   help="cpu-gloo, h100-nvlink, h100-nvlink-ib or a JSON file from `soybean calibrate`")
     p.add_argument("--memory-gb", type=float, default=None, help="per-device memory budget")
     p.add_argument("--solver", choices=["ilp", "dp"], default="ilp")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="devices per node: axes crossing nodes are priced at the profile's inter-node link")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
                    help="seconds per ILP solve; then the best plan found, with its gap (default 60)")
     p.add_argument("--format", choices=["table", "json"], default="table")

@@ -41,6 +41,7 @@ class Plan:
     fallback_ops: list[str] = field(default_factory=list)
     layers: list[dict[str, Any]] = field(default_factory=list)
     local_batch: bool = False         # inputs arrive as each rank's dim-0 slice; outputs stay tiled
+    gpus_per_node: int | None = None  # the topology the plan was priced for (None: one node)
     schema_version: int = SCHEMA_VERSION
 
     # ---- placements as objects ----

@@ -109,10 +109,13 @@ def solve_on(
     mode: str = "auto",
     local_batch: bool = False,
     time_limit_s: float = 60.0,
+    gpus_per_node: int | None = None,
 ) -> Result:
-    """Build the candidate table on ``mesh`` and solve it (``SearchError`` when no plan fits)."""
+    """Build the candidate table on ``mesh`` and solve it (``SearchError`` when no plan fits); with
+    ``gpus_per_node``, axes whose groups cross nodes are priced at the inter-node link."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
+    profile = profile.on_mesh(mesh, gpus_per_node)
     g = build(cap, mesh, profile, objective=objective,
               domains=_domains(cap, mesh, mode, local_batch), pin_params=mode in ("dp", "mp"),
               local_outputs=local_batch, divide_work=True if mode in ("dp", "mp") else None)
@@ -192,6 +195,7 @@ def plan(
     captured: Captured | None = None,
     local_batch: bool = False,
     time_limit_s: float = 60.0,
+    gpus_per_node: int | None = None,
 ) -> Plan:
     """The best plan for ``model`` on ``devices`` (or on ``mesh``).
 
@@ -200,7 +204,12 @@ def plan(
     ``time_limit_s``: each ILP solve stops after this long with the best plan found, its bound and
     gap recorded in ``solver``.  A mesh on which no plan fits the memory budget is skipped; when none
     fits, ``MemoryBudgetError`` names the smallest budget any mesh reaches.
+    ``gpus_per_node``: devices per node (ranks fill nodes in order); every mesh shape is priced with the
+    axes whose groups cross nodes on the profile's inter-node link, so the search also picks which axes
+    stay inside a node.
     """
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
     if mesh is not None and not isinstance(mesh, Mesh):
         mesh = Mesh(tuple(mesh))
     if devices is None:
@@ -225,7 +234,8 @@ def plan(
     misfits: list[MemoryBudgetError] = []
     for m in meshes:
         try:
-            results.append(solve_on(cap, m, prof, objective, solver, budget, mode, local_batch, time_limit_s))
+            results.append(solve_on(cap, m, prof, objective, solver, budget, mode, local_batch, time_limit_s,
+                                    gpus_per_node))
         except MemoryBudgetError as e:
             misfits.append(e)
     if not results:
@@ -237,7 +247,8 @@ def plan(
         flat = Mesh((devices,))
         for key, forced in (("data_parallel", "dp"), ("model_parallel", "mp")):
             try:
-                r = solve_on(cap, flat, prof, objective, "ilp", None, forced, time_limit_s=time_limit_s)
+                r = solve_on(cap, flat, prof, objective, "ilp", None, forced, time_limit_s=time_limit_s,
+                             gpus_per_node=gpus_per_node)
                 base[key] = {"comm_bytes": float(r.comm_bytes), "step_time_s": float(r.step_time_s)}
             except SearchError:
                 pass
@@ -248,6 +259,7 @@ def plan(
         )
     out = to_plan(cap, best, objective, prof.name, devices, base, seconds, solver, results)
     out.local_batch = local_batch
+    out.gpus_per_node = gpus_per_node
     return out
 
 

@@ -6,12 +6,21 @@ bandwidth ``beta`` (s per byte sent by one device).  Compute runs at ``flops``
 ``grad_overlap`` is the fraction of an asynchronous gradient all-reduce that
 runs hidden behind concurrent backward compute (0: none, 1: all of it).
 ``soybean calibrate`` writes a JSON profile measured on the current machine.
+
+Topology: a cluster is nodes of ``gpus_per_node`` devices.  Ranks fill nodes in order and mesh
+coordinates are row-major, so the group of mesh axis ``k`` is ``p_k`` ranks ``prod_{j>k} p_j`` apart;
+it stays inside a node when every group's ranks share ``rank // gpus_per_node``.  A ring on an axis
+whose groups cross nodes runs at the slower link: ``node_alpha``/``node_beta``
+(``Profile.on_mesh`` marks those axes in ``inter_node``).  Trying every mesh shape (2x8 and 8x2 alike)
+tries every assignment of axes to the two levels.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from ..mesh import Mesh
 
 # glibc's largest mmap threshold: blocks this big are mapped afresh, and page-faulted in, on every
 # allocation (the CPU profiles' ``large_alloc``).
@@ -37,10 +46,16 @@ class Profile:
     large_alloc: float = 0.0                             # bytes from which a new tensor is page-faulted in; 0: never
     alloc_bw: float = 0.0                                # bytes/s of first-touching such a tensor
     blocking_s: float = 0.0                              # extra seconds of each blocking collective amid compute
+    node_alpha: float = 0.0                              # seconds per ring step across nodes; 0: no second level
+    node_beta: float = 0.0                               # seconds per byte per device across nodes
+    inter_node: tuple[bool, ...] = field(default=())     # per mesh axis: do its groups cross nodes (``on_mesh``)
 
     def ab(self, axis: int, kind: str = "") -> tuple[float, float]:
-        """alpha, beta for a collective of ``kind`` on mesh ``axis``: a per-axis override, else the
-        calibrated figure for that collective, else the profile's default."""
+        """alpha, beta for a collective of ``kind`` on mesh ``axis``: the inter-node link for an axis whose
+        groups cross nodes, else a per-axis override, else the calibrated figure for that collective,
+        else the profile's default."""
+        if axis < len(self.inter_node) and self.inter_node[axis] and self.node_beta:
+            return self.node_alpha, self.node_beta
         a, b = self.alpha, self.beta
         for k, ka, kb in self.collectives:
             if k == kind:
@@ -48,6 +63,14 @@ class Profile:
         a = self.axis_alpha[axis] if axis < len(self.axis_alpha) else a
         b = self.axis_beta[axis] if axis < len(self.axis_beta) else b
         return a, b
+
+    def on_mesh(self, mesh: Mesh, gpus_per_node: int | None) -> Profile:
+        """This profile with the axes of ``mesh`` whose groups cross nodes of ``gpus_per_node`` marked."""
+        if not gpus_per_node or gpus_per_node >= mesh.size:
+            return replace(self, inter_node=())
+        crosses = tuple(any(len({r // gpus_per_node for r in group}) > 1 for group in mesh.axis_groups(axis))
+                        for axis in range(mesh.ndim))
+        return replace(self, inter_node=crosses)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -72,6 +95,12 @@ BUILTIN: dict[str, Profile] = {
     # stream, so bucketed gradient all-reduces mostly hide behind backward (all but the last bucket).
     "h100-nvlink": Profile("h100-nvlink", alpha=5e-6, beta=1 / 360e9, flops=400e12, mem_bw=3.35e12, memory_gb=80.0,
                            grad_overlap=0.8),
+    # Nodes of 8x H100 SXM as above (NVLink inside a node), joined by 400 Gb/s InfiniBand NDR per GPU: one
+    # ConnectX-7 per GPU, 50 GB/s per direction, of which NCCL's ring reaches ~45 GB/s bus bandwidth across
+    # nodes; ~15 us per ring step across the network.  (NVIDIA DGX H100 user guide: 8x ConnectX-7
+    # 400 Gb/s; NCCL tests on DGX H100 clusters.)  Use with --gpus-per-node 8.
+    "h100-nvlink-ib": Profile("h100-nvlink-ib", alpha=5e-6, beta=1 / 360e9, flops=400e12, mem_bw=3.35e12,
+                              memory_gb=80.0, grad_overlap=0.8, node_alpha=15e-6, node_beta=1 / 45e9),
 }
 
 
@@ -87,6 +116,7 @@ def load_profile(name_or_path: str | None) -> Profile:
         d["axis_alpha"] = tuple(d.get("axis_alpha", ()))
         d["axis_beta"] = tuple(d.get("axis_beta", ()))
         d["collectives"] = tuple(tuple(x) for x in d.get("collectives", ()))
+        d["inter_node"] = tuple(d.get("inter_node", ()))
         known = set(Profile.__dataclass_fields__)
         return Profile(**{k: v for k, v in d.items() if k in known})  # e.g. calibrate's raw "measurements"
     raise ValueError(f"unknown profile {name_or_path!r}: use one of {', '.join(sorted(BUILTIN))} "
