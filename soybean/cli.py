@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import warnings
+from typing import TextIO
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -11,6 +13,37 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                  "or hf:NAME, a Hugging Face model type (--arg: config overrides, batch, seq, meta)")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword for the model factory (repeatable)")
+
+
+class ProgressLine:
+    """One line on ``stream``, rewritten in place: ``[plan 12.3s] mesh 2x4: build and solve``.
+
+    Silent for the first ``after_s`` seconds (quick plans print nothing), when not ``enabled``
+    (``--quiet``) and when ``stream`` is not a terminal (logs and pipes get no carriage returns).
+    """
+
+    def __init__(self, stream: TextIO, enabled: bool = True, after_s: float = 2.0) -> None:
+        self.stream, self.after_s = stream, after_s
+        self.enabled = enabled and stream.isatty()
+        self.t0 = time.perf_counter()
+        self.last = ""
+        self.shown = False
+
+    def __call__(self, line: str) -> None:
+        self.last = line
+        elapsed = time.perf_counter() - self.t0
+        if self.enabled and elapsed >= self.after_s:
+            self.stream.write(f"\r[plan {elapsed:5.1f}s] {line}".ljust(79)[:119] + "\x1b[K")
+            self.stream.flush()
+            self.shown = True
+
+    def __enter__(self) -> ProgressLine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.shown:  # leave the terminal on a fresh line
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
@@ -29,10 +62,11 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         raise ValueError(f"--mesh {a.mesh} has {mesh.size} devices but --devices is {a.devices}: make them agree")
     profile = load_profile(a.profile)
     model, inputs = models.load(a.model, models.parse_args(a.arg))
-    with warnings.catch_warnings(record=True) as caught:
+    line = ProgressLine(sys.stderr, enabled=not a.quiet)
+    with warnings.catch_warnings(record=True) as caught, line:
         warnings.simplefilter("always")
         p = plan(model, inputs, a.devices, mesh=mesh, objective=a.objective, profile=profile, solver=a.solver,
-                 memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node)
+                 memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node, progress=line)
     for w in caught:
         if "soybean" in str(w.message):
             print(f"warning: {w.message}", file=sys.stderr)
@@ -107,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu-gloo, h100-nvlink, h100-nvlink-ib or a JSON file from `soybean calibrate`")
     p.add_argument("--memory-gb", type=float, default=None, help="per-device memory budget")
     p.add_argument("--solver", choices=["ilp", "dp"], default="ilp")
+    p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
                    help="devices per node: axes crossing nodes are priced at the profile's inter-node link")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S",

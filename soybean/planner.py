@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +197,7 @@ def plan(
     local_batch: bool = False,
     time_limit_s: float = 60.0,
     gpus_per_node: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """The best plan for ``model`` on ``devices`` (or on ``mesh``).
 
@@ -207,7 +209,10 @@ def plan(
     ``gpus_per_node``: devices per node (ranks fill nodes in order); every mesh shape is priced with the
     axes whose groups cross nodes on the profile's inter-node link, so the search also picks which axes
     stay inside a node.
+    ``progress``: called with a short line at each stage (capture, each mesh shape with its optimum and
+    gap, the baselines).
     """
+    say = progress or (lambda line: None)
     if gpus_per_node is not None and gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
     if mesh is not None and not isinstance(mesh, Mesh):
@@ -224,6 +229,7 @@ def plan(
     if captured is not None:
         cap = captured
     elif model is not None:
+        say("capture")
         cap = capture(model, tuple(example_inputs))
     else:
         raise CaptureError("could not capture: plan() was given neither a model nor captured=")
@@ -233,17 +239,24 @@ def plan(
     results: list[Result] = []
     misfits: list[MemoryBudgetError] = []
     for m in meshes:
+        say(f"mesh {m}: build and solve")
         try:
             results.append(solve_on(cap, m, prof, objective, solver, budget, mode, local_batch, time_limit_s,
                                     gpus_per_node))
         except MemoryBudgetError as e:
             misfits.append(e)
+            say(f"mesh {m}: no plan fits the memory budget")
+            continue
+        sol = results[-1].solution
+        gap = relative_gap(sol.objective, sol.bound)
+        say(f"mesh {m}: {results[-1].value(objective):.4g} ({objective}), gap {gap:.2%}")
     if not results:
         raise min(misfits, key=lambda e: e.least)
     best = min(results, key=lambda r: (r.value(objective), r.graph.mesh.ndim))
     seconds = time.perf_counter() - t0
     base: dict[str, dict[str, float]] = {}
     if baselines:
+        say("baselines")
         flat = Mesh((devices,))
         for key, forced in (("data_parallel", "dp"), ("model_parallel", "mp")):
             try:
