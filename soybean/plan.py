@@ -35,7 +35,7 @@ class Plan:
     inputs: dict[str, list[str]]
     nodes: dict[str, dict[str, list[list[Any]]]]  # "in"/"out": placement strings; "grad_partial": mesh axes
     cost: dict[str, float]
-    baselines: dict[str, dict[str, float]] = field(default_factory=dict)
+    baselines: dict[str, dict[str, Any]] = field(default_factory=dict)  # bytes and seconds, or infeasible: why
     solver: dict[str, Any] = field(default_factory=dict)
     meshes: list[dict[str, Any]] = field(default_factory=list)
     fallback_ops: list[str] = field(default_factory=list)
@@ -64,7 +64,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["cost"] = {k: _sig(v) for k, v in self.cost.items()}
-        d["baselines"] = {k: {kk: _sig(vv) for kk, vv in v.items()} for k, v in self.baselines.items()}
+        d["baselines"] = {k: {kk: _sig(vv) if isinstance(vv, float) else vv for kk, vv in v.items()}
+                          for k, v in self.baselines.items()}
         d["solver"] = {**self.solver, "seconds": round(float(self.solver.get("seconds", 0.0)), 1)}
         for k in ("objective", "bound", "gap"):
             if k in d["solver"]:

@@ -23,7 +23,7 @@ import torch
 
 from .capture import Captured, CaptureError, capture
 from .cost.profiles import Profile, load_profile
-from .graph import Edge, PlanGraph, build
+from .graph import PINNED, Edge, PlanGraph, build
 from .mesh import Mesh, factorizations
 from .plan import Plan
 from .reshard import Step
@@ -254,7 +254,7 @@ def plan(
         raise min(misfits, key=lambda e: e.least)
     best = min(results, key=lambda r: (r.value(objective), r.graph.mesh.ndim))
     seconds = time.perf_counter() - t0
-    base: dict[str, dict[str, float]] = {}
+    base: dict[str, dict[str, Any]] = {}
     if baselines:
         say("baselines")
         flat = Mesh((devices,))
@@ -262,9 +262,10 @@ def plan(
             try:
                 r = solve_on(cap, flat, prof, objective, "ilp", None, forced, time_limit_s=time_limit_s,
                              gpus_per_node=gpus_per_node)
-                base[key] = {"comm_bytes": float(r.comm_bytes), "step_time_s": float(r.step_time_s)}
-            except SearchError:
-                pass
+            except SearchError as e:
+                base[key] = {"infeasible": str(e)}
+                continue
+            base[key] = baseline_record(r, forced, budget)
     if best.graph.fallback_ops:
         warnings.warn(
             f"soybean: no sharding rule for {', '.join(best.graph.fallback_ops)}; these ops run replicated",
@@ -274,6 +275,25 @@ def plan(
     out.local_batch = local_batch
     out.gpus_per_node = gpus_per_node
     return out
+
+
+# Why a forced baseline layout can need a forbidden resharding of a weight.
+_CANNOT = {
+    "dp": "data parallelism keeps every weight whole and splits the batch over every device, and this batch "
+          "does not split so (too small, or an empty tile)",
+    "mp": "model parallelism uses every weight in the split it is stored in, and some op cannot use one so",
+}
+
+
+def baseline_record(r: Result, mode: str, budget: float | None) -> dict[str, Any]:
+    """A baseline's bytes and step time, or why it cannot run: a forced layout that needs a forbidden
+    resharding (the pinned penalty, ``graph.PINNED``, in its cost), or one that does not fit the budget.
+    Never the penalty printed as bytes."""
+    if r.comm_bytes >= PINNED or r.step_time_s >= PINNED:
+        return {"infeasible": _CANNOT[mode]}
+    if budget is not None and r.memory > budget:
+        return {"infeasible": f"needs {r.memory / 2**30:.4g} GB per device, over the budget"}
+    return {"comm_bytes": float(r.comm_bytes), "step_time_s": float(r.step_time_s)}
 
 
 def relative_gap(objective: float, bound: float) -> float:

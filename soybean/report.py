@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from .plan import Plan
 
@@ -17,8 +18,10 @@ def _row(cells: list[str], widths: list[int]) -> str:
     return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
 
 
-def _total(name: str, cost: Mapping[str, float]) -> str:
-    """One line of totals: the plan's or a baseline's."""
+def _total(name: str, cost: Mapping[str, Any]) -> str:
+    """One line of totals: the plan's or a baseline's (or why a baseline cannot run)."""
+    if "infeasible" in cost:
+        return f"{name:<16} infeasible: {cost['infeasible']}"
     return f"{name:<16} comm {_bytes(cost['comm_bytes']):>10}/device/step   step {cost['step_time_s'] * 1e3:10.3f} ms"
 
 

@@ -112,6 +112,8 @@ def test_never_worse_than_baselines(name: str) -> None:
             p = plan(None, (), devices, objective=objective, captured=cap)
             key = "comm_bytes" if objective == "comm" else "step_time_s"
             for base in p.baselines.values():
+                if "infeasible" in base:  # a baseline that cannot run has no cost to beat
+                    continue
                 assert p.cost[key] <= base[key] * (1 + 1e-9) + 1e-12, (devices, objective, p.baselines)
             assert p.solver["status"] == "optimal"
 

@@ -121,3 +121,18 @@ def test_cli_plan_json_reports_the_gap_and_rejects_a_bad_time_limit() -> None:
     assert solver["status"] == "optimal" and solver["gap"] == 0.0
     bad = _cli("--devices", "2", "--time-limit", "0")
     assert bad.returncode == 2 and "--time-limit" in bad.stderr
+
+
+def test_a_baseline_that_cannot_run_is_marked_not_priced() -> None:
+    """Data parallelism cannot split a batch of 6 over 4 devices without an empty tile: the baseline is
+    marked infeasible with the reason, in the JSON and the table, never priced at the 1e30 penalty."""
+    from soybean.report import table
+
+    m, inp = mlp(batch=6, hidden=10, layers=1)
+    p = plan(m, inp, 4, objective="comm")
+    assert set(p.baselines["data_parallel"]) == {"infeasible"}
+    assert "batch" in p.baselines["data_parallel"]["infeasible"]
+    assert p.baselines["model_parallel"]["comm_bytes"] < 1e20
+    d = json.loads(p.to_json())
+    assert d["baselines"]["data_parallel"] == p.baselines["data_parallel"]
+    assert any(line.startswith("data_parallel") and "infeasible" in line for line in table(p).splitlines())
