@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -25,22 +24,70 @@ import torch
 from .mesh import Mesh, all_coords
 
 
-@dataclass(frozen=True)
 class Shard:
+    """``S(dim)``: split along ``dim``.  Interned, one object per dim, so placements compare and hash
+    by identity (in C): the planner compares and hashes tilings millions of times."""
+
+    __slots__ = ("dim",)
     dim: int
+    _interned: dict[int, Shard] = {}
+
+    def __new__(cls, dim: int) -> Shard:
+        dim = int(dim)
+        it = cls._interned.get(dim)
+        if it is None:
+            fresh = super().__new__(cls)
+            object.__setattr__(fresh, "dim", dim)
+            # setdefault is atomic: ranks running as threads that intern the same dim at once agree
+            it = cls._interned.setdefault(dim, fresh)
+        return it
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("placements are immutable")
+
+    def __reduce__(self) -> tuple:
+        return (Shard, (self.dim,))
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
 
     def __str__(self) -> str:
         return f"S({self.dim})"
 
 
-@dataclass(frozen=True)
-class Replicate:
+class _Singleton:
+    """A placement with no parameters: one object, compared and hashed by identity."""
+
+    __slots__ = ()
+    _it: dict[type, _Singleton] = {}
+
+    def __new__(cls) -> _Singleton:
+        it = _Singleton._it.get(cls)
+        if it is None:
+            it = _Singleton._it.setdefault(cls, super().__new__(cls))  # atomic, as in Shard
+        return it
+
+    def __reduce__(self) -> tuple:
+        return (type(self), ())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Replicate(_Singleton):
+    """``R``: every device holds the whole tensor."""
+
+    __slots__ = ()
+
     def __str__(self) -> str:
         return "R"
 
 
-@dataclass(frozen=True)
-class Partial:
+class Partial(_Singleton):
+    """``P``: every device holds a summand of the tensor (a pending sum)."""
+
+    __slots__ = ()
+
     def __str__(self) -> str:
         return "P"
 
