@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,17 @@ class Mesh:
         if len(names) != len(shape):
             raise ValueError(f"mesh has {len(shape)} axes but {len(names)} names")
         object.__setattr__(self, "names", names)
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.shape, self.names))
+
+    def __hash__(self) -> int:  # the pricing caches hash the mesh on every lookup: compute it once
+        return self._hash
+
+    def __getstate__(self) -> dict:
+        # The cached hash is this process's (string hashing is salted per process): never pickle it.
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     @property
     def ndim(self) -> int:

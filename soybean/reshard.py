@@ -59,6 +59,10 @@ class Route:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple:
+        # Rebuilt, not copied: the cached hash is this process's (placements hash by identity).
+        return (Route, (self.src, self.dst, self.partial_grad_axes, self.src_partial_axes, self.needs_grad))
+
     @staticmethod
     @lru_cache(maxsize=400_000)
     def of(src: Tiling, dst: Tiling, partial_grad_axes: tuple[int, ...] = (), src_partial_axes: tuple[int, ...] = (),

@@ -17,7 +17,8 @@ tries every assignment of axes to the two levels.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import cached_property
 from pathlib import Path
 
 from ..mesh import Mesh
@@ -49,6 +50,17 @@ class Profile:
     node_alpha: float = 0.0                              # seconds per ring step across nodes; 0: no second level
     node_beta: float = 0.0                               # seconds per byte per device across nodes
     inter_node: tuple[bool, ...] = field(default=())     # per mesh axis: do its groups cross nodes (``on_mesh``)
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
+    def __hash__(self) -> int:  # the pricing caches hash the profile on every lookup: compute it once
+        return self._hash
+
+    def __getstate__(self) -> dict:
+        # The cached hash is this process's (string hashing is salted per process): never pickle it.
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     def ab(self, axis: int, kind: str = "") -> tuple[float, float]:
         """alpha, beta for a collective of ``kind`` on mesh ``axis``: the inter-node link for an axis whose
