@@ -125,7 +125,6 @@ class Lowering:
         self.env: dict[str, Any] = {}                       # captured node -> lowered node
         self.values: dict[tuple[int, int], fx.Node] = {}    # (var, output) -> its lowered value, as produced
         self.shared: dict[int, fx.Node] = {}                # reshard point var -> its value, emitted once
-        self.stored: dict[str, tuple[fx.Node, Tiling]] = {}  # param/buffer placeholder -> (tile, tiling)
         self.grad_sync: dict[str, set[int]] = {}            # parameter FQN -> axes its gradient is summed over
         self.readonly: set[fx.Node] = set()                 # lowered values of placeholders nothing writes
 
@@ -178,8 +177,6 @@ class Lowering:
             x = emit_reshard(self.g, ph, tuple(_val(node).shape), Route.of(self.full, tiling), self.mesh, self.coords,
                              view=node.name not in self.pg.written)
             self.env[node.name] = x
-        elif v.kind != "input":
-            self.stored[node.name] = (ph, tiling)
         self.values[(vi, 0)] = self.env[node.name]
         if node.name not in self.pg.written:
             self.readonly.add(self.env[node.name])
@@ -197,16 +194,15 @@ class Lowering:
         op, st = v.op, v.strategies[0]
         assert op is not None
         edges = iter(self.into.get(vi, []))
-        passed: list[tuple[fx.Node, fx.Node, Edge]] = []  # per tensor input: (graph value, what the op reads, edge)
+        reads: list[fx.Node] = []  # per tensor input, in order: the value the op reads
 
         def arg(a: Any) -> Any:
             if not isinstance(a, fx.Node):
                 return a
             if not isinstance(_val(a), torch.Tensor):
                 return self.env[a.name]
-            e = next(edges)
-            passed.append((a, self.read(e), e))
-            return passed[-1][1]
+            reads.append(self.read(next(edges)))
+            return reads[-1]
 
         args, kwargs = tree_map(arg, (tuple(node.args), dict(node.kwargs)))
         entry = rules.lookup(node.target)
@@ -219,7 +215,7 @@ class Lowering:
         out = self.g.call_function(target, tuple(args), dict(kwargs))
         out.name = node.name
         for e in self.write_backs.get(vi, []):
-            tile, x = self.values[(e.src, 0)], passed[e.dst_in][1]
+            tile, x = self.values[(e.src, 0)], reads[e.dst_in]
             if x is not tile:  # the op updated a resharded copy: copy it back into the stored tile
                 self.g.call_function(torch.ops.aten.copy_.default,
                                      (tile, emit_reshard(self.g, x, e.shape, e.route(0, 0), self.mesh, self.coords)))
