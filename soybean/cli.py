@@ -55,6 +55,11 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
     if a.devices < 1:
         raise ValueError(f"--devices must be >= 1, got {a.devices}")
+    from .search import TARGET_GAP
+
+    gap = TARGET_GAP if a.gap is None else a.gap
+    if not 0 <= gap < 1:
+        raise ValueError(f"--gap must be in [0, 1), got {a.gap:g}")
     if a.time_limit <= 0:
         raise ValueError(f"--time-limit must be positive, got {a.time_limit:g}")
     mesh = Mesh.parse(a.mesh) if a.mesh else None
@@ -66,7 +71,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught, line:
         warnings.simplefilter("always")
         p = plan(model, inputs, a.devices, mesh=mesh, objective=a.objective, profile=profile, solver=a.solver,
-                 memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node, progress=line)
+                 memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node, progress=line,
+                 tie_layers=not a.no_tie, gap=gap)
     for w in caught:
         if "soybean" in str(w.message):
             print(f"warning: {w.message}", file=sys.stderr)
@@ -146,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="devices per node: axes crossing nodes are priced at the profile's inter-node link")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
                    help="seconds per ILP solve; then the best plan found, with its gap (default 60)")
+    p.add_argument("--gap", type=float, default=None, metavar="G",
+                   help="stop each solve once its plan is proven within this relative gap (default 1e-4)")
+    p.add_argument("--no-tie", action="store_true",
+                   help="solve every layer's choice separately (default: repeated layers share one)")
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--out", help="write the plan here (JSON when the name ends in .json)")
     p.add_argument("--emit-code", metavar="DIR", help="write each rank's generated program to DIR")

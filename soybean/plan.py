@@ -42,6 +42,9 @@ class Plan:
     layers: list[dict[str, Any]] = field(default_factory=list)
     local_batch: bool = False         # inputs arrive as each rank's dim-0 slice; outputs stay tiled
     gpus_per_node: int | None = None  # the topology the plan was priced for (None: one node)
+    # repeated layers solved with shared decision variables: used, runs (prefix, [first, last] layer,
+    # count), variables [untied, tied]
+    tying: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     # ---- placements as objects ----

@@ -169,3 +169,53 @@ def test_kcuts_versus_joint_ilp(blocking_s: float) -> None:
         else:
             assert gaps[(name, k)] == pytest.approx(0.0, abs=1e-9), (name, k)
     assert gaps[("weight-heavy", 3)] > 0.0 and gaps[("mixed", 3)] > 0.0
+
+
+# ---- the LP-first ILP, its backends, and the budget's Lagrangian certificate --------------------
+
+
+def frustrated_triangle() -> Problem:
+    """Three variables that each want to differ from both neighbours (2 strategies each): the LP
+    relaxation's optimum is the fractional x = 1/2 everywhere, cheaper than any plan."""
+    p = Problem([np.zeros(2) for _ in range(3)])
+    for u, v in ((0, 1), (1, 2), (0, 2)):
+        p.add_edge(u, v, np.array([[1.0, 0.0], [0.0, 1.0]]))
+    return p
+
+
+def test_fractional_lp_goes_on_to_branch_and_bound() -> None:
+    p = frustrated_triangle()
+    _, best = brute_force(p)
+    sol = solve_ilp(p, gap=0.0)
+    assert sol.objective == pytest.approx(best) == 1.0
+    assert sol.status == "optimal" and sol.bound == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_budget_lagrangian_certificate_holds(seed: int) -> None:
+    """Without the joint ILP's refinement (REFINE_MAX 0) the Lagrangian plan fits, and its bound is a
+    true lower bound of the budgeted optimum: bound <= OPT <= objective."""
+    from soybean import search
+
+    rng = random.Random(400 + seed)
+    p = random_problem(rng, 7, True, budget=True)
+    _, opt = brute_force(p)
+    saved = search.REFINE_MAX
+    search.REFINE_MAX = 0
+    try:
+        sol = solve(p, "ilp")
+    finally:
+        search.REFINE_MAX = saved
+    assert p.memory_of(sol.choice) <= p.budget + 1e-9
+    assert sol.bound <= opt + 1e-9 <= sol.objective + 2e-9
+    if sol.status == "optimal":
+        assert sol.objective == pytest.approx(opt, rel=1e-6)
+
+
+def test_budget_that_the_free_optimum_meets_is_solved_without_multipliers() -> None:
+    rng = random.Random(7)
+    p = random_problem(rng, 6, True, budget=True)
+    p.budget = float(sum(m.max() for m in p.memory))  # every plan fits
+    sol = solve(p, "ilp")
+    assert sol.status == "optimal" and "lagrangian" not in sol.solver
+    assert sol.objective == pytest.approx(brute_force(p)[1], rel=1e-9)

@@ -7,12 +7,15 @@ bisection; ``planner.plan`` adds the mesh-shape search and baselines.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from ..graph import PlanGraph
 from .brute import brute_force
+from .budget import lagrangian
 from .dp import solve_dp
-from .ilp import SearchError, Solution, solve_ilp
+from .ilp import OPTIMAL_GAP, TARGET_GAP, SearchError, Solution, relative_gap, solve_ilp
 from .problem import Problem, reduce
+from .tying import Run, find_repeats, tie
 
 OBJECTIVES = ("comm", "time")
 
@@ -44,27 +47,75 @@ def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
     return p
 
 
-def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0) -> Solution:
-    """Optimal choice per variable of ``p`` with ``solver`` in {ilp, dp, brute} (the ILP stops after
-    ``time_limit_s`` with the best plan found and its bound)."""
+def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: float = TARGET_GAP,
+          runs: Sequence[Run] = ()) -> Solution:
+    """The best choice per variable of ``p`` with ``solver`` in {ilp, dp, brute}: the ILP stops once its
+    plan is proven within relative ``gap`` of optimal, or after ``time_limit_s`` with the best plan
+    found and its bound.  A memory budget is met by Lagrangian
+    relaxation (``budget``), refined by the joint ILP on problems of at most ``REFINE_MAX`` pair costs.
+    ``runs``: repeated layers solved tied (``tying``); the bound is then the tied problem's."""
     t0 = time.perf_counter()
+    if runs:
+        q, to = tie(p, list(runs))
+        s = solve(q, solver, time_limit_s, gap)
+        choice = [s.choice[to[v]] for v in range(p.n)]
+        obj = p.evaluate(choice)  # equal to s.objective: tying prices a plan exactly
+        return Solution(choice, obj, obj - (s.objective - s.bound), s.status, time.perf_counter() - t0, s.solver)
     if solver == "brute":
         choice, obj = brute_force(p)
         return Solution(choice, obj, obj, "optimal", time.perf_counter() - t0, "brute")
-    red = reduce(p)
-    if solver == "dp":
-        core = solve_dp(red.core)
-    elif solver == "ilp":
-        core = solve_ilp(red.core, time_limit_s=time_limit_s)
-    else:
+    if solver not in ("ilp", "dp"):
         raise ValueError(f"unknown solver {solver!r}: use ilp or dp")
+    if p.budget is not None and p.memory is not None:
+        return _solve_budget(p, solver, time_limit_s, gap, t0)
+    return _solve_free(p, solver, time_limit_s, gap, t0)
+
+
+def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: float | None = None) -> Solution:
+    """Exact reductions, then the solver on the core, then the eliminated choices restored."""
+    t0 = time.perf_counter() if t0 is None else t0
+    red = reduce(p)
+    core = solve_dp(red.core) if solver == "dp" else solve_ilp(red.core, time_limit_s=time_limit_s, gap=gap)
     choice = red.expand(core.choice, p.n)
     obj = p.evaluate(choice)
-    gap = core.objective - core.bound
-    return Solution(choice, obj, obj - gap, core.status, time.perf_counter() - t0, core.solver)
+    return Solution(choice, obj, obj - (core.objective - core.bound), core.status, time.perf_counter() - t0,
+                    core.solver)
+
+
+# The joint budgeted ILP refines the Lagrangian plan only on problems this small (pair costs in all):
+# it cannot be reduced, and a one-layer Llama-3-8B table (675k) takes it a minute.
+REFINE_MAX = 150_000
+
+
+def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t0: float) -> Solution:
+    deadline = t0 + time_limit_s
+    dual = lagrangian(p, lambda q: _solve_free(q, solver, max(1.0, deadline - time.perf_counter()), target),
+                      deadline, target)
+    best, bound = dual.solution, dual.bound
+    size = sum(C.size for C in p.edges.values())
+
+    def gap() -> float:
+        return float("inf") if best is None else relative_gap(best.objective, bound)
+
+    left = deadline - time.perf_counter()
+    if gap() > target and solver == "ilp" and size <= REFINE_MAX and left > 1.0:
+        try:
+            s = solve_ilp(p, time_limit_s=left, gap=target)
+        except SearchError:
+            s = None
+        if s is not None:
+            bound = max(bound, s.bound)
+            if best is None or s.objective < best.objective:
+                best = s
+    if best is None:
+        raise SearchError(f"no plan within the memory budget was found in {time_limit_s:g} s: "
+                          "give more time (--time-limit) or a larger budget (--memory-gb)")
+    status = "optimal" if gap() <= OPTIMAL_GAP else "feasible"
+    name = best.solver if dual.solves <= 1 or best.solver.endswith("lagrangian") else f"{best.solver}+lagrangian"
+    return Solution(best.choice, best.objective, min(bound, best.objective), status, time.perf_counter() - t0, name)
 
 
 __all__ = [
     "Problem", "SearchError", "Solution", "solve", "to_problem", "solve_ilp", "solve_dp", "brute_force", "reduce",
-    "OBJECTIVES",
+    "OBJECTIVES", "TARGET_GAP", "relative_gap", "Run", "find_repeats", "tie",
 ]

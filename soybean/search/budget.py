@@ -1,0 +1,98 @@
+"""The memory budget, solved by Lagrangian relaxation with a certificate.
+
+The budgeted problem
+
+    OPT = min_s  cost(s)   subject to   mem(s) = sum_v m_v[s_v] <= M
+
+couples every variable, so none of ``problem.reduce``'s exact eliminations applies and the ILP
+must take the whole table (a one-layer Llama-3-8B on a 2x2x2 mesh: 675k pair variables, a minute).
+Instead, for a multiplier ``lam >= 0`` the relaxed problem
+
+    L(lam) = min_s  cost(s) + lam * (mem(s) - M)
+
+is unbudgeted again (``lam * m_v`` joins the unary costs), so it reduces to a small core and solves
+in well under a second, and weak duality makes every ``L(lam)`` a lower bound of ``OPT``; a solution
+of the relaxed problem that fits is an upper bound.  So:
+
+1. ``lam = 0``: the unbudgeted optimum.  If it fits, it is the budgeted optimum (gap 0).
+2. Otherwise grow ``lam`` until a relaxed solution fits, then bisect ``lam`` between the largest
+   multiplier whose solution does not fit and the smallest whose does, keeping the cheapest fitting
+   solution (upper bound) and the largest ``L(lam)`` (lower bound; the inner solves' own bounds are
+   used, so an inner time-out only weakens it).  The bisection stops when the relative gap between
+   the two is below ``tol``, the multipliers meet, or the deadline passes.
+3. The caller refines with the joint ILP when the problem is small enough and a gap remains
+   (``search.solve``): ``L`` is piecewise linear and concave, and its maximum can stay below ``OPT``
+   (the duality gap of an integer programme), which only the ILP closes.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .ilp import Solution
+from .problem import Problem
+
+# Bisection steps at most: each halves the multiplier's bracket.
+MAX_STEPS = 40
+
+
+@dataclass
+class Dual:
+    """The best fitting solution found, the best lower bound, and how many relaxed solves it took."""
+
+    solution: Solution | None   # None: no relaxed solution fitted (the caller raises)
+    bound: float
+    solves: int
+
+
+def relaxed(p: Problem, lam: float) -> Problem:
+    """``p`` without its budget, with ``lam * m_v`` added to every unary cost."""
+    assert p.memory is not None
+    return Problem([u + lam * m for u, m in zip(p.unary, p.memory)], p.edges, None, None, p.names)
+
+
+def lagrangian(p: Problem, solve_free: Callable[[Problem], Solution], deadline: float, tol: float = 1e-6) -> Dual:
+    """Bisect the multiplier of ``p``'s budget (see the module docstring); ``solve_free`` solves an
+    unbudgeted problem and returns a ``Solution`` whose ``bound`` is valid for that problem."""
+    assert p.memory is not None and p.budget is not None
+    M = float(p.budget)
+    best: Solution | None = None
+    bound = -float("inf")
+    solves = 0
+
+    def at(lam: float) -> tuple[Solution, bool]:
+        nonlocal best, bound, solves
+        s = solve_free(relaxed(p, lam))
+        solves += 1
+        bound = max(bound, s.bound - lam * M)
+        fits = p.memory_of(s.choice) <= M
+        if fits:
+            obj = p.evaluate(s.choice)
+            if best is None or obj < best.objective:
+                best = Solution(s.choice, obj, obj, s.status, s.seconds, s.solver)
+        return s, fits
+
+    def gap() -> float:
+        if best is None:
+            return float("inf")
+        return (best.objective - bound) / max(abs(best.objective), 1e-300)
+
+    free, fits = at(0.0)
+    if fits:
+        return Dual(best, bound, solves)
+    # A first multiplier that makes memory matter: the unbudgeted cost spread over the budget.
+    lo, hi = 0.0, max(abs(free.objective), 1e-30) / max(M, 1.0)
+    while not at(hi)[1]:
+        lo, hi = hi, hi * 8.0
+        if solves > MAX_STEPS or time.perf_counter() > deadline:
+            return Dual(best, bound, solves)
+    for _ in range(MAX_STEPS):
+        if gap() <= tol or time.perf_counter() > deadline or hi - lo <= 1e-12 * hi:
+            break
+        mid = (lo + hi) / 2
+        if at(mid)[1]:
+            hi = mid
+        else:
+            lo = mid
+    return Dual(best, bound, solves)

@@ -1,0 +1,81 @@
+"""Repeated-layer tying: which layers tie, that tying prices a plan exactly, and that the tied optimum
+equals the untied one on models small enough to solve both ways."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from soybean import models
+from soybean.capture import capture
+from soybean.cost.profiles import BUILTIN
+from soybean.graph import build
+from soybean.mesh import Mesh
+from soybean.planner import plan
+from soybean.search import find_repeats, solve, tie, to_problem
+
+pytestmark = pytest.mark.unit
+
+LLAMA = {"num_hidden_layers": 5, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 48, "vocab_size": 96, "batch": 2, "seq": 8}
+GPT2 = {"n_layer": 4, "n_embd": 32, "n_head": 4, "vocab_size": 96, "batch": 4, "seq": 8}
+
+
+def _graph(ref: str, args: dict, mesh: tuple[int, ...]):
+    model, inputs = models.load(ref, dict(args))
+    return build(capture(model, inputs), Mesh(mesh), BUILTIN["h100-nvlink"], objective="time")
+
+
+@pytest.mark.parametrize("ref, args, layers", [("hf:llama", LLAMA, 5), ("hf:gpt2", GPT2, 4)])
+def test_the_middle_layers_tie_and_the_boundary_layers_stay_free(ref: str, args: dict, layers: int) -> None:
+    g = _graph(ref, args, (2, 2))
+    runs = find_repeats(g)
+    assert len(runs) == 1
+    r = runs[0]
+    # layer 0 reads the embedding and the last layer feeds the final norm: their edges differ
+    assert (r.first, r.last) == (1, layers - 2) and len(r.blocks) == layers - 2
+    assert len({len(b) for b in r.blocks}) == 1 and len(r.blocks[0]) > 10
+    for b in r.blocks:  # the blocks' variables line up: same names but for the layer number
+        assert all(g.vars[v].kind == g.vars[w].kind for v, w in zip(r.blocks[0], b))
+
+
+def test_no_repeats_no_runs() -> None:
+    model, inputs = models.load("hf:llama", {**LLAMA, "num_hidden_layers": 2})
+    g = build(capture(model, inputs), Mesh((2,)), BUILTIN["h100-nvlink"], objective="time")
+    assert find_repeats(g) == []  # two layers: one reads the embedding, one feeds the norm
+
+
+def test_tied_problem_prices_every_tied_plan_exactly() -> None:
+    g = _graph("hf:llama", LLAMA, (2, 2))
+    p = to_problem(g, "time")
+    q, to = tie(p, find_repeats(g))
+    assert q.n < p.n
+    rng = random.Random(0)
+    for _ in range(5):
+        c = [rng.randrange(len(u)) for u in q.unary]
+        assert p.evaluate([c[to[v]] for v in range(p.n)]) == pytest.approx(q.evaluate(c), rel=1e-12)
+
+
+@pytest.mark.parametrize("ref, args, mesh", [("hf:llama", LLAMA, (4,)), ("hf:llama", LLAMA, (2, 2)),
+                                             ("hf:gpt2", GPT2, (2, 2)), ("examples.models:transformer", {}, (2, 2))])
+def test_tied_optimum_equals_untied(ref: str, args: dict, mesh: tuple[int, ...]) -> None:
+    g = _graph(ref, args, mesh)
+    p = to_problem(g, "time")
+    runs = find_repeats(g)
+    untied = solve(p, "ilp", gap=0.0)
+    tied = solve(p, "ilp", gap=0.0, runs=runs)
+    assert tied.objective == pytest.approx(untied.objective, rel=1e-9)
+    assert np.isclose(p.evaluate(tied.choice), tied.objective)
+
+
+def test_plan_json_says_whether_tying_was_used() -> None:
+    model, inputs = models.load("hf:llama", dict(LLAMA))
+    tied = plan(model, inputs, 4, mesh=(2, 2), profile="h100-nvlink", baselines=False)
+    untied = plan(model, inputs, 4, mesh=(2, 2), profile="h100-nvlink", baselines=False, tie_layers=False)
+    assert tied.tying["used"] and tied.tying["runs"] == [{"prefix": "model.model.layers", "layers": [1, 3],
+                                                          "count": 3}]
+    assert tied.tying["variables"][1] < tied.tying["variables"][0]
+    assert untied.tying == {"used": False, "runs": [], "variables": [untied.tying["variables"][0]] * 2}
+    assert tied.cost["step_time_s"] == pytest.approx(untied.cost["step_time_s"], rel=1e-4)
+    assert '"tying"' in tied.to_json()
