@@ -43,7 +43,7 @@ from . import rules
 from .capture import Captured
 from .cost.collectives import reshard_cost
 from .cost.compute import op_seconds, optimizer_step_seconds
-from .cost.memory import PARAM_COPIES, output_bytes, stored_bytes
+from .cost.memory import activation_bytes, param_bytes
 from .cost.profiles import Profile
 from .mesh import Mesh
 from .plan import Plan
@@ -310,7 +310,7 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
                 tilings = [t for t in tilings if is_valid(t, shape, mesh)] or [full]
             strategies = [Strategy((), (t,)) for t in tilings]
             needs_grad[node.name] = kind == "param" and val.dtype.is_floating_point
-            mem = stored_bytes(shape, val.dtype.itemsize, tilings, mesh, PARAM_COPIES if kind == "param" else 1)
+            mem = param_bytes(node, shape, val.dtype.itemsize, tilings, mesh, kind)
             opt_s = optimizer_step_seconds(shape, val.dtype.itemsize, tilings, mesh, profile, needs_grad[node.name])
             vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=needs_grad[node.name]))
             g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
@@ -339,7 +339,7 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
                     strategies = whole or strategies
             grads = [needs_grad.get(a.name, False) for a in tensor_args]
             compute = op_seconds(op, strategies, grads, mesh, profile)
-            mem = output_bytes(op, strategies, mesh)
+            mem = activation_bytes(node, op, strategies, mesh)
             ng = any(grads) and any(o.dtype.is_floating_point for o in op.outputs)
             needs_grad[node.name] = ng
             v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node),

@@ -230,7 +230,7 @@ def test_memory_budget_shards_weights() -> None:
     cap = capture(m, inp)
     dp = plan(None, (), 4, mesh=(4,), objective="comm", baselines=False, mode="dp", captured=cap)
     assert all(v == ["R"] for v in dp.params.values())
-    budget = 0.8 * dp.cost["memory_bytes"]
+    budget = 0.75 * dp.cost["memory_bytes"]
     tight = plan(None, (), 4, mesh=(4,), objective="comm", baselines=False, memory_gb=budget / 2**30, captured=cap)
     assert tight.cost["memory_bytes"] <= budget
     assert all(v != ["R"] for k, v in tight.params.items() if k.endswith("weight"))
