@@ -66,6 +66,7 @@ class Var:
     needs_grad: bool = False
     grad_partial: list[tuple[int, ...]] = field(default_factory=list)  # reshard points: per strategy, axes A
     pinned: bool = False          # stored tiling must be used as is (no resharding: model-parallel baseline)
+    gathered: tuple[int, ...] = ()  # pinned, except on these axes: used whole there (FSDP: gather for use)
 
 
 @dataclass
@@ -202,7 +203,8 @@ def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int],
             strategies.append(Strategy(tuple(ins), tuple(outs)))
             flags.append(fixed.grad_partial_axes(name) if needs_grad else ())
         tilings = [] if strategies else sorted(
-            {tuple(s.outputs[k]) for s in v.strategies} | {(R,) * g.mesh.ndim}, key=str
+            {tuple(s.outputs[k]) for s in v.strategies} | {(R,) * g.mesh.ndim}
+            | {use_tiling(tuple(s.outputs[k]), v.gathered) for s in v.strategies if v.pinned}, key=str
         )
         for t in tilings:
             r_axes = [a for a in range(g.mesh.ndim) if isinstance(t[a], Replicate)] if needs_grad else []
@@ -213,7 +215,8 @@ def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int],
         spec = specs[k] if specs is not None else TensorSpec(g.shapes[(vi, 0)], g.dtypes[(vi, 0)])
         r = _add_var(g, Var(name, "reshard", strategies, np.zeros(len(strategies)), np.zeros(len(strategies)),
                             op=OpSpec("reshard", (), {}, (spec,), (spec,)), module=v.module,
-                            needs_grad=needs_grad, grad_partial=flags, fqn=v.fqn, pinned=v.pinned))
+                            needs_grad=needs_grad, grad_partial=flags, fqn=v.fqn, pinned=v.pinned,
+                            gathered=v.gathered))
         _add_edge(g, vi, r, k, 0, needs_grad)
 
 
@@ -239,6 +242,19 @@ def written_inputs(op: OpSpec) -> list[int]:
 PINNED = 1e30  # cost of a forbidden resharding
 
 
+def use_tiling(stored: tuple, gathered: tuple[int, ...]) -> tuple:
+    """The tiling a pinned tensor stored as ``stored`` is used in: as stored, but whole (``R``) on the
+    ``gathered`` axes."""
+    return tuple(R if a in gathered else p for a, p in enumerate(stored))
+
+
+def pinned_use(stored: tuple, used: tuple, gathered: tuple[int, ...]) -> bool:
+    """May a pinned tensor stored as ``stored`` be used as ``used``?  Only in its use tiling, or as a
+    pending sum (``P``) where that is whole: ``to_partial`` is local (a row-parallel layer's bias)."""
+    return all(u == w or (isinstance(u, Partial) and isinstance(w, Replicate))
+               for u, w in zip(used, use_tiling(stored, gathered)))
+
+
 def _fixed_tiling(key: str, names: dict[str, list[str]], n: int) -> tuple:
     """A plan's tiling of ``key`` (replicated when the plan does not list it)."""
     return tuple(parse_placement(x) for x in names[key]) if key in names else (R,) * n
@@ -255,18 +271,23 @@ def build(
     local_outputs: bool = False,
     divide_work: bool | None = None,
     fixed: Plan | None = None,
+    gather_axes: tuple[int, ...] = (),
 ) -> PlanGraph:
     """Variables and edges of ``cap`` on ``mesh``.
 
     ``domains`` optionally restricts placeholders (by parameter FQN or input name)
-    to given tilings: the data- and model-parallel baselines are built this way.
+    to given tilings: the baselines (``soybean.baselines``) are built this way.
+    ``pin_params``: a parameter in ``domains`` is used in the tiling it is stored in (any other use
+    costs ``PINNED``), except on the ``gather_axes``, where it is used whole: gathered for use and its
+    gradient reduce-scattered back, as FSDP (ZeRO-3) does.
     ``divide_work`` (default: only for the ``comm`` objective) keeps only strategies
     that cut every op's work on every axis wherever the rules allow one.
     ``fixed``: every variable takes the one strategy ``fixed`` chose (and its output contract);
     the graph codegen lowers.
     """
     with _gc_paused():
-        return _build(cap, mesh, profile, objective, domains or {}, pin_params, local_outputs, divide_work, fixed)
+        return _build(cap, mesh, profile, objective, domains or {}, pin_params, local_outputs, divide_work, fixed,
+                      tuple(gather_axes))
 
 
 @contextmanager
@@ -284,7 +305,8 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains: dict[str, list[tuple]],
-           pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Plan | None) -> PlanGraph:
+           pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Plan | None,
+           gather_axes: tuple[int, ...] = ()) -> PlanGraph:
     g = PlanGraph(mesh, profile)
     needs_grad: dict[str, bool] = {}
     fallback: set[str] = set()
@@ -315,6 +337,7 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
             vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=needs_grad[node.name]))
             g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
             g.vars[vi].pinned = pin_params and kind == "param" and fqn in domains
+            g.vars[vi].gathered = gather_axes if g.vars[vi].pinned else ()
             _add_reshard_points(g, vi, uses, needs_grad[node.name], fixed)
         elif node.op == "call_function":
             if node.target is operator.getitem:
@@ -412,7 +435,7 @@ def _add_edge(
     # Price each distinct (source tiling, target tiling) pair once; repeated layers share the table.
     us, si = _unique(src_keys)
     ud, di = _unique(dst_keys)
-    key = (tuple(us), tuple(ud), shape, itemsize, needs_grad, U.pinned, write_back, g.mesh, g.profile)
+    key = (tuple(us), tuple(ud), shape, itemsize, needs_grad, U.pinned, U.gathered, write_back, g.mesh, g.profile)
     if key not in _EDGE_MEMO:
         Bu = np.zeros((len(us), len(ud)))
         Tu = np.zeros((len(us), len(ud)))
@@ -422,7 +445,7 @@ def _add_edge(
                 route = Route.of(dst, src) if write_back else Route.of(src, dst, pga, spa, needs_grad)
                 c = reshard_cost(route, shape, itemsize, g.mesh, g.profile)
                 Bu[a, b], Tu[a, b], Su[a, b] = c.bytes, c.seconds, c.sync_seconds
-                if U.pinned and src != dst and not write_back:
+                if U.pinned and not write_back and not pinned_use(src, dst, U.gathered):
                     Bu[a, b] = Tu[a, b] = PINNED
                     Su[a, b] = 0.0
         if len(_EDGE_MEMO) > 4096:

@@ -2,13 +2,10 @@
 
 ``plan`` runs it for every candidate mesh shape (the factorisations of the
 device count into 1-3 axes, unless a mesh is given) and keeps the cheapest
-under the objective; it also solves the two baselines on the 1-D mesh:
-
-* ``data_parallel``: every parameter replicated and used replicated (no op may
-  slice a weight), every input split on dim 0, every op's work divided;
-* ``model_parallel``: inputs replicated, every parameter with 2+ dims stored
-  split on every axis and used where it is stored, never gathered (the best
-  Megatron-style plan the rules allow; gathering would make it FSDP).
+under the objective; it also prices the baselines a practitioner would choose
+(data parallel, model parallel, FSDP, TP x FSDP, Megatron TP x DP), each the
+same table restricted and solved the same way (``soybean.baselines``).
+``mode="dp" | "mp"`` forces the first two's layouts on the plan itself.
 """
 from __future__ import annotations
 
@@ -21,14 +18,15 @@ from typing import Any
 
 import torch
 
+from .baselines import batch_split, model_parallel_domains, price as price_baselines
 from .capture import Captured, CaptureError, capture
 from .cost.profiles import Profile, load_profile
-from .graph import PINNED, Edge, PlanGraph, build
+from .graph import Edge, PlanGraph, build
 from .mesh import Mesh, factorizations
 from .plan import Plan
 from .reshard import Step
 from .search import SearchError, Solution, solve, to_problem
-from .tiling import R, Shard, fmt, is_valid
+from .tiling import R, fmt
 
 MODES = ("auto", "dp", "mp")
 
@@ -52,52 +50,20 @@ class Result:
         return self.comm_bytes if objective == "comm" else self.step_time_s
 
 
-def _batch_split(cap: Captured, mesh: Mesh) -> dict[str, list[tuple]]:
-    """Every user input split on dim 0 over the whole mesh (replicated when it cannot be)."""
-    n = mesh.ndim
-    doms: dict[str, list[tuple]] = {}
-    vals = {node.name: node.meta.get("val") for node in cap.graph.nodes if node.op == "placeholder"}
-    for name in cap.inputs:
-        v = vals.get(name)
-        ok = isinstance(v, torch.Tensor) and v.dim() and is_valid((Shard(0),) * n, tuple(v.shape), mesh)
-        doms[name] = [(Shard(0),) * n] if ok else [(R,) * n]
-    return doms
-
-
 def _domains(cap: Captured, mesh: Mesh, mode: str, local_batch: bool = False) -> dict[str, list[tuple]]:
-    n = mesh.ndim
-    doms: dict[str, list[tuple]] = {}
-    vals = {node.name: node.meta.get("val") for node in cap.graph.nodes if node.op == "placeholder"}
+    """The placeholder restrictions of a forced ``mode`` (the layouts of two baselines, ``soybean.baselines``)
+    and of the ``local_batch`` contract (every input split on dim 0 over the whole mesh)."""
     if local_batch and mode == "mp":
         raise ValueError(
             "local_batch splits the inputs by batch, the model-parallel baseline replicates them: use mode auto or dp"
         )
-    if local_batch:
-        doms.update(_batch_split(cap, mesh))
+    doms = batch_split(cap, mesh) if local_batch else {}
     if mode == "dp":
-        for fqn in cap.params.values():
-            doms[fqn] = [(R,) * n]
-        doms.update(_batch_split(cap, mesh))
+        doms.update({fqn: [(R,) * mesh.ndim] for fqn in cap.params.values()})
+        doms.update(batch_split(cap, mesh))
     elif mode == "mp":
-        for name in cap.inputs:
-            doms[name] = [(R,) * n]
-        for name, fqn in cap.params.items():
-            v = vals.get(name)
-            if isinstance(v, torch.Tensor) and v.dim() >= 2:
-                opts = [tuple(t) for t in _all_shard_tilings(tuple(v.shape), mesh)]
-                if opts:
-                    doms[fqn] = opts
+        doms.update(model_parallel_domains(cap, mesh))
     return doms
-
-
-def _all_shard_tilings(shape: tuple[int, ...], mesh: Mesh) -> list[tuple]:
-    import itertools
-
-    out = []
-    for t in itertools.product([Shard(d) for d in range(len(shape))], repeat=mesh.ndim):
-        if is_valid(t, shape, mesh):
-            out.append(t)
-    return out
 
 
 def solve_on(
@@ -257,15 +223,8 @@ def plan(
     base: dict[str, dict[str, Any]] = {}
     if baselines:
         say("baselines")
-        flat = Mesh((devices,))
-        for key, forced in (("data_parallel", "dp"), ("model_parallel", "mp")):
-            try:
-                r = solve_on(cap, flat, prof, objective, "ilp", None, forced, time_limit_s=time_limit_s,
-                             gpus_per_node=gpus_per_node)
-            except SearchError as e:
-                base[key] = {"infeasible": str(e)}
-                continue
-            base[key] = baseline_record(r, forced, budget)
+        base = price_baselines(cap, devices, prof, objective, lambda g: solve_table(g, objective, "ilp", time_limit_s),
+                               budget, gpus_per_node)
     if best.graph.fallback_ops:
         warnings.warn(
             f"soybean: no sharding rule for {', '.join(best.graph.fallback_ops)}; these ops run replicated",
@@ -277,23 +236,15 @@ def plan(
     return out
 
 
-# Why a forced baseline layout can need a forbidden resharding of a weight.
-_CANNOT = {
-    "dp": "data parallelism keeps every weight whole and splits the batch over every device, and this batch "
-          "does not split so (too small, or an empty tile)",
-    "mp": "model parallelism uses every weight in the split it is stored in, and some op cannot use one so",
-}
-
-
-def baseline_record(r: Result, mode: str, budget: float | None) -> dict[str, Any]:
-    """A baseline's bytes and step time, or why it cannot run: a forced layout that needs a forbidden
-    resharding (the pinned penalty, ``graph.PINNED``, in its cost), or one that does not fit the budget.
-    Never the penalty printed as bytes."""
-    if r.comm_bytes >= PINNED or r.step_time_s >= PINNED:
-        return {"infeasible": _CANNOT[mode]}
-    if budget is not None and r.memory > budget:
-        return {"infeasible": f"needs {r.memory / 2**30:.4g} GB per device, over the budget"}
-    return {"comm_bytes": float(r.comm_bytes), "step_time_s": float(r.step_time_s)}
+def solve_table(g: PlanGraph, objective: str, solver: str = "ilp", time_limit_s: float = 60.0) -> Result:
+    """Solve a table already built (a baseline's restricted one) as ``solve_on`` solves its own, with
+    no memory budget: the plan priced with no overlap is tried too when the overlap cap binds."""
+    r = evaluate(g, solve(to_problem(g, objective), solver, time_limit_s))
+    gap = g.profile.grad_overlap * r.sync_s - r.hidden_s
+    if objective == "time" and gap > RESOLVE_GAP * r.step_time_s:
+        no_overlap = evaluate(g, solve(to_problem(g, objective, overlap=0.0), solver, time_limit_s))
+        r = min(r, no_overlap, key=lambda x: x.step_time_s)
+    return r
 
 
 def relative_gap(objective: float, bound: float) -> float:

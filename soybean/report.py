@@ -19,10 +19,13 @@ def _row(cells: list[str], widths: list[int]) -> str:
 
 
 def _total(name: str, cost: Mapping[str, Any]) -> str:
-    """One line of totals: the plan's or a baseline's (or why a baseline cannot run)."""
+    """One line of totals: the plan's or a baseline's (or why a baseline cannot run), with the
+    baseline's mesh when it has one."""
     if "infeasible" in cost:
         return f"{name:<16} infeasible: {cost['infeasible']}"
-    return f"{name:<16} comm {_bytes(cost['comm_bytes']):>10}/device/step   step {cost['step_time_s'] * 1e3:10.3f} ms"
+    mesh = f"   mesh {'x'.join(map(str, cost['mesh']))}" if cost.get("mesh") else ""
+    return (f"{name:<16} comm {_bytes(cost['comm_bytes']):>10}/device/step   step {cost['step_time_s'] * 1e3:10.3f} ms"
+            + mesh)
 
 
 def table(plan: Plan) -> str:

@@ -28,13 +28,14 @@ def block_plan(batch: int, seq: int, hidden: int):
 
 
 def test_megatron_is_rediscovered() -> None:
-    """2,048 tokens, hidden 4,096, 8 devices: column-split q/k/v/fc1, row-split o/fc2.
+    """2,048 tokens (a batch of 8, so that data parallelism can run), hidden 4,096, 8 devices:
+    column-split q/k/v/fc1, row-split o/fc2.
 
     Hand check: one all-reduce of tokens x hidden fp32 = 2048*4096*4 B = 33.55 MB
     moves 2*7/8*33.55 = 58.7 MB per device; two forward + two backward = 234.9 MB
     (the reduce-scatter/all-gather form costs the same).
     """
-    p = block_plan(2, 1024, 4096)
+    p = block_plan(8, 256, 4096)
     for name in ("q", "k", "v"):
         assert p.params[f"blocks.0.attn.{name}.weight"] == ["S(0)"]
     assert p.params["blocks.0.mlp.fc1.weight"] == ["S(0)"]

@@ -1,0 +1,262 @@
+"""Baselines: the layouts a practitioner would choose, as restrictions of the candidate table.
+
+Each baseline fixes a mesh and restricts what the table may hold: the tilings every parameter and
+input may be stored in (``domains``), whether a parameter must be used as it is stored (``pin``,
+any other use priced at ``graph.PINNED``) and on which axes it is instead gathered whole for use
+(``gather``: FSDP), and whether every op must divide its work.  The same ILP then picks the
+cheapest plan the layout allows and the same cost model prices it, so a baseline is comparable
+with the plan, and on a mesh the planner searched the plan is never worse than it.
+
+* ``data_parallel`` (1-D mesh of every device): every parameter replicated and used replicated, every
+  input split on dim 0, every op's work divided (DDP);
+* ``model_parallel`` (1-D): inputs replicated, every parameter with 2+ dims stored split on every axis
+  and used where it is stored, never gathered (the best Megatron-style plan the rules allow);
+* ``fsdp`` (1-D): ZeRO-3.  Every parameter stored split on its first dim that splits over every
+  device, gathered whole for use (forward and backward) and its gradient reduce-scattered back;
+  inputs split on dim 0; every op's work divided;
+* ``tp_fsdp`` (2-D ``(nodes, gpus_per_node)``, else ``(devices // tp, tp)``, ``tp = min(8, devices)``:
+  torchtitan's default): Megatron tensor parallelism inside a node (axis 1: every parameter with 2+
+  dims stored split and used as stored, the solver choosing column or row; smaller ones replicated or
+  split, used as stored) and FSDP across nodes (axis 0: every parameter also split on another dim,
+  gathered for use); inputs split on dim 0 across nodes, replicated inside one;
+* ``megatron_tp_dp``: the same mesh, with plain data-parallel replicas across nodes (axis 0:
+  parameters replicated).
+
+A layout that cannot run is recorded as ``{"infeasible": why}``: the batch does not split over the
+data-parallel devices, the devices do not fill whole nodes, the restricted table needs a forbidden
+resharding, or the plan does not fit the memory budget.  It is never priced at the penalty.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .capture import Captured
+from .cost.profiles import Profile
+from .graph import PINNED, PlanGraph, build
+from .mesh import Mesh
+from .rules.base import has_empty_tile
+from .search import SearchError
+from .tiling import R, Shard, is_valid
+
+NAMES = ("data_parallel", "model_parallel", "fsdp", "tp_fsdp", "megatron_tp_dp")
+TP_MAX = 8  # tensor-parallel degree when the node size is not given: one 8-GPU node
+
+
+@dataclass
+class Layout:
+    """One baseline as a restriction of the candidate table on ``mesh`` (see ``graph.build``)."""
+
+    name: str
+    mesh: Mesh | None       # None: no mesh of this shape exists for the devices (``infeasible`` says why)
+    domains: dict[str, list[tuple]] = field(default_factory=dict)
+    pin: bool = True
+    gather: tuple[int, ...] = ()
+    divide_work: bool | None = True
+    cannot: str = ""        # why the layout has only forbidden reshardings, when it has
+    infeasible: str = ""    # why it cannot run at all, known before building its table
+
+    def table(self, cap: Captured, profile: Profile, objective: str, gpus_per_node: int | None) -> PlanGraph:
+        """The restricted candidate table, priced with the axes that cross nodes on the inter-node link."""
+        assert self.mesh is not None, self.infeasible
+        return build(cap, self.mesh, profile.on_mesh(self.mesh, gpus_per_node), objective=objective,
+                     domains=self.domains, pin_params=self.pin, gather_axes=self.gather,
+                     divide_work=self.divide_work)
+
+    def same_table(self, other: Layout) -> bool:
+        return (self.mesh, self.domains, self.pin, self.gather, self.divide_work) == (
+            other.mesh, other.domains, other.pin, other.gather, other.divide_work)
+
+
+class Priced(Protocol):
+    """What a solved table reports (``planner.Result``)."""
+
+    comm_bytes: float
+    memory: float
+
+    @property
+    def step_time_s(self) -> float: ...
+
+
+# ---- the layouts' building blocks ----
+
+def _placeholders(cap: Captured) -> dict[str, torch.Tensor]:
+    return {n.name: v for n in cap.graph.nodes
+            if n.op == "placeholder" and isinstance(v := n.meta.get("val"), torch.Tensor)}
+
+
+def batch_split(cap: Captured, mesh: Mesh, axes: tuple[int, ...] | None = None) -> dict[str, list[tuple]]:
+    """Every user input split on dim 0 over the mesh ``axes`` (default: all), replicated on the others
+    (replicated everywhere when it cannot be split so)."""
+    axes = tuple(range(mesh.ndim)) if axes is None else axes
+    t = tuple(Shard(0) if a in axes else R for a in range(mesh.ndim))
+    vals = _placeholders(cap)
+    doms: dict[str, list[tuple]] = {}
+    for name in cap.inputs:
+        v = vals.get(name)
+        ok = v is not None and v.dim() > 0 and is_valid(t, tuple(v.shape), mesh)
+        doms[name] = [t] if ok else [(R,) * mesh.ndim]
+    return doms
+
+
+def _splits(t: tuple, shape: tuple[int, ...], mesh: Mesh) -> bool:
+    """``t`` is a tiling of ``shape`` that leaves no device an empty tile (one the ops accept)."""
+    return is_valid(t, shape, mesh) and not has_empty_tile(t, shape, mesh)
+
+
+def _unsplit_batch(cap: Captured, mesh: Mesh, axes: tuple[int, ...]) -> str:
+    """Why the batch cannot be divided over the data-parallel ``axes`` ("" when some input splits)."""
+    t = tuple(Shard(0) if a in axes else R for a in range(mesh.ndim))
+    vals = _placeholders(cap)
+    batched = [(n, vals[n]) for n in cap.inputs if n in vals and vals[n].dim() > 0]
+    if not batched or any(_splits(t, tuple(v.shape), mesh) for _, v in batched):
+        return ""
+    n, v = batched[0]
+    p = 1
+    for a in axes:
+        p *= mesh.shape[a]
+    return f"a batch of {v.shape[0]} (input {n}, dim 0) does not split over {p} data-parallel devices " \
+           "without an empty tile"
+
+
+def all_shard_tilings(shape: tuple[int, ...], mesh: Mesh) -> list[tuple]:
+    """Every valid tiling that splits ``shape`` on every mesh axis."""
+    return [tuple(t) for t in itertools.product([Shard(d) for d in range(len(shape))], repeat=mesh.ndim)
+            if is_valid(t, shape, mesh)]
+
+
+def model_parallel_domains(cap: Captured, mesh: Mesh) -> dict[str, list[tuple]]:
+    """Inputs replicated; every parameter with 2+ dims stored split on every axis (any valid dims)."""
+    doms: dict[str, list[tuple]] = {name: [(R,) * mesh.ndim] for name in cap.inputs}
+    vals = _placeholders(cap)
+    for name, fqn in cap.params.items():
+        v = vals.get(name)
+        if v is not None and v.dim() >= 2 and (opts := all_shard_tilings(tuple(v.shape), mesh)):
+            doms[fqn] = opts
+    return doms
+
+
+def _param_tilings(shape: tuple[int, ...], mesh: Mesh, dp: int | None, tp: int | None, split_dp: bool) -> list[tuple]:
+    """A parameter's stored tilings under data-parallel axis ``dp`` and tensor-parallel axis ``tp``.
+
+    TP axis: a weight of 2+ dims is split on some dim (the solver picks which: column or row); a
+    smaller tensor may be split or replicated.  DP axis: replicated, or with ``split_dp`` (FSDP) split
+    on the first dim the TP axis leaves unsplit that splits without an empty tile (else replicated)."""
+    n = mesh.ndim
+    tp_opts: list[Any] = [R]
+    if tp is not None:
+        shards = [Shard(d) for d in range(len(shape)) if _splits((Shard(d),), shape, Mesh((mesh.shape[tp],)))]
+        tp_opts = shards if len(shape) >= 2 and shards else [R] + shards
+    out = []
+    for q in tp_opts:
+        t: list[Any] = [R] * n
+        if tp is not None:
+            t[tp] = q
+        if dp is not None and split_dp:
+            for d in range(len(shape)):
+                if q != Shard(d) and _splits(tuple(Shard(d) if a == dp else t[a] for a in range(n)), shape, mesh):
+                    t[dp] = Shard(d)
+                    break
+        if _splits(tuple(t), shape, mesh):
+            out.append(tuple(t))
+    return out or [(R,) * n]
+
+
+def _hybrid(name: str, cap: Captured, mesh: Mesh, dp: int | None, tp: int | None, split_dp: bool) -> Layout:
+    """Data parallel (``split_dp``: FSDP) on axis ``dp``, Megatron tensor parallel on axis ``tp``."""
+    vals = _placeholders(cap)
+    doms = {fqn: _param_tilings(tuple(vals[n].shape), mesh, dp, tp, split_dp)
+            for n, fqn in cap.params.items() if n in vals}
+    dp_axes = () if dp is None else (dp,)
+    doms.update(batch_split(cap, mesh, dp_axes))
+    if tp is None:  # pure data parallelism: every op divides its work by the batch
+        why = ("FSDP gathers every weight whole for use" if split_dp else
+               "data parallelism keeps every weight whole") + \
+              " and divides every op's work by the batch, and some op cannot divide it so"
+        divide: bool | None = True
+    else:  # the solver places the activations as the objective's own table does
+        why = "tensor parallelism uses every weight in the split it is stored in, and some op cannot use one so"
+        divide = None
+    lay = Layout(name, mesh, doms, pin=True, gather=dp_axes if split_dp else (), divide_work=divide, cannot=why)
+    lay.infeasible = _unsplit_batch(cap, mesh, dp_axes) if dp is not None else ""
+    return lay
+
+
+def tp_mesh(devices: int, gpus_per_node: int | None) -> tuple[Mesh | None, int | None, int | None, str]:
+    """The 2-D mesh of the TP baselines, ``(nodes, tp)``, with its data-parallel and tensor-parallel
+    axes (an axis of one device is left out), or why there is none."""
+    tp = min(gpus_per_node or TP_MAX, devices)
+    if devices % tp:
+        return None, None, None, f"{devices} devices do not fill whole nodes of {tp}"
+    dp = devices // tp
+    if dp == 1:
+        return Mesh((tp,)), None, 0, ""
+    if tp == 1:
+        return Mesh((dp,)), 0, None, ""
+    return Mesh((dp, tp)), 0, 1, ""
+
+
+def layouts(cap: Captured, devices: int, gpus_per_node: int | None = None) -> dict[str, Layout]:
+    """Every baseline's layout on ``devices`` (see the module docstring)."""
+    flat = Mesh((devices,))
+    out = {
+        "data_parallel": _hybrid("data_parallel", cap, flat, 0, None, split_dp=False),
+        "model_parallel": Layout("model_parallel", flat, model_parallel_domains(cap, flat), cannot=(
+            "model parallelism uses every weight in the split it is stored in, and some op cannot use one so")),
+        "fsdp": _hybrid("fsdp", cap, flat, 0, None, split_dp=True),
+    }
+    mesh, dp, tp, why = tp_mesh(devices, gpus_per_node)
+    for name, split in (("tp_fsdp", True), ("megatron_tp_dp", False)):
+        out[name] = _hybrid(name, cap, mesh, dp, tp, split) if mesh is not None else Layout(name, None, infeasible=why)
+    return out
+
+
+# ---- pricing ----
+
+def infeasible(why: str) -> dict[str, Any]:
+    """The record of a baseline that cannot run: why (the reason names the devices it needed)."""
+    return {"infeasible": why}
+
+
+def record(lay: Layout, r: Priced, budget: float | None) -> dict[str, Any]:
+    """A baseline's bytes and step time on its mesh, or why it cannot run: a layout that needs a
+    forbidden resharding (the pinned penalty, ``graph.PINNED``, in its cost), or one that does not fit
+    the budget.  Never the penalty printed as bytes."""
+    if r.comm_bytes >= PINNED or r.step_time_s >= PINNED:
+        return infeasible(lay.cannot)
+    if budget is not None and r.memory > budget:
+        return infeasible(f"needs {r.memory / 2**30:.4g} GB per device, over the budget")
+    mesh = list(lay.mesh.shape) if lay.mesh is not None else []
+    return {"comm_bytes": float(r.comm_bytes), "step_time_s": float(r.step_time_s), "mesh": mesh}
+
+
+def price(
+    cap: Captured,
+    devices: int,
+    profile: Profile,
+    objective: str,
+    solve: Callable[[PlanGraph], Priced],
+    budget: float | None = None,
+    gpus_per_node: int | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Every baseline on ``devices``, each solved by ``solve`` on its restricted table (a layout whose
+    table equals one already solved, as both TP baselines on one node, reuses that record)."""
+    out: dict[str, dict[str, Any]] = {}
+    done: list[tuple[Layout, dict[str, Any]]] = []
+    for name, lay in layouts(cap, devices, gpus_per_node).items():
+        if lay.infeasible:
+            out[name] = infeasible(lay.infeasible)
+            continue
+        same = next((rec for other, rec in done if other.same_table(lay)), None)
+        if same is None:
+            try:
+                same = record(lay, solve(lay.table(cap, profile, objective, gpus_per_node)), budget)
+            except SearchError as e:
+                same = infeasible(str(e))
+            done.append((lay, same))
+        out[name] = dict(same)
+    return out

@@ -1,0 +1,201 @@
+"""Baselines (``soybean.baselines``): each practitioner layout is what it claims, is a restriction of the
+plan's own table (so the plan is never worse on a mesh it searched), says why when it cannot run, and
+appears in the JSON and the text report."""
+from __future__ import annotations
+
+import json
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from examples.models import transformer
+from soybean import baselines, models
+from soybean.capture import capture
+from soybean.cli import main
+from soybean.cost.profiles import load_profile
+from soybean.graph import pinned_use
+from soybean.mesh import Mesh
+from soybean.planner import edge_steps, plan, solve_table
+from soybean.report import table
+from soybean.tiling import Partial, R, Replicate, Shard, fmt
+
+pytestmark = pytest.mark.unit
+
+GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 128, "batch": 4, "seq": 16}
+
+
+@pytest.fixture(scope="module")
+def tcap():
+    return capture(*transformer(batch=4, seq=16, hidden=64, layers=2, heads=4))
+
+
+@pytest.fixture(scope="module")
+def gcap():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return capture(*models.load("hf:gpt2", GPT2))
+
+
+def solved(cap, name: str, devices: int = 4, gpus_per_node: int | None = 2, objective: str = "comm"):
+    """A baseline's solved table, and per parameter FQN: (stored tiling, the tilings its consumers read
+    it in, the forward collectives on its edges)."""
+    lay = baselines.layouts(cap, devices, gpus_per_node)[name]
+    g = lay.table(cap, load_profile(None), objective, gpus_per_node)
+    r = solve_table(g, objective)
+    ch = r.solution.choice
+    params: dict[str, tuple] = {}
+    for e in g.edges:
+        U = g.vars[e.src]
+        if U.kind != "param":
+            continue
+        stored = U.strategies[ch[e.src]].outputs[0]
+        uses, steps = params.setdefault(U.fqn, (stored, set(), []))[1:]
+        V = g.vars[e.dst]
+        steps.extend(str(s).split("[")[0] for s in edge_steps(g, e, r.solution))
+        if V.kind == "reshard":  # a shared use: its consumers read the reshard point's tiling
+            uses.add(V.strategies[ch[e.dst]].outputs[0])
+        else:
+            uses.add(V.strategies[ch[e.dst]].inputs[e.dst_in])
+    return lay, r, params
+
+
+def weights(params: dict) -> dict:
+    return {k: v for k, v in params.items() if len(v[1]) and k.endswith("weight") and "ln" not in k}
+
+
+def test_pinned_use_is_as_stored_but_whole_on_gathered_axes_or_a_pending_sum_where_whole() -> None:
+    s0, s1 = Shard(0), Shard(1)
+    assert pinned_use((s0, s1), (s0, s1), ()) and not pinned_use((s0, s1), (R, s1), ())
+    assert pinned_use((s0, s1), (R, s1), (0,)) and not pinned_use((s0, s1), (s0, s1), (0,))
+    assert pinned_use((R,), (Partial(),), ())  # to_partial is local: a row-parallel layer's bias
+    assert not pinned_use((s0,), (Partial(),), ())
+
+
+def test_data_parallel_keeps_weights_whole_and_splits_the_batch(tcap) -> None:
+    lay, r, params = solved(tcap, "data_parallel")
+    assert lay.mesh.shape == (4,)
+    for fqn, (stored, uses, steps) in params.items():
+        assert stored == (R,) and uses <= {(R,)}, fqn
+        assert "all_gather" not in steps, fqn
+    assert all(t == [(Shard(0),)] for k, t in lay.domains.items() if k in tcap.inputs)
+
+
+def test_fsdp_stores_every_parameter_split_and_gathers_it_for_use(tcap, gcap) -> None:
+    for cap in (tcap, gcap):
+        lay, r, params = solved(cap, "fsdp")
+        assert lay.mesh.shape == (4,) and lay.gather == (0,)
+        for fqn, (stored, uses, steps) in params.items():
+            assert isinstance(stored[0], Shard), (fqn, stored)
+            assert uses == {(R,)}, (fqn, uses)  # used whole ...
+            assert "all_gather" in steps, (fqn, steps)  # ... gathered on the parameter's own edge
+        # The first dim that splits over 4 devices: a [128, 64] embedding on dim 0.
+        wte = next(v for k, v in params.items() if k.endswith("wte.weight")) if cap is gcap else None
+        assert wte is None or wte[0] == (Shard(0),)
+
+
+def test_model_parallel_uses_every_weight_where_it_is_stored(tcap) -> None:
+    lay, r, params = solved(tcap, "model_parallel")
+    for fqn, (stored, uses, _) in weights(params).items():
+        assert isinstance(stored[0], Shard) and uses == {stored}, (fqn, stored, uses)
+
+
+def test_megatron_tp_dp_splits_weights_on_the_tp_axis_inside_a_node(tcap, gcap) -> None:
+    for cap in (tcap, gcap):
+        lay, r, params = solved(cap, "megatron_tp_dp")
+        assert lay.mesh.shape == (2, 2) and lay.gather == ()  # (nodes, gpus per node)
+        for fqn, (stored, uses, _) in params.items():
+            assert isinstance(stored[0], Replicate), (fqn, stored)  # replicas across nodes
+            assert all(pinned_use(stored, u, ()) for u in uses), (fqn, stored, uses)  # used as stored
+        for fqn, (stored, _, _) in weights(params).items():
+            assert isinstance(stored[1], Shard), (fqn, stored)  # attention and MLP weights split
+
+
+def test_tp_fsdp_splits_weights_on_the_tp_axis_and_gathers_them_across_nodes(tcap, gcap) -> None:
+    for cap in (tcap, gcap):
+        lay, r, params = solved(cap, "tp_fsdp")
+        assert lay.mesh.shape == (2, 2) and lay.gather == (0,)
+        for fqn, (stored, uses, steps) in weights(params).items():
+            assert isinstance(stored[0], Shard) and isinstance(stored[1], Shard), (fqn, stored)
+            assert stored[0] != stored[1], (fqn, stored)  # FSDP on a dim TP leaves whole
+            assert uses == {(R, stored[1])}, (fqn, uses)
+            assert "all_gather" in steps, (fqn, steps)
+
+
+def test_megatron_column_then_row_is_found_at_scale() -> None:
+    """Hidden 1,024 on 2 nodes of 4: q/k/v/fc1 split on the output dim, o/fc2 on the input dim."""
+    with torch.device("meta"):
+        cap = capture(*transformer(batch=8, seq=512, hidden=1024, layers=1, heads=16))
+    for name in ("megatron_tp_dp", "tp_fsdp"):
+        lay, r, params = solved(cap, name, devices=8, gpus_per_node=4)
+        assert lay.mesh.shape == (2, 4)
+        tp = {k.removeprefix("blocks.0.").removesuffix(".weight"): fmt((v[0][1],)) for k, v in weights(params).items()}
+        assert tp == {"attn.q": "S(0)", "attn.k": "S(0)", "attn.v": "S(0)", "attn.o": "S(1)",
+                      "mlp.fc1": "S(0)", "mlp.fc2": "S(1)"}, (name, tp)
+
+
+@pytest.mark.parametrize("which", ["transformer", "gpt2"])
+@pytest.mark.parametrize("objective", ["comm", "time"])
+def test_plan_is_never_worse_than_a_baseline_on_a_mesh_it_searched(which, objective, tcap, gcap) -> None:
+    cap = tcap if which == "transformer" else gcap
+    p = plan(None, (), 4, objective=objective, captured=cap, gpus_per_node=2)
+    searched = {tuple(m["mesh"]) for m in p.meshes}
+    key = "comm_bytes" if objective == "comm" else "step_time_s"
+    assert set(p.baselines) == set(baselines.NAMES)
+    for name, base in p.baselines.items():
+        assert "infeasible" not in base, (name, base)  # batch 4 splits over 4 devices and over 2 nodes
+        assert tuple(base["mesh"]) in searched
+        assert p.cost[key] <= base[key] * (1 + 1e-9) + 1e-12, (name, p.cost, base)
+
+
+def test_a_batch_too_small_makes_data_parallel_and_fsdp_infeasible_with_the_reason() -> None:
+    cap = capture(*transformer(batch=1, seq=8, hidden=16, layers=1, heads=4))
+    p = plan(None, (), 4, objective="comm", captured=cap, gpus_per_node=2)
+    for name in ("data_parallel", "fsdp", "tp_fsdp", "megatron_tp_dp"):
+        base = p.baselines[name]
+        assert set(base) == {"infeasible"} and "does not split" in base["infeasible"], (name, base)
+    why = p.baselines["fsdp"]["infeasible"]
+    assert "a batch of 1" in why and "4 data-parallel" in why, why
+    assert "2 data-parallel" in p.baselines["tp_fsdp"]["infeasible"]  # split across 2 nodes only
+    assert "comm_bytes" in p.baselines["model_parallel"]  # replicated inputs: model parallelism runs
+    # Devices that do not fill whole nodes have no TP x DP mesh.
+    p = plan(None, (), 4, objective="comm", captured=cap, gpus_per_node=3, baselines=True)
+    assert p.baselines["tp_fsdp"] == {"infeasible": "4 devices do not fill whole nodes of 3"}
+    text = table(p)
+    for name in baselines.NAMES:
+        assert any(line.startswith(name) for line in text.splitlines()), name
+    assert "tp_fsdp          infeasible: 4 devices do not fill whole nodes of 3" in text
+
+
+def test_a_baseline_over_the_memory_budget_is_infeasible_not_a_number() -> None:
+    lay = baselines.Layout("fsdp", Mesh((4,)))
+    over = SimpleNamespace(comm_bytes=1.0, step_time_s=1.0, memory=2.0 * 2**30)
+    assert baselines.record(lay, over, budget=1.0 * 2**30) == {"infeasible": "needs 2 GB per device, over the budget"}
+    assert baselines.record(lay, over, budget=None)["comm_bytes"] == 1.0
+    pinned = SimpleNamespace(comm_bytes=1e30, step_time_s=1e30, memory=0.0)
+    assert "infeasible" in baselines.record(lay, pinned, None)
+
+
+def test_tp_mesh_is_nodes_by_gpus_per_node_else_eight_wide() -> None:
+    assert baselines.tp_mesh(16, None)[:3] == (Mesh((2, 8)), 0, 1)
+    assert baselines.tp_mesh(4, None)[:3] == (Mesh((4,)), None, 0)  # one node: TP only
+    assert baselines.tp_mesh(8, 2)[:3] == (Mesh((4, 2)), 0, 1)
+    assert baselines.tp_mesh(4, 1)[:3] == (Mesh((4,)), 0, None)  # one GPU a node: DP only
+    assert baselines.tp_mesh(6, 4)[3] == "6 devices do not fill whole nodes of 4"
+
+
+def test_json_and_cli_table_carry_every_baseline(capsys) -> None:
+    args = ["plan", "examples.models:transformer", "--devices", "4", "--gpus-per-node", "2", "--objective", "comm"]
+    args += [f"--arg={kv}" for kv in ("batch=4", "seq=8", "hidden=16", "layers=1", "heads=4")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for name in baselines.NAMES:
+        line = next(x for x in lines if x.startswith(name + " "))
+        assert "/device/step" in line and "mesh" in line, line
+    assert main(args + ["--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert set(d["baselines"]) == set(baselines.NAMES)
+    for base in d["baselines"].values():
+        assert {"comm_bytes", "step_time_s", "mesh"} <= set(base)
