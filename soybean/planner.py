@@ -13,7 +13,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from .graph import Edge, PlanGraph, build
 from .mesh import Mesh, factorizations
 from .plan import Plan
 from .reshard import Step
-from .search import SearchError, Solution, solve, to_problem
+from .search import TARGET_GAP, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
 from .tiling import R, fmt
 
 MODES = ("auto", "dp", "mp")
@@ -41,6 +41,7 @@ class Result:
     memory: float
     hidden_s: float = 0.0      # gradient-sync time overlapped with backward compute
     sync_s: float = 0.0        # all gradient-sync time (part of comm_s)
+    runs: list[Run] = field(default_factory=list)  # the repeated layers solved tied
 
     @property
     def step_time_s(self) -> float:
@@ -77,9 +78,12 @@ def solve_on(
     local_batch: bool = False,
     time_limit_s: float = 60.0,
     gpus_per_node: int | None = None,
+    tie_layers: bool = True,
+    gap: float = TARGET_GAP,
 ) -> Result:
     """Build the candidate table on ``mesh`` and solve it (``SearchError`` when no plan fits); with
-    ``gpus_per_node``, axes whose groups cross nodes are priced at the inter-node link."""
+    ``gpus_per_node``, axes whose groups cross nodes are priced at the inter-node link; with
+    ``tie_layers``, repeated layers share their decision variables (``search.tying``)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
     profile = profile.on_mesh(mesh, gpus_per_node)
@@ -89,14 +93,18 @@ def solve_on(
     least = least_memory(g)
     if memory_bytes is not None and least > memory_bytes:
         raise MemoryBudgetError(least, mesh)
-    r = evaluate(g, solve(to_problem(g, objective, memory_bytes), solver, time_limit_s))
+    runs = find_repeats(g) if tie_layers and solver != "brute" else []
+    r = evaluate(g, solve(to_problem(g, objective, memory_bytes), solver, time_limit_s, gap, runs))
+    r.runs = runs
     # The search credits ``grad_overlap * sync`` as hidden; ``evaluate`` caps that at the backward
     # compute.  That credit is a lower bound of every plan's true cost and exact for this one when
-    # uncapped, so the plan is optimal within ``gap``, the credit the cap took away.  Only when the
+    # uncapped, so the plan is optimal within ``capped``, the credit the cap took away.  Only when the
     # gap matters is the plan priced with no overlap at all tried too, and the better one kept.
-    gap = profile.grad_overlap * r.sync_s - r.hidden_s
-    if objective == "time" and gap > RESOLVE_GAP * r.step_time_s:
-        no_overlap = evaluate(g, solve(to_problem(g, objective, memory_bytes, overlap=0.0), solver, time_limit_s))
+    capped = profile.grad_overlap * r.sync_s - r.hidden_s
+    if objective == "time" and capped > RESOLVE_GAP * r.step_time_s:
+        no_overlap = evaluate(g, solve(to_problem(g, objective, memory_bytes, overlap=0.0), solver, time_limit_s,
+                                       gap, runs))
+        no_overlap.runs = runs
         r = min(r, no_overlap, key=lambda x: x.step_time_s)
     return r
 
@@ -164,6 +172,8 @@ def plan(
     time_limit_s: float = 60.0,
     gpus_per_node: int | None = None,
     progress: Callable[[str], None] | None = None,
+    tie_layers: bool = True,
+    gap: float = TARGET_GAP,
 ) -> Plan:
     """The best plan for ``model`` on ``devices`` (or on ``mesh``).
 
@@ -175,6 +185,9 @@ def plan(
     ``gpus_per_node``: devices per node (ranks fill nodes in order); every mesh shape is priced with the
     axes whose groups cross nodes on the profile's inter-node link, so the search also picks which axes
     stay inside a node.
+    ``tie_layers``: repeated isomorphic layers share one set of decision variables (``search.tying``:
+    exact pricing, the optimum over tied plans; ``plan.tying`` says which layers).
+    ``gap``: each solve stops once its plan is proven within this relative gap of optimal.
     ``progress``: called with a short line at each stage (capture, each mesh shape with its optimum and
     gap, the baselines).
     """
@@ -208,14 +221,14 @@ def plan(
         say(f"mesh {m}: build and solve")
         try:
             results.append(solve_on(cap, m, prof, objective, solver, budget, mode, local_batch, time_limit_s,
-                                    gpus_per_node))
+                                    gpus_per_node, tie_layers, gap))
         except MemoryBudgetError as e:
             misfits.append(e)
             say(f"mesh {m}: no plan fits the memory budget")
             continue
         sol = results[-1].solution
-        gap = relative_gap(sol.objective, sol.bound)
-        say(f"mesh {m}: {results[-1].value(objective):.4g} ({objective}), gap {gap:.2%}")
+        say(f"mesh {m}: {results[-1].value(objective):.4g} ({objective}), "
+            f"gap {relative_gap(sol.objective, sol.bound):.2%}")
     if not results:
         raise min(misfits, key=lambda e: e.least)
     best = min(results, key=lambda r: (r.value(objective), r.graph.mesh.ndim))
@@ -240,16 +253,11 @@ def solve_table(g: PlanGraph, objective: str, solver: str = "ilp", time_limit_s:
     """Solve a table already built (a baseline's restricted one) as ``solve_on`` solves its own, with
     no memory budget: the plan priced with no overlap is tried too when the overlap cap binds."""
     r = evaluate(g, solve(to_problem(g, objective), solver, time_limit_s))
-    gap = g.profile.grad_overlap * r.sync_s - r.hidden_s
-    if objective == "time" and gap > RESOLVE_GAP * r.step_time_s:
+    capped = g.profile.grad_overlap * r.sync_s - r.hidden_s
+    if objective == "time" and capped > RESOLVE_GAP * r.step_time_s:
         no_overlap = evaluate(g, solve(to_problem(g, objective, overlap=0.0), solver, time_limit_s))
         r = min(r, no_overlap, key=lambda x: x.step_time_s)
     return r
-
-
-def relative_gap(objective: float, bound: float) -> float:
-    """``(objective - bound) / |objective|``: how far the plan may be from optimal (0: proven optimal)."""
-    return max(0.0, objective - bound) / abs(objective) if objective else 0.0
 
 
 def to_plan(
@@ -294,6 +302,8 @@ def to_plan(
                 "gap": 0.0 if sol.status == "optimal" else relative_gap(sol.objective, sol.bound)},
         meshes=[{"mesh": list(x.graph.mesh.shape), "objective": x.value(objective)} for x in all_results],
         fallback_ops=g.fallback_ops, layers=layer_rows(g, sol),
+        tying={"used": bool(r.runs), "runs": [x.record() for x in r.runs],
+               "variables": [len(g.vars), len(g.vars) - sum(len(b) for x in r.runs for b in x.blocks[1:])]},
     )
 
 
