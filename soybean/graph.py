@@ -30,9 +30,10 @@ from __future__ import annotations
 import gc
 import itertools
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,9 +42,9 @@ from torch.utils._pytree import tree_flatten
 
 from . import rules
 from .capture import Captured
-from .cost.collectives import reshard_cost
+from .cost.collectives import price_routes
 from .cost.compute import op_seconds, optimizer_step_seconds
-from .cost.memory import activation_bytes, param_bytes
+from .cost.memory import activation_bytes, activation_key, param_bytes
 from .cost.profiles import Profile
 from .mesh import Mesh
 from .plan import Plan
@@ -113,6 +114,68 @@ class PlanGraph:
     shapes: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)  # placeholder outputs
     dtypes: dict[tuple[int, int], torch.dtype] = field(default_factory=dict)
     written: set[str] = field(default_factory=set)  # placeholders some op updates in place
+
+
+class _Memo:
+    """Work a build shares between repeated layers.
+
+    A variable's *content class* names everything a consumer or an edge reads of it as a source: its
+    kind, output specs, each strategy's output tilings, partial-gradient axes, pinning and gradient
+    flag.  A variable's *key* names everything its own domain and costs depend on: for an op, the op
+    (target, argument specs, constants), its sources' content classes, which inputs need a gradient,
+    and what it keeps for backward.  Two ops with one key get the same strategies, compute and memory
+    arrays; two uses with the same source class, consumer key and slots get the same edge tables.
+    The classes are by content, not by identity, so layer ``i + 1`` of a stack, whose input is layer
+    ``i``'s output, finds layer ``i``'s work once the two layers' outputs agree: a 32-layer Llama's
+    table costs about three layers.  Shared arrays are made read-only, so a caller that writes into
+    one fails loudly instead of changing another variable's costs.
+    """
+
+    def __init__(self) -> None:
+        self.classes: dict[Hashable, int] = {}
+        self.keys: dict[Hashable, int] = {}
+        self.vars: dict[int, tuple[list[Strategy], np.ndarray, np.ndarray, int]] = {}
+        self.edges: dict[tuple, Edge] = {}
+        self.cls: dict[int, int] = {}     # var index -> content class
+        self.key: dict[int, int] = {}     # var index -> key id (ops and reshard points)
+
+    def classify(self, g: PlanGraph, vi: int) -> int:
+        v = g.vars[vi]
+        specs = v.op.outputs if v.op is not None else ((g.shapes.get((vi, 0)), g.dtypes.get((vi, 0))),)
+        content = (v.kind, specs, tuple(tuple(st.outputs) for st in v.strategies), tuple(v.grad_partial),
+                   v.pinned, v.gathered, v.needs_grad)
+        self.cls[vi] = c = self.classes.setdefault(content, len(self.classes))
+        return c
+
+    def key_id(self, key: Hashable) -> int:
+        return self.keys.setdefault(key, len(self.keys))
+
+
+class _Unhashable(Exception):
+    pass
+
+
+def _frozen(x: Any) -> Hashable:
+    """``x`` as a hashable value that tells apart what ``==`` does not (``1``, ``1.0``, ``True``)."""
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_frozen(y) for y in x))
+    if isinstance(x, dict):
+        return ("dict", tuple(sorted(((str(k), _frozen(v)) for k, v in x.items()), key=lambda kv: kv[0])))
+    if isinstance(x, slice):
+        return ("slice", _frozen(x.start), _frozen(x.stop), _frozen(x.step))
+    try:
+        hash(x)
+    except TypeError as e:
+        raise _Unhashable from e
+    return (type(x).__name__, x)
+
+
+def _op_key(op: OpSpec) -> Hashable | None:
+    """What an op's strategies and costs depend on besides its sources; None when an argument cannot be hashed."""
+    try:
+        return (op.target, _frozen(op.args), _frozen(op.kwargs), op.inputs, op.outputs)
+    except _Unhashable:
+        return None
 
 
 def _module_path(node: fx.Node) -> str:
@@ -187,7 +250,7 @@ def value_source(g: PlanGraph, a: fx.Node) -> tuple[int, int]:
 
 
 def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int], needs_grad: bool,
-                        fixed: Plan | None = None) -> None:
+                        fixed: Plan | None = None, memo: _Memo | None = None) -> None:
     """After adding producer ``vi``: a reshard point for each of its outputs used more than once
     (with ``fixed``, the tiling and partial-gradient axes that plan chose for it)."""
     v = g.vars[vi]
@@ -217,7 +280,10 @@ def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int],
                             op=OpSpec("reshard", (), {}, (spec,), (spec,)), module=v.module,
                             needs_grad=needs_grad, grad_partial=flags, fqn=v.fqn, pinned=v.pinned,
                             gathered=v.gathered))
-        _add_edge(g, vi, r, k, 0, needs_grad)
+        if memo is not None:  # its domain follows from its producer's class and the output read
+            memo.key[r] = memo.key_id(("reshard", memo.cls[vi], k, needs_grad))
+            memo.classify(g, r)
+        _add_edge(g, vi, r, k, 0, needs_grad, memo=memo)
 
 
 def _batch_norm_writes(a: Args) -> tuple[str, ...]:
@@ -272,6 +338,7 @@ def build(
     divide_work: bool | None = None,
     fixed: Plan | None = None,
     gather_axes: tuple[int, ...] = (),
+    share: bool = True,
 ) -> PlanGraph:
     """Variables and edges of ``cap`` on ``mesh``.
 
@@ -284,10 +351,12 @@ def build(
     that cut every op's work on every axis wherever the rules allow one.
     ``fixed``: every variable takes the one strategy ``fixed`` chose (and its output contract);
     the graph codegen lowers.
+    ``share``: repeated layers reuse the first one's strategies and priced tables (``_Memo``; False
+    prices every variable afresh, as the tests do to check the sharing).
     """
     with _gc_paused():
         return _build(cap, mesh, profile, objective, domains or {}, pin_params, local_outputs, divide_work, fixed,
-                      tuple(gather_axes))
+                      tuple(gather_axes), share)
 
 
 @contextmanager
@@ -306,7 +375,7 @@ def _gc_paused() -> Iterator[None]:
 
 def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains: dict[str, list[tuple]],
            pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Plan | None,
-           gather_axes: tuple[int, ...] = ()) -> PlanGraph:
+           gather_axes: tuple[int, ...] = (), share: bool = True) -> PlanGraph:
     g = PlanGraph(mesh, profile)
     needs_grad: dict[str, bool] = {}
     fallback: set[str] = set()
@@ -314,6 +383,7 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
     full = (R,) * mesh.ndim
     if fixed is not None:
         local_outputs = fixed.local_batch
+    memo = _Memo() if fixed is None and share else None  # a fixed graph has one strategy per variable: nothing to share
 
     for node in cap.graph.nodes:
         if node.op == "placeholder":
@@ -338,7 +408,9 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
             g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
             g.vars[vi].pinned = pin_params and kind == "param" and fqn in domains
             g.vars[vi].gathered = gather_axes if g.vars[vi].pinned else ()
-            _add_reshard_points(g, vi, uses, needs_grad[node.name], fixed)
+            if memo is not None:
+                memo.classify(g, vi)
+            _add_reshard_points(g, vi, uses, needs_grad[node.name], fixed, memo)
         elif node.op == "call_function":
             if node.target is operator.getitem:
                 needs_grad[node.name] = needs_grad.get(node.args[0].name, False)
@@ -349,34 +421,53 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
             args, _ = tree_flatten((node.args, node.kwargs))
             tensor_args = [a for a in args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
             sources = [value_source(g, a) for a in tensor_args]
-            if fixed is not None:
-                ins, outs = fixed.node_tilings(node.name) if node.name in fixed.nodes else (
-                    [full] * len(op.inputs), [full] * len(op.outputs))
-                strategies = [Strategy(tuple(ins), tuple(outs))]
-            else:
-                strategies = expand(op, mesh, strategies_1d(op))
-                strategies = [s for s in strategies if not _needless_partial(g, s, sources)] or strategies
-                if divide_work if divide_work is not None else objective == "comm":
-                    # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
-                    whole = [s for s in strategies if all(s.divides_work())]
-                    strategies = whole or strategies
             grads = [needs_grad.get(a.name, False) for a in tensor_args]
-            compute = op_seconds(op, strategies, grads, mesh, profile)
-            mem = activation_bytes(node, op, strategies, mesh)
+            op_key = _op_key(op) if memo is not None else None
+            kid = None
+            if memo is not None and op_key is not None:
+                kid = memo.key_id(("op", op_key, tuple((memo.cls[u], k) for u, k in sources), tuple(grads),
+                                   activation_key(node)))
+            hit = memo.vars.get(kid) if memo is not None and kid is not None else None
+            if hit is not None:
+                strategies, compute, mem, _ = hit
+            else:
+                if fixed is not None:
+                    ins, outs = fixed.node_tilings(node.name) if node.name in fixed.nodes else (
+                        [full] * len(op.inputs), [full] * len(op.outputs))
+                    strategies = [Strategy(tuple(ins), tuple(outs))]
+                else:
+                    strategies = expand(op, mesh, strategies_1d(op))
+                    strategies = [s for s in strategies if not _needless_partial(g, s, sources)] or strategies
+                    if divide_work if divide_work is not None else objective == "comm":
+                        # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
+                        whole = [s for s in strategies if all(s.divides_work())]
+                        strategies = whole or strategies
+                compute = op_seconds(op, strategies, grads, mesh, profile)
+                mem = activation_bytes(node, op, strategies, mesh)
             ng = any(grads) and any(o.dtype.is_floating_point for o in op.outputs)
             needs_grad[node.name] = ng
             v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node),
                                 needs_grad=ng))
+            if memo is not None:
+                if kid is not None:
+                    memo.key[v] = kid
+                if hit is not None:
+                    memo.cls[v] = hit[3]
+                else:
+                    c = memo.classify(g, v)
+                    if kid is not None:
+                        compute.flags.writeable = mem.flags.writeable = False
+                        memo.vars[kid] = (strategies, compute, mem, c)
             for i, (a, (u, k)) in enumerate(zip(tensor_args, sources)):
-                _add_edge(g, u, v, k, i, needs_grad.get(a.name, False))
+                _add_edge(g, u, v, k, i, needs_grad.get(a.name, False), memo=memo)
             for i in written_inputs(op):
                 a = tensor_args[i]
                 if a.op != "placeholder":
                     continue
                 g.written.add(a.name)
                 if a.name in cap.params or a.name in cap.buffers:
-                    _add_edge(g, g.index[a.name], v, 0, i, False, write_back=True)
-            _add_reshard_points(g, v, uses, ng, fixed)
+                    _add_edge(g, g.index[a.name], v, 0, i, False, write_back=True, memo=memo)
+            _add_reshard_points(g, v, uses, ng, fixed, memo)
         elif node.op == "output":
             leaves, _ = tree_flatten(node.args)
             returned = [o for o in leaves if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
@@ -414,8 +505,15 @@ def partial_grad_axes(s: Strategy, dst: tuple, mesh: Mesh) -> tuple[int, ...]:
 
 
 def _add_edge(
-    g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_grad: bool, write_back: bool = False
+    g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_grad: bool, write_back: bool = False,
+    memo: _Memo | None = None,
 ) -> None:
+    mkey = None
+    if memo is not None and v in memo.key and u in memo.cls:
+        mkey = (memo.cls[u], out_idx, memo.key[v], in_idx, needs_grad, write_back)
+        if (seen := memo.edges.get(mkey)) is not None:
+            g.edges.append(replace(seen, src=u, dst=v))
+            return
     U, V = g.vars[u], g.vars[v]
     spec = V.op.inputs[in_idx] if V.op is not None else None
     if spec is None:  # output var: the producer's output spec
@@ -437,17 +535,13 @@ def _add_edge(
     ud, di = _unique(dst_keys)
     key = (tuple(us), tuple(ud), shape, itemsize, needs_grad, U.pinned, U.gathered, write_back, g.mesh, g.profile)
     if key not in _EDGE_MEMO:
-        Bu = np.zeros((len(us), len(ud)))
-        Tu = np.zeros((len(us), len(ud)))
-        Su = np.zeros((len(us), len(ud)))
-        for a, (src, spa) in enumerate(us):
-            for b, (dst, pga) in enumerate(ud):
-                route = Route.of(dst, src) if write_back else Route.of(src, dst, pga, spa, needs_grad)
-                c = reshard_cost(route, shape, itemsize, g.mesh, g.profile)
-                Bu[a, b], Tu[a, b], Su[a, b] = c.bytes, c.seconds, c.sync_seconds
-                if U.pinned and not write_back and not pinned_use(src, dst, U.gathered):
-                    Bu[a, b] = Tu[a, b] = PINNED
-                    Su[a, b] = 0.0
+        routes = [Route.of(dst, src) if write_back else Route.of(src, dst, pga, spa, needs_grad)
+                  for src, spa in us for dst, pga in ud]
+        Bu, Tu, Su = (x.reshape(len(us), len(ud)) for x in price_routes(routes, shape, itemsize, g.mesh, g.profile))
+        if U.pinned and not write_back:
+            banned = np.array([[not pinned_use(src, dst, U.gathered) for dst, _ in ud] for src, _ in us])
+            Bu[banned] = Tu[banned] = PINNED
+            Su[banned] = 0.0
         if len(_EDGE_MEMO) > 4096:
             _EDGE_MEMO.clear()
         _EDGE_MEMO[key] = (Bu, Tu, Su)
@@ -455,5 +549,10 @@ def _add_edge(
     B, T = Bu[np.ix_(si, di)], Tu[np.ix_(si, di)]
     deferred = U.kind == "param" and not write_back
     S = Su[np.ix_(si, di)] if deferred and Su.any() else None
-    g.edges.append(Edge(u, v, out_idx, in_idx, B, T, shape, itemsize, needs_grad, deferred, S, write_back,
-                        us, si, ud, di))
+    edge = Edge(u, v, out_idx, in_idx, B, T, shape, itemsize, needs_grad, deferred, S, write_back, us, si, ud, di)
+    g.edges.append(edge)
+    if memo is not None and mkey is not None:
+        for arr in (B, T, S, si, di):
+            if arr is not None:
+                arr.flags.writeable = False
+        memo.edges[mkey] = edge

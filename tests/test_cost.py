@@ -9,7 +9,12 @@ import torch
 from torch import nn
 
 from soybean.capture import capture
-from soybean.cost.collectives import reshard_cost
+import itertools
+import random
+
+import numpy as np
+
+from soybean.cost.collectives import price_routes, reshard_cost
 from soybean.reshard import Route
 from soybean.cost.compute import compute_seconds
 from soybean.cost.compute import passes
@@ -17,7 +22,7 @@ from soybean.mesh import Mesh
 from soybean.planner import BACKWARD_SHARE, solve_on
 from soybean.cost.profiles import BUILTIN
 from soybean.rules.base import make_opspec
-from soybean.tiling import R, Shard
+from soybean.tiling import Partial, R, Shard
 
 pytestmark = pytest.mark.unit
 
@@ -89,3 +94,28 @@ def test_overlap_makes_data_parallel_no_dearer() -> None:
     cap = capture(net, (torch.randn(512, 128),))
     times = [solve_on(cap, Mesh((2,)), replace(PROFILE, grad_overlap=ov), "time").step_time_s for ov in (0.0, 0.5, 1.0)]
     assert times[0] >= times[1] >= times[2]
+
+
+@pytest.mark.parametrize("mesh_shape, nodes", [((2, 2, 2), None), ((4, 2), 2), ((3,), None), ((1, 2), None)])
+def test_vectorised_pricing_equals_the_one_route_reference_bit_for_bit(mesh_shape: tuple, nodes: int | None) -> None:
+    """``price_routes`` (numpy, many routes) against ``reshard_cost`` (one route, the definition), on an
+    uneven shape, with and without gradients, partial-gradient axes, a blocking wait and an inter-node axis."""
+    mesh = Mesh(mesh_shape)
+    prof = replace(BUILTIN["h100-nvlink-ib"], blocking_s=3e-4).on_mesh(mesh, nodes)
+    shape = (6, 10, 7)
+    placements = [R, Shard(0), Shard(1), Shard(2), Partial()]
+    tilings = list(itertools.product(placements, repeat=mesh.ndim))
+    rng = random.Random(0)
+    routes = []
+    for _ in range(400):
+        src, dst = rng.choice(tilings), rng.choice([t for t in tilings if Partial() not in t])
+        grad = rng.random() < 0.7
+        pga = tuple(a for a in range(mesh.ndim) if dst[a] == R and rng.random() < 0.5)
+        spa = tuple(a for a in range(mesh.ndim) if src[a] == R and rng.random() < 0.3)
+        routes.append(Route.of(src, dst, pga, spa, grad))
+    B, T, S = price_routes(routes, shape, 4, mesh, prof)
+    ref = [reshard_cost(r, shape, 4, mesh, prof) for r in routes]
+    assert np.array_equal(B, [c.bytes for c in ref])
+    assert np.array_equal(T, [c.seconds for c in ref])
+    assert np.array_equal(S, [c.sync_seconds for c in ref])
+    assert B.any() and S.any()  # the sample has collectives and gradient syncs to price

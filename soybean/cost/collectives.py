@@ -26,8 +26,11 @@ bucketed, asynchronous gradient sync, which overlaps the rest of backward (see
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+
+import numpy as np
 
 from ..mesh import Mesh
 from ..reshard import Route
@@ -85,3 +88,48 @@ def reshard_cost(route: Route, shape: tuple, itemsize: int, mesh: Mesh, profile:
         ns += c.seconds + blocking
         sync += c.seconds if is_sync else 0.0
     return Cost(nb, ns, sync)
+
+
+def price_routes(routes: Sequence[Route], shape: tuple, itemsize: int, mesh: Mesh,
+                 profile: Profile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``reshard_cost`` of many routes of one tensor at once: arrays of bytes, seconds and sync seconds.
+
+    The same sums term by term, as numpy arithmetic over every collective of every route: a table of
+    a Llama layer's edge on a 2x2x2 mesh prices ~450 routes and ~1,600 collectives, and a Python loop
+    over them was most of the build.  The tile size is computed once per distinct tiling, ``alpha`` and
+    ``beta`` once per (axis, collective); the figures equal ``reshard_cost``'s bit for bit (the tests
+    compare them).
+    """
+    n = len(routes)
+    owner: list[int] = []
+    kinds: list[str] = []
+    axes: list[int] = []
+    tilings: list[tuple] = []
+    syncs: list[bool] = []
+    for r, route in enumerate(routes):
+        for kind, axis, tiling, is_sync in priced_steps(route):
+            owner.append(r)
+            kinds.append(kind)
+            axes.append(axis)
+            tilings.append(tiling)
+            syncs.append(is_sync)
+    if not owner:
+        return np.zeros(n), np.zeros(n), np.zeros(n)
+    tile_of: dict[tuple, int] = {}
+    t_idx = np.array([tile_of.setdefault(t, len(tile_of)) for t in tilings], dtype=np.int64)
+    m = np.array([float(max_local_numel(shape, t, mesh) * itemsize) for t in tile_of])[t_idx]
+    link_of: dict[tuple[int, str], int] = {}
+    l_idx = np.array([link_of.setdefault(ak, len(link_of)) for ak in zip(axes, kinds)], dtype=np.int64)
+    links = [profile.ab(axis, kind) for axis, kind in link_of]
+    alpha = np.array([a for a, _ in links])[l_idx]
+    beta = np.array([b for _, b in links])[l_idx]
+    p = np.array([mesh.shape[a] for a in axes], dtype=float)
+    f = np.array([RING_FACTOR.get(k, 0.0) for k in kinds])
+    on = p > 1  # ``collective``: nothing on a group of one, or for a kind with no ring factor
+    sent = np.where(on, f * (p - 1) / p * m, 0.0)
+    seconds = np.where(on, f * (p - 1) * alpha + sent * beta, 0.0)
+    sync = np.array(syncs)
+    blocking = np.where(~sync & on, profile.blocking_s, 0.0)
+    own = np.array(owner, dtype=np.int64)
+    return (np.bincount(own, sent, minlength=n), np.bincount(own, seconds + blocking, minlength=n),
+            np.bincount(own, np.where(sync, seconds, 0.0), minlength=n))

@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 import operator
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -383,6 +383,14 @@ def param_bytes(node: fx.Node, shape: tuple[int, ...], itemsize: int, tilings: S
         if node.graph is not None and liveness(node.graph).largest_param == node.name:
             copies += OPTIMIZER_TEMPORARIES
     return stored_bytes(shape, itemsize, tilings, mesh, copies)
+
+
+def activation_key(node: fx.Node) -> Hashable:
+    """What ``activation_bytes`` reads of ``node`` besides its op and strategies: two ops with equal
+    specs and keys keep equal bytes (``graph`` shares repeated layers' tables on this)."""
+    info = liveness(node.graph)
+    return (info.live.get(node.name, frozenset()), info.read.get(node.name, frozenset()),
+            info.saves.get(node.name, NOTHING).extra)
 
 
 def activation_bytes(node: fx.Node, op: OpSpec, strategies: Sequence[Strategy], mesh: Mesh) -> np.ndarray:

@@ -1,0 +1,71 @@
+"""A build shares repeated layers' work (``graph._Memo``): the shared table must equal the table
+priced variable by variable, on stacks whose layers repeat and on models with uneven shapes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from examples.models import mlp, resnet
+from soybean import models
+from soybean.capture import capture
+from soybean.cost.profiles import BUILTIN
+from soybean.graph import PlanGraph, build
+from soybean.mesh import Mesh
+
+pytestmark = pytest.mark.unit
+
+CASES = [
+    ("hf:llama", {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "intermediate_size": 48, "vocab_size": 96, "batch": 2, "seq": 8}, (2, 2)),
+    ("hf:gpt2", {"n_layer": 3, "n_embd": 32, "n_head": 4, "vocab_size": 97, "batch": 3, "seq": 6}, (2, 2)),
+    ("mlp_uneven", {}, (4,)),
+    ("resnet18", {}, (2,)),
+]
+EXAMPLES = {
+    "mlp_uneven": lambda: mlp(batch=6, hidden=10, layers=3),
+    "resnet18": lambda: resnet(batch=2, image=32, classes=10, depth=18, width=0.125),
+}
+
+
+def _same(a: PlanGraph, b: PlanGraph) -> None:
+    assert [v.name for v in a.vars] == [v.name for v in b.vars]
+    for v, w in zip(a.vars, b.vars):
+        assert v.strategies == w.strategies, v.name
+        assert v.grad_partial == w.grad_partial, v.name
+        np.testing.assert_array_equal(v.compute_s, w.compute_s, err_msg=v.name)
+        np.testing.assert_array_equal(v.memory, w.memory, err_msg=v.name)
+    assert len(a.edges) == len(b.edges)
+    for e, f in zip(a.edges, b.edges):
+        assert (e.src, e.dst, e.src_out, e.dst_in, e.deferred, e.write_back) == (f.src, f.dst, f.src_out, f.dst_in,
+                                                                                  f.deferred, f.write_back)
+        np.testing.assert_array_equal(e.bytes, f.bytes)
+        np.testing.assert_array_equal(e.seconds, f.seconds)
+        assert (e.sync is None) == (f.sync is None)
+        if e.sync is not None:
+            np.testing.assert_array_equal(e.sync, f.sync)
+        for s in range(len(a.vars[e.src].strategies)):
+            for t in range(len(a.vars[e.dst].strategies)):
+                assert e.route(s, t) == f.route(s, t)
+
+
+@pytest.mark.parametrize("ref, args, mesh", CASES, ids=[c[0] for c in CASES])
+def test_shared_build_equals_the_build_priced_variable_by_variable(ref: str, args: dict, mesh: tuple) -> None:
+    model, inputs = EXAMPLES[ref]() if ref in EXAMPLES else models.load(ref, dict(args))
+    cap = capture(model, inputs)
+    for objective in ("time", "comm"):
+        shared = build(cap, Mesh(mesh), BUILTIN["h100-nvlink"], objective=objective)
+        fresh = build(cap, Mesh(mesh), BUILTIN["h100-nvlink"], objective=objective, share=False)
+        _same(shared, fresh)
+
+
+def test_the_layers_of_a_stack_share_their_tables() -> None:
+    ref, args, mesh = CASES[0]
+    model, inputs = models.load(ref, dict(args))
+    g = build(capture(model, inputs), Mesh(mesh), BUILTIN["h100-nvlink"])
+    # the same op in layers 1 and 2 holds the very same arrays (layer 0 reads the embedding)
+    linear = [v for v in g.vars if v.kind == "op" and v.module.startswith("model.model.layers.")]
+    l1 = [v for v in linear if v.module.startswith("model.model.layers.1.")]
+    l2 = [v for v in linear if v.module.startswith("model.model.layers.2.")]
+    assert len(l1) == len(l2) > 10
+    assert all(a.strategies is b.strategies and a.compute_s is b.compute_s for a, b in zip(l1, l2))
+    assert not l1[0].compute_s.flags.writeable  # shared arrays cannot be changed through one variable
