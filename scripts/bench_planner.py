@@ -1,81 +1,174 @@
-"""Planner speed: capture, enumerate+cost, search and total seconds for GPT-2-small-shaped transformers.
+"""Planner speed on the shapes users meet: the whole ``soybean plan`` command, timed as a user runs it.
 
-    python scripts/bench_planner.py                 # 12 and 48 layers, 8 devices, every mesh shape
-    python scripts/bench_planner.py --layers 12 --devices 8 --json
-    python scripts/bench_planner.py --layers 12 --profile cpu-gloo   # tests/test_plan.py's GPT-2-small case
+    python scripts/bench_planner.py                       # every case below (about 20 minutes on 2 cores)
+    python scripts/bench_planner.py --cases gpt2-12,llama3-8b-8
+    python scripts/bench_planner.py --json > planner.json
 
-The phases (capture, enumerate+cost, search) are timed apart, one ILP per mesh; ``plan s`` is the
-whole ``planner.plan`` call as a user makes it (capture, every mesh with the planner's own search
-options, no baselines), the call whose speed the tests do not assert.  It runs after the phases,
-so with whatever they left cached in the process.
+Each case runs ``soybean plan ... --format json`` in a fresh process, capture included, on the meta
+device (no weight is allocated), and reports its wall time, its peak resident memory (``wait4``), the
+solver's status and gap, the mesh it chose, its modelled step time and memory per device, and the
+modelled step time of every baseline priced beside it (``infeasible`` when the baseline cannot run).
+A second table turns the Llama-3 cases into modelled weak scaling, tokens per second per GPU, beside
+torchtitan's published measurements.
 
-Weights live on the meta device: planning never allocates them.
+Every step time here is modelled with the built-in H100 profiles (``soybean.cost.profiles``: H100 SXM
+datasheet, NCCL tests; NVLink inside a node, 400 Gb/s InfiniBand across nodes), not measured: there is
+no GPU on the machine this runs on.  The models are built in fp32, as transformers builds them.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
+import threading
 import time
+from dataclasses import dataclass
 
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from examples.models import transformer
-from soybean.capture import capture
-from soybean.cost.profiles import load_profile
-from soybean.graph import build
-from soybean.mesh import factorizations
-from soybean.planner import plan
-from soybean.search import solve, to_problem
+GPT2_SMALL = ["hf:gpt2", "--arg", "meta=True", "--arg", "batch=8", "--arg", "seq=1024"]
 
 
-def bench(layers: int, devices: int, objective: str, profile: str) -> dict:
-    with torch.device("meta"):
-        model, inputs = transformer(batch=8, seq=1024, hidden=768, layers=layers, heads=12)
-    t0 = time.perf_counter()
-    cap = capture(model, inputs)
-    t_cap = time.perf_counter() - t0
-    prof = load_profile(profile)
-    t_build = t_search = 0.0
-    statuses = {}
-    for mesh in factorizations(devices):
-        t = time.perf_counter()
-        g = build(cap, mesh, prof, objective=objective)
-        p = to_problem(g, objective)
-        t_build += time.perf_counter() - t
-        t = time.perf_counter()
-        statuses[str(mesh)] = solve(p, "ilp").status
-        t_search += time.perf_counter() - t
-    t = time.perf_counter()
-    whole = plan(model, inputs, devices, objective=objective, profile=profile, baselines=False)
-    t_plan = time.perf_counter() - t
-    return {"layers": layers, "nodes": len(cap.graph.nodes), "capture_s": round(t_cap, 3),
-            "enumerate_cost_s": round(t_build, 3), "search_s": round(t_search, 3),
-            "total_s": round(t_cap + t_build + t_search, 3), "plan_s": round(t_plan, 3),
-            "plan_mesh": whole.mesh, "status": statuses}
+def _llama(layers: int, hidden: int, heads: int, ffn: int) -> list[str]:
+    args = {"meta": "True", "num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+            "num_key_value_heads": 8, "intermediate_size": ffn, "vocab_size": 128256, "seq": 8192,
+            "max_position_embeddings": 8192}
+    return ["hf:llama"] + [x for k, v in args.items() for x in ("--arg", f"{k}={v}")]
+
+
+LLAMA3_8B = _llama(32, 4096, 32, 14336)
+LLAMA3_70B = _llama(80, 8192, 64, 28672)
+SEQ = 8192
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: list[str]
+    devices: int
+    batch: int            # global batch (sequences per step)
+    extra: tuple[str, ...] = ()
+
+
+def _cluster(devices: int) -> tuple[str, ...]:
+    """One node of 8 H100s on NVLink; more devices: nodes of 8 joined by InfiniBand."""
+    if devices <= 8:
+        return ("--profile", "h100-nvlink", "--memory-gb", "80")
+    return ("--profile", "h100-nvlink-ib", "--gpus-per-node", "8", "--memory-gb", "80")
+
+
+CASES = [
+    Case("gpt2-12", GPT2_SMALL + ["--arg", "n_layer=12"], 8, 8, ("--profile", "h100-nvlink")),
+    Case("gpt2-48", GPT2_SMALL + ["--arg", "n_layer=48"], 8, 8, ("--profile", "h100-nvlink")),
+    # One sequence of 8,192 tokens per 8 devices (the issue's weak-scaling setting).
+    *[Case(f"llama3-8b-{d}", LLAMA3_8B, d, max(1, d // 8), _cluster(d)) for d in (8, 64, 512, 1024)],
+    *[Case(f"llama3-70b-{d}", LLAMA3_70B, d, max(1, d // 8), _cluster(d)) for d in (64, 512)],
+]
+
+# torchtitan's published measurements (docs/performance.md, github.com/pytorch/torchtitan): Llama 3.1 8B
+# on 8 H100 (96 GB HBM2e, 500 W), FSDP, local batch 2, sequence 8,192, bf16, selective activation
+# checkpointing: tokens/s/GPU.  Measured, on real GPUs, in bf16; our figures are modelled, in fp32.
+TORCHTITAN = {
+    ("llama3-8b", 8): "5,762 (FSDP); 6,667 (+torch.compile); 8,532 (+Float8)",
+}
+
+
+def run(case: Case, time_limit: float, timeout: float) -> dict:
+    """``soybean plan`` for ``case`` in a fresh process: wall seconds, peak RSS (``wait4``) and the plan JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "plan.json"), os.path.join(tmp, "stderr")
+        cmd = [sys.executable, "-m", "soybean.cli", "plan", *case.model, "--arg", f"batch={case.batch}",
+               "--devices", str(case.devices), *case.extra, "--time-limit", str(time_limit),
+               "--format", "json", "--out", out, "--quiet"]
+        t0 = time.perf_counter()
+        with open(err, "w") as ef:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=ef)
+            timer = threading.Timer(timeout, proc.kill)
+            timer.start()
+            _, status, usage = os.wait4(proc.pid, 0)
+            timer.cancel()
+        proc.returncode = code = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - t0
+        if code != 0 or not os.path.exists(out):
+            lines = open(err).read().strip().splitlines()
+            why = f"no plan within {timeout:g} s" if wall >= timeout else lines[-1] if lines else f"exit {code}"
+            return {"case": case.name, "devices": case.devices, "wall_s": round(wall, 1), "error": why}
+        with open(out) as f:
+            plan = json.load(f)
+    cost, solver = plan["cost"], plan["solver"]
+    return {
+        "case": case.name, "devices": case.devices, "global_batch": case.batch, "wall_s": round(wall, 1),
+        "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2), "mesh": "x".join(map(str, plan["mesh"])),
+        "status": solver["status"], "gap": solver["gap"], "step_s": cost["step_time_s"],
+        "memory_gb": round(cost["memory_bytes"] / 2**30, 1), "tied": plan.get("tying", {}).get("used", False),
+        "baselines": {k: v.get("step_time_s", "infeasible") for k, v in sorted(plan["baselines"].items())},
+    }
+
+
+def _ms(x: float | str) -> str:
+    return f"{x * 1e3:.1f}" if isinstance(x, float) else str(x)
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'case':<15} {'dev':>5} {'batch':>5} {'wall s':>7} {'RSS GB':>7} {'mesh':>9} {'status':>8} "
+            f"{'gap':>8} {'step ms':>8} {'mem GB':>7}  baselines (step ms, modelled)")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['case']:<15} {r['devices']:>5} {'':>5} {r.get('wall_s', ''):>7}  error: {r['error']}")
+            continue
+        base = ", ".join(f"{k} {_ms(v)}" for k, v in r["baselines"].items())
+        lines.append(f"{r['case']:<15} {r['devices']:>5} {r['global_batch']:>5} {r['wall_s']:>7.1f} "
+                     f"{r['peak_rss_gb']:>7.2f} {r['mesh']:>9} {r['status']:>8} {r['gap']:>8.2%} "
+                     f"{_ms(r['step_s']):>8} {r['memory_gb']:>7.1f}  {base}")
+    return "\n".join(lines)
+
+
+def weak_scaling(rows: list[dict]) -> str:
+    """Modelled tokens/s/GPU = global batch x sequence / step time / devices, soybean's plan and the best
+    baseline that fits, beside torchtitan's published measurement where one exists."""
+    head = f"{'model':<11} {'GPUs':>5} {'soybean':>9} {'best baseline':>22}  torchtitan (measured, bf16)"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if not r["case"].startswith("llama3") or "error" in r:
+            continue
+        model = r["case"].rsplit("-", 1)[0]
+        tok = r["global_batch"] * SEQ / r["devices"]
+        fits = {k: v for k, v in r["baselines"].items() if isinstance(v, float)}
+        best = min(fits.items(), key=lambda kv: kv[1]) if fits else None
+        base = f"{tok / best[1]:,.0f} ({best[0]})" if best else "none fits"
+        lines.append(f"{model:<11} {r['devices']:>5} {tok / r['step_s']:>9,.0f} {base:>22}  "
+                     f"{TORCHTITAN.get((model, r['devices']), '-')}")
+    return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, nargs="*", default=[12, 48])
-    ap.add_argument("--devices", type=int, default=8)
-    ap.add_argument("--objective", default="time")
-    ap.add_argument("--profile", default="h100-nvlink")
-    ap.add_argument("--json", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=",".join(c.name for c in CASES),
+                    help="comma-separated case names (default: all): " + ", ".join(c.name for c in CASES))
+    ap.add_argument("--time-limit", type=float, default=60.0, help="soybean plan --time-limit per solve")
+    ap.add_argument("--timeout", type=float, default=900.0, help="give up on a case after this many seconds")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     a = ap.parse_args()
-    rows = [bench(n, a.devices, a.objective, a.profile) for n in a.layers]
+    by_name = {c.name: c for c in CASES}
+    unknown = [n for n in a.cases.split(",") if n not in by_name]
+    if unknown:
+        ap.error(f"unknown case(s) {', '.join(unknown)}: use {', '.join(by_name)}")
+    rows = []
+    for name in a.cases.split(","):
+        rows.append(run(by_name[name], a.time_limit, a.timeout))
+        if not a.json:
+            print(f"{name}: {rows[-1].get('wall_s', '-')} s", file=sys.stderr)
     if a.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"{'layers':>6} {'fx nodes':>8} {'capture s':>10} {'enum+cost s':>12} {'search s':>9} {'total s':>8}"
-          f" {'plan s':>7} {'plan mesh':>9}  status")
-    for r in rows:
-        print(f"{r['layers']:>6} {r['nodes']:>8} {r['capture_s']:>10.2f} {r['enumerate_cost_s']:>12.2f}"
-              f" {r['search_s']:>9.2f} {r['total_s']:>8.2f} {r['plan_s']:>7.2f} {'x'.join(map(str, r['plan_mesh'])):>9}"
-              f"  {r['status']}")
+    print(table(rows))
+    print()
+    print("Modelled weak scaling, tokens/s/GPU (h100 profiles, fp32 as built, no recomputation):")
+    print(weak_scaling(rows))
 
 
 if __name__ == "__main__":

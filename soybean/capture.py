@@ -288,13 +288,16 @@ def fold_constant_masks(gm: fx.GraphModule) -> None:
         if math.prod(scores) > MAX_FOLDED_MASK:
             continue
         try:
-            full = _evaluate(mask, memo).expand(scores)
+            m = _evaluate(mask, memo)
+            m.expand(scores)  # a view: checks the mask broadcasts to the scores
         except (RuntimeError, NotImplementedError, TypeError):  # an op that cannot run here: keep the mask
             continue
         L, S = scores[-2], scores[-1]
-        if bool(full.all()):
+        # Tested on the mask as evaluated, not expanded: broadcasting repeats it, so it holds everywhere
+        # iff it holds on the mask (a GPT-2 mask expanded to batch x heads x 1024 x 1024 took 0.25 s).
+        if bool(m.all()):
             is_causal = False
-        elif L == S and torch.equal(full, torch.ones(L, S, dtype=torch.bool).tril().expand(scores)):
+        elif L == S and bool((m == torch.ones(L, S, dtype=torch.bool).tril()).all()):
             is_causal = True
         else:
             continue

@@ -80,10 +80,12 @@ def solve_on(
     gpus_per_node: int | None = None,
     tie_layers: bool = True,
     gap: float = TARGET_GAP,
+    incumbent: float | None = None,
 ) -> Result:
     """Build the candidate table on ``mesh`` and solve it (``SearchError`` when no plan fits); with
     ``gpus_per_node``, axes whose groups cross nodes are priced at the inter-node link; with
-    ``tie_layers``, repeated layers share their decision variables (``search.tying``)."""
+    ``tie_layers``, repeated layers share their decision variables (``search.tying``).  ``incumbent``:
+    the best step time another mesh reached; a mesh whose lower bound is no better is not refined."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
     profile = profile.on_mesh(mesh, gpus_per_node)
@@ -99,9 +101,12 @@ def solve_on(
     # The search credits ``grad_overlap * sync`` as hidden; ``evaluate`` caps that at the backward
     # compute.  That credit is a lower bound of every plan's true cost and exact for this one when
     # uncapped, so the plan is optimal within ``capped``, the credit the cap took away.  Only when the
-    # gap matters is the plan priced with no overlap at all tried too, and the better one kept.
+    # gap matters is the plan priced with no overlap at all tried too, and the better one kept; not
+    # when the first solve's bound, a lower bound of every plan's true time on this mesh (the linear
+    # credit is never below the capped one), shows this mesh cannot beat the incumbent.
     capped = profile.grad_overlap * r.sync_s - r.hidden_s
-    if objective == "time" and capped > RESOLVE_GAP * r.step_time_s:
+    hopeless = incumbent is not None and r.solution.bound >= incumbent
+    if objective == "time" and capped > RESOLVE_GAP * r.step_time_s and not hopeless:
         no_overlap = evaluate(g, solve(to_problem(g, objective, memory_bytes, overlap=0.0), solver, time_limit_s,
                                        gap, runs))
         no_overlap.runs = runs
@@ -220,8 +225,9 @@ def plan(
     for m in meshes:
         say(f"mesh {m}: build and solve")
         try:
+            incumbent = min((r.step_time_s for r in results), default=None) if objective == "time" else None
             results.append(solve_on(cap, m, prof, objective, solver, budget, mode, local_batch, time_limit_s,
-                                    gpus_per_node, tie_layers, gap))
+                                    gpus_per_node, tie_layers, gap, incumbent))
         except MemoryBudgetError as e:
             misfits.append(e)
             say(f"mesh {m}: no plan fits the memory budget")

@@ -90,46 +90,90 @@ def reshard_cost(route: Route, shape: tuple, itemsize: int, mesh: Mesh, profile:
     return Cost(nb, ns, sync)
 
 
+class _StepStore:
+    """Every route priced so far in this process, its collectives (``priced_steps``) flattened into
+    column arrays once: route ``r``'s are rows ``start[r]:start[r] + count[r]``.  Shape-, mesh- and
+    profile-free, so every table, build and mesh shape of the same rank reads the same rows."""
+
+    def __init__(self) -> None:
+        self.ids: dict[Route, int] = {}
+        self.kinds: dict[str, int] = {}
+        self.tilings: dict[tuple, int] = {}
+        self.tiling_list: list[tuple] = []
+        self.start = np.zeros(0, dtype=np.int64)
+        self.count = np.zeros(0, dtype=np.int64)
+        self.cols = np.zeros((4, 0), dtype=np.int64)   # kind, axis, tiling, is_sync
+        self.rows = 0
+
+    def lookup(self, routes: Sequence[Route]) -> np.ndarray:
+        """The ids of ``routes``, adding the ones not seen yet."""
+        ids = self.ids
+        new = [r for r in dict.fromkeys(routes) if r not in ids]
+        if new:
+            self._add(new)
+        return np.fromiter((ids[r] for r in routes), dtype=np.int64, count=len(routes))
+
+    def _add(self, routes: list[Route]) -> None:
+        starts, counts, cols = [], [], []
+        row = self.rows
+        for route in routes:
+            steps = priced_steps(route)
+            self.ids[route] = len(self.ids)
+            starts.append(row)
+            counts.append(len(steps))
+            row += len(steps)
+            for kind, axis, tiling, is_sync in steps:
+                t = self.tilings.get(tiling)
+                if t is None:
+                    t = self.tilings[tiling] = len(self.tiling_list)
+                    self.tiling_list.append(tiling)
+                cols.append((self.kinds.setdefault(kind, len(self.kinds)), axis, t, int(is_sync)))
+        self.start = np.concatenate([self.start, np.array(starts, dtype=np.int64)])
+        self.count = np.concatenate([self.count, np.array(counts, dtype=np.int64)])
+        if cols:
+            block = np.array(cols, dtype=np.int64).T
+            if row > self.cols.shape[1]:  # grow by doubling: appends stay linear overall
+                grown = np.zeros((4, max(row, 2 * self.cols.shape[1])), dtype=np.int64)
+                grown[:, :self.rows] = self.cols[:, :self.rows]
+                self.cols = grown
+            self.cols[:, self.rows:row] = block
+        self.rows = row
+
+
+_STEPS = _StepStore()
+
+
 def price_routes(routes: Sequence[Route], shape: tuple, itemsize: int, mesh: Mesh,
                  profile: Profile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``reshard_cost`` of many routes of one tensor at once: arrays of bytes, seconds and sync seconds.
 
-    The same sums term by term, as numpy arithmetic over every collective of every route: a table of
-    a Llama layer's edge on a 2x2x2 mesh prices ~450 routes and ~1,600 collectives, and a Python loop
-    over them was most of the build.  The tile size is computed once per distinct tiling, ``alpha`` and
-    ``beta`` once per (axis, collective); the figures equal ``reshard_cost``'s bit for bit (the tests
-    compare them).
+    The same sums term by term, as numpy arithmetic over every collective of every route (a Llama
+    layer's edge on a 2x2x2 mesh prices ~450 routes and ~1,600 collectives; a Python loop over them was
+    most of the build).  The routes' collectives come flattened from ``_StepStore``; the tile size is
+    computed once per distinct tiling, ``alpha`` and ``beta`` once per (axis, collective).  The figures
+    equal ``reshard_cost``'s bit for bit (the tests compare them).
     """
     n = len(routes)
-    owner: list[int] = []
-    kinds: list[str] = []
-    axes: list[int] = []
-    tilings: list[tuple] = []
-    syncs: list[bool] = []
-    for r, route in enumerate(routes):
-        for kind, axis, tiling, is_sync in priced_steps(route):
-            owner.append(r)
-            kinds.append(kind)
-            axes.append(axis)
-            tilings.append(tiling)
-            syncs.append(is_sync)
-    if not owner:
+    ids = _STEPS.lookup(routes)
+    cnt = _STEPS.count[ids]
+    total = int(cnt.sum())
+    if total == 0:
         return np.zeros(n), np.zeros(n), np.zeros(n)
-    tile_of: dict[tuple, int] = {}
-    t_idx = np.array([tile_of.setdefault(t, len(tile_of)) for t in tilings], dtype=np.int64)
-    m = np.array([float(max_local_numel(shape, t, mesh) * itemsize) for t in tile_of])[t_idx]
-    link_of: dict[tuple[int, str], int] = {}
-    l_idx = np.array([link_of.setdefault(ak, len(link_of)) for ak in zip(axes, kinds)], dtype=np.int64)
-    links = [profile.ab(axis, kind) for axis, kind in link_of]
-    alpha = np.array([a for a, _ in links])[l_idx]
-    beta = np.array([b for _, b in links])[l_idx]
-    p = np.array([mesh.shape[a] for a in axes], dtype=float)
-    f = np.array([RING_FACTOR.get(k, 0.0) for k in kinds])
+    own = np.repeat(np.arange(n), cnt)
+    first = np.repeat(_STEPS.start[ids] - (np.cumsum(cnt) - cnt), cnt)
+    kind, axis, tiling, is_sync = _STEPS.cols[:, first + np.arange(total)]
+    tiles, t_inv = np.unique(tiling, return_inverse=True)
+    m = np.array([float(max_local_numel(shape, _STEPS.tiling_list[t], mesh) * itemsize) for t in tiles])[t_inv]
+    kinds = list(_STEPS.kinds)
+    links, l_inv = np.unique(axis * len(kinds) + kind, return_inverse=True)
+    ab = np.array([profile.ab(int(c) // len(kinds), kinds[int(c) % len(kinds)]) for c in links]).reshape(-1, 2)
+    alpha, beta = ab[l_inv, 0], ab[l_inv, 1]
+    p = np.array(mesh.shape, dtype=float)[axis]
+    f = np.array([RING_FACTOR.get(k, 0.0) for k in kinds])[kind]
     on = p > 1  # ``collective``: nothing on a group of one, or for a kind with no ring factor
     sent = np.where(on, f * (p - 1) / p * m, 0.0)
     seconds = np.where(on, f * (p - 1) * alpha + sent * beta, 0.0)
-    sync = np.array(syncs)
+    sync = is_sync.astype(bool)
     blocking = np.where(~sync & on, profile.blocking_s, 0.0)
-    own = np.array(owner, dtype=np.int64)
     return (np.bincount(own, sent, minlength=n), np.bincount(own, seconds + blocking, minlength=n),
             np.bincount(own, np.where(sync, seconds, 0.0), minlength=n))
