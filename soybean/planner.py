@@ -222,6 +222,7 @@ def plan(
     meshes = [mesh] if mesh else factorizations(devices)
     results: list[Result] = []
     misfits: list[MemoryBudgetError] = []
+    failed: list[SearchError] = []
     for m in meshes:
         say(f"mesh {m}: build and solve")
         try:
@@ -232,11 +233,17 @@ def plan(
             misfits.append(e)
             say(f"mesh {m}: no plan fits the memory budget")
             continue
+        except SearchError as e:  # this mesh found no plan in its time: the others still count
+            failed.append(e)
+            say(f"mesh {m}: no plan found ({e})")
+            continue
         sol = results[-1].solution
         say(f"mesh {m}: {results[-1].value(objective):.4g} ({objective}), "
             f"gap {relative_gap(sol.objective, sol.bound):.2%}")
     if not results:
-        raise min(misfits, key=lambda e: e.least)
+        if misfits and not failed:
+            raise min(misfits, key=lambda e: e.least)
+        raise failed[0]
     best = min(results, key=lambda r: (r.value(objective), r.graph.mesh.ndim))
     seconds = time.perf_counter() - t0
     base: dict[str, dict[str, Any]] = {}

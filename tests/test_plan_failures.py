@@ -136,3 +136,25 @@ def test_a_baseline_that_cannot_run_is_marked_not_priced() -> None:
     d = json.loads(p.to_json())
     assert d["baselines"]["data_parallel"] == p.baselines["data_parallel"]
     assert any(line.startswith("data_parallel") and "infeasible" in line for line in table(p).splitlines())
+
+
+def test_a_mesh_whose_solve_finds_no_plan_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One mesh's solve running out of time does not sink the plan: the other meshes' best is kept; only
+    when every mesh fails does the error surface."""
+    from soybean import planner
+
+    with torch.device("meta"):
+        m, inp = mlp(batch=8, hidden=8, layers=1)
+    cap = capture(m, inp)
+    real = planner.solve_on
+
+    def flaky(cap, mesh, *a, **k):
+        if mesh.ndim == 2:
+            raise SearchError("the ILP solver found no plan within 1 s: give more time (--time-limit)")
+        return real(cap, mesh, *a, **k)
+
+    monkeypatch.setattr(planner, "solve_on", flaky)
+    p = plan(None, (), 4, objective="comm", baselines=False, captured=cap)
+    assert p.mesh == [4] and [mm["mesh"] for mm in p.meshes] == [[4]]
+    with pytest.raises(SearchError, match="no plan within 1 s"):
+        plan(None, (), 4, mesh=(2, 2), objective="comm", baselines=False, captured=cap)

@@ -219,3 +219,33 @@ def test_budget_that_the_free_optimum_meets_is_solved_without_multipliers() -> N
     sol = solve(p, "ilp")
     assert sol.status == "optimal" and "lagrangian" not in sol.solver
     assert sol.objective == pytest.approx(brute_force(p)[1], rel=1e-9)
+
+
+def test_budget_relaxed_solve_out_of_time_keeps_the_best_so_far() -> None:
+    """A relaxed solve that runs out of time (``SearchError``) ends the bisection: the fitting plan and the
+    bound found before it stand, a certificate still (bound <= OPT <= objective)."""
+    from soybean.search import _solve_free
+    from soybean.search.budget import lagrangian
+    from soybean.search.ilp import SearchError
+
+    rng = random.Random(11)
+    for _ in range(20):
+        p = random_problem(rng, 7, True, budget=True)
+        if p.memory_of(brute_force(replace(p, budget=None, memory=None))[0]) > p.budget:
+            break  # the free optimum does not fit: the bisection needs several solves
+    _, opt = brute_force(p)
+    full = lagrangian(p, lambda q: _solve_free(q, "ilp", 10.0, 0.0), float("inf"))
+    assert full.solves >= 3 and full.solution is not None
+    calls = []
+
+    def flaky(q: Problem):
+        calls.append(q)
+        if len(calls) == full.solves:  # the last solve of the full run fails instead
+            raise SearchError("out of time")
+        return _solve_free(q, "ilp", 10.0, 0.0)
+
+    cut = lagrangian(p, flaky, float("inf"))
+    assert cut.solves == full.solves - 1
+    if cut.solution is not None:
+        assert p.memory_of(cut.solution.choice) <= p.budget + 1e-9
+        assert cut.bound <= opt + 1e-9 <= cut.solution.objective + 2e-9

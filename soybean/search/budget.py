@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .ilp import Solution
+from .ilp import SearchError, Solution
 from .problem import Problem
 
 # Bisection steps at most: each halves the multiplier's bracket.
@@ -63,7 +63,7 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem], Solution], deadline: 
 
     def at(lam: float) -> tuple[Solution, bool]:
         nonlocal best, bound, solves
-        s = solve_free(relaxed(p, lam))
+        s = solve_free(relaxed(p, lam))  # SearchError (time ran out): caught below, the best so far stands
         solves += 1
         bound = max(bound, s.bound - lam * M)
         fits = p.memory_of(s.choice) <= M
@@ -78,21 +78,24 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem], Solution], deadline: 
             return float("inf")
         return (best.objective - bound) / max(abs(best.objective), 1e-300)
 
-    free, fits = at(0.0)
-    if fits:
-        return Dual(best, bound, solves)
-    # A first multiplier that makes memory matter: the unbudgeted cost spread over the budget.
-    lo, hi = 0.0, max(abs(free.objective), 1e-30) / max(M, 1.0)
-    while not at(hi)[1]:
-        lo, hi = hi, hi * 8.0
-        if solves > MAX_STEPS or time.perf_counter() > deadline:
+    try:
+        free, fits = at(0.0)
+        if fits:
             return Dual(best, bound, solves)
-    for _ in range(MAX_STEPS):
-        if gap() <= tol or time.perf_counter() > deadline or hi - lo <= 1e-12 * hi:
-            break
-        mid = (lo + hi) / 2
-        if at(mid)[1]:
-            hi = mid
-        else:
-            lo = mid
+        # A first multiplier that makes memory matter: the unbudgeted cost spread over the budget.
+        lo, hi = 0.0, max(abs(free.objective), 1e-30) / max(M, 1.0)
+        while not at(hi)[1]:
+            lo, hi = hi, hi * 8.0
+            if solves > MAX_STEPS or time.perf_counter() > deadline:
+                return Dual(best, bound, solves)
+        for _ in range(MAX_STEPS):
+            if gap() <= tol or time.perf_counter() > deadline or hi - lo <= 1e-12 * hi:
+                break
+            mid = (lo + hi) / 2
+            if at(mid)[1]:
+                hi = mid
+            else:
+                lo = mid
+    except SearchError:  # a relaxed solve ran out of time: the fitting plan and the bound found so far stand
+        pass
     return Dual(best, bound, solves)
