@@ -535,6 +535,8 @@ def _add_edge(
     ud, di = _unique(dst_keys)
     key = (tuple(us), tuple(ud), shape, itemsize, needs_grad, U.pinned, U.gathered, write_back, g.mesh, g.profile)
     if key not in _EDGE_MEMO:
+        if _EDGE_MEMO and next(iter(_EDGE_MEMO))[-2:] != key[-2:]:
+            _EDGE_MEMO.clear()  # another mesh or profile: its tables would only hold memory
         routes = [Route.of(dst, src) if write_back else Route.of(src, dst, pga, spa, needs_grad)
                   for src, spa in us for dst, pga in ud]
         Bu, Tu, Su = (x.reshape(len(us), len(ud)) for x in price_routes(routes, shape, itemsize, g.mesh, g.profile))

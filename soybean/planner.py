@@ -238,6 +238,10 @@ def plan(
             say(f"mesh {m}: no plan found ({e})")
             continue
         sol = results[-1].solution
+        lead = min(results, key=lambda r: (r.value(objective), r.graph.mesh.ndim))
+        for r in results:  # only the best mesh's tables are read again: free the others' (GBs at 64 devices)
+            if r is not lead and r.graph.vars:
+                r.graph = PlanGraph(r.graph.mesh, r.graph.profile)
         say(f"mesh {m}: {results[-1].value(objective):.4g} ({objective}), "
             f"gap {relative_gap(sol.objective, sol.bound):.2%}")
     if not results:
