@@ -73,7 +73,8 @@ class Plan:
         for k in ("objective", "bound", "gap"):
             if k in d["solver"]:
                 d["solver"][k] = _sig(d["solver"][k])
-        d["meshes"] = [{**m, "objective": _sig(m["objective"])} for m in self.meshes]
+        # A mesh solved has its optimum; one pruned unsolved has the lower bound that ruled it out.
+        d["meshes"] = [{**m, **{k: _sig(m[k]) for k in ("objective", "bound") if k in m}} for m in self.meshes]
         return d
 
     def to_json(self) -> str:

@@ -25,7 +25,7 @@ from .graph import Edge, PlanGraph, build
 from .mesh import Mesh, factorizations
 from .plan import Plan
 from .reshard import Step
-from .search import TARGET_GAP, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
+from .search import TARGET_GAP, Pruned, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
 from .tiling import R, fmt
 
 MODES = ("auto", "dp", "mp")
@@ -85,7 +85,8 @@ def solve_on(
     """Build the candidate table on ``mesh`` and solve it (``SearchError`` when no plan fits); with
     ``gpus_per_node``, axes whose groups cross nodes are priced at the inter-node link; with
     ``tie_layers``, repeated layers share their decision variables (``search.tying``).  ``incumbent``:
-    the best step time another mesh reached; a mesh whose lower bound is no better is not refined."""
+    the best step time another mesh reached: a mesh whose cheap lower bound (``search.lower_bound``) reaches it
+    is not solved (``search.Pruned``), and one whose solve's bound reaches it is not refined."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
     profile = profile.on_mesh(mesh, gpus_per_node)
@@ -96,7 +97,7 @@ def solve_on(
     if memory_bytes is not None and least > memory_bytes:
         raise MemoryBudgetError(least, mesh)
     runs = find_repeats(g) if tie_layers and solver != "brute" else []
-    r = evaluate(g, solve(to_problem(g, objective, memory_bytes), solver, time_limit_s, gap, runs))
+    r = evaluate(g, solve(to_problem(g, objective, memory_bytes), solver, time_limit_s, gap, runs, cutoff=incumbent))
     r.runs = runs
     # The search credits ``grad_overlap * sync`` as hidden; ``evaluate`` caps that at the backward
     # compute.  That credit is a lower bound of every plan's true cost and exact for this one when
@@ -223,6 +224,7 @@ def plan(
     results: list[Result] = []
     misfits: list[MemoryBudgetError] = []
     failed: list[SearchError] = []
+    pruned: list[dict[str, Any]] = []
     for m in meshes:
         say(f"mesh {m}: build and solve")
         try:
@@ -232,6 +234,10 @@ def plan(
         except MemoryBudgetError as e:
             misfits.append(e)
             say(f"mesh {m}: no plan fits the memory budget")
+            continue
+        except Pruned as e:  # proven no better than a mesh already solved
+            pruned.append({"mesh": list(m.shape), "bound": e.bound, "pruned": True})
+            say(f"mesh {m}: lower bound {e.bound:.4g} is no better than the best so far: not solved")
             continue
         except SearchError as e:  # this mesh found no plan in its time: the others still count
             failed.append(e)
@@ -261,6 +267,7 @@ def plan(
             stacklevel=2,
         )
     out = to_plan(cap, best, objective, prof.name, devices, base, seconds, solver, results)
+    out.meshes += pruned
     out.local_batch = local_batch
     out.gpus_per_node = gpus_per_node
     return out

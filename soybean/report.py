@@ -48,8 +48,9 @@ def table(plan: Plan) -> str:
     for k, v in plan.baselines.items():
         lines.append(_total(k, v))
     if plan.meshes and len(plan.meshes) > 1:
-        lines.append("meshes tried: " + ", ".join(f"{'x'.join(map(str, m['mesh']))}={m['objective']:.4g}"
-                                                  for m in plan.meshes))
+        lines.append("meshes tried: " + ", ".join(
+            f"{'x'.join(map(str, m['mesh']))}={m['objective']:.4g}" if "objective" in m
+            else f"{'x'.join(map(str, m['mesh']))}>={m['bound']:.4g} (bound, not solved)" for m in plan.meshes))
     s = plan.solver
     lines.append(f"solver {s.get('name')}: {s.get('status')} in {s.get('seconds', 0):.2f} s "
                  f"(objective {s.get('objective', 0):.6g}, bound {s.get('bound', 0):.6g})")

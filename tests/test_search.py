@@ -249,3 +249,19 @@ def test_budget_relaxed_solve_out_of_time_keeps_the_best_so_far() -> None:
     if cut.solution is not None:
         assert p.memory_of(cut.solution.choice) <= p.budget + 1e-9
         assert cut.bound <= opt + 1e-9 <= cut.solution.objective + 2e-9
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_lower_bound_is_below_the_optimum_and_prunes_only_what_cannot_win(seed: int) -> None:
+    """``lower_bound`` never exceeds the exact optimum; ``solve`` with a cutoff at or below it raises
+    ``Pruned``, and with a cutoff above the optimum solves as usual."""
+    from soybean.search import Pruned, lower_bound
+
+    rng = random.Random(900 + seed)
+    p = random_problem(rng, 8, dag=seed % 2 == 0)
+    _, opt = brute_force(p)
+    lb = lower_bound(reduce(p), p)
+    assert lb <= opt + 1e-9
+    with pytest.raises(Pruned):
+        solve(p, "ilp", cutoff=lb)
+    assert solve(p, "ilp", cutoff=opt * 1.5 + 1.0).objective == pytest.approx(opt, rel=1e-9, abs=1e-12)

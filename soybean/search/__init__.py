@@ -14,7 +14,7 @@ from .brute import brute_force
 from .budget import lagrangian
 from .dp import solve_dp
 from .ilp import OPTIMAL_GAP, TARGET_GAP, SearchError, Solution, relative_gap, solve_ilp
-from .problem import Problem, reduce
+from .problem import Problem, lower_bound, reduce
 from .tying import Run, find_repeats, tie
 
 OBJECTIVES = ("comm", "time")
@@ -47,17 +47,28 @@ def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
     return p
 
 
+class Pruned(SearchError):
+    """The problem's lower bound (``problem.lower_bound``) already reaches the cutoff: no plan of it can
+    beat the plan the cutoff came from, so it was not solved."""
+
+    def __init__(self, bound: float, cutoff: float) -> None:
+        self.bound = bound
+        super().__init__(f"lower bound {bound:.6g} >= cutoff {cutoff:.6g}: not solved")
+
+
 def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: float = TARGET_GAP,
-          runs: Sequence[Run] = ()) -> Solution:
+          runs: Sequence[Run] = (), cutoff: float | None = None) -> Solution:
     """The best choice per variable of ``p`` with ``solver`` in {ilp, dp, brute}: the ILP stops once its
     plan is proven within relative ``gap`` of optimal, or after ``time_limit_s`` with the best plan
     found and its bound.  A memory budget is met by Lagrangian
     relaxation (``budget``), refined by the joint ILP on problems of at most ``REFINE_MAX`` pair costs.
-    ``runs``: repeated layers solved tied (``tying``); the bound is then the tied problem's."""
+    ``runs``: repeated layers solved tied (``tying``); the bound is then the tied problem's.
+    ``cutoff``: raise ``Pruned`` without solving when a lower bound of the unbudgeted optimum (a lower bound
+    of the budgeted one too) already reaches it."""
     t0 = time.perf_counter()
     if runs:
         q, to = tie(p, list(runs))
-        s = solve(q, solver, time_limit_s, gap)
+        s = solve(q, solver, time_limit_s, gap, cutoff=cutoff)
         choice = [s.choice[to[v]] for v in range(p.n)]
         obj = p.evaluate(choice)  # equal to s.objective: tying prices a plan exactly
         return Solution(choice, obj, obj - (s.objective - s.bound), s.status, time.perf_counter() - t0, s.solver)
@@ -67,14 +78,22 @@ def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: floa
     if solver not in ("ilp", "dp"):
         raise ValueError(f"unknown solver {solver!r}: use ilp or dp")
     if p.budget is not None and p.memory is not None:
+        if cutoff is not None:
+            free = Problem(p.unary, p.edges, None, None, p.names)
+            bound = lower_bound(reduce(free), free)
+            if bound >= cutoff:
+                raise Pruned(bound, cutoff)
         return _solve_budget(p, solver, time_limit_s, gap, t0)
-    return _solve_free(p, solver, time_limit_s, gap, t0)
+    return _solve_free(p, solver, time_limit_s, gap, t0, cutoff)
 
 
-def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: float | None = None) -> Solution:
+def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: float | None = None,
+                cutoff: float | None = None) -> Solution:
     """Exact reductions, then the solver on the core, then the eliminated choices restored."""
     t0 = time.perf_counter() if t0 is None else t0
     red = reduce(p)
+    if cutoff is not None and (bound := lower_bound(red, p)) >= cutoff:
+        raise Pruned(bound, cutoff)
     core = solve_dp(red.core) if solver == "dp" else solve_ilp(red.core, time_limit_s=time_limit_s, gap=gap)
     choice = red.expand(core.choice, p.n)
     obj = p.evaluate(choice)
@@ -117,5 +136,5 @@ def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t
 
 __all__ = [
     "Problem", "SearchError", "Solution", "solve", "to_problem", "solve_ilp", "solve_dp", "brute_force", "reduce",
-    "OBJECTIVES", "TARGET_GAP", "relative_gap", "Run", "find_repeats", "tie",
+    "OBJECTIVES", "TARGET_GAP", "relative_gap", "Run", "find_repeats", "tie", "Pruned", "lower_bound",
 ]

