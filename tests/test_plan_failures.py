@@ -4,6 +4,7 @@ plan ever reaches stdout."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -158,3 +159,20 @@ def test_a_mesh_whose_solve_finds_no_plan_is_skipped(monkeypatch: pytest.MonkeyP
     assert p.mesh == [4] and [mm["mesh"] for mm in p.meshes] == [[4]]
     with pytest.raises(SearchError, match="no plan within 1 s"):
         plan(None, (), 4, mesh=(2, 2), objective="comm", baselines=False, captured=cap)
+
+
+def test_a_pruned_mesh_is_reported_with_its_bound(tmp_path) -> None:
+    """A mesh left unsolved because its lower bound could not win shows that bound, in the JSON (rounded like
+    every figure) and in the table, never as an optimum."""
+    from soybean.plan import Plan
+    from soybean.report import table
+
+    src = Path(__file__).parent / "golden" / "transformer-8-objective=time.json"
+    p = Plan.load(src)
+    p.meshes = [m for m in p.meshes if m["mesh"] != [2, 2, 2]] + [
+        {"mesh": [2, 2, 2], "bound": 0.0123456789, "pruned": True}]
+    out = tmp_path / "p.json"
+    out.write_text(p.to_json())
+    again = json.loads(out.read_text())["meshes"]
+    assert again[-1] == {"mesh": [2, 2, 2], "bound": 0.0123457, "pruned": True}
+    assert "2x2x2>=0.01235 (bound, not solved)" in table(Plan.load(out))
