@@ -1,6 +1,6 @@
 """Planner speed on the shapes users meet: the whole ``soybean plan`` command, timed as a user runs it.
 
-    python scripts/bench_planner.py                       # every case below (about 20 minutes on 2 cores)
+    python scripts/bench_planner.py                       # every case below (~50 minutes on 2 cores with --timeout 600)
     python scripts/bench_planner.py --cases gpt2-12,llama3-8b-8
     python scripts/bench_planner.py --json > planner.json
 
