@@ -93,14 +93,14 @@ def test_relative_gap() -> None:
 
 
 def test_solver_output_never_reaches_stdout() -> None:
-    """HiGHS prints its banner on file descriptor 1 even with output suppressed; the ILP sends it to
-    stderr, so a JSON plan on stdout stays valid."""
+    """HiGHS prints its banner on file descriptor 1 even with output suppressed; the ILP discards
+    it, so a JSON plan on stdout stays valid and ``--quiet`` stays quiet."""
     code = ("from soybean.search import solve_ilp, Problem; import numpy as np; "
             "p = Problem([np.array([1.0, 2.0]), np.array([2.0, 1.0])]); "
             "p.add_edge(0, 1, np.array([[0.0, 3.0], [3.0, 0.0]])); solve_ilp(p)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout == ""
+    assert out.stdout == "" and "HiGHS" not in out.stderr
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

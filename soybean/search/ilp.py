@@ -49,17 +49,20 @@ class SearchError(ValueError):
 
 
 @contextmanager
-def stdout_to_stderr() -> Iterator[None]:
-    """Send whatever native code writes to file descriptor 1 to stderr meanwhile: HiGHS prints its
-    banner there even with output suppressed, which would corrupt ``soybean plan --format json``."""
+def native_stdout_silenced() -> Iterator[None]:
+    """Discard whatever native code writes to file descriptor 1 meanwhile: HiGHS prints its banner
+    there even with output suppressed, which would corrupt ``soybean plan --format json`` (and on
+    stderr would break ``--quiet``).  The solver's outcome reaches the caller through its status."""
     sys.stdout.flush()
     saved = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(2, 1)
+        os.dup2(null, 1)
         yield
     finally:
         os.dup2(saved, 1)
         os.close(saved)
+        os.close(null)
 
 
 @dataclass
@@ -159,7 +162,7 @@ def _run(f: Formulation, integer: bool, time_limit_s: float, gap: float) -> tupl
     # HiGHS's presolve costs the LP more than it saves on these tables (a Llama-3-8B 2x2x2 core of 739k
     # columns: 4.5 s with it, 1.6 s without); branch and bound keeps it.
     solver.set_solver_specific_parameters(f"mip_rel_gap = {float(gap)!r}" if integer else "presolve = off")
-    with stdout_to_stderr():
+    with native_stdout_silenced():
         solver.solve(model)
     st = solver.status()
     values = np.asarray(solver.variable_values(), dtype=float) if solver.has_solution() else None
