@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import rules
 from .capture import Captured
-from .cost.collectives import price_routes
+from .cost.collectives import price_route_ids, route_ids
 from .cost.compute import op_seconds, optimizer_step_seconds
 from .cost.memory import activation_bytes, activation_key, param_bytes
 from .cost.profiles import Profile
@@ -491,6 +491,38 @@ def _add_var(g: PlanGraph, v: Var) -> int:
 _EDGE_MEMO: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
 
+class _RouteIds:
+    """The ``price_route_ids`` id of every (source key, target key) pair's route met so far in this
+    process.  A table is the cross product of its sources' and targets' keys; its pairs are coded as
+    integers in numpy and only the pairs never met become ``Route`` objects.  Shape-, mesh- and
+    profile-free: the mesh shapes of one rank offer mostly the same tilings, and a 64-device search
+    prices ~10 million pairs (tables of up to ~1,000 x 1,000) that are ~200 thousand distinct routes.
+    """
+
+    def __init__(self) -> None:
+        self.ends: dict[tuple, int] = {}   # a (tiling, gradient axes) key -> its number
+        self.pairs: dict[int, int] = {}    # pair code -> route id
+
+    def __call__(self, us: tuple, ud: tuple, needs_grad: bool, write_back: bool) -> np.ndarray:
+        ends = self.ends
+        s = np.array([ends.setdefault(k, len(ends)) for k in us], dtype=np.int64)
+        d = np.array([ends.setdefault(k, len(ends)) for k in ud], dtype=np.int64)
+        codes = (((s[:, None] << 28) | d[None, :]) << 2 | (2 * needs_grad + write_back)).ravel().tolist()
+        get = self.pairs.get
+        ids = np.fromiter((get(c, -1) for c in codes), dtype=np.int64, count=len(codes))
+        miss = np.flatnonzero(ids < 0)
+        if miss.size:
+            pairs = [(us[i], ud[j]) for i, j in zip(*np.divmod(miss, len(ud)))]
+            routes = [Route.of(dst, src) if write_back else Route.of(src, dst, pga, spa, needs_grad)
+                      for (src, spa), (dst, pga) in pairs]
+            ids[miss] = new = route_ids(routes)
+            self.pairs.update(zip((codes[m] for m in miss.tolist()), new.tolist()))
+        return ids
+
+
+_route_ids = _RouteIds()
+
+
 def _unique(keys: list) -> tuple[list, np.ndarray]:
     pos: dict = {}
     idx = np.array([pos.setdefault(k, len(pos)) for k in keys], dtype=np.int64)
@@ -537,9 +569,8 @@ def _add_edge(
     if key not in _EDGE_MEMO:
         if _EDGE_MEMO and next(iter(_EDGE_MEMO))[-2:] != key[-2:]:
             _EDGE_MEMO.clear()  # another mesh or profile: its tables would only hold memory
-        routes = [Route.of(dst, src) if write_back else Route.of(src, dst, pga, spa, needs_grad)
-                  for src, spa in us for dst, pga in ud]
-        Bu, Tu, Su = (x.reshape(len(us), len(ud)) for x in price_routes(routes, shape, itemsize, g.mesh, g.profile))
+        ids = _route_ids(key[0], key[1], needs_grad, write_back)
+        Bu, Tu, Su = (x.reshape(len(us), len(ud)) for x in price_route_ids(ids, shape, itemsize, g.mesh, g.profile))
         if U.pinned and not write_back:
             banned = np.array([[not pinned_use(src, dst, U.gathered) for dst, _ in ud] for src, _ in us])
             Bu[banned] = Tu[banned] = PINNED

@@ -69,3 +69,26 @@ def test_the_layers_of_a_stack_share_their_tables() -> None:
     assert len(l1) == len(l2) > 10
     assert all(a.strategies is b.strategies and a.compute_s is b.compute_s for a, b in zip(l1, l2))
     assert not l1[0].compute_s.flags.writeable  # shared arrays cannot be changed through one variable
+
+
+def test_tables_built_across_mesh_shapes_price_every_route_as_the_definition() -> None:
+    """Route ids are kept across builds and mesh shapes (``graph._RouteIds``): after builds on other
+    meshes, every entry of every edge table is still ``reshard_cost`` of that entry's route."""
+    from soybean.cost.collectives import reshard_cost
+    from soybean.graph import PINNED
+    ref, args, _ = CASES[1]
+    model, inputs = models.load(ref, dict(args))
+    cap = capture(model, inputs)
+    for shape in [(4,), (2, 2), (1, 4), (2, 2)]:
+        mesh = Mesh(shape)
+        g = build(cap, mesh, BUILTIN["h100-nvlink"])
+        checked = 0
+        for e in g.edges:
+            for s in range(e.bytes.shape[0]):
+                for t in range(e.bytes.shape[1]):
+                    if e.seconds[s, t] == PINNED:
+                        continue
+                    c = reshard_cost(e.route(s, t), e.shape, e.itemsize, mesh, g.profile)
+                    assert (e.bytes[s, t], e.seconds[s, t]) == (c.bytes, c.seconds), (shape, e.src, e.dst, s, t)
+                    checked += 1
+        assert checked > 1000

