@@ -269,11 +269,11 @@ def test_budget_relaxed_solve_out_of_time_keeps_the_best_so_far() -> None:
         if p.memory_of(brute_force(replace(p, budget=None, memory=None))[0]) > p.budget:
             break  # the free optimum does not fit: the bisection needs several solves
     _, opt = brute_force(p)
-    full = lagrangian(p, lambda q: _solve_free(q, "ilp", 10.0, 0.0), float("inf"))
+    full = lagrangian(p, lambda q, cut: _solve_free(q, "ilp", 10.0, 0.0), float("inf"))
     assert full.solves >= 3 and full.solution is not None
     calls = []
 
-    def flaky(q: Problem):
+    def flaky(q: Problem, cut: float | None):
         calls.append(q)
         if len(calls) == full.solves:  # the last solve of the full run fails instead
             raise SearchError("out of time")
@@ -300,3 +300,38 @@ def test_lower_bound_is_below_the_optimum_and_prunes_only_what_cannot_win(seed: 
     with pytest.raises(Pruned):
         solve(p, "ilp", cutoff=lb)
     assert solve(p, "ilp", cutoff=opt * 1.5 + 1.0).objective == pytest.approx(opt, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_budgeted_search_with_a_cutoff_prunes_only_what_cannot_win(seed: int) -> None:
+    """Under a memory budget the Lagrangian stops once a bound reaches the cutoff.  A cutoff at the
+    unbudgeted optimum (the first relaxed solve's value) is pruned at once; a cutoff at the budgeted
+    optimum either is pruned with a true lower bound or (a duality gap) solves to that optimum; one
+    above it solves to the same optimum as without."""
+    from soybean.search import Pruned
+
+    rng = random.Random(1200 + seed)
+    p = random_problem(rng, 7, True, budget=True)
+    _, opt = brute_force(p)
+    _, free = brute_force(replace(p, budget=None, memory=None))
+    with pytest.raises(Pruned) as e:
+        solve(p, "ilp", gap=0.0, cutoff=free)
+    assert e.value.bound <= opt + 1e-9
+    try:
+        assert solve(p, "ilp", gap=0.0, cutoff=opt).objective == pytest.approx(opt, rel=1e-9)
+    except Pruned as pruned:
+        assert pruned.bound <= opt + 1e-9
+    assert solve(p, "ilp", gap=0.0, cutoff=opt * 1.5 + 1.0).objective == pytest.approx(opt, rel=1e-9)
+
+
+def test_unique_rows_survive_a_hash_collision() -> None:
+    """``_unique_rows`` tells rows apart by a weighted sum; two different rows crafted to the same sum
+    are still two classes (the exact check falls back to sorting)."""
+    from soybean.search.ilp import _WEIGHTS, _unique_rows
+
+    C = np.zeros((3, 4))
+    C[0, 1], C[1, 2], C[2, 1] = _WEIGHTS[2], _WEIGHTS[1], _WEIGHTS[2]  # rows 0 and 1: equal sums, different rows
+    assert (C[0] * _WEIGHTS[:4]).sum() == (C[1] * _WEIGHTS[:4]).sum()
+    K, inv = _unique_rows(C)
+    assert len(K) == 2 and inv[0] == inv[2] != inv[1]
+    assert np.array_equal(K[inv], C)

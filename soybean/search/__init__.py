@@ -13,7 +13,7 @@ from ..graph import PlanGraph
 from .brute import brute_force
 from .budget import lagrangian
 from .dp import solve_dp
-from .ilp import OPTIMAL_GAP, TARGET_GAP, SearchError, Solution, relative_gap, solve_ilp
+from .ilp import OPTIMAL_GAP, TARGET_GAP, Pruned, SearchError, Solution, relative_gap, solve_ilp
 from .problem import Problem, lower_bound, reduce
 from .tying import Run, find_repeats, tie
 
@@ -47,15 +47,6 @@ def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
     return p
 
 
-class Pruned(SearchError):
-    """The problem's lower bound (``problem.lower_bound``) already reaches the cutoff: no plan of it can
-    beat the plan the cutoff came from, so it was not solved."""
-
-    def __init__(self, bound: float, cutoff: float) -> None:
-        self.bound = bound
-        super().__init__(f"lower bound {bound:.6g} >= cutoff {cutoff:.6g}: not solved")
-
-
 def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: float = TARGET_GAP,
           runs: Sequence[Run] = (), cutoff: float | None = None) -> Solution:
     """The best choice per variable of ``p`` with ``solver`` in {ilp, dp, brute}: the ILP stops once its
@@ -78,12 +69,7 @@ def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: floa
     if solver not in ("ilp", "dp"):
         raise ValueError(f"unknown solver {solver!r}: use ilp or dp")
     if p.budget is not None and p.memory is not None:
-        if cutoff is not None:
-            free = Problem(p.unary, p.edges, None, None, p.names)
-            bound = lower_bound(reduce(free), free)
-            if bound >= cutoff:
-                raise Pruned(bound, cutoff)
-        return _solve_budget(p, solver, time_limit_s, gap, t0)
+        return _solve_budget(p, solver, time_limit_s, gap, t0, cutoff)
     return _solve_free(p, solver, time_limit_s, gap, t0, cutoff)
 
 
@@ -106,10 +92,12 @@ def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: fl
 REFINE_MAX = 150_000
 
 
-def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t0: float) -> Solution:
+def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t0: float,
+                  cutoff: float | None = None) -> Solution:
     deadline = t0 + time_limit_s
-    dual = lagrangian(p, lambda q: _solve_free(q, solver, max(1.0, deadline - time.perf_counter()), target),
-                      deadline, target)
+    dual = lagrangian(p, lambda q, cut: _solve_free(q, solver, max(1.0, deadline - time.perf_counter()), target,
+                                                    cutoff=cut),
+                      deadline, target, cutoff)
     best, bound = dual.solution, dual.bound
     size = sum(C.size for C in p.edges.values())
 

@@ -20,6 +20,10 @@ of the relaxed problem that fits is an upper bound.  So:
    solution (upper bound) and the largest ``L(lam)`` (lower bound; the inner solves' own bounds are
    used, so an inner time-out only weakens it).  The bisection stops when the relative gap between
    the two is below ``tol``, the multipliers meet, or the deadline passes.
+   With a ``cutoff`` (the best step time another mesh reached), the search stops as soon as a bound
+   reaches it, raising ``Pruned``: each relaxed solve gets ``cutoff + lam * M`` as its own cutoff
+   (``L(lam) >= cutoff`` exactly when the relaxed optimum reaches it), so a mesh that cannot win
+   costs one cheap bound, or one relaxed solve, instead of a bisection.
 3. The caller refines with the joint ILP when the problem is small enough and a gap remains
    (``search.solve``): ``L`` is piecewise linear and concave, and its maximum can stay below ``OPT``
    (the duality gap of an integer programme), which only the ILP closes.
@@ -30,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .ilp import SearchError, Solution
+from .ilp import Pruned, SearchError, Solution
 from .problem import Problem
 
 # Bisection steps at most: each halves the multiplier's bracket.
@@ -52,9 +56,12 @@ def relaxed(p: Problem, lam: float) -> Problem:
     return Problem([u + lam * m for u, m in zip(p.unary, p.memory)], p.edges, None, None, p.names)
 
 
-def lagrangian(p: Problem, solve_free: Callable[[Problem], Solution], deadline: float, tol: float = 1e-6) -> Dual:
-    """Bisect the multiplier of ``p``'s budget (see the module docstring); ``solve_free`` solves an
-    unbudgeted problem and returns a ``Solution`` whose ``bound`` is valid for that problem."""
+def lagrangian(p: Problem, solve_free: Callable[[Problem, float | None], Solution], deadline: float,
+               tol: float = 1e-6, cutoff: float | None = None) -> Dual:
+    """Bisect the multiplier of ``p``'s budget (see the module docstring); ``solve_free(q, cut)`` solves an
+    unbudgeted problem and returns a ``Solution`` whose ``bound`` is valid for that problem, or raises
+    ``Pruned`` when a lower bound of it reaches ``cut`` (``None``: no cutoff).  ``Pruned`` (with a
+    bound of ``p``) when a bound of ``p`` reaches ``cutoff``."""
     assert p.memory is not None and p.budget is not None
     M = float(p.budget)
     best: Solution | None = None
@@ -63,9 +70,15 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem], Solution], deadline: 
 
     def at(lam: float) -> tuple[Solution, bool]:
         nonlocal best, bound, solves
-        s = solve_free(relaxed(p, lam))  # SearchError (time ran out): caught below, the best so far stands
+        try:  # SearchError (time ran out): caught below, the best so far stands
+            s = solve_free(relaxed(p, lam), None if cutoff is None else cutoff + lam * M)
+        except Pruned as e:  # only raised under a cutoff
+            assert cutoff is not None
+            raise Pruned(e.bound - lam * M, cutoff) from None
         solves += 1
         bound = max(bound, s.bound - lam * M)
+        if cutoff is not None and bound >= cutoff:
+            raise Pruned(bound, cutoff)
         fits = p.memory_of(s.choice) <= M
         if fits:
             obj = p.evaluate(s.choice)
@@ -96,6 +109,8 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem], Solution], deadline: 
                 hi = mid
             else:
                 lo = mid
+    except Pruned:
+        raise
     except SearchError:  # a relaxed solve ran out of time: the fitting plan and the bound found so far stand
         pass
     return Dual(best, bound, solves)

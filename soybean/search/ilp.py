@@ -48,6 +48,15 @@ class SearchError(ValueError):
     """No plan: the constraints cannot be met, or the solver found none; the message names the fix."""
 
 
+class Pruned(SearchError):
+    """The problem's lower bound (``problem.lower_bound``, or a Lagrangian bound) already reaches the
+    cutoff: no plan of it can beat the plan the cutoff came from, so it was not solved."""
+
+    def __init__(self, bound: float, cutoff: float) -> None:
+        self.bound = bound
+        super().__init__(f"lower bound {bound:.6g} >= cutoff {cutoff:.6g}: not solved")
+
+
 @contextmanager
 def native_stdout_silenced() -> Iterator[None]:
     """Discard whatever native code writes to file descriptor 1 meanwhile: HiGHS prints its banner
@@ -107,9 +116,28 @@ def _classes(C: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     fractional solution of either form maps to one of the other with the same ``x`` and cost
     (aggregate ``y``, or split it in proportion to the members' ``x``), so the LP bound is unchanged.
     A Llama-3-8B 3-D core has ~1.9 million pair columns before merging."""
-    K, ri = np.unique(C, axis=0, return_inverse=True)
-    K, ci = np.unique(K, axis=1, return_inverse=True)
-    return K, ri.reshape(-1), ci.reshape(-1)
+    K, ri = _unique_rows(C)
+    Kt, ci = _unique_rows(np.ascontiguousarray(K.T))
+    return Kt.T, ri, ci
+
+
+_WEIGHTS = np.random.default_rng(0).random(1 << 16) + 0.5
+
+
+def _unique_rows(C: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct rows of ``C`` and each row's index into them.  Rows are told apart by a random
+    weighted sum (equal rows sum alike), checked exactly; a collision falls back to sorting the rows,
+    ten times slower."""
+    if C.shape[1] > len(_WEIGHTS):
+        K, inv = np.unique(C, axis=0, return_inverse=True)
+        return K, inv.reshape(-1)
+    h = (C * _WEIGHTS[:C.shape[1]]).sum(axis=1)
+    _, first, inv = np.unique(h, return_index=True, return_inverse=True)
+    K = C[first]
+    if np.array_equal(K[inv], C):
+        return K, inv.reshape(-1)
+    K, inv = np.unique(C, axis=0, return_inverse=True)
+    return K, inv.reshape(-1)
 
 
 def _separable(C: np.ndarray) -> bool:
