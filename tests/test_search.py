@@ -335,3 +335,20 @@ def test_unique_rows_survive_a_hash_collision() -> None:
     K, inv = _unique_rows(C)
     assert len(K) == 2 and inv[0] == inv[2] != inv[1]
     assert np.array_equal(K[inv], C)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_budget_multiplier_search_reaches_the_dual_optimum(seed: int) -> None:
+    """The multiplier search stops at ``max L`` (or a closed gap): its bound is at least ``L(lam)`` at
+    every multiplier of a fine grid, each ``L(lam)`` computed by enumeration."""
+    from soybean.search import _solve_free
+    from soybean.search.budget import lagrangian, relaxed
+
+    rng = random.Random(1500 + seed)
+    p = random_problem(rng, 6, True, budget=True)
+    dual = lagrangian(p, lambda q, cut: _solve_free(q, "ilp", 10.0, 0.0), float("inf"), tol=1e-9)
+    _, opt = brute_force(p)
+    assert dual.bound <= opt + 1e-9
+    top = max(abs(opt), 1.0) / float(p.budget) * 64
+    best_l = max(brute_force(relaxed(p, lam))[1] - lam * float(p.budget) for lam in np.linspace(0.0, top, 400))
+    assert dual.bound >= best_l - 1e-7 * max(1.0, abs(best_l))

@@ -15,11 +15,16 @@ in well under a second, and weak duality makes every ``L(lam)`` a lower bound of
 of the relaxed problem that fits is an upper bound.  So:
 
 1. ``lam = 0``: the unbudgeted optimum.  If it fits, it is the budgeted optimum (gap 0).
-2. Otherwise grow ``lam`` until a relaxed solution fits, then bisect ``lam`` between the largest
-   multiplier whose solution does not fit and the smallest whose does, keeping the cheapest fitting
-   solution (upper bound) and the largest ``L(lam)`` (lower bound; the inner solves' own bounds are
-   used, so an inner time-out only weakens it).  The bisection stops when the relative gap between
-   the two is below ``tol``, the multipliers meet, or the deadline passes.
+2. Otherwise grow ``lam`` until a relaxed solution fits.  Every plan ``s`` found is a line
+   ``cost(s) + lam * (mem(s) - M)`` above ``L``; the next multiplier is where the line of the last plan
+   that does not fit crosses the line of the last that does (Kelley's cutting plane in one dimension,
+   a secant step: the peak of the lower envelope of the lines known).  A plan found there that lies
+   no lower than that peak shows the peak is ``max L``; otherwise it replaces the line on its side.
+   Finitely many plans make finitely many steps (a 70B-parameter Llama under a binding budget: ~5
+   relaxed solves, where bisecting the multiplier took tens).  The cheapest fitting plan is the upper
+   bound and the largest ``L(lam)`` the lower bound (the inner solves' own bounds are used, so an inner
+   time-out only weakens it).  The search stops at ``max L``, when the relative gap is below ``tol``,
+   when the multipliers meet, or at the deadline.
    With a ``cutoff`` (the best step time another mesh reached), the search stops as soon as a bound
    reaches it, raising ``Pruned``: each relaxed solve gets ``cutoff + lam * M`` as its own cutoff
    (``L(lam) >= cutoff`` exactly when the relaxed optimum reaches it), so a mesh that cannot win
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 from .ilp import Pruned, SearchError, Solution
 from .problem import Problem
 
-# Bisection steps at most: each halves the multiplier's bracket.
+# Multiplier steps at most.
 MAX_STEPS = 40
 
 
@@ -91,24 +96,38 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem, float | None], Solutio
             return float("inf")
         return (best.objective - bound) / max(abs(best.objective), 1e-300)
 
+    def line(sol: Solution) -> tuple[float, float]:
+        """``sol``'s line in the dual: ``L(lam) <= cost + lam * (mem - M)``."""
+        return p.evaluate(sol.choice), p.memory_of(sol.choice)
+
     try:
         free, fits = at(0.0)
         if fits:
             return Dual(best, bound, solves)
         # A first multiplier that makes memory matter: the unbudgeted cost spread over the budget.
         lo, hi = 0.0, max(abs(free.objective), 1e-30) / max(M, 1.0)
-        while not at(hi)[1]:
-            lo, hi = hi, hi * 8.0
+        lo_line = line(free)
+        while not (got := at(hi))[1]:
+            lo, hi, lo_line = hi, hi * 8.0, line(got[0])
             if solves > MAX_STEPS or time.perf_counter() > deadline:
                 return Dual(best, bound, solves)
+        hi_line = line(got[0])
         for _ in range(MAX_STEPS):
             if gap() <= tol or time.perf_counter() > deadline or hi - lo <= 1e-12 * hi:
                 break
-            mid = (lo + hi) / 2
-            if at(mid)[1]:
-                hi = mid
+            (c1, m1), (c2, m2) = lo_line, hi_line  # m1 > M >= m2: slopes of opposite signs
+            lam = (c2 - c1) / (m1 - m2)             # where the two lines cross: the envelope's peak
+            if not lo < lam < hi:
+                lam = (lo + hi) / 2                 # rounding: fall back to bisection
+            peak = c1 + lam * (m1 - M)
+            sol, fits = at(lam)
+            c, m = line(sol)
+            if c + lam * (m - M) >= peak - tol * abs(peak):
+                break  # no plan lies below the peak: it is max L, the best bound this relaxation gives
+            if fits:
+                hi, hi_line = lam, (c, m)
             else:
-                lo = mid
+                lo, lo_line = lam, (c, m)
     except Pruned:
         raise
     except SearchError:  # a relaxed solve ran out of time: the fitting plan and the bound found so far stand
