@@ -63,7 +63,7 @@ def relaxed(p: Problem, lam: float) -> Problem:
 
 def lagrangian(p: Problem, solve_free: Callable[[Problem, float | None], Solution], deadline: float,
                tol: float = 1e-6, cutoff: float | None = None) -> Dual:
-    """Bisect the multiplier of ``p``'s budget (see the module docstring); ``solve_free(q, cut)`` solves an
+    """Search the multiplier of ``p``'s budget (see the module docstring); ``solve_free(q, cut)`` solves an
     unbudgeted problem and returns a ``Solution`` whose ``bound`` is valid for that problem, or raises
     ``Pruned`` when a lower bound of it reaches ``cut`` (``None``: no cutoff).  ``Pruned`` (with a
     bound of ``p``) when a bound of ``p`` reaches ``cutoff``."""

@@ -128,14 +128,12 @@ def _unique_rows(C: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Distinct rows of ``C`` and each row's index into them.  Rows are told apart by a random
     weighted sum (equal rows sum alike), checked exactly; a collision falls back to sorting the rows,
     ten times slower."""
-    if C.shape[1] > len(_WEIGHTS):
-        K, inv = np.unique(C, axis=0, return_inverse=True)
-        return K, inv.reshape(-1)
-    h = (C * _WEIGHTS[:C.shape[1]]).sum(axis=1)
-    _, first, inv = np.unique(h, return_index=True, return_inverse=True)
-    K = C[first]
-    if np.array_equal(K[inv], C):
-        return K, inv.reshape(-1)
+    if C.shape[1] <= len(_WEIGHTS):
+        h = (C * _WEIGHTS[:C.shape[1]]).sum(axis=1)
+        _, first, inv = np.unique(h, return_index=True, return_inverse=True)
+        K = C[first]
+        if np.array_equal(K[inv], C):
+            return K, inv.reshape(-1)
     K, inv = np.unique(C, axis=0, return_inverse=True)
     return K, inv.reshape(-1)
 
