@@ -225,6 +225,10 @@ def plan(
     misfits: list[MemoryBudgetError] = []
     failed: list[SearchError] = []
     pruned: list[dict[str, Any]] = []
+
+    def rank(r: Result) -> tuple[float, int]:  # the best mesh: cheapest, then fewest axes
+        return r.value(objective), r.graph.mesh.ndim
+
     for m in meshes:
         say(f"mesh {m}: build and solve")
         try:
@@ -244,7 +248,7 @@ def plan(
             say(f"mesh {m}: no plan found ({e})")
             continue
         sol = results[-1].solution
-        lead = min(results, key=lambda r: (r.value(objective), r.graph.mesh.ndim))
+        lead = min(results, key=rank)
         for r in results:  # only the best mesh's tables are read again: free the others' (GBs at 64 devices)
             if r is not lead and r.graph.vars:
                 r.graph = PlanGraph(r.graph.mesh, r.graph.profile)
@@ -254,7 +258,7 @@ def plan(
         if misfits and not failed:
             raise min(misfits, key=lambda e: e.least)
         raise failed[0]
-    best = min(results, key=lambda r: (r.value(objective), r.graph.mesh.ndim))
+    best = min(results, key=rank)
     seconds = time.perf_counter() - t0
     base: dict[str, dict[str, Any]] = {}
     if baselines:

@@ -54,8 +54,8 @@ def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: floa
     found and its bound.  A memory budget is met by Lagrangian
     relaxation (``budget``), refined by the joint ILP on problems of at most ``REFINE_MAX`` pair costs.
     ``runs``: repeated layers solved tied (``tying``); the bound is then the tied problem's.
-    ``cutoff``: raise ``Pruned`` without solving when a lower bound of the unbudgeted optimum (a lower bound
-    of the budgeted one too) already reaches it."""
+    ``cutoff``: raise ``Pruned`` once a lower bound reaches it: the reduction's cheap bound before the
+    solve, and under a budget also each Lagrangian bound (``budget.lagrangian``)."""
     t0 = time.perf_counter()
     if runs:
         q, to = tie(p, list(runs))
