@@ -1,4 +1,4 @@
-"""The same cases as test_collectives.py over real gloo processes (TorchGroup).
+"""The same cases as test_collectives.py and test_halo.py over real gloo processes (TorchGroup).
 
 Each spawn costs seconds, so every adjoint case runs inside ONE spawn: the ranks
 return their local outputs and gradients, and the parent rebuilds the same
@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from soybean.mesh import Mesh
 from soybean.runtime import TorchGroup, spawn, torch_groups, use_groups
+import test_halo as H
 from test_collectives import CASES, check_group, make_data, run_member, seed_for
 
 pytestmark = pytest.mark.dist
@@ -39,6 +40,10 @@ def _adjoint_worker(rank: int, world: int, mesh_shapes: list[tuple[int, ...]]) -
                 for ci, case in enumerate(CASES):
                     d = make_data(case, len(members), seed_for(ci, members))
                     results[(shape, axis, ci)] = run_member(case, axis, d.xs[coords[axis]], d.ys[coords[axis]])
+                for hi, hcase in enumerate(H.CASES + [H.INF_CASE]):  # the halo exchange: point to point
+                    _, xs, ys = H.make_data(hcase, len(members), H.seed_for(hi, members))
+                    k = coords[axis]
+                    results[(shape, axis, -1 - hi)] = H.run_member(hcase, axis, len(members), xs[k], ys[k])
     return results
 
 
@@ -52,6 +57,10 @@ def _check_all(results: list[dict[Key, tuple]], mesh_shapes: list[tuple[int, ...
                 for ci, case in enumerate(CASES):
                     plains, outs, grads = zip(*(results[r][(shape, axis, ci)] for r in members))
                     check_group(case, make_data(case, len(members), seed_for(ci, members)), plains, outs, grads)
+                    checked += 1
+                for hi, hcase in enumerate(H.CASES + [H.INF_CASE]):
+                    hplains, hgrads = zip(*(results[r][(shape, axis, -1 - hi)] for r in members))
+                    H.check_group(hcase, len(members), H.seed_for(hi, members), hplains, hgrads)
                     checked += 1
     return checked
 

@@ -13,6 +13,7 @@ from .collectives import (
     all_to_all,
     grad_all_reduce,
     grad_to_partial,
+    halo,
     reduce_scatter,
     shard_slice,
     to_partial,
@@ -25,6 +26,7 @@ from .context import (
     sb_all_to_all,
     sb_grad_all_reduce,
     sb_grad_to_partial,
+    sb_halo,
     sb_reduce_scatter,
     sb_shard,
     sb_to_partial,
@@ -35,8 +37,8 @@ from .launch import default_backend, init_from_env, run_threads, spawn
 __all__ = [
     "Group", "ThreadGroup", "ThreadWorld", "TorchGroup", "torch_groups",
     "shard_slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "to_partial", "grad_all_reduce",
-    "grad_to_partial",
+    "grad_to_partial", "halo",
     "use_groups", "current_groups", "sb_shard", "sb_all_gather", "sb_all_reduce", "sb_reduce_scatter",
-    "sb_all_to_all", "sb_to_partial", "sb_grad_all_reduce", "sb_grad_to_partial",
+    "sb_all_to_all", "sb_to_partial", "sb_grad_all_reduce", "sb_grad_to_partial", "sb_halo",
     "spawn", "init_from_env", "run_threads", "default_backend",
 ]

@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
+from ..tiling import chunk_range
 from .comm import Group, take_chunk
 
 __all__ = ["shard_slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "to_partial", "grad_all_reduce",
-           "grad_to_partial"]
+           "grad_to_partial", "halo", "sum_across"]
 
 
 def _my_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
@@ -177,6 +178,23 @@ class _GradAllReduce(Function):
         return ctx.group.all_reduce(g), None
 
 
+class _SumAcross(Function):
+    """``y = sum_k x_k`` on every member, where each member's use of ``y`` feeds its own split work
+    (batch-norm statistics of a batch- or space-split input): member k's gradient ``g_k`` is a summand.
+
+    Adjoint: ``sum_k <sum_j x_j, g_k> = sum_j <x_j, sum_k g_k>``: all_reduce both ways.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return group.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return ctx.group.all_reduce(g), None
+
+
 class _GradToPartial(Function):
     """``y = x`` (R -> R), but ``x``'s producer collects partial gradients (sums the
     members' gradients once for all its consumers), while ``y``'s gradient ``g`` is
@@ -194,6 +212,82 @@ class _GradToPartial(Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
         return (g if ctx.index == 0 else torch.zeros_like(g)), None
+
+
+# ---- S(dim) -> windows of S(dim): the halo exchange and its adjoint ------------------
+
+
+Windows = tuple[tuple[int, int], ...]
+
+
+def _overlap(w: tuple[int, int], r: tuple[int, int]) -> tuple[int, int]:
+    return max(w[0], r[0]), min(w[1], r[1])
+
+
+class _Halo(Function):
+    """S(dim) -> windows:  member ``k`` holds chunk ``[lo_k, hi_k)`` of a length-``full`` dim and gets
+    rows ``[s_k, e_k)`` (``windows[k]``) of the whole: its own rows, its neighbours' (point to point),
+    and ``fill`` outside ``[0, full)``.  ``y_k = W_k x + f_k`` with ``W_k`` a row selection.
+
+    Adjoint (``f_k`` is constant): ``sum_k <W_k x, g_k> = sum_j <x_j, sum_k E_j W_k^T g_k>``: each
+    member sends the gradient rows of the window it received from member ``j`` back to ``j``, which
+    adds them to the gradient of its own rows (rows read by several windows sum); fill rows drop.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int, full: int, windows: Windows,
+                fill: float) -> torch.Tensor:
+        p, me = group.size, group.index
+        chunks = [chunk_range(full, p, j) for j in range(p)]
+        ctx.group, ctx.dim, ctx.windows, ctx.chunks, ctx.shape = group, dim, windows, chunks, x.shape
+        lo, _ = chunks[me]
+        s, e = windows[me]
+        sends: dict[int, torch.Tensor] = {}
+        for j in range(p):
+            a, b = _overlap(windows[j], chunks[me])
+            if j != me and b > a:
+                sends[j] = x.narrow(dim, a - lo, b - a)
+        recvs = {}
+        for j in range(p):
+            a, b = _overlap((s, e), chunks[j])
+            if j != me and b > a:
+                recvs[j] = tuple(b - a if d == dim else n for d, n in enumerate(x.shape))
+        # Every member knows every window: when no member needs another's rows, nobody exchanges.
+        ctx.moves = any(_overlap(windows[k], chunks[j])[1] > _overlap(windows[k], chunks[j])[0]
+                        for k in range(p) for j in range(p) if j != k)
+        got = group.exchange(sends, recvs, x) if ctx.moves else {}
+        out = x.new_full(tuple(e - s if d == dim else n for d, n in enumerate(x.shape)), fill)
+        a, b = _overlap((s, e), chunks[me])
+        if b > a:
+            out.narrow(dim, a - s, b - a).copy_(x.narrow(dim, a - lo, b - a))
+        for j, t in got.items():
+            out.narrow(dim, max(s, chunks[j][0]) - s, t.shape[dim]).copy_(t)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        group, dim, windows, chunks = ctx.group, ctx.dim, ctx.windows, ctx.chunks
+        me = group.index
+        lo, _ = chunks[me]
+        s, _ = windows[me]
+        sends = {}
+        for j in range(group.size):
+            a, b = _overlap(windows[me], chunks[j])
+            if j != me and b > a:
+                sends[j] = g.narrow(dim, a - s, b - a).contiguous()
+        recvs = {}
+        for j in range(group.size):
+            a, b = _overlap(windows[j], chunks[me])
+            if j != me and b > a:
+                recvs[j] = tuple(b - a if d == dim else n for d, n in enumerate(ctx.shape))
+        got = group.exchange(sends, recvs, g) if ctx.moves else {}
+        gx = g.new_zeros(ctx.shape)
+        a, b = _overlap(windows[me], chunks[me])
+        if b > a:
+            gx.narrow(dim, a - lo, b - a).add_(g.narrow(dim, a - s, b - a))
+        for j, t in got.items():
+            gx.narrow(dim, max(windows[j][0], lo) - lo, t.shape[dim]).add_(t)
+        return gx, None, None, None, None, None
 
 
 # ---- public functions: identity on a single member, else the Function --------------
@@ -246,3 +340,17 @@ def grad_all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 def grad_to_partial(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward; backward keeps the (replicated) gradient on member 0 only, making it partial."""
     return x if group.size == 1 else _GradToPartial.apply(x, group)
+
+
+def sum_across(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """``sum_k x_k`` used by split work on every member: all_reduce forward and backward."""
+    return x if group.size == 1 else _SumAcross.apply(x, group)
+
+
+def halo(x: torch.Tensor, group: Group, dim: int, full: int, windows: Windows, fill: float = 0.0) -> torch.Tensor:
+    """My window ``windows[index]`` of the S(dim) tensor (length ``full``) with ``fill`` outside it; backward
+    returns the window gradients to the rows' owners and sums them (see :class:`_Halo`)."""
+    dim = dim % x.ndim
+    if group.size == 1 and windows[0] == (0, full):
+        return x
+    return _Halo.apply(x, group, dim, full, windows, fill)

@@ -13,6 +13,8 @@ With ``x_k`` member ``k``'s tensor and ``E_k`` "take chunk ``k`` along ``dim``":
 * ``reduce_scatter``:  ``y_k = E_k sum_j x_j``
 * ``all_to_all``:      ``y_k = cat_j E_k^{dst} x_j`` along ``src_dim``: gather
   ``src_dim``, scatter ``dst_dim``.
+* ``exchange``:        point to point: member ``k`` sends ``t_{k->j}`` to each ``j`` it names
+  and receives ``t_{j->k}`` of a shape it names (the halo exchange's transport).
 
 Two implementations:
 
@@ -64,6 +66,14 @@ class Group(Protocol):
     def all_to_all(self, t: torch.Tensor, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
         """Input: my chunk of ``src_dim`` (length ``full_src`` in all), all of ``dst_dim``.
         Output: all of ``src_dim``, my chunk of ``dst_dim``."""
+        ...
+
+
+    def exchange(self, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
+                 like: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Send ``sends[j]`` to member ``j``; receive a tensor of ``recv_shapes[j]`` from member ``j``
+        (every pair agrees: ``j`` names me with that shape), with ``like``'s dtype and device.  Members absent
+        from both exchange nothing."""
         ...
 
 
@@ -217,6 +227,19 @@ class ThreadGroup:
         posted = self._swap(("all_to_all", src_dim, dst_dim, full_src), t)
         return torch.cat([take_chunk(x, dst_dim, self.size, self.index) for x in posted], dim=src_dim)
 
+    def exchange(self, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
+                 like: torch.Tensor) -> dict[int, torch.Tensor]:
+        posted = self._ex.swap(self.index, ("exchange",), {j: t.detach().clone() for j, t in sends.items()})
+        out: dict[int, torch.Tensor] = {}
+        for j, shape in recv_shapes.items():
+            got = posted[j].get(self.index)
+            if got is None or tuple(got.shape) != tuple(shape):
+                raise RuntimeError(
+                    f"exchange on mesh axis {self._ex.axis}: member {self.index} expects {tuple(shape)} from "
+                    f"member {j}, which sent {None if got is None else tuple(got.shape)}")
+            out[j] = got
+        return out
+
 
 # ---- torch.distributed -------------------------------------------------------------
 
@@ -327,6 +350,23 @@ class TorchGroup:
         out = t.new_empty(sum(recv_sizes))
         dist.all_to_all_single(out, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.pg)
         return torch.cat([b.view(r) for b, r in zip(out.split(recv_sizes), recv_shapes)], dim=src_dim)
+
+
+    def exchange(self, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
+                 like: torch.Tensor) -> dict[int, torch.Tensor]:
+        # Batched asynchronous point-to-point on this axis's own group (peers are group ranks).
+        ops, out = [], {}
+        for j, t in sends.items():
+            self._check_device(t)
+            ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), group=self.pg, group_peer=j))
+        for j, shape in recv_shapes.items():
+            out[j] = like.new_empty(shape)
+        for j, buf in out.items():
+            ops.append(dist.P2POp(dist.irecv, buf, group=self.pg, group_peer=j))
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        return out
 
 
 def _resized(shape: Sequence[int], sizes: dict[int, int]) -> list[int]:

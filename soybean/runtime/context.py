@@ -20,7 +20,7 @@ from .pending import all_reduce_lazy
 
 __all__ = ["use_groups", "current_groups", "sb_shard", "sb_all_gather", "sb_all_reduce", "sb_all_reduce_lazy",
            "sb_reduce_scatter", "sb_all_to_all", "sb_to_partial", "sb_grad_all_reduce",
-           "sb_grad_to_partial"]
+           "sb_grad_to_partial", "sb_halo"]
 
 _local = threading.local()
 
@@ -97,3 +97,9 @@ def sb_grad_all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
 def sb_grad_to_partial(x: torch.Tensor, axis: int) -> torch.Tensor:
     """Identity forward; the gradient is kept on member 0 of mesh ``axis`` only (made partial)."""
     return C.grad_to_partial(x, _group(axis))
+
+
+def sb_halo(x: torch.Tensor, axis: int, dim: int, full: int, windows: C.Windows, fill: float = 0.0) -> torch.Tensor:
+    """S(dim) -> my window ``windows[coordinate]`` of rows of the length-``full`` dim along mesh ``axis``
+    (neighbours' rows by point-to-point, ``fill`` outside the tensor); backward returns the halo gradients."""
+    return C.halo(x, _group(axis), dim, full, windows, fill)
