@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["mlp", "alexnet", "vgg16", "resnet", "transformer", "FACTORIES"]
+__all__ = ["mlp", "alexnet", "vgg16", "resnet", "transformer", "unet", "volume_net", "FACTORIES"]
 
 
 # --------------------------------------------------------------------------
@@ -485,10 +485,82 @@ def transformer(batch: int = 8, seq: int = 1024, hidden: int = 768,
     return model, inputs
 
 
+# --------------------------------------------------------------------------
+# Dense prediction on large images and volumes (domain parallelism)
+# --------------------------------------------------------------------------
+
+
+class UNet(nn.Module):
+    """A two-level 2-D U-Net: padded 3x3 convolutions with batch norm, max-pool down, transposed-conv
+    up, skip concatenation, a 1x1 head; ``forward(image, target=None)``, MSE loss against a
+    per-pixel target.  Every spatial op keeps or halves the size, so ``image`` divisible by 4 keeps
+    the levels aligned."""
+
+    def __init__(self, in_channels: int, channels: int, classes: int) -> None:
+        super().__init__()
+        c = channels
+
+        def block(cin: int, cout: int) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(),
+                                 nn.Conv2d(cout, cout, 3, padding=1), nn.ReLU())
+
+        self.enc1, self.enc2, self.mid = block(in_channels, c), block(c, 2 * c), block(2 * c, 4 * c)
+        self.up2, self.dec2 = nn.ConvTranspose2d(4 * c, 2 * c, 2, stride=2), block(4 * c, 2 * c)
+        self.up1, self.dec1 = nn.ConvTranspose2d(2 * c, c, 2, stride=2), block(2 * c, c)
+        self.head = nn.Conv2d(c, classes, 1)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor | None = None):
+        e1 = self.enc1(x)
+        e2 = self.enc2(F.max_pool2d(e1, 2))
+        m = self.mid(F.max_pool2d(e2, 2))
+        d2 = self.dec2(torch.cat([e2, self.up2(m)], 1))
+        out = self.head(self.dec1(torch.cat([e1, self.up1(d2)], 1)))
+        return out if target is None else F.mse_loss(out, target)
+
+
+def unet(batch: int = 1, image: int = 1024, channels: int = 16, in_channels: int = 3, classes: int = 2,
+         seed: int = 0):
+    """A two-level U-Net on ``image`` x ``image`` inputs; inputs ``(images, target)`` with a per-pixel
+    ``classes``-channel regression target.  Batch 1 by default: only a spatial split divides its work."""
+    torch.manual_seed(seed)
+    model = UNet(in_channels, channels, classes)
+    return model, (torch.randn(batch, in_channels, image, image), torch.randn(batch, classes, image, image))
+
+
+class VolumeNet(nn.Module):
+    """A 3-D convolutional net for volumes: a strided 3-D conv, dilated 3-D convs, average pooling,
+    nearest upsampling back to full resolution, a 1x1x1 head; ``forward(volume, target=None)``, MSE loss."""
+
+    def __init__(self, in_channels: int, channels: int) -> None:
+        super().__init__()
+        c = channels
+        self.stem = nn.Conv3d(in_channels, c, 3, stride=2, padding=1)
+        self.dil1 = nn.Conv3d(c, c, 3, padding=2, dilation=2)
+        self.dil2 = nn.Conv3d(c, 2 * c, 3, padding=1)
+        self.head = nn.Conv3d(2 * c, in_channels, 1)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor | None = None):
+        h = F.relu(self.stem(x))
+        h = F.relu(self.dil1(h)) + h
+        h = F.avg_pool3d(F.relu(self.dil2(h)), 3, stride=1, padding=1)
+        out = self.head(F.interpolate(h, scale_factor=2, mode="nearest"))
+        return out if target is None else F.mse_loss(out, target)
+
+
+def volume_net(batch: int = 1, volume: int = 128, channels: int = 8, in_channels: int = 1, seed: int = 0):
+    """A 3-D conv net on ``volume``^3 inputs (even ``volume``); inputs ``(volume, target)``, same shape."""
+    torch.manual_seed(seed)
+    model = VolumeNet(in_channels, channels)
+    shape = (batch, in_channels, volume, volume, volume)
+    return model, (torch.randn(shape), torch.randn(shape))
+
+
 FACTORIES = {
     "mlp": mlp,
     "alexnet": alexnet,
     "vgg16": vgg16,
     "resnet": resnet,
     "transformer": transformer,
+    "unet": unet,
+    "volume_net": volume_net,
 }

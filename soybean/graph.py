@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import rules
 from .capture import Captured
-from .cost.collectives import price_route_ids, route_ids
+from .cost.collectives import op_comm_costs, price_route_ids, route_ids
 from .cost.compute import op_seconds, optimizer_step_seconds
 from .cost.memory import activation_bytes, activation_key, param_bytes
 from .cost.profiles import Profile
@@ -68,6 +68,9 @@ class Var:
     grad_partial: list[tuple[int, ...]] = field(default_factory=list)  # reshard points: per strategy, axes A
     pinned: bool = False          # stored tiling must be used as is (no resharding: model-parallel baseline)
     gathered: tuple[int, ...] = ()  # pinned, except on these axes: used whole there (FSDP: gather for use)
+    # Per strategy, [bytes, seconds] of the communication inside the op (halo exchanges, summed statistics:
+    # ``cost.collectives.op_comm_costs``), counted in ``compute_s`` for the search, reported as communication.
+    op_comm: np.ndarray | None = None
 
 
 @dataclass
@@ -134,7 +137,7 @@ class _Memo:
     def __init__(self) -> None:
         self.classes: dict[Hashable, int] = {}
         self.keys: dict[Hashable, int] = {}
-        self.vars: dict[int, tuple[list[Strategy], np.ndarray, np.ndarray, int]] = {}
+        self.vars: dict[int, tuple[list[Strategy], np.ndarray, np.ndarray, int, np.ndarray | None]] = {}
         self.edges: dict[tuple, Edge] = {}
         self.cls: dict[int, int] = {}     # var index -> content class
         self.key: dict[int, int] = {}     # var index -> key id (ops and reshard points)
@@ -429,7 +432,7 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
                                    activation_key(node)))
             hit = memo.vars.get(kid) if memo is not None and kid is not None else None
             if hit is not None:
-                strategies, compute, mem, _ = hit
+                strategies, compute, mem, _, op_comm = hit
             else:
                 if fixed is not None:
                     ins, outs = fixed.node_tilings(node.name) if node.name in fixed.nodes else (
@@ -443,11 +446,14 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
                         whole = [s for s in strategies if all(s.divides_work())]
                         strategies = whole or strategies
                 compute = op_seconds(op, strategies, grads, mesh, profile)
+                op_comm = op_comm_costs(op, strategies, grads, mesh, profile)
+                if op_comm is not None:
+                    compute = compute + op_comm[:, 1]
                 mem = activation_bytes(node, op, strategies, mesh)
             ng = any(grads) and any(o.dtype.is_floating_point for o in op.outputs)
             needs_grad[node.name] = ng
             v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node),
-                                needs_grad=ng))
+                                needs_grad=ng, op_comm=op_comm))
             if memo is not None:
                 if kid is not None:
                     memo.key[v] = kid
@@ -457,7 +463,7 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
                     c = memo.classify(g, v)
                     if kid is not None:
                         compute.flags.writeable = mem.flags.writeable = False
-                        memo.vars[kid] = (strategies, compute, mem, c)
+                        memo.vars[kid] = (strategies, compute, mem, c, op_comm)
             for i, (a, (u, k)) in enumerate(zip(tensor_args, sources)):
                 _add_edge(g, u, v, k, i, needs_grad.get(a.name, False), memo=memo)
             for i in written_inputs(op):

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import rules
 from .baselines import batch_split, model_parallel_domains, price as price_baselines
 from .capture import Captured, CaptureError, capture
 from .cost.profiles import Profile, load_profile
@@ -25,6 +26,8 @@ from .graph import Edge, PlanGraph, build
 from .mesh import Mesh, factorizations
 from .plan import Plan
 from .reshard import Step
+from .rules.base import OpSpec, Strategy
+from .rules.window import halo_step, halos, windows_of
 from .search import TARGET_GAP, Pruned, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
 from .tiling import R, fmt
 
@@ -144,8 +147,9 @@ BACKWARD_SHARE = 2.0 / 3.0
 
 
 def evaluate(g: PlanGraph, sol: Solution) -> Result:
-    """The modelled cost of ``sol``: bytes, communication, compute, memory, and the gradient-sync
-    time hidden behind backward, ``min(grad_overlap * sync, BACKWARD_SHARE * op compute)``."""
+    """The modelled cost of ``sol``: bytes, communication (reshards; inside ops: halos, summed statistics),
+    compute, memory, and the gradient-sync time hidden behind backward,
+    ``min(grad_overlap * sync, BACKWARD_SHARE * op compute)``."""
     b = s = sync = 0.0
     for e in g.edges:
         i, j = sol.choice[e.src], sol.choice[e.dst]
@@ -154,8 +158,11 @@ def evaluate(g: PlanGraph, sol: Solution) -> Result:
         sync += e.sync[i, j] if e.sync is not None else 0.0
     comp = op_comp = mem = 0.0
     for v, c in zip(g.vars, sol.choice):
-        comp += float(v.compute_s[c])
-        op_comp += float(v.compute_s[c]) if v.kind == "op" else 0.0
+        in_b, in_s = (float(v.op_comm[c, 0]), float(v.op_comm[c, 1])) if v.op_comm is not None else (0.0, 0.0)
+        b += in_b  # communication inside an op (halo exchange, summed statistics), priced with its strategy
+        s += in_s
+        comp += float(v.compute_s[c]) - in_s
+        op_comp += float(v.compute_s[c]) - in_s if v.kind == "op" else 0.0
         mem += float(v.memory[c])
     hidden = min(g.profile.grad_overlap * sync, BACKWARD_SHARE * op_comp)
     return Result(g, sol, b, s, comp, mem, hidden, sync)
@@ -366,7 +373,25 @@ def layer_rows(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
             row["weight"] = fmt(src.strategies[sol.choice[g.index[src.name]]].outputs[0])
         row["collectives"].extend(str(x) for x in edge_steps(g, e, sol))
         row["bytes"] += float(e.bytes[sol.choice[e.src], sol.choice[e.dst]])
+    for vi, V in enumerate(g.vars):  # communication inside ops: halo exchanges, summed statistics
+        c = sol.choice[vi]
+        if V.op is None or V.op_comm is None or not V.op_comm[c, 0]:
+            continue
+        key = V.module or V.name
+        row = rows.setdefault(key, {"layer": key, "op": V.op.name, "node": V.name, "weight": "-", "input": "",
+                                    "output": "", "collectives": [], "bytes": 0.0})
+        row["collectives"].extend(op_steps(V.op, V.strategies[c], g.mesh))
+        row["bytes"] += float(V.op_comm[c, 0])
     out = [r for r in rows.values() if r["op"] or r["collectives"]]
     for r in out:
         r["bytes"] = float(f"{r['bytes']:.6g}")
+    return out
+
+
+def op_steps(op: OpSpec, st: Strategy, mesh: Mesh) -> list[str]:
+    """The communication an op runs inside under ``st``: its halo steps and the axes its statistics sum over."""
+    out = [str(halo_step(w, axis, mesh)) for axis, w in halos(windows_of(op), st)]
+    entry = rules.lookup(op.target)
+    if entry is not None and entry.sync_args is not None:
+        out += [f"sum_statistics[axis {a}]" for a in entry.sync_args(op, st).get("axes", ())]
     return out

@@ -64,6 +64,8 @@ def _products() -> list[tuple[str, tuple[torch.Tensor, ...], float, int]]:
         ("aten.conv1d.default", (r(2, 3, 7), r(4, 3, 3)), 2.0 * (2 * 4 * 5) * (3 * 3), 0),
         ("aten.conv2d.default", (r(2, 3, 5, 5), r(4, 3, 3, 3)), 2.0 * (2 * 4 * 3 * 3) * (3 * 9), 0),
         ("aten.conv3d.default", (r(1, 2, 4, 4, 4), r(3, 2, 2, 2, 2)), 2.0 * (3 * 27) * (2 * 8), 0),
+        # transposed: every input element meets every tap of every output channel
+        ("aten.conv_transpose1d.default", (r(2, 3, 7), r(3, 4, 3)), 2.0 * (2 * 3 * 7) * (4 * 3), 0),
     ]
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from examples.models import FACTORIES, alexnet, mlp, resnet, transformer, vgg16
+from examples.models import FACTORIES, alexnet, mlp, resnet, transformer, unet, vgg16, volume_net
 
 pytestmark = pytest.mark.unit
 
@@ -16,16 +16,18 @@ TINY = {
     "resnet34": dict(batch=2, image=32, classes=10, depth=34, width=0.0625),
     "transformer": dict(batch=2, seq=8, hidden=16, layers=2, heads=4),
     "transformer_lm": dict(batch=2, seq=8, hidden=16, layers=2, heads=4, vocab=50),
+    "unet": dict(batch=1, image=16, channels=2),
+    "volume_net": dict(batch=1, volume=8, channels=2),
 }
 FACTORY_OF = {
     "mlp": mlp, "mlp_cls": mlp, "alexnet": alexnet, "vgg16": vgg16,
     "resnet18": resnet, "resnet34": resnet,
-    "transformer": transformer, "transformer_lm": transformer,
+    "transformer": transformer, "transformer_lm": transformer, "unet": unet, "volume_net": volume_net,
 }
 
 
 def test_factories_registry():
-    assert set(FACTORIES) == {"mlp", "alexnet", "vgg16", "resnet", "transformer"}
+    assert set(FACTORIES) == {"mlp", "alexnet", "vgg16", "resnet", "transformer", "unet", "volume_net"}
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

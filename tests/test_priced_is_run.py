@@ -10,7 +10,8 @@ largest over ranks, as the cost model prices uneven tiles (``max_local_numel``).
 
 The priced list is read from the plan's planning graph (``graph.build(fixed=plan)``): every edge's
 route and the forward and backward collectives ``cost.collectives.priced_steps`` gives it, on axes of
-more than one device.  Every priced collective must run exactly once with exactly its bytes, and
+more than one device, and every op's own communication (``Var.op_comm``): its halo exchanges (the
+busiest member's received rows, forward and backward) and batch norm's statistics all-reduces.  Every priced collective must run exactly once with exactly its bytes, and
 nothing else may run, except that the deferred parameter-gradient all-reduces are bucketed by the
 runtime (``GradSync``): those must add up, per axis, to the bytes priced for them.
 """
@@ -24,7 +25,7 @@ import torch
 
 from soybean.api import parallelize
 from soybean.capture import capture
-from soybean.cost.collectives import priced_steps
+from soybean.cost.collectives import op_comm_calls, priced_steps
 from soybean.cost.profiles import load_profile
 from soybean.graph import build
 from soybean.mesh import Mesh
@@ -33,17 +34,20 @@ from soybean.planner import plan as make_plan
 from soybean.runtime.comm import Group
 from soybean.runtime.launch import run_threads
 from soybean.tiling import max_local_numel
-from examples.models import resnet
+from examples.models import resnet, unet
 from tests.test_equivalence import CASES as EQUIVALENCE_CASES
 from tests.test_equivalence import MODELS as EQUIVALENCE_MODELS
 
 pytestmark = pytest.mark.sim
 
-# The equivalence suite's plans, and the batch-norm ResNet's of tests/test_cnn.py (its running
-# statistics are written back to their stored tiles).  Not its forced-DP plan on 2x2: that plan takes
+# The equivalence suite's plans, the batch-norm ResNet's of tests/test_cnn.py (its running
+# statistics are written back to their stored tiles), and a U-Net's at batch 1 (halo exchanges, batch
+# norm's summed statistics; 12 rows over 3 members: uneven windows).  Not its forced-DP plan on 2x2: that plan takes
 # a forbidden resharding of a pinned parameter, so its recorded cost is the 1e30 penalty, not bytes.
-MODELS = {**EQUIVALENCE_MODELS, "resnet": lambda: resnet(batch=4, image=32, width=0.125, classes=10)}
-CASES = EQUIVALENCE_CASES + [("resnet", (2,), "auto"), ("resnet", (2, 2), "auto")]
+MODELS = {**EQUIVALENCE_MODELS, "resnet": lambda: resnet(batch=4, image=32, width=0.125, classes=10),
+          "unet": lambda: unet(batch=1, image=12, channels=2)}
+CASES = EQUIVALENCE_CASES + [("resnet", (2,), "auto"), ("resnet", (2, 2), "auto"), ("unet", (3,), "auto"),
+                             ("unet", (2, 2), "auto")]
 
 Call = tuple[str, int, int]  # (collective, mesh axis, message bytes)
 
@@ -74,6 +78,12 @@ class Recorder:
     def all_to_all(self, t: torch.Tensor, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
         self._note("all_to_all", t)
         return self.inner.all_to_all(t, src_dim, dst_dim, full_src)
+
+    def exchange(self, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
+                 like: torch.Tensor) -> dict[int, torch.Tensor]:
+        got = self.inner.exchange(sends, recv_shapes, like)  # a halo exchange: the bytes I receive
+        self._note("halo", like, sum(t.numel() for t in got.values()))
+        return got
 
 
 def run_one_step(model: torch.nn.Module, inputs: tuple, plan: Plan, cap: Any) -> list[Call]:
@@ -114,7 +124,16 @@ def priced(cap: Any, plan: Plan) -> tuple[list[Call], Counter[int], float]:
                 sync[axis] += m
             else:
                 calls.append((kind, axis, m))
-    return calls, sync, float(sum(e.bytes[0, 0] for e in g.edges))
+    inside = 0.0
+    grads: dict[int, list[bool]] = {}
+    for e in g.edges:
+        if not e.write_back:
+            grads.setdefault(e.dst, []).append(e.needs_grad)  # edges are in input order
+    for vi, v in enumerate(g.vars):  # communication inside ops: halo exchanges, summed statistics
+        if v.op is not None and v.op_comm is not None:
+            calls += [(kind, axis, int(m)) for kind, axis, m, _ in op_comm_calls(v.op, v.strategies[0], grads[vi], mesh)]
+            inside += float(v.op_comm[0, 0])
+    return calls, sync, float(sum(e.bytes[0, 0] for e in g.edges)) + inside
 
 
 @pytest.mark.parametrize("name,mesh,mode", CASES, ids=[f"{n}-{'x'.join(map(str, m))}-{md}" for n, m, md in CASES])

@@ -18,7 +18,7 @@ import torch
 
 from soybean.mesh import Mesh
 from soybean.rules import REGISTRY, expand, make_opspec, strategies_1d
-from soybean.rules.base import OpSpec, RuleEntry, Strategy1D, op_name
+from soybean.rules.base import OpSpec, RuleEntry, Strategy1D, has_empty_tile, op_name
 from soybean.rules.validate import check_op
 from soybean.tiling import P, R, Partial, S
 
@@ -180,6 +180,33 @@ case(aten.avg_pool1d.default, randn(4, 5, 9), [3])
 case(aten.avg_pool2d.default, IMG, [2, 2], [1, 1], [1, 1], True, False)
 case(aten.avg_pool3d.default, randn(2, 5, 4, 4, 4), [2, 2, 2])
 case(aten.adaptive_avg_pool1d.default, randn(4, 5, 9), [3])
+# Spatial splits with halos (rules.window): strided, dilated, padded, uneven, thinner than the halo.
+case(aten.conv2d.default, randn(2, 2, 9, 7), randn(3, 2, 3, 3), randn(3), [2, 1], [1, 2], [1, 2], tol=1e-4)
+case(aten.conv1d.default, randn(2, 2, 11), randn(3, 2, 5), None, [3], [2], [2], tol=1e-4)
+case(aten.conv1d.default, randn(2, 2, 5), randn(2, 2, 5), None, [1], [2], tol=1e-4)  # 5 rows on 3-4 members
+case(aten.conv1d.padding, randn(2, 2, 9), randn(3, 2, 3), None, [1], "valid", tol=1e-4)
+case(aten.conv3d.default, randn(2, 2, 6, 5, 4), randn(2, 2, 3, 3, 3), None, [1, 2, 1], [1, 1, 0], tol=1e-4)
+case(aten.conv_transpose1d.default, randn(2, 3, 6), randn(3, 2, 3), randn(2), [2], [1], [1], tol=1e-4)
+case(aten.conv_transpose2d.input, randn(2, 4, 5, 4), randn(4, 3, 2, 2), randn(3), [2, 2], tol=1e-4)
+case(aten.conv_transpose2d.input, randn(2, 4, 5, 4), randn(4, 3, 1, 1), None, [3, 2], tol=1e-4)  # kernel < stride
+case(aten.conv_transpose2d.input, randn(2, 4, 5, 5), randn(4, 2, 3, 3), randn(4), [1, 1], [1, 1], [0, 0], 2,
+     tol=1e-4)  # grouped
+case(aten.conv_transpose3d.input, randn(2, 2, 3, 4, 3), randn(2, 2, 3, 3, 3), None, [2, 1, 1], [1, 1, 1], tol=1e-4)
+case(aten.max_pool2d.default, randn(2, 2, 9, 8), [3, 3], [2, 2], [1, 1], [1, 1], True)
+case(aten.max_pool1d.default, randn(2, 3, 10), [3], [2], [1], [2])
+case(aten.avg_pool2d.default, randn(2, 2, 9, 8), [3, 3], [2, 2], [1, 1], True, True)
+case(aten.avg_pool2d.default, randn(2, 2, 9, 8), [3, 2], [2, 2], [0, 1], False, False, 5)
+case(aten.avg_pool3d.default, randn(2, 2, 6, 6, 5), [2, 2, 2])
+case(aten.adaptive_avg_pool2d.default, randn(2, 2, 8, 9), [4, 3])
+case(aten.adaptive_avg_pool3d.default, randn(2, 2, 4, 6, 3), [2, 3, 1])
+case(aten.upsample_nearest2d.vec, randn(2, 2, 5, 3), None, [2.0, 3.0])
+case(aten.upsample_nearest2d.vec, randn(2, 2, 5, 3), [10, 6], None)
+case(aten.upsample_nearest1d.vec, randn(2, 3, 5), [7], None)  # not an integer scale: batch/channels only
+case(aten.upsample_nearest3d.vec, randn(2, 2, 3, 2, 2), None, [2.0, 2.0, 1.0])
+case(aten.upsample_bilinear2d.vec, randn(2, 3, 4, 5), None, False, [2.0, 2.0], tol=1e-4)
+case(aten.upsample_linear1d.vec, randn(2, 3, 5), [9], True, None, tol=1e-4)
+case(aten.upsample_bicubic2d.vec, randn(2, 3, 4, 4), [6, 6], False, None, tol=1e-4)
+case(aten.upsample_trilinear3d.vec, randn(2, 3, 2, 3, 2), None, False, [2.0, 1.0, 2.0], tol=1e-4)
 case(aten.adaptive_avg_pool2d.default, IMG, [3, 2])
 case(aten._adaptive_avg_pool2d.default, IMG, [1, 1])
 
@@ -263,6 +290,8 @@ case(aten.pad.default, X, [1, 1], "replicate")
 case(aten.pad.default, X, [0, 0, 1, 1], "circular")
 case(aten.constant_pad_nd.default, X, [0, 0, 2, 1])
 case(aten.constant_pad_nd.default, X, [1, 0], 1.5)
+case(aten.constant_pad_nd.default, randn(3, 9, 5), [0, 0, -2, 1])  # crops 2 rows before, pads 1 after
+case(aten.pad.default, randn(2, 7, 6), [2, 1, 1, 3], "constant", -1.0)
 
 # ---- views and data movement -------------------------------------------------------------
 V3 = randn(4, 6, 5)
@@ -460,3 +489,57 @@ def test_validator_rejects_missing_localize(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setitem(REGISTRY, name, RuleEntry(REGISTRY[name].fn, None, "views"))
     with pytest.raises((AssertionError, RuntimeError)):
         check_op(aten.view.default, (randn(4, 6), [4, 2, 3]), {}, Mesh((2,)))
+
+
+# ---- spatial splits with halos (rules.window) ------------------------------------------------
+SPATIAL = [c for c in CASES if REGISTRY[c.name].windows is not None and REGISTRY[c.name].windows(c.opspec())]
+
+
+@pytest.mark.parametrize("mesh", [Mesh((4,)), Mesh((2, 2))], ids=str)
+@pytest.mark.parametrize("c", SPATIAL, ids=lambda c: c.name)
+def test_spatial_split_is_exact(c: Case, mesh: Mesh) -> None:
+    """Every windowed op whose case has a window splits a spatial dim on ``mesh`` (4 members: tiles thinner
+    than the halo), and every strategy is exact."""
+    op = c.opspec()
+    wins = REGISTRY[c.name].windows(op)
+    spatial = [st for st in expand(op, mesh) if any(S(w.dim) in st.inputs[w.slot] for w in wins)]
+    line = Mesh((max(mesh.shape),))  # some tile empty on every axis: no split offered (has_empty_tile)
+    empty = all(has_empty_tile((S(0),), (w.n_out,), line) or has_empty_tile((S(0),), (w.n_in,), line) for w in wins)
+    assert spatial or empty, f"{c.name}: no spatial strategy on {mesh}"
+    check_op(c.target, c.args, c.kwargs, mesh, rtol=c.tol, atol=c.tol)
+
+
+def test_spatial_cases_cover_every_window_kind() -> None:
+    kinds = {w.kind for c in SPATIAL for w in REGISTRY[c.name].windows(c.opspec())}
+    assert kinds == {"conv", "transposed", "nearest"}
+
+
+def _halo_case() -> tuple[Any, tuple]:
+    return aten.conv2d.default, (randn(1, 2, 9, 7), randn(3, 2, 3, 3), None, [2, 1], [1, 2], [1, 2])
+
+
+def test_validator_rejects_window_without_its_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conv run on a window of rows with its padding left on pads inside the tensor: wrong."""
+    target, args = _halo_case()
+    e = REGISTRY[op_name(target)]
+    keep = lambda op, a, k, split: (a, k)  # noqa: E731
+    monkeypatch.setitem(REGISTRY, op_name(target), RuleEntry(e.fn, e.localize, e.family, e.cost, e.windows, keep))
+    with pytest.raises((AssertionError, RuntimeError)):
+        check_op(target, args, {}, Mesh((2,)))
+
+
+def test_validator_rejects_a_short_halo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows one row short of the kernel's extent read too few neighbour rows: wrong."""
+    from dataclasses import replace
+
+    target, args = _halo_case()
+    e = REGISTRY[op_name(target)]
+    short = lambda op: [replace(w, extent=w.extent - 1) for w in e.windows(op)]  # noqa: E731
+
+    def args_fixed(op: OpSpec, a: tuple, k: dict, split: Any) -> tuple:
+        a, k = e.window_args(op, a, k, split)
+        return a, k
+
+    monkeypatch.setitem(REGISTRY, op_name(target), RuleEntry(e.fn, e.localize, e.family, e.cost, short, args_fixed))
+    with pytest.raises((AssertionError, RuntimeError)):
+        check_op(target, args, {}, Mesh((2,)))

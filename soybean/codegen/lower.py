@@ -11,6 +11,10 @@ captured graph with one method per node kind:
   the kinds table's ``sb_*`` calls; a value with several uses is resharded once, at its shared
   reshard point); shape-carrying arguments are rewritten by the rule's ``localize`` to this
   device's tile shapes (so the program is per rank: uneven tiles depend on the coordinates); a
+  windowed op whose strategy splits a spatial dim reads its window of rows by a halo exchange
+  (``rules.window``), runs with that dim's padding 0 (the rule's ``window_args``) and keeps its
+  own output rows (a ``narrow`` where it computed more); an op whose rule sums statistics across
+  tiles (batch norm split along batch or space in training) calls the rule's ``sync_call``; a
   parameter or buffer an op updates in place through a resharded copy is written back along its
   write-back edge;
 * ``output``: outputs leave full (``R``), or as tiles under ``local_batch``.
@@ -36,12 +40,14 @@ from ..graph import Edge, PlanGraph, build, value_source
 from ..mesh import Mesh
 from ..plan import Plan
 from ..reshard import Route
+from ..rules.window import crops, halo_step, halos, local_rows, windows_of
 from ..runtime import context as rt
 from ..runtime.kinds import KINDS, apply_step
 from ..tiling import Partial, Placement, R, local_shape
 
 Tiling = tuple[Placement, ...]
 ALL_REDUCE = KINDS["all_reduce"].call
+HALO = KINDS["halo"]
 
 
 def _val(n: Any) -> Any:
@@ -195,6 +201,7 @@ class Lowering:
         assert op is not None
         edges = iter(self.into.get(vi, []))
         reads: list[fx.Node] = []  # per tensor input, in order: the value the op reads
+        split = halos(windows_of(op), st)  # windowed dims this strategy splits: their halo exchanges
 
         def arg(a: Any) -> Any:
             if not isinstance(a, fx.Node):
@@ -202,7 +209,12 @@ class Lowering:
             if not isinstance(_val(a), torch.Tensor):
                 return self.env[a.name]
             reads.append(self.read(next(edges)))
-            return reads[-1]
+            x = reads[-1]
+            for axis, w in split:
+                if w.slot == len(reads) - 1:
+                    step = halo_step(w, axis, self.mesh)
+                    x = self.g.call_function(HALO.call, (x, axis, *HALO.args(step, ())))
+            return x
 
         args, kwargs = tree_map(arg, (tuple(node.args), dict(node.kwargs)))
         entry = rules.lookup(node.target)
@@ -210,10 +222,17 @@ class Lowering:
             in_shapes = [local_shape(s.shape, t, self.mesh, self.coords) for s, t in zip(op.inputs, st.inputs)]
             out_shapes = [local_shape(s.shape, t, self.mesh, self.coords) for s, t in zip(op.outputs, st.outputs)]
             args, kwargs = entry.localize(op, args, kwargs, in_shapes, out_shapes)
+        if split and entry is not None and entry.window_args is not None:
+            args, kwargs = entry.window_args(op, args, kwargs, local_rows(split, self.mesh, self.coords))
         target = node.target
+        sync = entry.sync_args(op, st) if entry is not None and entry.sync_args is not None else {}
+        if sync and entry is not None and entry.sync_call is not None:  # statistics summed across tiles
+            target, kwargs = entry.sync_call, {**kwargs, **sync}
         assert callable(target)  # a call_function node's target is the function
         out = self.g.call_function(target, tuple(args), dict(kwargs))
         out.name = node.name
+        for dim, start, length in crops(split, self.mesh, self.coords):  # the op ran on more rows than mine
+            out = self.g.call_function(torch.ops.aten.narrow.default, (out, dim, start, length))
         for e in self.write_backs.get(vi, []):
             tile, x = self.values[(e.src, 0)], reads[e.dst_in]
             if x is not tile:  # the op updated a resharded copy: copy it back into the stored tile

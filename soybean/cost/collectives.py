@@ -13,6 +13,13 @@ reduce_scatter  (p-1)/p * m              (p-1) alpha + bytes beta
 all_to_all      (p-1)/p * m              (p-1) alpha + bytes beta
 ==============  =======================  ===========================
 
+Communication inside an op is priced apart, by ``op_comm_costs``.  A windowed op's halo exchange
+(``rules.window``, ``op_comm_calls``): member ``k`` receives the rows of its window that other members
+own, ``h`` rows of ``r`` bytes at most, in one message from each of at most ``n`` owners, so forward
+takes ``n alpha + h r beta`` (+ ``blocking_s``); its adjoint (the halo gradients sent back to their
+owners, ``h`` and ``n`` counted for the busiest receiver alike) is priced too when the input needs a
+gradient.  Batch norm split along batch or space sums its statistics: one all-reduce each way.
+
 Each forward step has a backward (its adjoint, see ``runtime.kinds``) that is priced
 too when the tensor needs a gradient: training comm per step = forward + backward.
 A blocking collective (every one but the asynchronous gradient all-reduce) also costs the
@@ -34,8 +41,11 @@ import numpy as np
 
 from ..mesh import Mesh
 from ..reshard import Route
+from ..rules.base import OpSpec, Strategy, lookup
+from ..rules.window import halos, windows_of
 from ..runtime.kinds import KINDS, RING_FACTOR, apply_step
-from ..tiling import max_local_numel
+from ..runtime.syncnorm import stats_bytes
+from ..tiling import R, Shard, max_local_numel
 from .profiles import Profile
 
 
@@ -88,6 +98,59 @@ def reshard_cost(route: Route, shape: tuple, itemsize: int, mesh: Mesh, profile:
         ns += c.seconds + blocking
         sync += c.seconds if is_sync else 0.0
     return Cost(nb, ns, sync)
+
+
+def op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh) -> list[tuple[str, int, float, int]]:
+    """``(collective, mesh axis, message bytes, messages)`` of every call the communication inside ``op`` makes
+    under ``st`` in one training step, in program order (module docstring):
+
+    * a halo exchange along each windowed dim the strategy splits: the busiest member's received rows
+      (``Window.halo_rows``) times the row's bytes, from ``Window.sources`` members; backward (when the input
+      needs a gradient) the rows' gradients go back.  The exchanges run one after another, each on the
+      rows the ones before it grew (the longest window along their dims);
+    * for an op that sums statistics across tiles (its rule's ``sync_args``), one all-reduce of them per axis
+      (``runtime.syncnorm.stats_bytes`` of my channels) forward, and one backward.
+    """
+    out: list[tuple[str, int, float, int]] = []
+    grown: dict[int, tuple[list[int], list]] = {}  # input slot -> (shape, tiling) as the halos grow it
+    for axis, w in halos(windows_of(op), st):
+        p = mesh.shape[axis]
+        spec = op.inputs[w.slot]
+        shape, tiling = grown.setdefault(w.slot, (list(spec.shape), list(st.inputs[w.slot])))
+        shape[w.dim] = 1
+        tiling[axis] = R  # the split axis' rows are counted by the window
+        row = float(max_local_numel(tuple(shape), tuple(tiling), mesh) * spec.dtype.itemsize)
+        for back in ((False, True) if grads[w.slot] else (False,)):
+            h = w.halo_rows(p, back)
+            if p > 1 and h:
+                out.append(("halo", axis, h * row, w.sources(p, back)))
+        shape[w.dim] = max(e - s for s, e in w.members(p))  # later exchanges carry these rows
+    entry = lookup(op.target)
+    if entry is not None and entry.sync_args is not None:
+        x = op.inputs[0]
+        for axis in entry.sync_args(op, st).get("axes", ()):
+            channels = max_local_numel((x.shape[1],), tuple(Shard(0) if pl == Shard(1) else R for pl in st.inputs[0]),
+                                       mesh)  # my channels: dim 1's split, read as dim 0's
+            if mesh.shape[axis] > 1:
+                out += [("all_reduce", axis, float(stats_bytes(channels, x.dtype)), 1)] * (2 if grads[0] else 1)
+    return out
+
+
+def op_comm_costs(op: OpSpec, strategies: Sequence[Strategy], grads: Sequence[bool], mesh: Mesh,
+                  profile: Profile) -> np.ndarray | None:
+    """``[bytes, seconds]`` of the communication inside ``op`` under each strategy (None: it has none): its
+    ``op_comm_calls``, a halo exchange of ``m`` bytes from ``n`` members taking ``n alpha + m beta``, an
+    all-reduce priced as a ring (``collective``), each blocking (``blocking_s``)."""
+    entry = lookup(op.target)
+    if not windows_of(op) and (entry is None or entry.sync_args is None):
+        return None
+    out = np.zeros((len(strategies), 2))
+    for i, st in enumerate(strategies):
+        for kind, axis, m, n in op_comm_calls(op, st, grads, mesh):
+            a, b = profile.ab(axis, kind)
+            c = Cost(m, n * a + m * b) if kind == "halo" else collective(kind, m, mesh.shape[axis], a, b)
+            out[i] += (c.bytes, c.seconds + profile.blocking_s)
+    return out
 
 
 class _StepStore:

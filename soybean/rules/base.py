@@ -121,6 +121,14 @@ VIEW = OpCost(view=True)     # free
 
 
 RuleFn = Callable[[OpSpec], list[Strategy1D]]
+# windows(op) -> the op's spatial ``rules.window.Window``s: the dims its rule may split with a halo.
+WindowsFn = Callable[[OpSpec], list[Any]]
+# window_args(op, args, kwargs, [(window, local input rows), ...]) -> (args, kwargs): the op's call on a
+# window of rows along each of those dims (their padding 0, sizes local).
+WindowArgsFn = Callable[[OpSpec, tuple, dict, Sequence[tuple[Any, int]]], tuple]
+# sync_args(op, strategy) -> {} when the op's tiles run it alone, else the keyword arguments (``axes``: the
+# mesh axes its statistics are summed over, ...) with which the program calls the rule's ``sync_call``.
+SyncArgsFn = Callable[[OpSpec, "Strategy"], dict[str, Any]]
 # localize(op, args, kwargs, local_input_shapes, local_output_shapes) -> (args, kwargs):
 # rewrites shape-carrying arguments (view sizes, expand sizes, ...) for one device's tiles.
 LocalizeFn = Callable[[OpSpec, tuple, dict, Sequence[tuple[int, ...]], Sequence[tuple[int, ...]]], tuple]
@@ -133,9 +141,14 @@ class RuleEntry:
     # ``linear_in`` ops may take Partial inputs (their rule lists them); kept for docs.
     family: str = ""
     cost: OpCost | None = None  # every registered op declares one (tests/test_rules.py checks)
+    windows: WindowsFn | None = None        # spatial dims split with a halo (``rules.window``)
+    window_args: WindowArgsFn | None = None
+    sync_args: SyncArgsFn | None = None     # ops whose statistics are summed across tiles (batch norm)
+    sync_call: Callable[..., Any] | None = None
 
 
 REGISTRY: dict[str, RuleEntry] = {}
+SPATIAL_SPLITS = [True]  # may windowed dims be split?  Set by ``rules.window.spatial_splits``.
 
 
 def op_name(target: Any) -> str:
@@ -148,15 +161,18 @@ def op_name(target: Any) -> str:
 
 
 def register(*names: str, cost: OpCost | None = None, localize: LocalizeFn | None = None,
-             family: str = "") -> Callable[[RuleFn], RuleFn]:
+             family: str = "", windows: WindowsFn | None = None, window_args: WindowArgsFn | None = None,
+             sync_args: SyncArgsFn | None = None, sync_call: Callable[..., Any] | None = None,
+             ) -> Callable[[RuleFn], RuleFn]:
     """Register ``fn`` as the rule of every op in ``names`` (``"aten.mm.default"`` form), with the
-    ops' cost facts ``cost``."""
+    ops' cost facts ``cost``; for windowed ops their spatial windows (``rules.window``); for ops that sum
+    statistics across tiles, the axes that need it and the runtime call that does it."""
 
     def deco(fn: RuleFn) -> RuleFn:
         for n in names:
             if n in REGISTRY:
                 raise ValueError(f"two rules for {n}")
-            REGISTRY[n] = RuleEntry(fn, localize, family, cost)
+            REGISTRY[n] = RuleEntry(fn, localize, family, cost, windows, window_args, sync_args, sync_call)
         return fn
 
     return deco
@@ -229,9 +245,13 @@ def has_empty_tile(tiling: tuple[Placement, ...], shape: tuple[int, ...], mesh: 
 
 
 def expand(op: OpSpec, mesh: Mesh, one_axis: list[Strategy1D] | None = None) -> list[Strategy]:
-    """N-D strategies: the product of one-axis strategies, filtered for legality."""
+    """N-D strategies: the product of one-axis strategies, filtered for legality.  A windowed dim
+    (``rules.window``) is split by one mesh axis at most, on its input and on the output."""
     one_axis = one_axis if one_axis is not None else strategies_1d(op)
     specs = op.inputs + op.outputs
+    entry = lookup(op.target)
+    windowed = [(i, w.dim) for w in (entry.windows(op) if entry and entry.windows else [])
+                for i in (w.slot, len(op.inputs))]
     out: list[Strategy] = []
     for combo in itertools.product(one_axis, repeat=mesh.ndim):
         tilings = [
@@ -242,6 +262,9 @@ def expand(op: OpSpec, mesh: Mesh, one_axis: list[Strategy1D] | None = None) -> 
             is_valid(t, spec.shape, mesh) and not has_empty_tile(tuple(t), tuple(spec.shape), mesh)
             for t, spec in zip(tilings, specs)
         )
+        if ok and windowed:
+            most = 1 if SPATIAL_SPLITS[0] else 0  # ``window.spatial_splits(False)``: none at all
+            ok = all(sum(1 for pl in tilings[i] if pl == Shard(d)) <= most for i, d in windowed)
         if ok:
             for s in combo:
                 for (i, d) in s.even:

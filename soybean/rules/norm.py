@@ -8,15 +8,22 @@ per-feature affine map.  A dim may be sharded only if no statistic spans it:
 * ``group_norm`` (statistics over channels-in-a-group x spatial): batch only;
 * ``batch_norm`` (statistics over every dim but channels ``1``): channels, with
   weight, bias and running stats ``S(0)`` — the in-place running-stat update
-  is per channel too.  Batch or spatial splits change training statistics, so
-  they are listed only in eval mode with running stats (a per-channel affine map).
+  is per channel too.  Batch or spatial splits: in eval mode with running stats
+  (a per-channel affine map) as they are; in training the per-channel sums are
+  added across the split axes (``sync_args``; the program runs
+  ``runtime.syncnorm.sb_batch_norm``, SyncBatchNorm's maths, exact to rounding),
+  weight, bias and running stats ``R``.
 
 None is linear (mean subtraction, scaling by a data-dependent std): no ``P``.
 """
 from __future__ import annotations
 
+import math
+from typing import Any
+
+from ..runtime.syncnorm import sb_batch_norm
 from ._common import Args, R, Shard
-from .base import ELEMENTWISE, OpSpec, Strategy1D, register
+from .base import ELEMENTWISE, OpSpec, Strategy, Strategy1D, register
 
 
 @register("aten.layer_norm.default", "aten.rms_norm.default", family="norm", cost=ELEMENTWISE)
@@ -37,12 +44,23 @@ def group_norm(op: OpSpec) -> list[Strategy1D]:
 _BN_PARAMS = ("weight", "bias", "running_mean", "running_var")
 
 
-@register("aten.batch_norm.default", family="norm", cost=ELEMENTWISE)
+def batch_norm_sync_args(op: OpSpec, st: Strategy) -> dict[str, Any]:
+    """In training, ``axes``: those splitting the input along a non-channel dim (its statistics sum there),
+    and ``count``: the whole input's elements per channel."""
+    if not Args(op)["training"]:
+        return {}
+    axes = tuple(axis for axis, pl in enumerate(st.inputs[0]) if isinstance(pl, Shard) and pl.dim != 1)
+    shape = op.inputs[0].shape
+    return {"axes": axes, "count": math.prod(shape) // shape[1]} if axes else {}
+
+
+@register("aten.batch_norm.default", family="norm", cost=ELEMENTWISE, sync_args=batch_norm_sync_args,
+          sync_call=sb_batch_norm)
 def batch_norm(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.spec("input")
     assert x is not None
     found = [a.strategy({"input": Shard(1), **{p: Shard(0) for p in _BN_PARAMS}}, Shard(1))]
-    if not a["training"] and a.spec("running_mean") and a.spec("running_var"):
+    if a["training"] or (a.spec("running_mean") and a.spec("running_var")):
         found += [a.strategy({"input": Shard(d)}, Shard(d)) for d in range(x.ndim) if d != 1]
     return found

@@ -12,8 +12,23 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..mesh import Mesh, all_coords
+from ..runtime.launch import run_threads
 from ..tiling import Partial, Placement, R, Replicate, assemble, local_shape, shard
 from .base import OpSpec, Strategy, expand, lookup, make_opspec
+from .window import Window, crops, halos, local_rows, windows_of
+
+
+def cut_window(x: torch.Tensor, split: list[tuple[int, Window]], mesh: Mesh, coords: tuple[int, ...]) -> torch.Tensor:
+    """The rows of ``x`` (whole along the windowed dims) that the device at ``coords`` reads, the op's fill
+    outside the tensor: what the halo exchange delivers."""
+    for axis, w in split:
+        s, e = w.members(mesh.shape[axis])[coords[axis]]
+        out = x.new_full(tuple(e - s if d == w.dim else n for d, n in enumerate(x.shape)), w.fill)
+        lo, hi = max(s, 0), min(e, x.shape[w.dim])
+        if hi > lo:
+            out.narrow(w.dim, lo - s, hi - lo).copy_(x.narrow(w.dim, lo, hi - lo))
+        x = out
+    return x
 
 
 def shard_exact(
@@ -51,13 +66,21 @@ def run_local(
     mesh: Mesh,
     gen: torch.Generator,
 ) -> dict[tuple[int, ...], list[torch.Tensor]]:
-    """Every device's output tiles of ``target`` under ``strategy``."""
+    """Every device's output tiles of ``target`` under ``strategy``; a windowed input is cut whole along its
+    split dims, then each device's window of it (``cut_window``), and the outputs cropped (``window.crops``)."""
     leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    tiles = [shard_exact(leaves[i], t, mesh, gen) for i, t in zip(tensor_pos, strategy.inputs)]
+    split = halos(windows_of(op), strategy)
+    tiles = []
+    for slot, (i, t) in enumerate(zip(tensor_pos, strategy.inputs)):
+        mine = [(axis, w) for axis, w in split if w.slot == slot]
+        whole = tuple(R if any(axis == a for a, _ in mine) else pl for axis, pl in enumerate(t))
+        tl = shard_exact(leaves[i], whole, mesh, gen)
+        tiles.append({c: cut_window(x, mine, mesh, c) for c, x in tl.items()} if mine else tl)
     entry = lookup(target)
-    result: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    for coords in all_coords(mesh):
+    sync = entry.sync_args(op, strategy) if entry is not None and entry.sync_args is not None else {}
+
+    def device(coords: tuple[int, ...]) -> list[torch.Tensor]:
         local = list(leaves)
         for i, tl in zip(tensor_pos, tiles):
             local[i] = tl[coords]
@@ -66,9 +89,21 @@ def run_local(
             in_shapes = [local_shape(s.shape, t, mesh, coords) for s, t in zip(op.inputs, strategy.inputs)]
             out_shapes = [local_shape(s.shape, t, mesh, coords) for s, t in zip(op.outputs, strategy.outputs)]
             a, k = entry.localize(op, a, k, in_shapes, out_shapes)
-        out, _ = tree_flatten(target(*a, **k))
-        result[coords] = [o for o in out if isinstance(o, torch.Tensor)]
-    return result
+        if split and entry is not None and entry.window_args is not None:
+            a, k = entry.window_args(op, a, k, local_rows(split, mesh, coords))
+        fn = target
+        if sync and entry is not None and entry.sync_call is not None:
+            fn, k = entry.sync_call, {**k, **sync}
+        out, _ = tree_flatten(fn(*a, **k))
+        outs = [o for o in out if isinstance(o, torch.Tensor)]
+        for dim, start, length in crops(split, mesh, coords):
+            outs[0] = outs[0].narrow(dim, start, length)
+        return outs
+
+    if sync:  # the devices sum statistics: run them as threads of one ThreadWorld
+        ranks = run_threads(mesh, lambda rank, groups: device(mesh.coords(rank)), timeout_s=60)
+        return {mesh.coords(r): outs for r, outs in enumerate(ranks)}
+    return {coords: device(coords) for coords in all_coords(mesh)}
 
 
 _TWO_WAY = Mesh((2,))  # check_op's default mesh (immutable, so one shared instance is safe)

@@ -17,11 +17,15 @@ to_partial         R -> P              --                    identity
 grad_all_reduce    R -> R              --                    all_reduce (before), the gradient
                                                              sync (Megatron's ``f``)
 grad_to_partial    R -> R              --                    keep the gradient on member 0 only
+halo               S(d) -> S(d)        point-to-point rows   the halo gradients sent back to
+                   (its window)        of the neighbours     their owners and summed
 =================  ==================  ====================  ====================================
 
 "before"/"after" name the tiling whose local tile is the collective's message ``m`` (priced by
 ``cost.collectives``): the full result for all-gather, the full input for reduce-scatter, the
-local buffer for all-reduce and all-to-all.  ``RING_FACTOR`` gives each collective's bytes sent
+local buffer for all-reduce and all-to-all.  A ``halo`` step is not a reshard between two tilings
+but a windowed op's read of its input (``rules.window``); ``cost.collectives.halo_cost`` prices it
+by its rows, and the op's strategy carries that cost.  ``RING_FACTOR`` gives each collective's bytes sent
 per device, ``f (p - 1) / p * m`` on a group of ``p``.  The runtime call is the ``sb_*``
 function of :mod:`.context` that a generated program makes; its autograd ``Function`` (with
 the adjoint written next to it) is in :mod:`.collectives`.
@@ -51,6 +55,9 @@ class Step:
     dim: int = -1      # the dim gathered / sliced / scattered (all_to_all: source dim)
     dim2: int = -1     # all_to_all: destination dim
     grad_partial: bool = False  # all_gather only: backward is reduce_scatter
+    full: int = 0               # halo only: length of ``dim``
+    windows: tuple[tuple[int, int], ...] = ()  # halo only: every member's rows [s, e) of ``dim``
+    fill: float = 0.0           # halo only: the value of rows outside [0, full)
 
     def __str__(self) -> str:
         extra = KINDS[self.kind].describe(self)
@@ -105,12 +112,15 @@ _KINDS = (
     Kind("all_reduce", lambda p, s: R, Priced("all_reduce", "before"), None, ctx.sb_all_reduce, lambda s, after: ()),
     Kind("reduce_scatter", lambda p, s: Shard(s.dim), Priced("reduce_scatter", "before"),
          Priced("all_gather", "before"), ctx.sb_reduce_scatter, lambda s, after: (s.dim,), _dim),
-    Kind("all_to_all", lambda p, s: Shard(s.dim2), Priced("all_to_all", "before"), Priced("all_to_all", "before"),
+    # The adjoint all-to-all's message is the gradient's local buffer, tiled like the step's result.
+    Kind("all_to_all", lambda p, s: Shard(s.dim2), Priced("all_to_all", "before"), Priced("all_to_all", "after"),
          ctx.sb_all_to_all, lambda s, after: (s.dim, s.dim2, after[s.dim]), lambda s: f"S({s.dim})->S({s.dim2})"),
     Kind("to_partial", lambda p, s: Partial(), None, None, ctx.sb_to_partial, lambda s, after: ()),
     Kind("grad_all_reduce", _same, None, Priced("all_reduce", "before"), ctx.sb_grad_all_reduce, lambda s, after: (),
          gradient_sync=True),
     Kind("grad_to_partial", _same, None, None, ctx.sb_grad_to_partial, lambda s, after: ()),
+    Kind("halo", _same, Priced("halo", "before"), Priced("halo", "before"), ctx.sb_halo,
+         lambda s, after: (s.dim, s.full, s.windows, s.fill), _dim),
 )
 KINDS: dict[str, Kind] = {k.name: k for k in _KINDS}
 
