@@ -229,7 +229,10 @@ class Lowering:
         if sync and entry is not None and entry.sync_call is not None:  # statistics summed across tiles
             target, kwargs = entry.sync_call, {**kwargs, **sync}
         assert callable(target)  # a call_function node's target is the function
-        out = self.g.call_function(target, tuple(args), dict(kwargs))
+        if split:  # it saves its halo windows as their halo rows (the tile is kept anyway)
+            out = self.g.call_function(rt.sb_windowed, (target, *args), dict(kwargs))
+        else:
+            out = self.g.call_function(target, tuple(args), dict(kwargs))
         out.name = node.name
         for dim, start, length in crops(split, self.mesh, self.coords):  # the op ran on more rows than mine
             out = self.g.call_function(torch.ops.aten.narrow.default, (out, dim, start, length))

@@ -30,6 +30,7 @@ from .context import (
     sb_reduce_scatter,
     sb_shard,
     sb_to_partial,
+    sb_windowed,
     use_groups,
 )
 from .launch import default_backend, init_from_env, run_threads, spawn
@@ -40,5 +41,5 @@ __all__ = [
     "grad_to_partial", "halo",
     "use_groups", "current_groups", "sb_shard", "sb_all_gather", "sb_all_reduce", "sb_reduce_scatter",
     "sb_all_to_all", "sb_to_partial", "sb_grad_all_reduce", "sb_grad_to_partial", "sb_halo",
-    "spawn", "init_from_env", "run_threads", "default_backend",
+    "sb_windowed", "spawn", "init_from_env", "run_threads", "default_backend",
 ]

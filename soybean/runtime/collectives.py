@@ -24,6 +24,8 @@ inputs that do not require grad.
 """
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ from ..tiling import chunk_range
 from .comm import Group, take_chunk
 
 __all__ = ["shard_slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "to_partial", "grad_all_reduce",
-           "grad_to_partial", "halo", "sum_across"]
+           "grad_to_partial", "halo", "sum_across", "windowed_call"]
 
 
 def _my_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
@@ -347,10 +349,54 @@ def sum_across(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _SumAcross.apply(x, group)
 
 
+# Windows made by ``halo`` -> how to rebuild each from the tile it came from (see ``windowed_call``).
+_WINDOWS: dict[int, tuple[weakref.ref, torch.Tensor, int, int, int, int]] = {}
+
+
+def _forget(key: int) -> None:
+    _WINDOWS.pop(key, None)
+
+
 def halo(x: torch.Tensor, group: Group, dim: int, full: int, windows: Windows, fill: float = 0.0) -> torch.Tensor:
     """My window ``windows[index]`` of the S(dim) tensor (length ``full``) with ``fill`` outside it; backward
     returns the window gradients to the rows' owners and sums them (see :class:`_Halo`)."""
     dim = dim % x.ndim
     if group.size == 1 and windows[0] == (0, full):
         return x
-    return _Halo.apply(x, group, dim, full, windows, fill)
+    out = _Halo.apply(x, group, dim, full, windows, fill)
+    s, e = windows[group.index]
+    lo, _ = chunk_range(full, group.size, group.index)
+    a, b = _overlap((s, e), chunk_range(full, group.size, group.index))
+    if b > a:  # the window is my rows [a, b) with others' rows and fill around them
+        _WINDOWS[id(out)] = (weakref.ref(out), x, dim, a - lo, a - s, b - a)
+        weakref.finalize(out, _forget, id(out))
+    return out
+
+
+def _pack(t: torch.Tensor) -> Any:
+    """A halo window an op saves for backward is kept as its rows from others (and fill) only: its own
+    rows are the tile, which the program keeps anyway."""
+    hit = _WINDOWS.get(id(t))
+    if hit is None or hit[0]() is not t:
+        return t
+    _, x, dim, at, off, n = hit
+    before = t.narrow(dim, 0, off).clone()
+    after = t.narrow(dim, off + n, t.shape[dim] - off - n).clone()
+    return (x, x._version, dim, at, n, before, after)
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, torch.Tensor):
+        return packed
+    x, version, dim, at, n, before, after = packed
+    if x._version != version:
+        raise RuntimeError("a tile that a halo window was built from was modified in place before backward")
+    return torch.cat([before, x.detach().narrow(dim, at, n), after], dim)
+
+
+def windowed_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` for an op that reads halo windows: what it saves for backward keeps each
+    window as its halo rows only and rebuilds it from the tile in backward (``_pack``), so a split
+    activation is not held twice, as its tile and as its window."""
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        return fn(*args, **kwargs)

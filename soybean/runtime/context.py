@@ -9,8 +9,9 @@ captured by each autograd node in forward, so backward does not need the context
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from .pending import all_reduce_lazy
 
 __all__ = ["use_groups", "current_groups", "sb_shard", "sb_all_gather", "sb_all_reduce", "sb_all_reduce_lazy",
            "sb_reduce_scatter", "sb_all_to_all", "sb_to_partial", "sb_grad_all_reduce",
-           "sb_grad_to_partial", "sb_halo"]
+           "sb_grad_to_partial", "sb_halo", "sb_windowed"]
 
 _local = threading.local()
 
@@ -103,3 +104,9 @@ def sb_halo(x: torch.Tensor, axis: int, dim: int, full: int, windows: C.Windows,
     """S(dim) -> my window ``windows[coordinate]`` of rows of the length-``full`` dim along mesh ``axis``
     (neighbours' rows by point-to-point, ``fill`` outside the tensor); backward returns the halo gradients."""
     return C.halo(x, _group(axis), dim, full, windows, fill)
+
+
+def sb_windowed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a windowed op on halo windows, saving each window for backward as its halo rows only
+    (``collectives.windowed_call``)."""
+    return C.windowed_call(fn, *args, **kwargs)
