@@ -230,7 +230,8 @@ class Lowering:
             target, kwargs = entry.sync_call, {**kwargs, **sync}
         assert callable(target)  # a call_function node's target is the function
         if split:  # it saves its halo windows as their halo rows (the tile is kept anyway)
-            out = self.g.call_function(rt.sb_windowed, (target, *args), dict(kwargs))
+            fn: Any = target  # an OpOverload or a function: passed to the runtime call as a constant
+            out = self.g.call_function(rt.sb_windowed, (fn, *args), dict(kwargs))
         else:
             out = self.g.call_function(target, tuple(args), dict(kwargs))
         out.name = node.name
