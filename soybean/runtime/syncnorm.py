@@ -13,9 +13,10 @@ split the input.  Backward, with ``g`` the output gradient and ``d = sum g (x - 
 
 where ``dx`` needs the whole sums (all-reduced again), while ``dw`` and ``db`` stay the member's own
 sums: the weight and bias are replicated and read by split work, so their gradients are partial and
-the gradient sync adds them (``runtime.kinds``' ``grad_all_reduce``).  Sums accumulate in float64
-for float32 inputs (float32 for half types), as PyTorch's CPU kernel does, so results agree with
-serial batch norm to rounding.  Only the input, mean and ``r`` are kept for backward.
+the gradient sync adds them (``runtime.kinds``' ``grad_all_reduce``).  Each tile's statistics come
+from ``torch.var_mean`` and are combined across tiles in float64 for float32 inputs (float32 for half
+types), so results agree with serial batch norm to rounding.  Only the input, mean and ``r`` are kept
+for backward.
 """
 from __future__ import annotations
 
@@ -55,7 +56,13 @@ class _SyncBatchNorm(Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                 groups: Sequence[Group], count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         acc, dims = _acc(x.dtype), [0, *range(2, x.ndim)]
-        sums = _sum(torch.stack([x.sum(dims, dtype=acc), (x * x).sum(dims, dtype=acc)]), groups)
+        # My tile's statistics by torch's own kernel, combined across tiles in the accumulation type (Chan
+        # et al.): n_k mean_k and n_k (var_k + mean_k^2) summed, so var = S2 / n - mean^2 is not a small
+        # difference of rounded float32 sums.
+        n_k = x.numel() // max(x.shape[1], 1)
+        var_k, mean_k = torch.var_mean(x, dims, correction=0)
+        mean_k, var_k = mean_k.to(acc), var_k.to(acc)
+        sums = _sum(torch.stack([n_k * mean_k, n_k * (var_k + mean_k * mean_k)]), groups)
         mean = sums[0] / count
         var = (sums[1] / count - mean * mean).clamp_min(0)
         r = torch.rsqrt(var + eps)
@@ -73,8 +80,8 @@ class _SyncBatchNorm(Function):
         x, weight, mean, r = ctx.saved_tensors
         acc, dims, n = _acc(x.dtype), [0, *range(2, x.ndim)], ctx.count
         view = [1, -1] + [1] * (x.ndim - 2)
-        sum_g = g.sum(dims, dtype=acc)
-        dot = (g * x).sum(dims, dtype=acc) - mean * sum_g        # sum g (x - mean), my tile's
+        sum_g = g.sum(dims).to(acc)
+        dot = (g * x).sum(dims).to(acc) - mean * sum_g           # sum g (x - mean), my tile's
         whole = _sum(torch.stack([sum_g, dot]), ctx.groups)
         w = weight.to(acc) if weight is not None else torch.ones_like(r)
         k1 = r * w                                                # dx = g k1 + x k2 + k3, per channel
