@@ -35,7 +35,7 @@ from ..tiling import chunk_range
 from .comm import Group, take_chunk
 
 __all__ = ["shard_slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "to_partial", "grad_all_reduce",
-           "grad_to_partial", "halo", "sum_across", "windowed_call"]
+           "grad_to_partial", "halo", "windowed_call"]
 
 
 def _my_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
@@ -174,23 +174,6 @@ class _GradAllReduce(Function):
     def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        return ctx.group.all_reduce(g), None
-
-
-class _SumAcross(Function):
-    """``y = sum_k x_k`` on every member, where each member's use of ``y`` feeds its own split work
-    (batch-norm statistics of a batch- or space-split input): member k's gradient ``g_k`` is a summand.
-
-    Adjoint: ``sum_k <sum_j x_j, g_k> = sum_j <x_j, sum_k g_k>``: all_reduce both ways.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return group.all_reduce(x)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
@@ -342,11 +325,6 @@ def grad_all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 def grad_to_partial(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward; backward keeps the (replicated) gradient on member 0 only, making it partial."""
     return x if group.size == 1 else _GradToPartial.apply(x, group)
-
-
-def sum_across(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """``sum_k x_k`` used by split work on every member: all_reduce forward and backward."""
-    return x if group.size == 1 else _SumAcross.apply(x, group)
 
 
 # Windows made by ``halo`` -> how to rebuild each from the tile it came from (see ``windowed_call``).
