@@ -45,6 +45,8 @@ class Plan:
     # repeated layers solved with shared decision variables: used, runs (prefix, [first, last] layer,
     # count), variables [untied, tied]
     tying: dict[str, Any] = field(default_factory=dict)
+    # the modelled per-device peak by what holds it (``planner.memory_breakdown``), bytes
+    memory: dict[str, float] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     # ---- placements as objects ----
@@ -67,6 +69,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["cost"] = {k: _sig(v) for k, v in self.cost.items()}
+        d["memory"] = {k: _sig(v) for k, v in self.memory.items()}
         d["baselines"] = {k: {kk: _sig(vv) if isinstance(vv, float) else vv for kk, vv in v.items()}
                           for k, v in self.baselines.items()}
         d["solver"] = {**self.solver, "seconds": round(float(self.solver.get("seconds", 0.0)), 1)}

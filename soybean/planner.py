@@ -21,6 +21,7 @@ import torch
 from . import rules
 from .baselines import batch_split, model_parallel_domains, price as price_baselines
 from .capture import Captured, CaptureError, capture
+from .cost.memory import PARAM_COPIES, stored_bytes
 from .cost.profiles import Profile, load_profile
 from .graph import Edge, PlanGraph, build
 from .mesh import Mesh, factorizations
@@ -336,10 +337,34 @@ def to_plan(
                 "objective": sol.objective, "bound": sol.bound,
                 "gap": 0.0 if sol.status == "optimal" else relative_gap(sol.objective, sol.bound)},
         meshes=[{"mesh": list(x.graph.mesh.shape), "objective": x.value(objective)} for x in all_results],
-        fallback_ops=g.fallback_ops, layers=layer_rows(g, sol),
+        fallback_ops=g.fallback_ops, layers=layer_rows(g, sol), memory=memory_breakdown(g, sol),
         tying={"used": bool(r.runs), "runs": [x.record() for x in r.runs],
                "variables": [len(g.vars), len(g.vars) - sum(len(b) for x in r.runs for b in x.blocks[1:])]},
     )
+
+
+def memory_breakdown(g: PlanGraph, sol: Solution) -> dict[str, float]:
+    """The modelled per-device peak (``cost.memory``) by what holds it: a parameter's term is its tile
+    (``parameters``), its gradient's, AdamW's two states (``PARAM_COPIES`` in all) and, on the largest
+    parameter, the step's temporaries; inputs and buffers their tiles; ops what they keep for backward.
+    Nothing is recomputed yet (``recompute_buffers`` 0) and collective buffers are not modelled (0)."""
+    out = dict.fromkeys(("parameters", "gradients", "optimizer_states", "optimizer_temporaries", "activations",
+                         "inputs_and_buffers", "recompute_buffers", "collective_buffers"), 0.0)
+    for vi, (v, c) in enumerate(zip(g.vars, sol.choice)):
+        mem = float(v.memory[c])
+        if v.kind == "param":
+            tile = float(stored_bytes(g.shapes[(vi, 0)], g.dtypes[(vi, 0)].itemsize, [v.strategies[c].outputs[0]],
+                                      g.mesh, 1)[0])
+            out["parameters"] += tile
+            out["gradients"] += tile
+            out["optimizer_states"] += (PARAM_COPIES - 2) * tile
+            out["optimizer_temporaries"] += mem - PARAM_COPIES * tile
+        elif v.kind in ("buffer", "input"):
+            out["inputs_and_buffers"] += mem
+        else:
+            out["activations"] += mem
+    out["peak"] = sum(out.values())
+    return out
 
 
 def edge_steps(g: PlanGraph, e: Edge, sol: Solution) -> list[Step]:

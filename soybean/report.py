@@ -45,6 +45,13 @@ def table(plan: Plan) -> str:
     if "compute_s" in c:
         lines.append(f"{'':<16} = compute {c['compute_s'] * 1e3:.3f} ms + comm {c.get('comm_s', 0) * 1e3:.3f} ms"
                      f" - gradient sync hidden behind backward {c.get('hidden_s', 0) * 1e3:.3f} ms")
+    m = plan.memory
+    if m:
+        lines.append(f"{'memory':<16} {_bytes(m['peak']):>10}/device = parameters {_bytes(m['parameters'])}"
+                     f" + gradients {_bytes(m['gradients'])} + optimizer states {_bytes(m['optimizer_states'])}"
+                     f" (+ step temporaries {_bytes(m['optimizer_temporaries'])}) + activations kept "
+                     f"{_bytes(m['activations'])} + inputs and buffers {_bytes(m['inputs_and_buffers'])}"
+                     f" (recompute buffers {_bytes(m['recompute_buffers'])}; collective buffers not modelled)")
     for k, v in plan.baselines.items():
         lines.append(_total(k, v))
     if plan.meshes and len(plan.meshes) > 1:

@@ -154,3 +154,19 @@ def test_per_rank_peak_within_10_percent(name: str, mode: str) -> None:
 
     peak = max(run_threads(Mesh(tuple(p.mesh)), rank_fn))
     assert abs(p.cost["memory_bytes"] - peak) <= 0.10 * peak, (p.cost["memory_bytes"], peak)
+
+
+@pytest.mark.parametrize("name,devices", [("mlp", 2), ("transformer", 4)])
+def test_memory_breakdown_adds_up(name: str, devices: int) -> None:
+    """The plan's memory breakdown sums to its modelled peak; a parameter's gradient is its size and AdamW's
+    states twice it; the table prints the breakdown."""
+    from soybean.report import table
+
+    model, inputs = MODELS[name]()
+    p = make_plan(model, inputs, devices=devices, baselines=False)
+    m = p.memory
+    parts = sum(v for k, v in m.items() if k != "peak")
+    assert m["peak"] == pytest.approx(parts) and m["peak"] == pytest.approx(p.cost["memory_bytes"], rel=1e-5)
+    assert m["gradients"] == m["parameters"] > 0 and m["optimizer_states"] == pytest.approx(2 * m["parameters"])
+    assert m["activations"] > 0 and m["optimizer_temporaries"] >= 0 and m["recompute_buffers"] == 0
+    assert "memory " in table(p) and "optimizer states" in table(p)
