@@ -21,6 +21,7 @@ from .mesh import Mesh
 from .module import ParallelModule
 from .plan import Plan
 from .planner import plan as make_plan
+from .precision import policy
 from .runtime.comm import Group
 
 
@@ -30,7 +31,7 @@ def _resolve_plan(plan: Plan | str | Path | None) -> Plan | None:
     return Plan.load(plan)
 
 
-def check_plan(p: Plan, fingerprint: str, world: int) -> None:
+def check_plan(p: Plan, fingerprint: str, world: int, precision: str | None = None) -> None:
     """Raise ``ValueError`` naming the mismatch when ``p`` cannot run here."""
     if p.devices != world:
         raise ValueError(f"plan is for {p.devices} devices but the world size is {world}: "
@@ -38,14 +39,21 @@ def check_plan(p: Plan, fingerprint: str, world: int) -> None:
     if p.fingerprint != fingerprint:
         raise ValueError("plan was made for another model or other input shapes (fingerprint "
                          f"{p.fingerprint} != {fingerprint}): re-run `soybean plan` for this model and batch")
+    if precision is not None and p.precision != precision:
+        raise ValueError(f"plan computes in {p.precision} but precision={precision!r} was asked: re-plan with "
+                         f"--precision {precision} or drop the argument")
 
 
 def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int | None = None,
                 mesh: tuple | Mesh | None = None, plan: Plan | str | Path | None = None, objective: str = "time",
                 profile: str | None = None, mode: str = "auto", rank: int | None = None,
                 groups: Sequence[Group] | None = None, captured: Captured | None = None,
-                local_batch: bool = False, gpus_per_node: int | None = None) -> ParallelModule:
+                local_batch: bool = False, gpus_per_node: int | None = None,
+                precision: str | None = None) -> ParallelModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
+
+    ``precision``: ``fp32`` or ``bf16-mixed`` (``soybean.precision``: bf16 compute from fp32 master weights,
+    which are the module's parameters, so the optimizer updates fp32); default: the plan's, else fp32.
 
     ``gpus_per_node``: devices per node; mesh axes whose groups cross nodes are priced at the profile's
     inter-node link (``h100-nvlink-ib``).
@@ -87,8 +95,9 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
                          f"launch {devices} processes or pass devices={world}")
     if mesh_obj is not None and mesh_obj.size != world:
         raise ValueError(f"mesh {mesh_obj} has {mesh_obj.size} devices but the world size is {world}")
-    cap = captured or capture(model, example_inputs)
     p = _resolve_plan(plan)
+    prec = policy(precision).name if precision is not None else (p.precision if p is not None else "fp32")
+    cap = captured or capture(model, example_inputs, precision=prec)
     if p is None:
         def make() -> Plan:
             return make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode,
@@ -102,7 +111,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
             received = box[0]
             assert received is not None  # rank 0 sent its plan
             p = Plan.from_dict(json.loads(received))
-    check_plan(p, cap.fingerprint, world)
+    check_plan(p, cap.fingerprint, world, cap.precision)
     pmesh = Mesh(tuple(p.mesh))
     if groups is None:
         from .runtime.comm import torch_groups

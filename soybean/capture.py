@@ -35,6 +35,8 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .precision import compute_inputs, compute_model, policy
+
 
 class CaptureError(RuntimeError):
     """The model could not be captured; the message names the construct and a fix."""
@@ -50,6 +52,7 @@ class Captured:
     inputs: list[str]                 # user-input placeholder names, in call order
     aliases: dict[str, str] = field(default_factory=dict)  # tied FQN -> the FQN the graph uses
     fingerprint: str = ""             # identifies model structure + input shapes
+    precision: str = "fp32"           # the policy it was captured under (``soybean.precision``)
 
     @property
     def graph(self) -> fx.Graph:
@@ -71,11 +74,16 @@ _EXPORT_LOCK = threading.Lock()  # torch.export patches global state: one captur
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None, *,
-            passes: Sequence[Pass] | None = None) -> Captured:
+            passes: Sequence[Pass] | None = None, precision: str = "fp32") -> Captured:
     """Export ``model(*example_inputs)`` at aten level (training IR), name its placeholders and
-    rewrite the graph with ``passes`` (default ``PASSES``; another list is for inspecting a pass)."""
+    rewrite the graph with ``passes`` (default ``PASSES``; another list is for inspecting a pass).
+    ``precision``: capture the model as that policy computes it (``soybean.precision``)."""
+    pol = policy(precision)
+    model, example_inputs = compute_model(model, pol), compute_inputs(tuple(example_inputs), pol)
     with _EXPORT_LOCK:
-        return _capture(model, example_inputs, example_kwargs, passes)
+        cap = _capture(model, example_inputs, example_kwargs, passes)
+    cap.precision = pol.name
+    return cap
 
 
 def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None,

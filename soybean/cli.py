@@ -73,7 +73,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         p = plan(model, inputs, a.devices, mesh=mesh, objective=a.objective, profile=profile, solver=a.solver,
                  memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node, progress=line,
-                 tie_layers=not a.no_tie, gap=gap)
+                 tie_layers=not a.no_tie, gap=gap, precision=a.precision)
     for w in caught:
         if "soybean" in str(w.message):
             print(f"warning: {w.message}", file=sys.stderr)
@@ -148,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu-gloo, h100-nvlink, h100-nvlink-ib or a JSON file from `soybean calibrate`")
     p.add_argument("--memory-gb", type=float, default=None, help="per-device memory budget")
     p.add_argument("--solver", choices=["ilp", "dp"], default="ilp")
+    from .precision import POLICIES
+
+    p.add_argument("--precision", choices=list(POLICIES), default="fp32",
+                   help="fp32, or bf16-mixed: bf16 compute from fp32 master weights and AdamW states, "
+                        "gradients reduced in bf16")
     p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
                    help="devices per node: axes crossing nodes are priced at the profile's inter-node link")

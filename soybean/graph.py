@@ -48,6 +48,7 @@ from .cost.memory import activation_bytes, activation_key, param_bytes
 from .cost.profiles import Profile
 from .mesh import Mesh
 from .plan import Plan
+from .precision import policy
 from .reshard import Route
 from .rules._common import Args
 from .rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, strategies_1d
@@ -117,6 +118,7 @@ class PlanGraph:
     shapes: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)  # placeholder outputs
     dtypes: dict[tuple[int, int], torch.dtype] = field(default_factory=dict)
     written: set[str] = field(default_factory=set)  # placeholders some op updates in place
+    master_itemsize: int = 0  # bytes of a parameter's master copy under a mixed policy (0: as in the graph)
 
 
 class _Memo:
@@ -380,6 +382,8 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
            pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Plan | None,
            gather_axes: tuple[int, ...] = (), share: bool = True) -> PlanGraph:
     g = PlanGraph(mesh, profile)
+    master_dtype = policy(cap.precision).master
+    g.master_itemsize = master_dtype.itemsize if master_dtype is not None else 0
     needs_grad: dict[str, bool] = {}
     fallback: set[str] = set()
     uses = value_uses(cap.graph)
@@ -405,8 +409,11 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
                 tilings = [t for t in tilings if is_valid(t, shape, mesh)] or [full]
             strategies = [Strategy((), (t,)) for t in tilings]
             needs_grad[node.name] = kind == "param" and val.dtype.is_floating_point
-            mem = param_bytes(node, shape, val.dtype.itemsize, tilings, mesh, kind)
-            opt_s = optimizer_step_seconds(shape, val.dtype.itemsize, tilings, mesh, profile, needs_grad[node.name])
+            # Under a mixed policy a parameter is stored, and updated, as its master (``g.master_itemsize``).
+            master_b = g.master_itemsize if needs_grad[node.name] and g.master_itemsize else 0
+            mem = param_bytes(node, shape, val.dtype.itemsize, tilings, mesh, kind, master_b)
+            opt_s = optimizer_step_seconds(shape, master_b or val.dtype.itemsize, tilings, mesh, profile,
+                                           needs_grad[node.name])
             vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=needs_grad[node.name]))
             g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
             g.vars[vi].pinned = pin_params and kind == "param" and fqn in domains

@@ -20,6 +20,7 @@ from .capture import Captured
 from .codegen.lower import emit_reshard, lower
 from .mesh import Mesh
 from .plan import Plan
+from .precision import policy
 from .reshard import Route
 from .runtime.comm import Group
 from .runtime.context import use_groups
@@ -65,6 +66,8 @@ class ParallelModule(nn.Module):
         self._groups = list(groups)
         self.plan = plan
         self._cap = cap
+        # Parameters are kept as the policy's masters (the model's own dtype); buffers as it computes them.
+        self._policy = pol = policy(plan.precision)
         state: dict[str, torch.Tensor] = dict(model.named_parameters())
         state.update(dict(model.named_buffers()))
         self._order: list[tuple[str, str]] = []  # (kind, fqn) in placeholder order
@@ -79,14 +82,16 @@ class ParallelModule(nn.Module):
                 continue
             tiling = plan.param_tiling(fqn) if fqn in plan.params else (R,) * mesh.ndim
             with torch.no_grad():
-                _attach(self, fqn, local_tile(state[fqn].detach(), tiling, mesh, self._coords), kind)
+                tile = local_tile(state[fqn].detach(), tiling, mesh, self._coords)
+                _attach(self, fqn, tile if kind == "param" else pol.cast(tile), kind)
             self._order.append((kind, fqn))
         object.__setattr__(self, "program", lower(cap, plan, rank))  # not a submodule: no params of its own
         sync = self.program.meta.get("grad_sync", {})
         # A tied weight is one parameter behind two placeholders: sync it once.
         synced = list(dict.fromkeys(fqn for kind, fqn in self._order if fqn in sync))
         self._grad_sync = (
-            GradSync([(self.get_parameter(fqn), sync[fqn]) for fqn in synced], self._groups) if sync else None
+            GradSync([(self.get_parameter(fqn), sync[fqn]) for fqn in synced], self._groups,
+                     reduce_dtype=pol.compute) if sync else None
         )
 
     def local_slice(self, x: torch.Tensor, input_index: int = 0) -> torch.Tensor:
@@ -100,8 +105,9 @@ class ParallelModule(nn.Module):
         return self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn)
 
     def forward(self, *args: Any) -> Any:
-        state = [self._tensor(k, f) for k, f in self._order]
-        user = [a for a in args]
+        # The policy's compute copies: a parameter cast from its master (differentiable), inputs cast.
+        state = [self._policy.cast(self._tensor(k, f)) if k == "param" else self._tensor(k, f) for k, f in self._order]
+        user = [self._policy.cast(a) if isinstance(a, torch.Tensor) else a for a in args]
         n_user = len(self._cap.inputs)
         if len(user) != n_user:
             raise TypeError(f"this model takes {n_user} tensor inputs, got {len(user)}")

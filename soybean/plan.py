@@ -47,6 +47,7 @@ class Plan:
     tying: dict[str, Any] = field(default_factory=dict)
     # the modelled per-device peak by what holds it (``planner.memory_breakdown``), bytes
     memory: dict[str, float] = field(default_factory=dict)
+    precision: str = "fp32"  # the policy it computes under (``soybean.precision``)
     schema_version: int = SCHEMA_VERSION
 
     # ---- placements as objects ----

@@ -26,6 +26,7 @@ from .cost.profiles import Profile, load_profile
 from .graph import Edge, PlanGraph, build
 from .mesh import Mesh, factorizations
 from .plan import Plan
+from .precision import policy
 from .reshard import Step
 from .rules.base import OpSpec, Strategy
 from .rules.window import halo_step, halos, windows_of
@@ -188,6 +189,7 @@ def plan(
     progress: Callable[[str], None] | None = None,
     tie_layers: bool = True,
     gap: float = TARGET_GAP,
+    precision: str | None = None,
 ) -> Plan:
     """The best plan for ``model`` on ``devices`` (or on ``mesh``).
 
@@ -202,6 +204,8 @@ def plan(
     ``tie_layers``: repeated isomorphic layers share one set of decision variables (``search.tying``:
     exact pricing, the optimum over tied plans; ``plan.tying`` says which layers).
     ``gap``: each solve stops once its plan is proven within this relative gap of optimal.
+    ``precision``: ``fp32`` (default) or ``bf16-mixed`` (``soybean.precision``); with ``captured=``, the
+    capture's own.
     ``progress``: called with a short line at each stage (capture, each mesh shape with its optimum and
     gap, the baselines).
     """
@@ -221,9 +225,12 @@ def plan(
     prof = profile if isinstance(profile, Profile) else load_profile(profile)
     if captured is not None:
         cap = captured
+        if precision is not None and policy(precision).name != cap.precision:
+            raise ValueError(f"precision {precision!r} but captured= was captured under {cap.precision!r}: "
+                             f"capture with precision={precision!r}")
     elif model is not None:
         say("capture")
-        cap = capture(model, tuple(example_inputs))
+        cap = capture(model, tuple(example_inputs), precision=policy(precision).name)
     else:
         raise CaptureError("could not capture: plan() was given neither a model nor captured=")
     budget = memory_gb * 2**30 if memory_gb else None
@@ -338,6 +345,7 @@ def to_plan(
                 "gap": 0.0 if sol.status == "optimal" else relative_gap(sol.objective, sol.bound)},
         meshes=[{"mesh": list(x.graph.mesh.shape), "objective": x.value(objective)} for x in all_results],
         fallback_ops=g.fallback_ops, layers=layer_rows(g, sol), memory=memory_breakdown(g, sol),
+        precision=cap.precision,
         tying={"used": bool(r.runs), "runs": [x.record() for x in r.runs],
                "variables": [len(g.vars), len(g.vars) - sum(len(b) for x in r.runs for b in x.blocks[1:])]},
     )
@@ -345,7 +353,8 @@ def to_plan(
 
 def memory_breakdown(g: PlanGraph, sol: Solution) -> dict[str, float]:
     """The modelled per-device peak (``cost.memory``) by what holds it: a parameter's term is its tile
-    (``parameters``), its gradient's, AdamW's two states (``PARAM_COPIES`` in all) and, on the largest
+    (``parameters``; under a mixed policy its master and its compute copy), its gradient's, AdamW's two
+    states (``PARAM_COPIES`` in all, of the master) and, on the largest
     parameter, the step's temporaries; inputs and buffers their tiles; ops what they keep for backward.
     Nothing is recomputed yet (``recompute_buffers`` 0) and collective buffers are not modelled (0)."""
     out = dict.fromkeys(("parameters", "gradients", "optimizer_states", "optimizer_temporaries", "activations",
@@ -353,12 +362,14 @@ def memory_breakdown(g: PlanGraph, sol: Solution) -> dict[str, float]:
     for vi, (v, c) in enumerate(zip(g.vars, sol.choice)):
         mem = float(v.memory[c])
         if v.kind == "param":
-            tile = float(stored_bytes(g.shapes[(vi, 0)], g.dtypes[(vi, 0)].itemsize, [v.strategies[c].outputs[0]],
-                                      g.mesh, 1)[0])
-            out["parameters"] += tile
+            shape, tiling, itemsize = g.shapes[(vi, 0)], [v.strategies[c].outputs[0]], g.dtypes[(vi, 0)].itemsize
+            master = g.master_itemsize if v.needs_grad and g.master_itemsize else 0
+            tile = float(stored_bytes(shape, master or itemsize, tiling, g.mesh, 1)[0])
+            working = float(stored_bytes(shape, itemsize, tiling, g.mesh, 1)[0]) if master else 0.0
+            out["parameters"] += tile + working  # a mixed policy's master and its compute copy
             out["gradients"] += tile
             out["optimizer_states"] += (PARAM_COPIES - 2) * tile
-            out["optimizer_temporaries"] += mem - PARAM_COPIES * tile
+            out["optimizer_temporaries"] += mem - PARAM_COPIES * tile - working
         elif v.kind in ("buffer", "input"):
             out["inputs_and_buffers"] += mem
         else:

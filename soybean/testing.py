@@ -16,6 +16,7 @@ import torch
 
 from .mesh import Mesh
 from .plan import Plan
+from .precision import Policy, compute_model, policy
 from .runtime.comm import Group
 from .runtime.launch import run_threads
 
@@ -58,11 +59,40 @@ def _train(m: M, inputs: tuple, steps: int, lr: float, grads_of: Callable[[M], G
     return losses, grads
 
 
-def train_serial(model: torch.nn.Module, inputs: tuple, steps: int = 3, lr: float = 1e-3) -> Trace:
+class _UnderPolicy(torch.nn.Module):
+    """A model run serially under a precision policy: its parameters are the masters (this module's, under
+    the model's own names), each step computes with their cast copies and the compute copy's buffers."""
+
+    def __init__(self, model: torch.nn.Module, pol: Policy) -> None:
+        super().__init__()
+        self.pol = pol
+        for k, p in model.named_parameters():  # the masters, named as the model names them
+            self.register_parameter(k.replace(".", "\N{ONE DOT LEADER}"), p)
+        self.work: torch.nn.Module
+        object.__setattr__(self, "work", compute_model(model, pol))  # not a submodule: its params are unused
+
+    def forward(self, *args: object) -> object:
+        params = {k.replace("\N{ONE DOT LEADER}", "."): self.pol.cast(p) for k, p in self._parameters.items()
+                  if p is not None}
+        state = {**params, **dict(self.work.named_buffers())}
+        return torch.func.functional_call(self.work, state, tuple(
+            self.pol.cast(a) if isinstance(a, torch.Tensor) else a for a in args))
+
+
+def train_serial(model: torch.nn.Module, inputs: tuple, steps: int = 3, lr: float = 1e-3,
+                 precision: str | None = None) -> Trace:
+    """``steps`` AdamW steps of a copy of ``model``; under ``precision`` (``soybean.precision``) as the policy
+    trains it: fp32 masters updated by AdamW, compute in the policy's dtype."""
+    pol = policy(precision)
     m = copy.deepcopy(model)
-    losses, grads = _train(m, inputs, steps, lr, _local_grads)
+    if pol.compute is None:
+        losses, grads = _train(m, inputs, steps, lr, _local_grads)
+        return Trace(losses, grads, {k: p.detach().clone() for k, p in m.named_parameters()},
+                     {k: b.clone() for k, b in m.named_buffers()})
+    run = _UnderPolicy(m, pol)
+    losses, grads = _train(run, inputs, steps, lr, lambda r: {k: g for k, g in _local_grads(m).items()})
     return Trace(losses, grads, {k: p.detach().clone() for k, p in m.named_parameters()},
-                 {k: b.clone() for k, b in m.named_buffers()})
+                 {k: b.clone() for k, b in run.work.named_buffers()})
 
 
 def _local_grads(m: torch.nn.Module) -> Grads:
@@ -71,15 +101,17 @@ def _local_grads(m: torch.nn.Module) -> Grads:
 
 def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | str | None = None, *,
                            devices: int | None = None, mesh: tuple | None = None, mode: str = "auto",
-                           objective: str = "time", steps: int = 3, lr: float = 1e-3) -> tuple[Trace, Plan]:
-    """Every rank as a thread: parallelize, train ``steps`` steps, gather full grads/params."""
+                           objective: str = "time", steps: int = 3, lr: float = 1e-3,
+                           precision: str | None = None) -> tuple[Trace, Plan]:
+    """Every rank as a thread: parallelize, train ``steps`` steps, gather full grads/params.  ``precision``:
+    plan under that policy (a given plan brings its own)."""
     from .api import parallelize
     from .capture import capture
     from .planner import plan as make_plan
 
-    cap = capture(model, inputs)
     if isinstance(plan, str):
         plan = Plan.load(plan)
+    cap = capture(model, inputs, precision=plan.precision if plan is not None else policy(precision).name)
     if plan is None:
         plan = make_plan(None, (), captured=cap, devices=devices or (Mesh(mesh).size if mesh else 1), mesh=mesh,
                          mode=mode, objective=objective, baselines=False)

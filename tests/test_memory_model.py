@@ -137,15 +137,17 @@ def test_small_batch_is_an_upper_bound(name: str) -> None:
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("name,mode", [("mlp", "mp"), ("transformer", "dp"), ("transformer", "mp"),
-                                       ("gpt2", "mp"), ("llama", "dp")])
-def test_per_rank_peak_within_10_percent(name: str, mode: str) -> None:
-    """Two ranks as threads, each measuring its own step of the parallel module."""
+@pytest.mark.parametrize("name,mode,precision", [
+    ("mlp", "mp", "fp32"), ("transformer", "dp", "fp32"), ("transformer", "mp", "fp32"), ("gpt2", "mp", "fp32"),
+    ("llama", "dp", "fp32"), ("mlp", "mp", "bf16-mixed"), ("gpt2", "mp", "bf16-mixed"), ("llama", "dp", "bf16-mixed")])
+def test_per_rank_peak_within_10_percent(name: str, mode: str, precision: str) -> None:
+    """Two ranks as threads, each measuring its own step of the parallel module (under bf16-mixed: float32
+    masters and AdamW states, a bfloat16 compute copy, bfloat16 activations)."""
     from soybean.api import parallelize
     from soybean.runtime.launch import run_threads
 
     model, inputs = MODELS[name]()
-    cap = capture(model, inputs)
+    cap = capture(model, inputs, precision=precision)
     p = make_plan(None, (), captured=cap, devices=2, mode=mode, baselines=False)
 
     def rank_fn(rank: int, groups: list) -> int:

@@ -29,8 +29,12 @@ from .comm import Group, Work
 
 class GradSync:
     def __init__(self, params: Sequence[tuple[nn.Parameter, tuple[int, ...]]], groups: Sequence[Group],
-                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0) -> None:
+                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 reduce_dtype: torch.dtype | None = None) -> None:
+        """``reduce_dtype``: all-reduce the gradients in this dtype (a mixed precision policy's compute dtype;
+        ``None``: the parameters' own)."""
         self.groups = list(groups)
+        self.reduce_dtype = reduce_dtype
         self.buckets: list[list[nn.Parameter]] = []
         self.axes: list[tuple[int, ...]] = []
         self._pending: list[tuple[Work, torch.Tensor, int]] = []
@@ -90,11 +94,18 @@ class GradSync:
     def _flush(self, b: int) -> None:
         ps = self.buckets[b]
         grads = [_grad(p).reshape(-1) for p in ps]
+        dtype = self.reduce_dtype or grads[0].dtype
         flat = self._flat[b]
-        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
+        if flat is None or flat.dtype != dtype or flat.device != grads[0].device:
             numel = sum(g.numel() for g in grads)
-            flat = self._flat[b] = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
-        torch.cat(grads, out=flat)
+            flat = self._flat[b] = torch.empty(numel, dtype=dtype, device=grads[0].device)
+        if dtype == grads[0].dtype:
+            torch.cat(grads, out=flat)
+        else:  # reduced in the policy's compute dtype: cast into the bucket, back out in _scatter
+            off = 0
+            for g in grads:
+                flat[off:off + g.numel()].copy_(g)
+                off += g.numel()
         axes = self.axes[b]
         start = getattr(self.groups[axes[0]], "all_reduce_inplace_async", None) if len(axes) == 1 else None
         if start is not None:
