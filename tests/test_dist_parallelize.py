@@ -50,7 +50,7 @@ def _sgd_losses(model: torch.nn.Module, inputs: tuple, steps: int) -> list[float
         loss = model(*inputs)
         loss.backward()
         opt.step()
-        out.append(float(loss))
+        out.append(float(loss.detach()))
     return out
 
 
