@@ -18,38 +18,23 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where a policy is applied: the command line lists POLICIES without it
-    import torch
-    from torch import nn
+import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
 class Policy:
     name: str
-    compute_name: str | None  # floating tensors are computed in this torch dtype (None: as built)
-    master_name: str | None   # parameters are stored and updated in this torch dtype (None: as built)
-
-    @property
-    def compute(self) -> torch.dtype | None:
-        import torch
-
-        return getattr(torch, self.compute_name) if self.compute_name else None
-
-    @property
-    def master(self) -> torch.dtype | None:
-        import torch
-
-        return getattr(torch, self.master_name) if self.master_name else None
+    compute: torch.dtype | None  # floating tensors are computed in this dtype (None: as built)
+    master: torch.dtype | None   # parameters are stored and updated in this dtype (None: as built)
 
     def cast(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` in the compute dtype when it is floating (differentiable: the gradient comes back cast)."""
-        dtype = self.compute
-        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        return t.to(self.compute) if self.compute is not None and t.is_floating_point() else t
 
 
-POLICIES = {"fp32": Policy("fp32", None, None), "bf16-mixed": Policy("bf16-mixed", "bfloat16", "float32")}
+POLICIES = {"fp32": Policy("fp32", None, None), "bf16-mixed": Policy("bf16-mixed", torch.bfloat16, torch.float32)}
 
 
 def policy(name: str | None) -> Policy:
@@ -63,14 +48,11 @@ def policy(name: str | None) -> Policy:
 
 def compute_model(model: nn.Module, p: Policy) -> nn.Module:
     """The model as the policy computes it: itself, or a copy with floating parameters and buffers cast."""
-    dtype = p.compute
-    return model if dtype is None else copy.deepcopy(model).to(dtype)
+    return model if p.compute is None else copy.deepcopy(model).to(p.compute)
 
 
 def compute_inputs(inputs: tuple, p: Policy) -> tuple:
     """The example inputs as the policy feeds them."""
-    import torch
-
     return tuple(p.cast(x) if isinstance(x, torch.Tensor) else x for x in inputs)
 
 

@@ -60,20 +60,17 @@ def _train(m: M, inputs: tuple, steps: int, lr: float, grads_of: Callable[[M], G
 
 
 class _UnderPolicy(torch.nn.Module):
-    """A model run serially under a precision policy: its parameters are the masters (this module's, under
-    the model's own names), each step computes with their cast copies and the compute copy's buffers."""
+    """A model run serially under a precision policy: its parameters are ``model``'s, the masters; each step
+    computes with their cast copies and the compute copy's buffers."""
 
     def __init__(self, model: torch.nn.Module, pol: Policy) -> None:
         super().__init__()
-        self.pol = pol
-        for k, p in model.named_parameters():  # the masters, named as the model names them
-            self.register_parameter(k.replace(".", "\N{ONE DOT LEADER}"), p)
+        self.pol, self.model = pol, model
         self.work: torch.nn.Module
         object.__setattr__(self, "work", compute_model(model, pol))  # not a submodule: its params are unused
 
     def forward(self, *args: object) -> object:
-        params = {k.replace("\N{ONE DOT LEADER}", "."): self.pol.cast(p) for k, p in self._parameters.items()
-                  if p is not None}
+        params = {k: self.pol.cast(p) for k, p in self.model.named_parameters()}
         state = {**params, **dict(self.work.named_buffers())}
         return torch.func.functional_call(self.work, state, tuple(
             self.pol.cast(a) if isinstance(a, torch.Tensor) else a for a in args))
@@ -90,7 +87,7 @@ def train_serial(model: torch.nn.Module, inputs: tuple, steps: int = 3, lr: floa
         return Trace(losses, grads, {k: p.detach().clone() for k, p in m.named_parameters()},
                      {k: b.clone() for k, b in m.named_buffers()})
     run = _UnderPolicy(m, pol)
-    losses, grads = _train(run, inputs, steps, lr, lambda r: {k: g for k, g in _local_grads(m).items()})
+    losses, grads = _train(run, inputs, steps, lr, lambda r: _local_grads(r.model))
     return Trace(losses, grads, {k: p.detach().clone() for k, p in m.named_parameters()},
                  {k: b.clone() for k, b in run.work.named_buffers()})
 
