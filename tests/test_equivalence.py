@@ -107,7 +107,7 @@ def test_local_batch_contract(mesh: tuple, mode: str) -> None:
         assert local[0].shape[0] < inputs[0].shape[0]
         loss = pm(*local)
         loss.backward()
-        return float(loss), _gather_grads(pm)
+        return float(loss.detach()), _gather_grads(pm)
 
     for loss, grads in run_threads(Mesh(mesh), body):
         assert loss == pytest.approx(serial.losses[0], rel=1e-5)
