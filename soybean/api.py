@@ -49,11 +49,14 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
                 profile: str | None = None, mode: str = "auto", rank: int | None = None,
                 groups: Sequence[Group] | None = None, captured: Captured | None = None,
                 local_batch: bool = False, gpus_per_node: int | None = None,
-                precision: str | None = None) -> ParallelModule:
+                precision: str | None = None, recompute: str = "none",
+                memory_gb: float | None = None) -> ParallelModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
 
     ``precision``: ``fp32`` or ``bf16-mixed`` (``soybean.precision``: bf16 compute from fp32 master weights,
     which are the module's parameters, so the optimizer updates fp32); default: the plan's, else fp32.
+
+    ``recompute``: ``none``, ``layers`` or ``auto`` (with ``memory_gb``), as ``soybean plan --recompute``.
 
     ``gpus_per_node``: devices per node; mesh axes whose groups cross nodes are priced at the profile's
     inter-node link (``h100-nvlink-ib``).
@@ -101,7 +104,8 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
     if p is None:
         def make() -> Plan:
             return make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode,
-                             baselines=False, captured=cap, local_batch=local_batch, gpus_per_node=gpus_per_node)
+                             baselines=False, captured=cap, local_batch=local_batch, gpus_per_node=gpus_per_node,
+                             recompute=recompute, memory_gb=memory_gb)
 
         if simulated or world == 1:
             p = make()

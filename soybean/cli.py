@@ -73,7 +73,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         p = plan(model, inputs, a.devices, mesh=mesh, objective=a.objective, profile=profile, solver=a.solver,
                  memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node, progress=line,
-                 tie_layers=not a.no_tie, gap=gap, precision=a.precision)
+                 tie_layers=not a.no_tie, gap=gap, precision=a.precision, recompute=a.recompute)
     for w in caught:
         if "soybean" in str(w.message):
             print(f"warning: {w.message}", file=sys.stderr)
@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--solver", choices=["ilp", "dp"], default="ilp")
     from .precision import POLICIES
 
+    p.add_argument("--recompute", choices=["none", "layers", "auto"], default="none",
+                   help="rerun every layer's forward in backward instead of keeping its activations (layers), "
+                        "or only when no plan fits --memory-gb without it (auto)")
     p.add_argument("--precision", choices=list(POLICIES), default="fp32",
                    help="fp32, or bf16-mixed: bf16 compute from fp32 master weights and AdamW states, "
                         "gradients reduced in bf16")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import gc
 import itertools
 import operator
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -44,7 +44,7 @@ from . import rules
 from .capture import Captured
 from .cost.collectives import op_comm_costs, price_route_ids, route_ids
 from .cost.compute import op_seconds, optimizer_step_seconds
-from .cost.memory import activation_bytes, activation_key, param_bytes
+from .cost.memory import activation_bytes, activation_key, liveness, param_bytes
 from .cost.profiles import Profile
 from .mesh import Mesh
 from .plan import Plan
@@ -52,7 +52,7 @@ from .precision import policy
 from .reshard import Route
 from .rules._common import Args
 from .rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, strategies_1d
-from .tiling import Partial, R, Replicate, Shard, is_valid, parse_placement
+from .tiling import Partial, R, Replicate, Shard, is_valid, max_local_numel, parse_placement
 
 
 @dataclass
@@ -94,6 +94,8 @@ class Edge:
     # A write-back: ``dst`` (an op) updates stored tensor ``src`` (a parameter or buffer) in place
     # through the copy it read in its own tiling, which travels back to the stored tiling.
     write_back: bool
+    # The consumer's layer is recomputed: the read's forward collectives run again in backward (priced in).
+    rerun: bool = False
     # Distinct (tiling, collected partial-gradient axes) of the source's strategies, and
     # (tiling, partial-gradient axes) of the consumer's, with each strategy's index into them.
     src_keys: list[tuple[tuple, tuple[int, ...]]] = field(default_factory=list)
@@ -190,6 +192,91 @@ def _module_path(node: fx.Node) -> str:
     return list(stack.values())[-1][0]
 
 
+def layer_of(module_path: str) -> str:
+    """The layer a module path lies in: a block of a repeated stack, the path up to its first numeric part
+    (``transformer.h.3.attn.c_attn`` -> ``transformer.h.3``); ``""`` for none.  Recomputation's unit."""
+    parts = module_path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return ""
+
+
+def node_layer(node: fx.Node) -> str:
+    """The layer of a captured op (``layer_of`` its module path)."""
+    return layer_of(_module_path(node))
+
+
+def recomputable_layers(cap: Captured) -> list[str]:
+    """The layers whose forward may run twice: none of their ops updates a tensor in place (batch norm's
+    running statistics would move twice) or is windowed (``rules.window``: halo windows pack their own
+    saved tensors)."""
+    layers: dict[str, bool] = {}
+    for n in cap.graph.nodes:
+        if n.op != "call_function" or n.target is operator.getitem or not node_layer(n):
+            continue
+        op = make_opspec(n.target, n.args, n.kwargs, n.meta.get("val"))
+        entry = rules.lookup(n.target)
+        windowed = entry is not None and entry.windows is not None and bool(entry.windows(op))
+        layers[node_layer(n)] = layers.get(node_layer(n), True) and not windowed and not written_inputs(op)
+    return [k for k, ok in layers.items() if ok]
+
+
+class _Rerun:
+    """What recomputing ``layers`` changes (``codegen.recompute``): which ops rerun, which values a layer's
+    checkpoint keeps (those read by a recomputed layer from outside it), which values leave their layer,
+    and, per value used more than once, the layer of its first reader (where lowering emits its shared
+    reshard, so whether that reshard reruns)."""
+
+    def __init__(self, graph: fx.Graph, layers: frozenset[str]) -> None:
+        self.layers = layers
+        self.layer: dict[str, str] = {}
+        self.first: dict[tuple[str, int], str] = {}
+        self.kept: set[tuple[str, int]] = set()    # read by a recomputed layer from outside: its checkpoint keeps it
+        self.leaves: set[tuple[str, int]] = set()  # read outside its producer's layer (or returned)
+        if not layers:
+            return
+        for n in graph.nodes:
+            if n.op == "call_function" and n.target is not operator.getitem:
+                self.layer[n.name] = node_layer(n)
+            if n.op not in ("call_function", "output") or n.target is operator.getitem:
+                continue
+            reader = self.layer.get(n.name, "")
+            for a in tree_flatten((n.args, n.kwargs))[0]:
+                if not isinstance(a, fx.Node) or not isinstance(a.meta.get("val"), torch.Tensor):
+                    continue
+                src: tuple[str, int] = ((str(a.args[0].name), int(a.args[1]))  # type: ignore[union-attr, arg-type]
+                                        if a.target is operator.getitem else (a.name, 0))
+                self.first.setdefault(src, reader)
+                if reader != self.layer.get(src[0], "") or n.op == "output":
+                    self.leaves.add(src)
+                    if reader in layers:
+                        self.kept.add(src)
+        self.count = max(1, len({x for x in self.layer.values() if x in layers}))
+
+    def op(self, name: str) -> bool:
+        return self.layer.get(name, "") in self.layers
+
+    def memory(self, name: str, op: OpSpec, strategies: list[Strategy], mesh: Mesh, mem: np.ndarray,
+               live: frozenset) -> np.ndarray:
+        """An op's bytes at the peak under recomputation.  A recomputed op keeps what leaves its layer (the
+        next checkpoint's input) and, while its layer reruns in backward, its usual bytes: one layer at a
+        time, charged as ``1 / count`` of each recomputed op (exact for a stack of equal layers).  Any
+        other op also keeps its outputs that a recomputed layer's checkpoint holds."""
+        if not self.layers:
+            return mem
+
+        def out_bytes(ks: list[int]) -> np.ndarray:
+            return np.array([sum(max_local_numel(op.outputs[k].shape, s.outputs[k], mesh) * op.outputs[k].dtype.itemsize
+                                 for k in ks) for s in strategies], dtype=float)
+
+        outs = range(len(op.outputs))
+        if self.op(name):
+            return out_bytes([k for k in outs if (name, k) in self.leaves]) + mem / self.count
+        extra = [k for k in outs if (name, k) in self.kept and k not in live]
+        return mem + out_bytes(extra) if extra else mem
+
+
 def _placeholder_tilings(shape: tuple[int, ...], mesh: Mesh) -> list[tuple]:
     options = [R] + [Shard(d) for d in range(len(shape))]
     out = []
@@ -255,7 +342,7 @@ def value_source(g: PlanGraph, a: fx.Node) -> tuple[int, int]:
 
 
 def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int], needs_grad: bool,
-                        fixed: Plan | None = None, memo: _Memo | None = None) -> None:
+                        fixed: Plan | None = None, memo: _Memo | None = None, rerun: _Rerun | None = None) -> None:
     """After adding producer ``vi``: a reshard point for each of its outputs used more than once
     (with ``fixed``, the tiling and partial-gradient axes that plan chose for it)."""
     v = g.vars[vi]
@@ -285,10 +372,11 @@ def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int],
                             op=OpSpec("reshard", (), {}, (spec,), (spec,)), module=v.module,
                             needs_grad=needs_grad, grad_partial=flags, fqn=v.fqn, pinned=v.pinned,
                             gathered=v.gathered))
+        again = rerun is not None and rerun.first.get((v.name, k), "") in rerun.layers  # emitted in a rerun layer
         if memo is not None:  # its domain follows from its producer's class and the output read
-            memo.key[r] = memo.key_id(("reshard", memo.cls[vi], k, needs_grad))
+            memo.key[r] = memo.key_id(("reshard", memo.cls[vi], k, needs_grad, again))
             memo.classify(g, r)
-        _add_edge(g, vi, r, k, 0, needs_grad, memo=memo)
+        _add_edge(g, vi, r, k, 0, needs_grad, memo=memo, rerun=again)
 
 
 def _batch_norm_writes(a: Args) -> tuple[str, ...]:
@@ -344,6 +432,7 @@ def build(
     fixed: Plan | None = None,
     gather_axes: tuple[int, ...] = (),
     share: bool = True,
+    recompute: Collection[str] = (),
 ) -> PlanGraph:
     """Variables and edges of ``cap`` on ``mesh``.
 
@@ -358,10 +447,13 @@ def build(
     the graph codegen lowers.
     ``share``: repeated layers reuse the first one's strategies and priced tables (``_Memo``; False
     prices every variable afresh, as the tests do to check the sharing).
+    ``recompute``: the layers (``codegen.recompute.layer_of``) whose forward reruns in backward (with
+    ``fixed``, the plan's): their ops keep only what leaves the layer, pay one more forward pass, and the
+    forward collectives of the reads inside the layer run again (``_Rerun``).
     """
     with _gc_paused():
         return _build(cap, mesh, profile, objective, domains or {}, pin_params, local_outputs, divide_work, fixed,
-                      tuple(gather_axes), share)
+                      tuple(gather_axes), share, frozenset(fixed.recompute if fixed is not None else recompute))
 
 
 @contextmanager
@@ -380,8 +472,10 @@ def _gc_paused() -> Iterator[None]:
 
 def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains: dict[str, list[tuple]],
            pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Plan | None,
-           gather_axes: tuple[int, ...] = (), share: bool = True) -> PlanGraph:
+           gather_axes: tuple[int, ...] = (), share: bool = True,
+           recompute: frozenset[str] = frozenset()) -> PlanGraph:
     g = PlanGraph(mesh, profile)
+    rerun = _Rerun(cap.graph, recompute)
     master_dtype = policy(cap.precision).master
     g.master_itemsize = master_dtype.itemsize if master_dtype is not None else 0
     needs_grad: dict[str, bool] = {}
@@ -420,7 +514,7 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
             g.vars[vi].gathered = gather_axes if g.vars[vi].pinned else ()
             if memo is not None:
                 memo.classify(g, vi)
-            _add_reshard_points(g, vi, uses, needs_grad[node.name], fixed, memo)
+            _add_reshard_points(g, vi, uses, needs_grad[node.name], fixed, memo, rerun)
         elif node.op == "call_function":
             if node.target is operator.getitem:
                 needs_grad[node.name] = needs_grad.get(node.args[0].name, False)
@@ -436,7 +530,7 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
             kid = None
             if memo is not None and op_key is not None:
                 kid = memo.key_id(("op", op_key, tuple((memo.cls[u], k) for u, k in sources), tuple(grads),
-                                   activation_key(node)))
+                                   activation_key(node), rerun.op(node.name)))
             hit = memo.vars.get(kid) if memo is not None and kid is not None else None
             if hit is not None:
                 strategies, compute, mem, _, op_comm = hit
@@ -453,10 +547,13 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
                         whole = [s for s in strategies if all(s.divides_work())]
                         strategies = whole or strategies
                 compute = op_seconds(op, strategies, grads, mesh, profile)
+                if rerun.op(node.name):  # its forward runs again in backward
+                    compute = compute + op_seconds(op, strategies, [False] * len(grads), mesh, profile)
                 op_comm = op_comm_costs(op, strategies, grads, mesh, profile)
                 if op_comm is not None:
                     compute = compute + op_comm[:, 1]
-                mem = activation_bytes(node, op, strategies, mesh)
+                mem = rerun.memory(node.name, op, strategies, mesh, activation_bytes(node, op, strategies, mesh),
+                                   liveness(cap.graph).live.get(node.name, frozenset()))
             ng = any(grads) and any(o.dtype.is_floating_point for o in op.outputs)
             needs_grad[node.name] = ng
             v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node),
@@ -472,7 +569,7 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
                         compute.flags.writeable = mem.flags.writeable = False
                         memo.vars[kid] = (strategies, compute, mem, c, op_comm)
             for i, (a, (u, k)) in enumerate(zip(tensor_args, sources)):
-                _add_edge(g, u, v, k, i, needs_grad.get(a.name, False), memo=memo)
+                _add_edge(g, u, v, k, i, needs_grad.get(a.name, False), memo=memo, rerun=rerun.op(node.name))
             for i in written_inputs(op):
                 a = tensor_args[i]
                 if a.op != "placeholder":
@@ -480,7 +577,7 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
                 g.written.add(a.name)
                 if a.name in cap.params or a.name in cap.buffers:
                     _add_edge(g, g.index[a.name], v, 0, i, False, write_back=True, memo=memo)
-            _add_reshard_points(g, v, uses, ng, fixed, memo)
+            _add_reshard_points(g, v, uses, ng, fixed, memo, rerun)
         elif node.op == "output":
             leaves, _ = tree_flatten(node.args)
             returned = [o for o in leaves if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
@@ -551,11 +648,12 @@ def partial_grad_axes(s: Strategy, dst: tuple, mesh: Mesh) -> tuple[int, ...]:
 
 def _add_edge(
     g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_grad: bool, write_back: bool = False,
-    memo: _Memo | None = None,
+    memo: _Memo | None = None, rerun: bool = False,
 ) -> None:
+    """``rerun``: the consumer's layer is recomputed, so the read's forward collectives run again in backward."""
     mkey = None
     if memo is not None and v in memo.key and u in memo.cls:
-        mkey = (memo.cls[u], out_idx, memo.key[v], in_idx, needs_grad, write_back)
+        mkey = (memo.cls[u], out_idx, memo.key[v], in_idx, needs_grad, write_back, rerun)
         if (seen := memo.edges.get(mkey)) is not None:
             g.edges.append(replace(seen, src=u, dst=v))
             return
@@ -578,12 +676,17 @@ def _add_edge(
     # Price each distinct (source tiling, target tiling) pair once; repeated layers share the table.
     us, si = _unique(src_keys)
     ud, di = _unique(dst_keys)
-    key = (tuple(us), tuple(ud), shape, itemsize, needs_grad, U.pinned, U.gathered, write_back, g.mesh, g.profile)
+    key = (tuple(us), tuple(ud), shape, itemsize, needs_grad, U.pinned, U.gathered, write_back, rerun, g.mesh,
+           g.profile)
     if key not in _EDGE_MEMO:
         if _EDGE_MEMO and next(iter(_EDGE_MEMO))[-2:] != key[-2:]:
             _EDGE_MEMO.clear()  # another mesh or profile: its tables would only hold memory
         ids = _route_ids(key[0], key[1], needs_grad, write_back)
         Bu, Tu, Su = (x.reshape(len(us), len(ud)) for x in price_route_ids(ids, shape, itemsize, g.mesh, g.profile))
+        if rerun:  # the forward steps again (a route that needs no gradient is its forward)
+            fwd = _route_ids(key[0], key[1], False, write_back)
+            Bf, Tf, _ = (x.reshape(len(us), len(ud)) for x in price_route_ids(fwd, shape, itemsize, g.mesh, g.profile))
+            Bu, Tu = Bu + Bf, Tu + Tf
         if U.pinned and not write_back:
             banned = np.array([[not pinned_use(src, dst, U.gathered) for dst, _ in ud] for src, _ in us])
             Bu[banned] = Tu[banned] = PINNED
@@ -595,7 +698,8 @@ def _add_edge(
     B, T = Bu[np.ix_(si, di)], Tu[np.ix_(si, di)]
     deferred = U.kind == "param" and not write_back
     S = Su[np.ix_(si, di)] if deferred and Su.any() else None
-    edge = Edge(u, v, out_idx, in_idx, B, T, shape, itemsize, needs_grad, deferred, S, write_back, us, si, ud, di)
+    edge = Edge(u, v, out_idx, in_idx, B, T, shape, itemsize, needs_grad, deferred, S, write_back, rerun, us, si, ud,
+                di)
     g.edges.append(edge)
     if memo is not None and mkey is not None:
         for arr in (B, T, S, si, di):

@@ -48,6 +48,7 @@ class Plan:
     # the modelled per-device peak by what holds it (``planner.memory_breakdown``), bytes
     memory: dict[str, float] = field(default_factory=dict)
     precision: str = "fp32"  # the policy it computes under (``soybean.precision``)
+    recompute: list[str] = field(default_factory=list)  # layers whose forward reruns in backward
     schema_version: int = SCHEMA_VERSION
 
     # ---- placements as objects ----

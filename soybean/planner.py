@@ -23,7 +23,7 @@ from .baselines import batch_split, model_parallel_domains, price as price_basel
 from .capture import Captured, CaptureError, capture
 from .cost.memory import PARAM_COPIES, stored_bytes
 from .cost.profiles import Profile, load_profile
-from .graph import Edge, PlanGraph, build
+from .graph import Edge, PlanGraph, build, recomputable_layers
 from .mesh import Mesh, factorizations
 from .plan import Plan
 from .precision import policy
@@ -86,6 +86,7 @@ def solve_on(
     tie_layers: bool = True,
     gap: float = TARGET_GAP,
     incumbent: float | None = None,
+    recompute: frozenset[str] = frozenset(),
 ) -> Result:
     """Build the candidate table on ``mesh`` and solve it (``SearchError`` when no plan fits); with
     ``gpus_per_node``, axes whose groups cross nodes are priced at the inter-node link; with
@@ -97,7 +98,7 @@ def solve_on(
     profile = profile.on_mesh(mesh, gpus_per_node)
     g = build(cap, mesh, profile, objective=objective,
               domains=_domains(cap, mesh, mode, local_batch), pin_params=mode in ("dp", "mp"),
-              local_outputs=local_batch, divide_work=True if mode in ("dp", "mp") else None)
+              local_outputs=local_batch, divide_work=True if mode in ("dp", "mp") else None, recompute=recompute)
     least = least_memory(g)
     if memory_bytes is not None and least > memory_bytes:
         raise MemoryBudgetError(least, mesh)
@@ -190,6 +191,7 @@ def plan(
     tie_layers: bool = True,
     gap: float = TARGET_GAP,
     precision: str | None = None,
+    recompute: str = "none",
 ) -> Plan:
     """The best plan for ``model`` on ``devices`` (or on ``mesh``).
 
@@ -204,6 +206,10 @@ def plan(
     ``tie_layers``: repeated isomorphic layers share one set of decision variables (``search.tying``:
     exact pricing, the optimum over tied plans; ``plan.tying`` says which layers).
     ``gap``: each solve stops once its plan is proven within this relative gap of optimal.
+    ``recompute``: ``none`` (default); ``layers``: every layer (a block of a repeated stack without in-place
+    updates or halo windows, ``graph.recomputable_layers``) reruns its forward in backward instead of
+    keeping its activations (``codegen.recompute``), priced as such; ``auto``: ``none`` when a plan fits
+    ``memory_gb``, else ``layers``.  ``plan.recompute`` lists the recomputed layers.
     ``precision``: ``fp32`` (default) or ``bf16-mixed`` (``soybean.precision``); with ``captured=``, the
     capture's own.
     ``progress``: called with a short line at each stage (capture, each mesh shape with its optimum and
@@ -233,6 +239,18 @@ def plan(
         cap = capture(model, tuple(example_inputs), precision=policy(precision).name)
     else:
         raise CaptureError("could not capture: plan() was given neither a model nor captured=")
+    if recompute not in ("none", "layers", "auto"):
+        raise ValueError(f"unknown recompute {recompute!r}: use none, layers or auto")
+    if recompute == "auto":  # recomputing every layer only adds time: only when nothing fits without it
+        again = dict(mesh=mesh, objective=objective, profile=prof, solver=solver, memory_gb=memory_gb, mode=mode,
+                     baselines=baselines, captured=cap, local_batch=local_batch, time_limit_s=time_limit_s,
+                     gpus_per_node=gpus_per_node, progress=progress, tie_layers=tie_layers, gap=gap)
+        try:
+            return plan(None, (), devices, recompute="none", **again)  # type: ignore[arg-type]
+        except MemoryBudgetError:
+            say("no plan fits without recomputation: recompute every layer")
+            return plan(None, (), devices, recompute="layers", **again)  # type: ignore[arg-type]
+    rec = frozenset(recomputable_layers(cap)) if recompute == "layers" else frozenset()
     budget = memory_gb * 2**30 if memory_gb else None
     t0 = time.perf_counter()
     meshes = [mesh] if mesh else factorizations(devices)
@@ -249,7 +267,7 @@ def plan(
         try:
             incumbent = min((r.step_time_s for r in results), default=None) if objective == "time" else None
             results.append(solve_on(cap, m, prof, objective, solver, budget, mode, local_batch, time_limit_s,
-                                    gpus_per_node, tie_layers, gap, incumbent))
+                                    gpus_per_node, tie_layers, gap, incumbent, rec))
         except MemoryBudgetError as e:
             misfits.append(e)
             say(f"mesh {m}: no plan fits the memory budget")
@@ -285,7 +303,7 @@ def plan(
             f"soybean: no sharding rule for {', '.join(best.graph.fallback_ops)}; these ops run replicated",
             stacklevel=2,
         )
-    out = to_plan(cap, best, objective, prof.name, devices, base, seconds, solver, results)
+    out = to_plan(cap, best, objective, prof.name, devices, base, seconds, solver, results, rec)
     out.meshes += pruned
     out.local_batch = local_batch
     out.gpus_per_node = gpus_per_node
@@ -313,6 +331,7 @@ def to_plan(
     seconds: float,
     solver: str,
     all_results: list[Result],
+    recompute: frozenset[str] = frozenset(),
 ) -> Plan:
     g, sol = r.graph, r.solution
     params: dict[str, list[str]] = {}
@@ -345,7 +364,7 @@ def to_plan(
                 "gap": 0.0 if sol.status == "optimal" else relative_gap(sol.objective, sol.bound)},
         meshes=[{"mesh": list(x.graph.mesh.shape), "objective": x.value(objective)} for x in all_results],
         fallback_ops=g.fallback_ops, layers=layer_rows(g, sol), memory=memory_breakdown(g, sol),
-        precision=cap.precision,
+        precision=cap.precision, recompute=sorted(recompute),
         tying={"used": bool(r.runs), "runs": [x.record() for x in r.runs],
                "variables": [len(g.vars), len(g.vars) - sum(len(b) for x in r.runs for b in x.blocks[1:])]},
     )

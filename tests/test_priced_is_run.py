@@ -31,6 +31,7 @@ from soybean.graph import build
 from soybean.mesh import Mesh
 from soybean.plan import Plan
 from soybean.planner import plan as make_plan
+from soybean.reshard import Route
 from soybean.runtime.comm import Group
 from soybean.runtime.launch import run_threads
 from soybean.tiling import max_local_numel
@@ -116,7 +117,9 @@ def priced(cap: Any, plan: Plan) -> tuple[list[Call], Counter[int], float]:
     calls: list[Call] = []
     sync: Counter[int] = Counter()
     for e in g.edges:
-        for kind, axis, tiling, is_sync in priced_steps(e.route(0, 0)):
+        route = e.route(0, 0)
+        again = list(priced_steps(Route.of(route.src, route.dst))) if e.rerun else []  # a recomputed layer's read
+        for kind, axis, tiling, is_sync in list(priced_steps(route)) + again:
             if mesh.shape[axis] == 1:
                 continue
             m = max_local_numel(e.shape, tiling, mesh) * e.itemsize
