@@ -375,7 +375,8 @@ def memory_breakdown(g: PlanGraph, sol: Solution) -> dict[str, float]:
     (``parameters``; under a mixed policy its master and its compute copy), its gradient's, AdamW's two
     states (``PARAM_COPIES`` in all, of the master) and, on the largest
     parameter, the step's temporaries; inputs and buffers their tiles; ops what they keep for backward.
-    Nothing is recomputed yet (``recompute_buffers`` 0) and collective buffers are not modelled (0)."""
+    A recomputed layer's activations while it reruns (one layer at a time) are counted in ``activations``
+    (``recompute_buffers`` stays 0), and collective buffers are not modelled (0)."""
     out = dict.fromkeys(("parameters", "gradients", "optimizer_states", "optimizer_temporaries", "activations",
                          "inputs_and_buffers", "recompute_buffers", "collective_buffers"), 0.0)
     for vi, (v, c) in enumerate(zip(g.vars, sol.choice)):

@@ -130,5 +130,5 @@ def test_one_device_runs_without_a_launcher(monkeypatch) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses == pytest.approx(serial.losses, rel=1e-6)
