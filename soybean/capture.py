@@ -25,9 +25,11 @@ Then the exported graph goes through ``PASSES``, exact in-place rewrites run in 
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
@@ -53,6 +55,7 @@ class Captured:
     aliases: dict[str, str] = field(default_factory=dict)  # tied FQN -> the FQN the graph uses
     fingerprint: str = ""             # identifies model structure + input shapes
     precision: str = "fp32"           # the policy it was captured under (``soybean.precision``)
+    out_spec: Any = None              # the pytree of forward's outputs (a ModelOutput, a tuple, ...)
 
     @property
     def graph(self) -> fx.Graph:
@@ -91,7 +94,8 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     try:
-        ep = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
+        with _plain_outputs(model):
+            ep = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
     except Exception as e:  # torch raises many types; all mean "cannot capture"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(
@@ -104,6 +108,8 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
     buffers = _canonical_names(dict(sig.inputs_to_buffers), model.named_buffers(remove_duplicate=False))
     inputs = list(sig.user_inputs)
     gm = ep.graph_module
+    _inline_empty_constants(gm, {ph: ep.constants[name] for ph, name in sig.inputs_to_lifted_tensor_constants.items()},
+                            type(model).__name__)
     used = set(params.values()) | set(buffers.values())
     aliases: dict[str, str] = {}
     named = dict(model.named_parameters(remove_duplicate=False))
@@ -121,7 +127,56 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
                     if q != fq and named.get(q) is named.get(fq):
                         aliases[fq] = q
     run_passes(gm, passes)
-    return Captured(gm, params, buffers, inputs, aliases, _fingerprint(gm))
+    return Captured(gm, params, buffers, inputs, aliases, _fingerprint(gm), out_spec=ep.call_spec.out_spec)
+
+
+_PLAIN = (torch.Tensor, int, float, bool, str, type(None))
+
+
+@contextmanager
+def _plain_outputs(model: torch.nn.Module) -> Iterator[None]:
+    """Export ``model`` with every output leaf that is not a tensor or a Python constant dropped (``None``):
+    a Hugging Face model as loaded (``use_cache=True``) returns its KV cache, an object no pytree knows and
+    nothing a loss reads; the parallel model returns ``None`` in its place.  Tensors, and the containers
+    around them (tuples, dicts, ``ModelOutput``), are kept as they are."""
+    had = "forward" in model.__dict__
+    orig = model.forward
+
+    @functools.wraps(orig)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return tree_map(lambda x: x if isinstance(x, _PLAIN) else None, orig(*args, **kwargs))
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        if had:
+            model.forward = orig
+        else:
+            del model.forward
+
+
+def _inline_empty_constants(gm: fx.GraphModule, constants: dict[str, torch.Tensor], what: str) -> None:
+    """Tensor constants made inside forward become graph inputs under export (a KV cache starts from empty
+    tensors it concatenates keys onto).  An empty one holds no values: it is created in the graph instead
+    (``aten.empty``, which every rank makes locally).  Others are not supported: a clear error."""
+    values = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in constants]
+    full = [n.name for n in values if constants[n.name].numel()]
+    if full:
+        raise CaptureError(f"could not capture {what}: its forward creates tensor constants with values "
+                           f"({', '.join(full)}). Fix: register them as buffers in __init__")
+    if not values:
+        return
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    for n in values:
+        c = constants[n.name]
+        with gm.graph.inserting_after(last):
+            made = gm.graph.call_function(torch.ops.aten.empty.memory_format, (list(c.shape),),
+                                          {"dtype": c.dtype, "device": c.device})
+        made.meta.update(n.meta)
+        n.replace_all_uses_with(made)
+        gm.graph.erase_node(n)
+    gm.recompile()
 
 
 def _canonical_names(inputs: dict[str, str], named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:

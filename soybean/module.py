@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_unflatten
 
 from .capture import Captured
 from .codegen.lower import emit_reshard, lower
@@ -116,6 +117,9 @@ class ParallelModule(nn.Module):
             self._grad_sync.check_complete()
         with use_groups(self._groups):
             out = self.program(*state, *user)
+        spec = self._cap.out_spec  # the model's own output structure (a ModelOutput stays one)
+        if spec is not None and isinstance(out, (tuple, list)) and spec.num_leaves == len(out):
+            return tree_unflatten(list(out), spec)
         return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
 
     @torch.no_grad()

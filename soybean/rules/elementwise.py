@@ -104,6 +104,8 @@ TABLE: dict[str, LinearFn] = {
     # linear unary: copies, casts, negation
     "aten.neg.default": _self,
     "aten.clone.default": _self,
+    "aten.lift_fresh_copy.default": _self,
+    "aten.detach_.default": _self,
     "aten.contiguous.default": _self,
     "aten.alias.default": _self,
     "aten.detach.default": _self,

@@ -1,4 +1,4 @@
-"""Factories (``zeros``, ``ones``, ``full``, ``new_*``, ``*_like``, ``arange``) and
+"""Factories (``zeros``, ``ones``, ``full``, ``empty``, ``new_*``, ``*_like``, ``arange``) and
 the triangular masks ``tril``/``triu``.
 
 A constant tensor can be created directly in any sharding: each device builds
@@ -32,13 +32,15 @@ def created(op: OpSpec) -> list[Strategy1D]:
     """Output in any sharding (or ``P`` for zeros); ``self`` (``new_*``) in any placement."""
     a = Args(op)
     out = op.outputs[0]
-    outs = [Shard(d) for d in range(out.ndim)] + ([P] if _constant_is_zero(a) and outputs_float(op) else [])
+    # A dim of length 0 (an empty KV cache's) has nothing to split.
+    outs = [Shard(d) for d in range(out.ndim) if out.shape[d]] + ([P] if _constant_is_zero(a) and outputs_float(op)
+                                                                   else [])
     selves = free_placements(a.spec("self")) if a.spec("self") else [R]
     return [a.strategy({"self": s}, o) for s in selves for o in [R, *outs] if not (s == R and o == R)]
 
 
 register(
-    "aten.zeros.default", "aten.ones.default", "aten.full.default",
+    "aten.zeros.default", "aten.ones.default", "aten.full.default", "aten.empty.memory_format",
     "aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
     localize=size_localizer("size"), family="factory", cost=ELEMENTWISE,
 )(created)
