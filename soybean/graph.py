@@ -214,11 +214,12 @@ def recomputable_layers(cap: Captured) -> list[str]:
     layers: dict[str, bool] = {}
     for n in cap.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem or not node_layer(n):
-            continue
+            continue  # not an op, or in no layer
         op = make_opspec(n.target, n.args, n.kwargs, n.meta.get("val"))
         entry = rules.lookup(n.target)
         windowed = entry is not None and entry.windows is not None and bool(entry.windows(op))
-        layers[node_layer(n)] = layers.get(node_layer(n), True) and not windowed and not written_inputs(op)
+        layer = node_layer(n)
+        layers[layer] = layers.get(layer, True) and not windowed and not written_inputs(op)
     return [k for k, ok in layers.items() if ok]
 
 
@@ -447,7 +448,7 @@ def build(
     the graph codegen lowers.
     ``share``: repeated layers reuse the first one's strategies and priced tables (``_Memo``; False
     prices every variable afresh, as the tests do to check the sharing).
-    ``recompute``: the layers (``codegen.recompute.layer_of``) whose forward reruns in backward (with
+    ``recompute``: the layers (``layer_of``) whose forward reruns in backward (with
     ``fixed``, the plan's): their ops keep only what leaves the layer, pay one more forward pass, and the
     forward collectives of the reads inside the layer run again (``_Rerun``).
     """

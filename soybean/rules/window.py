@@ -24,6 +24,7 @@ padding, a non-integer upsampling scale), is not offered by the rules.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -73,6 +74,9 @@ class Window:
             return n * self.stride
         return (n - 1) * self.stride + self.extent
 
+    # members and _owners are read for every strategy and by cost, lowering and the oracle alike; _owners is
+    # O(p^2): computed once per (window, group size).
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - windows are small frozen values, shared across builds
     def members(self, p: int) -> tuple[tuple[int, int], ...]:
         """Every member's input window ``(s, e)`` on a group of ``p`` (empty for an empty output tile)."""
         out = []
@@ -88,6 +92,7 @@ class Window:
         s, e, c = self.need(a, b)
         return a - c, b - a, self.local_out(s, e)
 
+    @functools.lru_cache(maxsize=65536)  # noqa: B019
     def _owners(self, p: int) -> list[list[int]]:
         """``rows[k][j]``: rows of member ``j``'s chunk in member ``k``'s window (``j != k``; 0 on the diagonal)."""
         wins, chunks = self.members(p), [chunk_range(self.n_in, p, j) for j in range(p)]
