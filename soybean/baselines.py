@@ -20,7 +20,11 @@ with the plan, and on a mesh the planner searched the plan is never worse than i
   split, used as stored) and FSDP across nodes (axis 0: every parameter also split on another dim,
   gathered for use); inputs split on dim 0 across nodes, replicated inside one;
 * ``megatron_tp_dp``: the same mesh, with plain data-parallel replicas across nodes (axis 0:
-  parameters replicated).
+  parameters replicated);
+* ``fsdp_recompute``: ``fsdp`` with every layer recomputed in backward (full activation checkpointing,
+  ``graph.recomputable_layers``), as FSDP users train under a tight budget;
+* ``fsdp_selective_recompute``: ``fsdp`` with only each layer's attention module recomputed (selective
+  recomputation, Korthikanti et al. 2022; ``graph.attention_units``).
 
 A layout that cannot run is recorded as ``{"infeasible": why}``: the batch does not split over the
 data-parallel devices, the devices do not fill whole nodes, the restricted table needs a forbidden
@@ -30,20 +34,22 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 
 from .capture import Captured
+from .cost.memory import MEMORY_HEADROOM
 from .cost.profiles import Profile
-from .graph import PINNED, PlanGraph, build
+from .graph import PINNED, PlanGraph, attention_units, build, recomputable_layers
 from .mesh import Mesh
 from .rules.base import has_empty_tile
 from .search import SearchError
 from .tiling import R, Shard, is_valid
 
-NAMES = ("data_parallel", "model_parallel", "fsdp", "tp_fsdp", "megatron_tp_dp")
+NAMES = ("data_parallel", "model_parallel", "fsdp", "tp_fsdp", "megatron_tp_dp", "fsdp_recompute",
+         "fsdp_selective_recompute")
 TP_MAX = 8  # tensor-parallel degree when the node size is not given: one 8-GPU node
 
 
@@ -57,6 +63,7 @@ class Layout:
     pin: bool = True
     gather: tuple[int, ...] = ()
     divide_work: bool | None = True
+    recompute: frozenset[str] = frozenset()  # units whose forward reruns in backward (``codegen.recompute``)
     cannot: str = ""        # why the layout has only forbidden reshardings, when it has
     infeasible: str = ""    # why it cannot run at all, known before building its table
 
@@ -65,11 +72,11 @@ class Layout:
         assert self.mesh is not None, self.infeasible
         return build(cap, self.mesh, profile.on_mesh(self.mesh, gpus_per_node), objective=objective,
                      domains=self.domains, pin_params=self.pin, gather_axes=self.gather,
-                     divide_work=self.divide_work)
+                     divide_work=self.divide_work, recompute=self.recompute)
 
     def same_table(self, other: Layout) -> bool:
-        return (self.mesh, self.domains, self.pin, self.gather, self.divide_work) == (
-            other.mesh, other.domains, other.pin, other.gather, other.divide_work)
+        return (self.mesh, self.domains, self.pin, self.gather, self.divide_work, self.recompute) == (
+            other.mesh, other.domains, other.pin, other.gather, other.divide_work, other.recompute)
 
 
 class Priced(Protocol):
@@ -212,6 +219,12 @@ def layouts(cap: Captured, devices: int, gpus_per_node: int | None = None) -> di
     mesh, dp, tp, why = tp_mesh(devices, gpus_per_node)
     for name, split in (("tp_fsdp", True), ("megatron_tp_dp", False)):
         out[name] = _hybrid(name, cap, mesh, dp, tp, split) if mesh is not None else Layout(name, None, infeasible=why)
+    for name, units, none in (
+            ("fsdp_recompute", recomputable_layers(cap), "the model has no layer to recompute (a block of a repeated "
+                                                          "stack without in-place updates)"),
+            ("fsdp_selective_recompute", attention_units(cap), "no layer has an attention module of its own")):
+        out[name] = replace(out["fsdp"], name=name, recompute=frozenset(units))
+        out[name].infeasible = out[name].infeasible or ("" if units else none)
     return out
 
 
@@ -229,7 +242,8 @@ def record(lay: Layout, r: Priced, budget: float | None) -> dict[str, Any]:
     if r.comm_bytes >= PINNED or r.step_time_s >= PINNED:
         return infeasible(lay.cannot)
     if budget is not None and r.memory > budget:
-        return infeasible(f"needs {r.memory / 2**30:.4g} GB per device, over the budget")
+        return infeasible(f"needs {r.memory / (1 - MEMORY_HEADROOM) / 2**30:.4g} GB per device (--memory-gb), over "
+                          "the budget")
     mesh = list(lay.mesh.shape) if lay.mesh is not None else []
     return {"comm_bytes": float(r.comm_bytes), "step_time_s": float(r.step_time_s), "mesh": mesh}
 

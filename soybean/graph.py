@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 import operator
 from collections.abc import Callable, Collection, Hashable, Iterator
 from contextlib import contextmanager
@@ -44,7 +45,14 @@ from . import rules
 from .capture import Captured
 from .cost.collectives import op_comm_costs, price_route_ids, route_ids
 from .cost.compute import op_seconds, optimizer_step_seconds
-from .cost.memory import activation_bytes, activation_key, liveness, param_bytes
+from .cost.memory import (
+    activation_bytes,
+    activation_key,
+    grad_phase_bytes,
+    output_bytes,
+    param_bytes,
+    sync_bucket_bytes,
+)
 from .cost.profiles import Profile
 from .mesh import Mesh
 from .plan import Plan
@@ -72,6 +80,15 @@ class Var:
     # Per strategy, [bytes, seconds] of the communication inside the op (halo exchanges, summed statistics:
     # ``cost.collectives.op_comm_costs``), counted in ``compute_s`` for the search, reported as communication.
     op_comm: np.ndarray | None = None
+    # A recomputed op: per strategy, the share of ``memory`` that is its unit's activations while the unit
+    # reruns in backward (``_Rerun.memory``); None for any other variable.
+    rerun_buffer: np.ndarray | None = None
+    # A trainable parameter: per strategy, the share of ``memory`` that exists only after backward (its gradient,
+    # the step's temporaries: ``cost.memory.grad_phase_bytes``); None for any other variable.
+    grad_phase: np.ndarray | None = None
+    # The op whose output is the largest: per strategy, the gradient bytes its backward holds at once at the
+    # start of backward, while every activation is still kept (``backward_transient``), part of ``memory``.
+    transient: np.ndarray | None = None
 
 
 @dataclass
@@ -121,6 +138,12 @@ class PlanGraph:
     dtypes: dict[tuple[int, int], torch.dtype] = field(default_factory=dict)
     written: set[str] = field(default_factory=set)  # placeholders some op updates in place
     master_itemsize: int = 0  # bytes of a parameter's master copy under a mixed policy (0: as in the graph)
+    # Bytes the rerun buffers' sum over-counts for sure (``rerun_credit``): the search bounds a plan's peak by
+    # the sum of its variables' memory minus this constant; ``rerun_freed`` is what one plan's sum over-counts.
+    rerun_credit: float = 0.0
+    rerun_after: int = 0  # the first variable after the last recomputed op (its ops are freed when units rerun)
+    # Trainable parameters read at or after ``rerun_after``: their gradients exist when the last unit reruns.
+    rerun_grads: list[int] = field(default_factory=list)
 
 
 class _Memo:
@@ -141,7 +164,8 @@ class _Memo:
     def __init__(self) -> None:
         self.classes: dict[Hashable, int] = {}
         self.keys: dict[Hashable, int] = {}
-        self.vars: dict[int, tuple[list[Strategy], np.ndarray, np.ndarray, int, np.ndarray | None]] = {}
+        self.vars: dict[int, tuple[list[Strategy], np.ndarray, np.ndarray, int, np.ndarray | None,
+                                   np.ndarray | None]] = {}
         self.edges: dict[tuple, Edge] = {}
         self.cls: dict[int, int] = {}     # var index -> content class
         self.key: dict[int, int] = {}     # var index -> key id (ops and reshard points)
@@ -207,10 +231,29 @@ def node_layer(node: fx.Node) -> str:
     return layer_of(_module_path(node))
 
 
+def unit_of(module_path: str, units: Collection[str]) -> str:
+    """The recomputation unit of ``units`` (module paths: a layer, or a module inside one) that contains
+    ``module_path``, the innermost when they nest; ``""`` for none."""
+    parts = module_path.split(".")
+    for i in range(len(parts), 0, -1):
+        if (u := ".".join(parts[:i])) in units:
+            return u
+    return ""
+
+
+def node_module(node: fx.Node) -> str:
+    """The innermost ``nn.Module`` path of a captured op (``""`` for none)."""
+    return _module_path(node)
+
+
+# Ops whose module is a layer's attention (selective recomputation's unit, Korthikanti et al. 2022).
+ATTENTION_OPS = ("aten.scaled_dot_product_attention.default", "aten._softmax.default", "aten.softmax.int")
+
+
 def recomputable_layers(cap: Captured) -> list[str]:
-    """The layers whose forward may run twice: none of their ops updates a tensor in place (batch norm's
-    running statistics would move twice) or is windowed (``rules.window``: halo windows pack their own
-    saved tensors)."""
+    """The layers whose forward may run twice, in graph order: none of their ops updates a tensor in place
+    (batch norm's running statistics would move twice) or is windowed (``rules.window``: halo windows pack
+    their own saved tensors)."""
     layers: dict[str, bool] = {}
     for n in cap.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem or not node_layer(n):
@@ -223,59 +266,105 @@ def recomputable_layers(cap: Captured) -> list[str]:
     return [k for k, ok in layers.items() if ok]
 
 
+def attention_units(cap: Captured) -> list[str]:
+    """Selective recomputation's units, in graph order: in each recomputable layer, the module directly
+    below the layer that holds its attention (``transformer.h.3.attn``, ``model.layers.3.self_attn``),
+    found by its op (``ATTENTION_OPS``); a layer whose attention is not in a submodule of its own has none."""
+    ok = set(recomputable_layers(cap))
+    out: dict[str, None] = {}
+    for n in cap.graph.nodes:
+        if n.op != "call_function" or str(n.target) not in ATTENTION_OPS:
+            continue
+        path, layer = _module_path(n), node_layer(n)
+        if layer in ok and path.startswith(layer + "."):
+            out[".".join(path.split(".")[:len(layer.split(".")) + 1])] = None
+    return list(out)
+
+
 class _Rerun:
-    """What recomputing ``layers`` changes (``codegen.recompute``): which ops rerun, which values a layer's
-    checkpoint keeps (those read by a recomputed layer from outside it), which values leave their layer,
-    and, per value used more than once, the layer of its first reader (where lowering emits its shared
-    reshard, so whether that reshard reruns)."""
+    """What recomputing the units ``layers`` changes (``codegen.recompute``; a unit is a layer or a module
+    inside one, ``unit_of``): which ops rerun, what stays live at the end of forward (``cost.memory.liveness``
+    with the units: a unit's checkpoint keeps what it reads from outside), and, per value used more than
+    once, the unit of its first reader (where lowering emits its shared reshard, so whether that reshard
+    reruns)."""
 
     def __init__(self, graph: fx.Graph, layers: frozenset[str]) -> None:
         self.layers = layers
         self.layer: dict[str, str] = {}
+        self.units: dict[str, str] = {}             # a recomputed op -> its unit
         self.first: dict[tuple[str, int], str] = {}
-        self.kept: set[tuple[str, int]] = set()    # read by a recomputed layer from outside: its checkpoint keeps it
-        self.leaves: set[tuple[str, int]] = set()  # read outside its producer's layer (or returned)
+        self.count: dict[str, int] = {}            # a recomputed unit -> the units of its role
         if not layers:
             return
         for n in graph.nodes:
             if n.op == "call_function" and n.target is not operator.getitem:
-                self.layer[n.name] = node_layer(n)
+                self.layer[n.name] = unit_of(_module_path(n), layers)
             if n.op not in ("call_function", "output") or n.target is operator.getitem:
                 continue
             reader = self.layer.get(n.name, "")
             for a in tree_flatten((n.args, n.kwargs))[0]:
-                if not isinstance(a, fx.Node) or not isinstance(a.meta.get("val"), torch.Tensor):
-                    continue
-                src: tuple[str, int] = ((str(a.args[0].name), int(a.args[1]))  # type: ignore[union-attr, arg-type]
-                                        if a.target is operator.getitem else (a.name, 0))
-                self.first.setdefault(src, reader)
-                if reader != self.layer.get(src[0], "") or n.op == "output":
-                    self.leaves.add(src)
-                    if reader in layers:
-                        self.kept.add(src)
-        self.count = max(1, len({x for x in self.layer.values() if x in layers}))
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                    src: tuple[str, int] = ((str(a.args[0].name), int(a.args[1]))  # type: ignore[union-attr, arg-type]
+                                            if a.target is operator.getitem else (a.name, 0))
+                    self.first.setdefault(src, reader)
+        self.units = {k: u for k, u in self.layer.items() if u}
+        # Units rerun one at a time: the buffer is the largest unit's activations, charged to each unit of a
+        # role (its path without the layer number: ``h.*`` or ``h.*.attn``) as 1 / (units of that role),
+        # exact for a stack of equal layers; roles add (an upper bound: one unit reruns at a time).
+        roles: dict[str, set[str]] = {}
+        for u in set(self.units.values()):
+            roles.setdefault(_role(u), set()).add(u)
+        self.count = {u: len(us) for us in roles.values() for u in us}
 
     def op(self, name: str) -> bool:
-        return self.layer.get(name, "") in self.layers
+        return name in self.units
 
-    def memory(self, name: str, op: OpSpec, strategies: list[Strategy], mesh: Mesh, mem: np.ndarray,
-               live: frozenset) -> np.ndarray:
-        """An op's bytes at the peak under recomputation.  A recomputed op keeps what leaves its layer (the
-        next checkpoint's input) and, while its layer reruns in backward, its usual bytes: one layer at a
-        time, charged as ``1 / count`` of each recomputed op (exact for a stack of equal layers).  Any
-        other op also keeps its outputs that a recomputed layer's checkpoint holds."""
+    def key(self, node: fx.Node) -> Hashable:
+        """What an op's priced tables depend on here: what it keeps (``activation_key``), and when it reruns,
+        what it would keep otherwise and its role's unit count."""
         if not self.layers:
-            return mem
+            return activation_key(node)
+        rerun = (activation_key(node), self.count[self.units[node.name]]) if self.op(node.name) else None
+        return activation_key(node, self.units), rerun
 
-        def out_bytes(ks: list[int]) -> np.ndarray:
-            return np.array([sum(max_local_numel(op.outputs[k].shape, s.outputs[k], mesh) * op.outputs[k].dtype.itemsize
-                                 for k in ks) for s in strategies], dtype=float)
+    def memory(self, node: fx.Node, op: OpSpec, strategies: list[Strategy],
+               mesh: Mesh) -> tuple[np.ndarray, np.ndarray | None]:
+        """An op's bytes at the end of forward, and the share of them that is a rerun buffer.  What it keeps
+        is ``liveness`` with the units (a recomputed op: only what a checkpoint or an op outside its unit
+        keeps of its outputs); a recomputed op adds, for while its unit reruns in backward, its usual bytes:
+        one unit at a time, charged as ``1 / count`` of each recomputed op (exact for a stack of equal
+        layers; ``rerun_credit`` takes back what surely is freed by then)."""
+        if not self.layers:
+            return activation_bytes(node, op, strategies, mesh), None
+        kept = activation_bytes(node, op, strategies, mesh, self.units)
+        if not self.op(node.name):
+            return kept, None
+        buffer = activation_bytes(node, op, strategies, mesh) / self.count[self.units[node.name]]
+        return kept + buffer, buffer
 
-        outs = range(len(op.outputs))
-        if self.op(name):
-            return out_bytes([k for k in outs if (name, k) in self.leaves]) + mem / self.count
-        extra = [k for k in outs if (name, k) in self.kept and k not in live]
-        return mem + out_bytes(extra) if extra else mem
+
+    def working_set(self, g: PlanGraph) -> None:
+        """Add to each recomputed unit's rerun buffer its backward's working set: the gradient of its largest
+        output (``Var.transient``'s argument, inside the unit: while the unit's backward runs, its activations are
+        all back and the gradient of its widest op is held), charged as the buffers are, ``1 / count``."""
+        largest: dict[str, tuple[int, int]] = {}  # unit -> (output size, var index)
+        for i, v in enumerate(g.vars):
+            if v.rerun_buffer is None or v.op is None or not v.needs_grad:
+                continue
+            size = sum(math.prod(o.shape) * o.dtype.itemsize for o in v.op.outputs)
+            unit = self.units[v.name]
+            if size > largest.get(unit, (-1, -1))[0]:
+                largest[unit] = (size, i)
+        for unit, (_, i) in largest.items():
+            v = g.vars[i]
+            assert v.op is not None and v.rerun_buffer is not None
+            extra = output_bytes(v.op, v.strategies, g.mesh) / self.count[unit]
+            v.memory, v.rerun_buffer = v.memory + extra, v.rerun_buffer + extra
+
+
+def _role(unit: str) -> str:
+    """A unit's role: its path with the layer number starred (``transformer.h.3.attn`` -> ``transformer.h.*.attn``)."""
+    return ".".join("*" if p.isdigit() else p for p in unit.split("."))
 
 
 def _placeholder_tilings(shape: tuple[int, ...], mesh: Mesh) -> list[tuple]:
@@ -507,9 +596,17 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
             # Under a mixed policy a parameter is stored, and updated, as its master (``g.master_itemsize``).
             master_b = g.master_itemsize if needs_grad[node.name] and g.master_itemsize else 0
             mem = param_bytes(node, shape, val.dtype.itemsize, tilings, mesh, kind, master_b)
+            gp = None
+            if needs_grad[node.name]:
+                # Its gradient and its share of the gradient-sync buckets (reduced in the compute dtype) exist
+                # only once backward has made them: the gradients phase (``phase_memory``).
+                sync = sync_bucket_bytes(shape, val.dtype.itemsize, tilings, mesh)
+                mem = mem + sync
+                gp = grad_phase_bytes(node, shape, val.dtype.itemsize, tilings, mesh, master_b) + sync
             opt_s = optimizer_step_seconds(shape, master_b or val.dtype.itemsize, tilings, mesh, profile,
                                            needs_grad[node.name])
-            vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=needs_grad[node.name]))
+            vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=needs_grad[node.name],
+                                 grad_phase=gp))
             g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
             g.vars[vi].pinned = pin_params and kind == "param" and fqn in domains
             g.vars[vi].gathered = gather_axes if g.vars[vi].pinned else ()
@@ -531,10 +628,10 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
             kid = None
             if memo is not None and op_key is not None:
                 kid = memo.key_id(("op", op_key, tuple((memo.cls[u], k) for u, k in sources), tuple(grads),
-                                   activation_key(node), rerun.op(node.name)))
+                                   rerun.key(node)))
             hit = memo.vars.get(kid) if memo is not None and kid is not None else None
             if hit is not None:
-                strategies, compute, mem, _, op_comm = hit
+                strategies, compute, mem, _, op_comm, buffer = hit
             else:
                 if fixed is not None:
                     ins, outs = fixed.node_tilings(node.name) if node.name in fixed.nodes else (
@@ -553,12 +650,11 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
                 op_comm = op_comm_costs(op, strategies, grads, mesh, profile)
                 if op_comm is not None:
                     compute = compute + op_comm[:, 1]
-                mem = rerun.memory(node.name, op, strategies, mesh, activation_bytes(node, op, strategies, mesh),
-                                   liveness(cap.graph).live.get(node.name, frozenset()))
+                mem, buffer = rerun.memory(node, op, strategies, mesh)
             ng = any(grads) and any(o.dtype.is_floating_point for o in op.outputs)
             needs_grad[node.name] = ng
             v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node),
-                                needs_grad=ng, op_comm=op_comm))
+                                needs_grad=ng, op_comm=op_comm, rerun_buffer=buffer))
             if memo is not None:
                 if kid is not None:
                     memo.key[v] = kid
@@ -568,7 +664,7 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
                     c = memo.classify(g, v)
                     if kid is not None:
                         compute.flags.writeable = mem.flags.writeable = False
-                        memo.vars[kid] = (strategies, compute, mem, c, op_comm)
+                        memo.vars[kid] = (strategies, compute, mem, c, op_comm, buffer)
             for i, (a, (u, k)) in enumerate(zip(tensor_args, sources)):
                 _add_edge(g, u, v, k, i, needs_grad.get(a.name, False), memo=memo, rerun=rerun.op(node.name))
             for i in written_inputs(op):
@@ -590,7 +686,116 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
                 u, k = value_source(g, a)
                 _add_edge(g, u, v, k, i, needs_grad.get(a.name, False))
     g.fallback_ops = sorted(fallback)
+    backward_transient(g)
+    rerun.working_set(g)
+    g.rerun_credit = rerun_credit(g)
     return g
+
+
+# Gradient tiles of its output size a backward op holds at once: the incoming gradient and the one it makes.
+TRANSIENT_COPIES = 2
+
+
+def backward_transient(g: PlanGraph) -> None:
+    """Charge the step's first large backward working set to the op with the largest output (a language
+    model's logits, whose loss backward starts while every activation is still kept): ``TRANSIENT_COPIES``
+    tiles of its output, and the gradient of each parameter it reads, as it reads it (a vocabulary head's
+    weight: made while the logits' gradients are held), added to its memory (``Var.transient``).  Later ops'
+    gradients meet activations already freed, and are not modelled."""
+    size = {i: sum(math.prod(o.shape) * o.dtype.itemsize for o in v.op.outputs)
+            for i, v in enumerate(g.vars) if v.kind == "op" and v.op is not None and v.needs_grad}
+    if not size:
+        return
+    vi = max(size, key=lambda i: size[i])
+    v = g.vars[vi]
+    assert v.op is not None
+    v.transient = TRANSIENT_COPIES * output_bytes(v.op, v.strategies, g.mesh)
+    for e in g.edges:
+        src = g.vars[e.src]
+        if e.dst != vi or not e.needs_grad or src.kind not in ("param", "reshard"):
+            continue
+        if src.kind == "reshard" and not any(x.dst == e.src and g.vars[x.src].kind == "param" for x in g.edges):
+            continue
+        spec = v.op.inputs[e.dst_in]
+        v.transient = v.transient + np.array([max_local_numel(spec.shape, st.inputs[e.dst_in], g.mesh)
+                                              * spec.dtype.itemsize for st in v.strategies], dtype=float)
+    v.memory = v.memory + v.transient
+
+
+def rerun_credit(g: PlanGraph) -> float:
+    """What the rerun buffers' sum surely over-counts, subtracted from every plan's peak.
+
+    A unit reruns in backward only after backward has passed every op after it, so when the last
+    recomputed unit ``J`` reruns, the activations of the ops after it (the head, later layers kept whole)
+    are freed and the gradients of the parameters they read exist (``rerun_grads``): ``K`` = those
+    activations less those gradients (``freed_after``).  That peak is the forward's minus ``K`` plus
+    ``J``'s activations ``A``: the true extra over the forward's peak is ``max(0, A - K)``; the table charges
+    ``A`` (``_Rerun.memory``, as buffers).  With ``K_lo`` the least ``K`` (the ops' least bytes less the
+    gradients' most) and ``A_lo``, ``A_hi`` the least and most ``A`` any strategies reach: when ``A_hi <= K_lo``
+    no plan's rerun raises the peak, and the buffers are dropped (each recomputed op's memory loses its
+    buffer; no credit).  Otherwise ``A - min(K_lo, A_lo) >= max(0, A - K)`` for every plan, so the credit
+    ``max(0, min(K_lo, A_lo))`` keeps the modelled peak an upper bound."""
+    rec = [i for i, v in enumerate(g.vars) if v.rerun_buffer is not None]
+    if not rec:
+        return 0.0
+    g.rerun_after = max(rec) + 1
+    users: dict[int, list[int]] = {}
+    for e in g.edges:
+        users.setdefault(e.src, []).append(e.dst)
+
+    def late(i: int, depth: int = 0) -> bool:  # read at or after rerun_after, directly or through a shared use
+        return any(j >= g.rerun_after or (depth < 2 and g.vars[j].kind == "reshard" and late(j, depth + 1))
+                   for j in users.get(i, []))
+
+    g.rerun_grads = [i for i, v in enumerate(g.vars) if v.grad_phase is not None and late(i)]
+    after = sum(float(v.memory.min()) for v in g.vars[g.rerun_after:] if v.kind == "op") \
+        - sum(float(gp.max()) for i in g.rerun_grads if (gp := g.vars[i].grad_phase) is not None)
+    buffers = [b for i in rec if (b := g.vars[i].rerun_buffer) is not None]
+    if sum(float(b.max()) for b in buffers) <= after:
+        for i in rec:
+            v = g.vars[i]
+            assert v.rerun_buffer is not None
+            v.memory, v.rerun_buffer = v.memory - v.rerun_buffer, np.zeros_like(v.rerun_buffer)
+        return 0.0
+    return max(0.0, min(after, sum(float(b.min()) for b in buffers)))
+
+
+def freed_after(g: PlanGraph, choice: list[int]) -> float:
+    """``K`` of ``rerun_credit`` for one plan: the activations of the ops after the last recomputed unit, less
+    the gradients of the parameters they read (live when that unit reruns)."""
+    ops = sum(float(v.memory[c]) for v, c in zip(g.vars[g.rerun_after:], choice[g.rerun_after:]) if v.kind == "op")
+    grads = sum(float(gp[choice[i]]) for i in g.rerun_grads if (gp := g.vars[i].grad_phase) is not None)
+    return ops - grads
+
+
+def phase_memory(v: Var, phase: str) -> np.ndarray:
+    """A variable's bytes per strategy in one phase of the step: ``activations`` (the end of forward, and
+    backward's reruns: everything but the gradients and the step's temporaries), ``gradients`` (after
+    backward: everything but what ops keep) or ``sum`` (both at once: an upper bound of the two)."""
+    if phase == "activations":
+        return v.memory - v.grad_phase if v.grad_phase is not None else v.memory
+    if phase == "gradients":
+        return np.zeros_like(v.memory) if v.kind == "op" else v.memory
+    assert phase == "sum", phase
+    return v.memory
+
+
+def phase_peaks(g: PlanGraph, choice: list[int]) -> tuple[float, float]:
+    """A plan's modelled peak in each phase (``phase_memory``): at the end of forward or while a unit reruns
+    (less ``rerun_freed``), and after backward.  The step's peak is the larger."""
+    act = sum(float(phase_memory(v, "activations")[c]) for v, c in zip(g.vars, choice)) - rerun_freed(g, choice)
+    grad = sum(float(v.memory[c]) for v, c in zip(g.vars, choice) if v.kind != "op")
+    return act, grad
+
+
+def rerun_freed(g: PlanGraph, choice: list[int]) -> float:
+    """What the sum of one plan's variables' memory over-counts: ``max(0, min(A, K))`` for its own buffers
+    ``A`` and ``K = freed_after`` (``rerun_credit``), so that its peak is ``sum - rerun_freed``, the larger of
+    the forward's peak and the reruns'.  At least ``g.rerun_credit``: the search's bound holds."""
+    if not g.rerun_after:
+        return 0.0
+    buffers = sum(float(v.rerun_buffer[c]) for v, c in zip(g.vars, choice) if v.rerun_buffer is not None)
+    return max(0.0, min(buffers, freed_after(g, choice)))
 
 
 def _add_var(g: PlanGraph, v: Var) -> int:

@@ -21,9 +21,19 @@ import torch
 from . import rules
 from .baselines import batch_split, model_parallel_domains, price as price_baselines
 from .capture import Captured, CaptureError, capture
-from .cost.memory import PARAM_COPIES, stored_bytes
+from .cost.memory import MEMORY_HEADROOM, PARAM_COPIES, budget_bytes, stored_bytes, sync_bucket_bytes
 from .cost.profiles import Profile, load_profile
-from .graph import Edge, PlanGraph, build, recomputable_layers
+from .graph import (
+    Edge,
+    PlanGraph,
+    attention_units,
+    build,
+    layer_of,
+    phase_memory,
+    phase_peaks,
+    recomputable_layers,
+    rerun_freed,
+)
 from .mesh import Mesh, factorizations
 from .plan import Plan
 from .precision import policy
@@ -31,6 +41,7 @@ from .reshard import Step
 from .rules.base import OpSpec, Strategy
 from .rules.window import halo_step, halos, windows_of
 from .search import TARGET_GAP, Pruned, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
+from .search.problem import lower_bound, reduce
 from .tiling import R, fmt
 
 MODES = ("auto", "dp", "mp")
@@ -47,6 +58,7 @@ class Result:
     hidden_s: float = 0.0      # gradient-sync time overlapped with backward compute
     sync_s: float = 0.0        # all gradient-sync time (part of comm_s)
     runs: list[Run] = field(default_factory=list)  # the repeated layers solved tied
+    recompute: frozenset[str] = frozenset()  # the units whose forward reruns in backward
 
     @property
     def step_time_s(self) -> float:
@@ -95,16 +107,36 @@ def solve_on(
     is not solved (``search.Pruned``), and one whose solve's bound reaches it is not refined."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
-    profile = profile.on_mesh(mesh, gpus_per_node)
-    g = build(cap, mesh, profile, objective=objective,
-              domains=_domains(cap, mesh, mode, local_batch), pin_params=mode in ("dp", "mp"),
-              local_outputs=local_batch, divide_work=True if mode in ("dp", "mp") else None, recompute=recompute)
+    g = _table(cap, mesh, profile, objective, mode, local_batch, gpus_per_node, recompute)
+    return solve_table_on(g, objective, solver, memory_bytes, time_limit_s, tie_layers, gap, incumbent, recompute)
+
+
+def _table(cap: Captured, mesh: Mesh, profile: Profile, objective: str, mode: str, local_batch: bool,
+           gpus_per_node: int | None, recompute: frozenset[str]) -> PlanGraph:
+    """The candidate table ``solve_on`` solves."""
+    return build(cap, mesh, profile.on_mesh(mesh, gpus_per_node), objective=objective,
+                 domains=_domains(cap, mesh, mode, local_batch), pin_params=mode in ("dp", "mp"),
+                 local_outputs=local_batch, divide_work=True if mode in ("dp", "mp") else None, recompute=recompute)
+
+
+def solve_table_on(g: PlanGraph, objective: str, solver: str, memory_bytes: float | None, time_limit_s: float,
+                   tie_layers: bool, gap: float, incumbent: float | None,
+                   recompute: frozenset[str] = frozenset()) -> Result:
+    """``solve_on``'s solve of a table already built (``MemoryBudgetError`` when no plan of it fits)."""
+    profile = g.profile
     least = least_memory(g)
     if memory_bytes is not None and least > memory_bytes:
-        raise MemoryBudgetError(least, mesh)
+        raise MemoryBudgetError(least, g.mesh)
     runs = find_repeats(g) if tie_layers and solver != "brute" else []
+    # The budget binds the activations phase; a plan whose gradients phase breaks it is replaced by the best plan
+    # with both phases summed (an upper bound of the larger).
+    phase = "activations"
     r = evaluate(g, solve(to_problem(g, objective, memory_bytes), solver, time_limit_s, gap, runs, cutoff=incumbent))
-    r.runs = runs
+    if memory_bytes is not None and r.memory > memory_bytes:
+        phase = "sum"
+        r = evaluate(g, solve(to_problem(g, objective, memory_bytes, phase=phase), solver, time_limit_s, gap, runs,
+                              cutoff=incumbent))
+    r.runs, r.recompute = runs, recompute
     # The search credits ``grad_overlap * sync`` as hidden; ``evaluate`` caps that at the backward
     # compute.  That credit is a lower bound of every plan's true cost and exact for this one when
     # uncapped, so the plan is optimal within ``capped``, the credit the cap took away.  Only when the
@@ -114,24 +146,103 @@ def solve_on(
     capped = profile.grad_overlap * r.sync_s - r.hidden_s
     hopeless = incumbent is not None and r.solution.bound >= incumbent
     if objective == "time" and capped > RESOLVE_GAP * r.step_time_s and not hopeless:
-        no_overlap = evaluate(g, solve(to_problem(g, objective, memory_bytes, overlap=0.0), solver, time_limit_s,
-                                       gap, runs))
-        no_overlap.runs = runs
+        no_overlap = evaluate(g, solve(to_problem(g, objective, memory_bytes, overlap=0.0, phase=phase), solver,
+                                       time_limit_s, gap, runs))
+        no_overlap.runs, no_overlap.recompute = runs, recompute
         r = min(r, no_overlap, key=lambda x: x.step_time_s)
     return r
 
 
+RECOMPUTE = ("none", "layers", "attention", "auto")
+
+
+def recompute_units(cap: Captured, recompute: str) -> frozenset[str]:
+    """The units a fixed ``recompute`` choice reruns (``none``, ``layers``, ``attention``)."""
+    return frozenset({"none": (), "layers": recomputable_layers(cap), "attention": attention_units(cap)}[recompute])
+
+
+def recompute_choices(cap: Captured) -> list[list[frozenset[str]]]:
+    """The recomputation choices ``solve_recompute`` searches, as chains along which the step time can only
+    grow: ``A_k``, the first ``k`` recomputable layers (graph order) recomputed whole; ``B_k``, the same with
+    every other layer's attention recomputed (selective recomputation, where the layers have one).  ``k = 1``
+    is left out: a role's single recomputed unit keeps its whole activations as its rerun buffer, so it never
+    saves memory over ``k = 0`` and only adds time."""
+    layers = recomputable_layers(cap)
+    att = {layer_of(u): u for u in attention_units(cap)}
+    ks = [k for k in range(len(layers) + 1) if k != 1]
+    chains = [[frozenset(layers[:k]) for k in ks]]
+    if att:
+        chains.append([frozenset(layers[:k]) | {att[x] for x in layers[k:] if x in att} for k in ks[:-1]])
+    return chains
+
+
+def solve_recompute(
+    cap: Captured, mesh: Mesh, profile: Profile, objective: str, solver: str, memory_bytes: float | None,
+    mode: str, local_batch: bool, time_limit_s: float, gpus_per_node: int | None, tie_layers: bool, gap: float,
+    incumbent: float | None, say: Callable[[str], None] = lambda line: None,
+) -> Result:
+    """Recomputation decided with the tilings: the best plan on ``mesh`` over every choice of
+    ``recompute_choices`` (each solved exactly with its tilings), within ``memory_bytes``.
+
+    Along a chain, each step recomputes more ops, so every plan's modelled time only grows
+    (``T(tiling, A_k) <= T(tiling, A_k+1)``) while its memory shrinks.  A chain stops once the lower
+    bound of its unbudgeted problem (``search.lower_bound``) reaches the best plan found: no later
+    choice of the chain can beat it.  Exact over the choices searched; for a stack of equal layers,
+    which ``k`` layers are recomputed does not change the model, so ``A_k`` stands for any ``k``."""
+    best: Result | None = None
+    misfits: list[MemoryBudgetError] = []
+    pruned: Pruned | None = None
+    for chain in recompute_choices(cap):
+        for units in chain:
+            g = _table(cap, mesh, profile, objective, mode, local_batch, gpus_per_node, units)
+            cut = incumbent if objective == "time" else None
+            if best is not None:
+                mine = best.step_time_s if objective == "time" else best.solution.objective
+                cut = mine if cut is None else min(cut, mine)
+            if cut is not None and least_memory(g) <= (memory_bytes or math.inf):
+                p = to_problem(g, objective)
+                if (bound := lower_bound(reduce(p), p)) >= cut:
+                    pruned = Pruned(bound, cut)
+                    break  # this chain's later choices cannot beat the best plan (or another mesh's)
+            try:
+                r = solve_table_on(g, objective, solver, memory_bytes, time_limit_s, tie_layers, gap,
+                                   cut if objective == "time" else None, units)
+            except MemoryBudgetError as e:
+                misfits.append(e)
+                continue
+            except Pruned as e:
+                pruned = e
+                continue
+            except SearchError:  # no plan found in time
+                continue
+            say(f"mesh {mesh}: recompute {len(units)} units: {r.value(objective):.4g} ({objective})")
+            if best is None or r.value(objective) < best.value(objective):
+                best = r
+    if best is None:
+        if pruned is not None:
+            raise pruned
+        if misfits:
+            raise min(misfits, key=lambda e: e.least)
+        raise SearchError(f"no plan found on mesh {mesh} with any recomputation in the time limit")
+    return best
+
+
 def least_memory(g: PlanGraph) -> float:
     """The smallest per-device memory any plan of ``g`` reaches: memory is a sum of one term per
-    variable, so each variable's cheapest strategy together is the exact minimum."""
-    return float(sum(v.memory.min() for v in g.vars))
+    variable (less the constant ``rerun_credit``) in each phase (``graph.phase_memory``), so each variable's
+    cheapest strategy together is the exact minimum of each phase, and the larger of the two a lower bound of the
+    step's (exact when one strategy per variable is cheapest in both)."""
+    act = float(sum(phase_memory(v, "activations").min() for v in g.vars)) - g.rerun_credit
+    return max(act, float(sum(v.memory.min() for v in g.vars if v.kind != "op")))
 
 
 class MemoryBudgetError(SearchError):
-    """No plan fits the per-device memory budget; ``least`` is the smallest any plan on ``mesh`` reaches."""
+    """No plan fits the per-device memory budget; ``least`` is the smallest budget (bytes, as ``memory_gb``
+    gives it) any plan on ``mesh`` fits: its least modelled peak ``modelled`` plus the headroom."""
 
-    def __init__(self, least: float, mesh: Mesh) -> None:
-        self.least, self.mesh = least, mesh
+    def __init__(self, modelled: float, mesh: Mesh) -> None:
+        self.modelled, self.mesh = modelled, mesh
+        self.least = least = modelled / (1 - MEMORY_HEADROOM)
         gb = least / 2**30
         step = 10 ** (math.floor(math.log10(gb)) - 3) if gb > 0 else 1.0
         enough = math.ceil(gb / step) * step  # 4 significant digits, rounded up: a budget that fits
@@ -159,16 +270,15 @@ def evaluate(g: PlanGraph, sol: Solution) -> Result:
         b += e.bytes[i, j]
         s += e.seconds[i, j]
         sync += e.sync[i, j] if e.sync is not None else 0.0
-    comp = op_comp = mem = 0.0
+    comp = op_comp = 0.0
     for v, c in zip(g.vars, sol.choice):
         in_b, in_s = (float(v.op_comm[c, 0]), float(v.op_comm[c, 1])) if v.op_comm is not None else (0.0, 0.0)
         b += in_b  # communication inside an op (halo exchange, summed statistics), priced with its strategy
         s += in_s
         comp += float(v.compute_s[c]) - in_s
         op_comp += float(v.compute_s[c]) - in_s if v.kind == "op" else 0.0
-        mem += float(v.memory[c])
     hidden = min(g.profile.grad_overlap * sync, BACKWARD_SHARE * op_comp)
-    return Result(g, sol, b, s, comp, mem, hidden, sync)
+    return Result(g, sol, b, s, comp, max(phase_peaks(g, sol.choice)), hidden, sync)
 
 
 def plan(
@@ -208,8 +318,10 @@ def plan(
     ``gap``: each solve stops once its plan is proven within this relative gap of optimal.
     ``recompute``: ``none`` (default); ``layers``: every layer (a block of a repeated stack without in-place
     updates or halo windows, ``graph.recomputable_layers``) reruns its forward in backward instead of
-    keeping its activations (``codegen.recompute``), priced as such; ``auto``: ``none`` when a plan fits
-    ``memory_gb``, else ``layers``.  ``plan.recompute`` lists the recomputed layers.
+    keeping its activations (``codegen.recompute``), priced as such; ``attention``: only each layer's
+    attention module (``graph.attention_units``: selective recomputation); ``auto``: which layers to
+    recompute is decided with the tilings (``solve_recompute``), the fastest plan within ``memory_gb``
+    (none without a budget).  ``plan.recompute`` lists the recomputed units (module names).
     ``precision``: ``fp32`` (default) or ``bf16-mixed`` (``soybean.precision``); with ``captured=``, the
     capture's own.
     ``progress``: called with a short line at each stage (capture, each mesh shape with its optimum and
@@ -239,19 +351,12 @@ def plan(
         cap = capture(model, tuple(example_inputs), precision=policy(precision).name)
     else:
         raise CaptureError("could not capture: plan() was given neither a model nor captured=")
-    if recompute not in ("none", "layers", "auto"):
-        raise ValueError(f"unknown recompute {recompute!r}: use none, layers or auto")
-    if recompute == "auto":  # recomputing every layer only adds time: only when nothing fits without it
-        again = dict(mesh=mesh, objective=objective, profile=prof, solver=solver, memory_gb=memory_gb, mode=mode,
-                     baselines=baselines, captured=cap, local_batch=local_batch, time_limit_s=time_limit_s,
-                     gpus_per_node=gpus_per_node, progress=progress, tie_layers=tie_layers, gap=gap)
-        try:
-            return plan(None, (), devices, recompute="none", **again)  # type: ignore[arg-type]
-        except MemoryBudgetError:
-            say("no plan fits without recomputation: recompute every layer")
-            return plan(None, (), devices, recompute="layers", **again)  # type: ignore[arg-type]
-    rec = frozenset(recomputable_layers(cap)) if recompute == "layers" else frozenset()
-    budget = memory_gb * 2**30 if memory_gb else None
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}: use one of {', '.join(RECOMPUTE)}")
+    budget = budget_bytes(memory_gb)
+    if recompute == "auto" and budget is None:
+        recompute = "none"  # recomputation only adds time: without a budget there is nothing to buy with it
+    rec = recompute_units(cap, recompute) if recompute != "auto" else frozenset()
     t0 = time.perf_counter()
     meshes = [mesh] if mesh else factorizations(devices)
     results: list[Result] = []
@@ -266,8 +371,12 @@ def plan(
         say(f"mesh {m}: build and solve")
         try:
             incumbent = min((r.step_time_s for r in results), default=None) if objective == "time" else None
-            results.append(solve_on(cap, m, prof, objective, solver, budget, mode, local_batch, time_limit_s,
-                                    gpus_per_node, tie_layers, gap, incumbent, rec))
+            if recompute == "auto":
+                results.append(solve_recompute(cap, m, prof, objective, solver, budget, mode, local_batch,
+                                               time_limit_s, gpus_per_node, tie_layers, gap, incumbent, say))
+            else:
+                results.append(solve_on(cap, m, prof, objective, solver, budget, mode, local_batch, time_limit_s,
+                                        gpus_per_node, tie_layers, gap, incumbent, rec))
         except MemoryBudgetError as e:
             misfits.append(e)
             say(f"mesh {m}: no plan fits the memory budget")
@@ -303,7 +412,7 @@ def plan(
             f"soybean: no sharding rule for {', '.join(best.graph.fallback_ops)}; these ops run replicated",
             stacklevel=2,
         )
-    out = to_plan(cap, best, objective, prof.name, devices, base, seconds, solver, results, rec)
+    out = to_plan(cap, best, objective, prof.name, devices, base, seconds, solver, results, best.recompute)
     out.meshes += pruned
     out.local_batch = local_batch
     out.gpus_per_node = gpus_per_node
@@ -375,10 +484,11 @@ def memory_breakdown(g: PlanGraph, sol: Solution) -> dict[str, float]:
     (``parameters``; under a mixed policy its master and its compute copy), its gradient's, AdamW's two
     states (``PARAM_COPIES`` in all, of the master) and, on the largest
     parameter, the step's temporaries; inputs and buffers their tiles; ops what they keep for backward.
-    A recomputed layer's activations while it reruns (one layer at a time) are counted in ``activations``
-    (``recompute_buffers`` stays 0), and collective buffers are not modelled (0)."""
+    A recomputed unit's activations while it reruns (one unit at a time), less what is freed by then
+    (``graph.rerun_freed``), are ``recompute_buffers``; ``collective_buffers`` are the gradient-sync buckets
+    (``cost.memory.sync_bucket_bytes``; a reshard's transient buffers are not modelled)."""
     out = dict.fromkeys(("parameters", "gradients", "optimizer_states", "optimizer_temporaries", "activations",
-                         "inputs_and_buffers", "recompute_buffers", "collective_buffers"), 0.0)
+                         "backward_transient", "inputs_and_buffers", "recompute_buffers", "collective_buffers"), 0.0)
     for vi, (v, c) in enumerate(zip(g.vars, sol.choice)):
         mem = float(v.memory[c])
         if v.kind == "param":
@@ -386,15 +496,23 @@ def memory_breakdown(g: PlanGraph, sol: Solution) -> dict[str, float]:
             master = g.master_itemsize if v.needs_grad and g.master_itemsize else 0
             tile = float(stored_bytes(shape, master or itemsize, tiling, g.mesh, 1)[0])
             working = float(stored_bytes(shape, itemsize, tiling, g.mesh, 1)[0]) if master else 0.0
+            sync = float(sync_bucket_bytes(shape, itemsize, tiling, g.mesh)[0]) if v.needs_grad else 0.0
             out["parameters"] += tile + working  # a mixed policy's master and its compute copy
             out["gradients"] += tile
             out["optimizer_states"] += (PARAM_COPIES - 2) * tile
-            out["optimizer_temporaries"] += mem - PARAM_COPIES * tile - working
+            out["collective_buffers"] += sync
+            out["optimizer_temporaries"] += mem - PARAM_COPIES * tile - working - sync
         elif v.kind in ("buffer", "input"):
             out["inputs_and_buffers"] += mem
         else:
-            out["activations"] += mem
-    out["peak"] = sum(out.values())
+            rerun = float(v.rerun_buffer[c]) if v.rerun_buffer is not None else 0.0
+            transient = float(v.transient[c]) if v.transient is not None else 0.0
+            out["activations"] += mem - rerun - transient
+            out["recompute_buffers"] += rerun
+            out["backward_transient"] += transient
+    out["recompute_buffers"] -= rerun_freed(g, sol.choice)
+    out["activation_phase"], out["gradient_phase"] = phase_peaks(g, sol.choice)
+    out["peak"] = max(out["activation_phase"], out["gradient_phase"])
     return out
 
 

@@ -50,8 +50,9 @@ def table(plan: Plan) -> str:
         lines.append(f"{'memory':<16} {_bytes(m['peak']):>10}/device = parameters {_bytes(m['parameters'])}"
                      f" + gradients {_bytes(m['gradients'])} + optimizer states {_bytes(m['optimizer_states'])}"
                      f" (+ step temporaries {_bytes(m['optimizer_temporaries'])}) + activations kept "
-                     f"{_bytes(m['activations'])} + inputs and buffers {_bytes(m['inputs_and_buffers'])}"
-                     f" (recompute buffers {_bytes(m['recompute_buffers'])}; collective buffers not modelled)")
+                     f"{_bytes(m['activations'])} + recompute buffers {_bytes(m['recompute_buffers'])}"
+                     f" + gradient-sync buckets {_bytes(m['collective_buffers'])}"
+                     f" + inputs and buffers {_bytes(m['inputs_and_buffers'])}")
     for k, v in plan.baselines.items():
         lines.append(_total(k, v))
     if plan.meshes and len(plan.meshes) > 1:

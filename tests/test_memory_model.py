@@ -53,7 +53,9 @@ SMALL = {
 
 def _modelled_activations(model: torch.nn.Module, inputs: tuple) -> float:
     g = build(capture(model, inputs), Mesh((1,)), load_profile(None))
-    return float(sum(v.memory[0] for v in g.vars if v.kind == "op"))
+    # What ops keep for backward: less the gradient the first backward op holds (``graph.backward_transient``).
+    return float(sum(v.memory[0] - (v.transient[0] if v.transient is not None else 0.0)
+                     for v in g.vars if v.kind == "op"))
 
 
 def test_live_bytes_counts_storages_once_and_frees_them() -> None:
@@ -128,12 +130,13 @@ def test_serial_peak_within_10_percent(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
-def test_small_batch_is_an_upper_bound(name: str) -> None:
-    """32 tokens: activations about the size of the parameters; the model adds both phases' peaks."""
+def test_small_batch_within_10_percent(name: str) -> None:
+    """32 tokens: activations about the size of the parameters, where which phase peaks is closest: the model
+    takes the larger of the two phases (``graph.phase_peaks``) and stays within 10% of the measured peak."""
     model, inputs = SMALL[name]()
     measured = measure_step(copy.deepcopy(model), inputs)
     modelled = make_plan(model, inputs, devices=1, baselines=False).cost["memory_bytes"]
-    assert measured.peak <= modelled <= measured.peak + _modelled_activations(model, inputs)
+    assert abs(modelled - measured.peak) <= 0.10 * measured.peak, (modelled, measured)
 
 
 @pytest.mark.sim
@@ -160,15 +163,20 @@ def test_per_rank_peak_within_10_percent(name: str, mode: str, precision: str) -
 
 @pytest.mark.parametrize("name,devices", [("mlp", 2), ("transformer", 4)])
 def test_memory_breakdown_adds_up(name: str, devices: int) -> None:
-    """The plan's memory breakdown sums to its modelled peak; a parameter's gradient is its size and AdamW's
-    states twice it; the table prints the breakdown."""
+    """The plan's memory breakdown adds up to its two phases' peaks, the larger its modelled peak; a parameter's
+    gradient is its size and AdamW's states twice it; the table prints the breakdown."""
     from soybean.report import table
 
     model, inputs = MODELS[name]()
     p = make_plan(model, inputs, devices=devices, baselines=False)
     m = p.memory
-    parts = sum(v for k, v in m.items() if k != "peak")
-    assert m["peak"] == pytest.approx(parts) and m["peak"] == pytest.approx(p.cost["memory_bytes"], rel=1e-5)
+    always = m["parameters"] + m["optimizer_states"] + m["inputs_and_buffers"]
+    assert m["activation_phase"] == pytest.approx(always + m["activations"] + m["backward_transient"]
+                                                  + m["recompute_buffers"])
+    assert m["gradient_phase"] == pytest.approx(always + m["gradients"] + m["optimizer_temporaries"]
+                                                + m["collective_buffers"])
+    assert m["peak"] == max(m["activation_phase"], m["gradient_phase"])
+    assert m["peak"] == pytest.approx(p.cost["memory_bytes"], rel=1e-5)
     assert m["gradients"] == m["parameters"] > 0 and m["optimizer_states"] == pytest.approx(2 * m["parameters"])
     assert m["activations"] > 0 and m["optimizer_temporaries"] >= 0 and m["recompute_buffers"] == 0
     assert "memory " in table(p) and "optimizer states" in table(p)

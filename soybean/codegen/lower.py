@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .. import rules
 from ..capture import Captured
 from ..cost.profiles import load_profile
-from ..graph import Edge, PlanGraph, build, node_layer, value_source
+from ..graph import Edge, PlanGraph, build, node_module, value_source
 from ..mesh import Mesh
 from ..plan import Plan
 from ..reshard import Route
@@ -145,18 +145,18 @@ class Lowering:
                 self.op(node)
             elif node.op == "output":
                 self.output(node)
-            self._tag(node_layer(node) if node.op == "call_function" else "")
+            self._tag(node_module(node) if node.op == "call_function" else "")
         _lazy_output_sums(self.g)
         gm = fx.GraphModule(torch.nn.Module(), self.g, class_name=f"Rank{self.rank}Program")
         gm.meta["grad_sync"] = {k: tuple(sorted(v)) for k, v in self.grad_sync.items() if v}
         return checkpoint_layers(gm, self.plan.recompute)
 
-    def _tag(self, layer: str) -> None:
-        """Mark the nodes just emitted (an op, the reshards of its inputs) with the layer they lower."""
+    def _tag(self, module: str) -> None:
+        """Mark the nodes just emitted (an op, the reshards of its inputs) with the module of the op they lower."""
         for n in reversed(self.g.nodes):
-            if "layer" in n.meta:
+            if "module" in n.meta:
                 break
-            n.meta["layer"] = layer
+            n.meta["module"] = module
 
     # ---- reading values along edges ----
 

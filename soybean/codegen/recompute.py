@@ -1,15 +1,16 @@
-"""Recomputation: a layer's forward runs again in backward instead of keeping its activations.
+"""Recomputation: a unit's forward runs again in backward instead of keeping its activations.
 
-A *layer* is a block of a repeated stack (``graph.layer_of``: the module path up to its first numeric
-part); ops outside any stack belong to no layer.  Lowering tags every node it emits with the layer of
-the captured op it lowers (the collectives that read the op's inputs included).
-``checkpoint_layers`` cuts the per-rank program into runs of consecutive nodes of one layer
-(``torch.fx.passes.split_module``) and calls each run of a layer the plan recomputes through
+A *unit* is a module path: a layer, a block of a repeated stack (``graph.layer_of``: the module path up
+to its first numeric part), or a module inside one (selective recomputation's attention,
+``graph.attention_units``).  Lowering tags every node it emits with the module of the captured op it
+lowers (the collectives that read the op's inputs included), and ``graph.unit_of`` maps it to its unit.
+``checkpoint_layers`` cuts the per-rank program into runs of consecutive nodes of one unit
+(``torch.fx.passes.split_module``) and calls each run of a unit the plan recomputes through
 ``torch.utils.checkpoint`` (non-reentrant): its forward keeps only the run's inputs, and backward
 runs the forward again (its collectives too, in the same order on every rank, with the same random
 state) before differentiating it.  A run that updates stored tensors in place (batch norm's running
 statistics) or reads halo windows is not recomputed: running it twice would update twice, and the
-windows' saved-tensor packing is its own.  The planner offers only layers without such ops.
+windows' saved-tensor packing is its own.  The planner offers only units without such ops.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from ..graph import unit_of
 from ..runtime import context as rt
 
 
@@ -49,7 +51,7 @@ def _stays(node: fx.Node) -> bool:
 
 
 def checkpoint_layers(gm: fx.GraphModule, layers: Collection[str]) -> fx.GraphModule:
-    """``gm`` with every run of a layer in ``layers`` checkpointed (module docstring); ``gm`` itself when none."""
+    """``gm`` with every run of a unit in ``layers`` checkpointed (module docstring); ``gm`` itself when none."""
     if not layers:
         return gm
     part: dict[fx.Node, int] = {}
@@ -57,7 +59,7 @@ def checkpoint_layers(gm: fx.GraphModule, layers: Collection[str]) -> fx.GraphMo
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
-        layer = n.meta.get("layer", "")
+        layer = unit_of(n.meta.get("module", ""), layers)
         if not runs or runs[-1] != layer:
             runs.append(layer)
         part[n] = len(runs) - 1

@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 import operator
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +57,19 @@ from torch.utils._pytree import tree_flatten
 
 from ..mesh import Mesh
 from ..rules.base import OpSpec, Strategy, lookup, make_opspec, op_name
-from ..tiling import max_local_numel
+from ..tiling import Replicate, max_local_numel
+
+# The share of ``memory_gb`` the modelled peak may not use.  The memory model is not exact: against live-bytes
+# measurements of the test suite's models (``tests/test_memory_model.py``, ``tests/test_recompute.py``) it is within
+# -8% .. +7% of the measured peak per rank, and a budget is a limit the run must hold, so plans are made to
+# ``(1 - MEMORY_HEADROOM) * memory_gb``.
+MEMORY_HEADROOM = 0.05
+
+
+def budget_bytes(memory_gb: float | None) -> float | None:
+    """The modelled bytes per device a plan may reach under ``--memory-gb memory_gb`` (``MEMORY_HEADROOM``)."""
+    return memory_gb * 2**30 * (1 - MEMORY_HEADROOM) if memory_gb else None
+
 
 # Adam/AdamW keep two states per parameter, plus the gradient: 4 copies in all.
 PARAM_COPIES = 4
@@ -70,6 +82,16 @@ def stored_bytes(
 ) -> np.ndarray:
     """Bytes per device of a stored tensor under each tiling, ``copies`` times (``PARAM_COPIES`` for a parameter)."""
     return np.array([max_local_numel(shape, t, mesh) * itemsize * copies for t in tilings], dtype=float)
+
+
+def sync_bucket_bytes(shape: tuple[int, ...], itemsize: int, tilings: Sequence[tuple], mesh: Mesh) -> np.ndarray:
+    """Bytes per device of a trainable parameter's share of the gradient-sync buckets under each tiling: its
+    gradient tile when the tiling replicates it on some mesh axis of more than one device (its gradient may
+    then be a partial sum, reduced through ``runtime.gradsync.GradSync``'s flat buckets, which are kept
+    across steps), else nothing.  An upper bound: a replicated parameter used by replicated work needs no sum."""
+    return np.array([max_local_numel(shape, t, mesh) * itemsize
+                     if any(isinstance(p, Replicate) and n > 1 for p, n in zip(t, mesh.shape)) else 0.0
+                     for t in tilings], dtype=float)
 
 
 def output_bytes(op: OpSpec, strategies: Sequence[Strategy], mesh: Mesh) -> np.ndarray:
@@ -296,12 +318,18 @@ class Liveness:
     largest_param: str | None
 
 
-_LIVENESS: weakref.WeakKeyDictionary[fx.Graph, tuple[int, Liveness]] = weakref.WeakKeyDictionary()
+_LIVENESS: weakref.WeakKeyDictionary[fx.Graph, dict[frozenset, tuple[int, Liveness]]] = weakref.WeakKeyDictionary()
 
 
-def liveness(graph: fx.Graph) -> Liveness:
-    """What is live at the end of ``graph``'s forward (cached per graph while its node count holds)."""
-    hit = _LIVENESS.get(graph)
+def liveness(graph: fx.Graph, units: Mapping[str, str] | None = None) -> Liveness:
+    """What is live at the end of ``graph``'s forward (cached per graph and ``units`` while its node count holds).
+
+    ``units``: op name -> the recomputed unit it lies in (``codegen.recompute``).  Such an op saves nothing:
+    its unit's checkpoint keeps instead every value the unit reads from outside it, as produced (lowering
+    emits the reads' reshards inside the unit), and backward reruns the unit to save the rest."""
+    units = units or {}
+    key = frozenset(units.items())
+    hit = _LIVENESS.setdefault(graph, {}).get(key)
     if hit is not None and hit[0] == len(graph.nodes):
         return hit[1]
     grad: dict[str, bool] = {}
@@ -346,6 +374,13 @@ def liveness(graph: fx.Graph) -> Liveness:
                 if i is not None:
                     alias[(node.name, j)] = _source(args[i])
             s = saved(make_spec(node), grads)
+            if node.name in units:  # recomputed: its checkpoint keeps what it reads from outside its unit
+                saves[node.name] = NOTHING
+                for a in args:
+                    src = _source(a)
+                    if units.get(src[0].name) != units[node.name]:
+                        mark(src, None)
+                continue
             saves[node.name] = s
             for i in s.inputs:
                 mark(_source(args[i]), (node.name, i))
@@ -365,7 +400,7 @@ def liveness(graph: fx.Graph) -> Liveness:
             read.setdefault(reader[0], set()).add(reader[1])
     result = Liveness({k: frozenset(v) for k, v in live.items()}, {k: frozenset(v) for k, v in read.items()},
                       saves, largest[1] if largest else None)
-    _LIVENESS[graph] = (len(graph.nodes), result)
+    _LIVENESS[graph][key] = (len(graph.nodes), result)
     return result
 
 
@@ -390,18 +425,32 @@ def param_bytes(node: fx.Node, shape: tuple[int, ...], itemsize: int, tilings: S
     return stored_bytes(shape, itemsize, tilings, mesh, copies)
 
 
-def activation_key(node: fx.Node) -> Hashable:
+def grad_phase_bytes(node: fx.Node, shape: tuple[int, ...], itemsize: int, tilings: Sequence[tuple], mesh: Mesh,
+                     master_itemsize: int = 0) -> np.ndarray:
+    """The part of a trainable parameter's ``param_bytes`` that exists only after its backward: its gradient
+    tile (of the master under a mixed policy) and, on the largest parameter, AdamW's step temporaries.  With
+    gradients set to ``None`` between steps (``zero_grad``'s default) they are not live at the end of forward,
+    when the activations peak, and the activations are freed by the time the step runs (``planner.evaluate``
+    takes the larger of the two phases)."""
+    copies = 1 + (OPTIMIZER_TEMPORARIES if node.graph is not None and liveness(node.graph).largest_param == node.name
+                  else 0)
+    return stored_bytes(shape, master_itemsize or itemsize, tilings, mesh, copies)
+
+
+def activation_key(node: fx.Node, units: Mapping[str, str] | None = None) -> Hashable:
     """What ``activation_bytes`` reads of ``node`` besides its op and strategies: two ops with equal
     specs and keys keep equal bytes (``graph`` shares repeated layers' tables on this)."""
-    info = liveness(node.graph)
+    info = liveness(node.graph, units)
     return (info.live.get(node.name, frozenset()), info.read.get(node.name, frozenset()),
             info.saves.get(node.name, NOTHING).extra)
 
 
-def activation_bytes(node: fx.Node, op: OpSpec, strategies: Sequence[Strategy], mesh: Mesh) -> np.ndarray:
+def activation_bytes(node: fx.Node, op: OpSpec, strategies: Sequence[Strategy], mesh: Mesh,
+                     units: Mapping[str, str] | None = None) -> np.ndarray:
     """Bytes per device that op ``node`` keeps at the end of forward under each strategy: its outputs
-    that are live then (saved for backward, or returned; not aliases) and the tensors it saves internally."""
-    info = liveness(node.graph)
+    that are live then (saved for backward, kept by a recomputed unit's checkpoint, or returned; not
+    aliases) and the tensors it saves internally (``units``: as ``liveness``)."""
+    info = liveness(node.graph, units)
     live = info.live.get(node.name, frozenset())
     read = info.read.get(node.name, frozenset())
     extra = info.saves.get(node.name, NOTHING).extra

@@ -107,9 +107,13 @@ class GradSync:
                 flat[off:off + g.numel()].copy_(g)
                 off += g.numel()
         axes = self.axes[b]
-        start = getattr(self.groups[axes[0]], "all_reduce_inplace_async", None) if len(axes) == 1 else None
-        if start is not None:
-            self._pending.append((start(flat), flat, b))
+        starts = [getattr(self.groups[a], "all_reduce_inplace_async", None) for a in axes]
+        if all(s is not None for s in starts):
+            # In place, axis after axis (a copy per axis would hold two more buckets at once); only the last
+            # axis's sum overlaps the rest of backward, each earlier one must finish before the next reads it.
+            for start in starts[:-1]:
+                start(flat).wait()  # type: ignore[misc]
+            self._pending.append((starts[-1](flat), flat, b))  # type: ignore[misc]
             return
         for axis in axes:
             flat = self.groups[axis].all_reduce(flat)

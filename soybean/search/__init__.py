@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from ..graph import PlanGraph
+from ..graph import PlanGraph, phase_memory
 from .brute import brute_force
 from .budget import lagrangian
 from .dp import solve_dp
@@ -21,7 +21,7 @@ OBJECTIVES = ("comm", "time")
 
 
 def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
-               overlap: float | None = None) -> Problem:
+               overlap: float | None = None, phase: str = "activations") -> Problem:
     """Unary and pairwise costs of ``g`` under ``objective``.
 
     ``comm``: bytes sent per device per training step; step seconds are added
@@ -31,12 +31,16 @@ def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
     all-reduce is taken as hidden behind backward: ``C = seconds - overlap * sync``.
     This linear discount is exact while the hidden time stays below the backward
     compute, the cap ``planner.evaluate`` applies (see ``planner.solve_on``).
+    ``phase``: the memory the budget constrains (``graph.phase_memory``): the activations phase's, whose
+    plan the caller checks against the gradients phase, or ``sum``, both at once.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}: use comm or time")
     unary = [v.compute_s.astype(float).copy() for v in g.vars]
-    memory = [v.memory for v in g.vars] if memory_budget else None
-    p = Problem(unary, {}, memory, memory_budget, [v.name for v in g.vars])
+    memory = [phase_memory(v, phase) for v in g.vars] if memory_budget else None
+    # A plan's peak is its variables' memory less ``g.rerun_credit``: the budget on the sum grows by it.
+    budget = memory_budget + g.rerun_credit if memory_budget else None
+    p = Problem(unary, {}, memory, budget, [v.name for v in g.vars])
     # Under ``comm`` the seconds only break ties: priced without overlap, a replicated weight's
     # gradient all-reduce and a split weight's gather/reduce-scatter stay tied on time as on bytes.
     ov = 0.0 if objective == "comm" else g.profile.grad_overlap if overlap is None else overlap
