@@ -1,4 +1,4 @@
-"""``soybean`` command line: plan | run | calibrate | bench."""
+"""``soybean`` command line: plan | explain | draw | diff | run | calibrate | bench."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,10 @@ import os
 import sys
 import time
 import warnings
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from .explain import Explanation
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -91,6 +94,92 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def _explained(a: argparse.Namespace) -> Explanation:
+    """``explain`` and ``draw``: the model's plan (``--plan``: a saved one, checked against the model; else
+    planned now as ``soybean plan`` would) and its rows on the plan's full candidate table."""
+    from . import models
+    from .capture import capture
+    from .cost.profiles import load_profile
+    from .explain import explain
+    from .mesh import Mesh
+    from .plan import Plan
+    from .planner import plan
+
+    model, inputs = models.load(a.model, models.parse_args(a.arg))
+    if a.plan:
+        p = Plan.load(a.plan)
+        if a.devices is not None and a.devices != p.devices:
+            raise ValueError(f"--devices {a.devices} but the plan {a.plan} is for {p.devices} devices: drop --devices")
+        cap = capture(model, inputs, precision=p.precision)
+        if cap.fingerprint != p.fingerprint:
+            raise ValueError(f"the plan {a.plan} was made for another model or other input shapes (fingerprint "
+                             f"{p.fingerprint} != {cap.fingerprint}): give the model and --arg it was planned with")
+    else:
+        if a.devices is None:
+            raise ValueError("give --devices P to plan the model, or a saved plan with --plan")
+        mesh = Mesh.parse(a.mesh) if a.mesh else None
+        cap = capture(model, inputs, precision=a.precision)
+        line = ProgressLine(sys.stderr)
+        with warnings.catch_warnings(record=True) as caught, line:
+            warnings.simplefilter("always")
+            p = plan(None, (), a.devices, mesh=mesh, objective=a.objective, profile=a.profile, captured=cap,
+                     memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node,
+                     recompute=a.recompute, baselines=False, progress=line)
+        for w in caught:
+            if "soybean" in str(w.message):
+                print(f"warning: {w.message}", file=sys.stderr)
+    return explain(cap, p, load_profile(a.profile) if a.profile else None)
+
+
+def _cmd_explain(a: argparse.Namespace) -> int:
+    from .explain import format_text
+
+    sys.stdout.write(format_text(_explained(a), a.node))
+    return 0
+
+
+def _cmd_draw(a: argparse.Namespace) -> int:
+    from .draw import page, svg
+
+    ex = _explained(a)
+    with open(a.out, "w") as f:
+        f.write(page(ex) if a.out.endswith(".html") else svg(ex))
+    print(f"wrote {a.out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_diff(a: argparse.Namespace) -> int:
+    """Exit 0 when the plans are the same (nothing printed), 1 when they differ, as ``diff``."""
+    from .plan import Plan
+    from .plandiff import diff
+
+    lines = diff(Plan.load(a.a), Plan.load(a.b))
+    if lines:
+        sys.stdout.write("\n".join(lines) + "\n")
+    return 1 if lines else 0
+
+
+def _add_explained_args(p: argparse.ArgumentParser) -> None:
+    """The arguments ``explain`` and ``draw`` share: the model, and its plan saved or planned now."""
+    from .precision import POLICIES
+
+    _add_model_args(p)
+    p.add_argument("--plan", metavar="PLAN.json",
+                   help="a plan saved by `soybean plan --out`: its tilings are read, not planned again (the "
+                        "planning options below are then unused, but --profile)")
+    p.add_argument("--devices", type=int, default=None, help="number of devices P (required without --plan)")
+    p.add_argument("--mesh", help="mesh shape such as 8 or 2x4 (default: try every factorisation into 1-3 axes)")
+    p.add_argument("--objective", choices=["comm", "time"], default="time")
+    p.add_argument("--profile", default=None,
+                   help="cpu-gloo (default), h100-nvlink, h100-nvlink-ib or a JSON file from `soybean calibrate`; "
+                        "with --plan, default the plan's")
+    p.add_argument("--memory-gb", type=float, default=None, help="per-device memory budget")
+    p.add_argument("--recompute", choices=["none", "layers", "attention", "auto"], default="none")
+    p.add_argument("--precision", choices=list(POLICIES), default="fp32")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="seconds per ILP solve")
+
+
 def _cmd_run(a: argparse.Namespace) -> int:
     """Run ``script`` as ``nproc`` local ranks with torchrun's environment (gloo on CPU)."""
     import os
@@ -150,9 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--solver", choices=["ilp", "dp"], default="ilp")
     from .precision import POLICIES
 
-    p.add_argument("--recompute", choices=["none", "layers", "auto"], default="none",
+    p.add_argument("--recompute", choices=["none", "layers", "attention", "auto"], default="none",
                    help="rerun every layer's forward in backward instead of keeping its activations (layers), "
-                        "or only when no plan fits --memory-gb without it (auto)")
+                        "only each layer's attention (attention), or decide which layers with the tilings: "
+                        "the fastest plan within --memory-gb (auto)")
     p.add_argument("--precision", choices=list(POLICIES), default="fp32",
                    help="fp32, or bf16-mixed: bf16 compute from fp32 master weights and AdamW states, "
                         "gradients reduced in bf16")
@@ -169,6 +259,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the plan here (JSON when the name ends in .json)")
     p.add_argument("--emit-code", metavar="DIR", help="write each rank's generated program to DIR")
     p.set_defaults(fn=_cmd_plan)
+    e = sub.add_parser("explain", help="why each tiling: every op's cost split, and its next-best strategy")
+    _add_explained_args(e)
+    e.add_argument("--node", metavar="NAME", help="only this op, parameter FQN or module (and the modules inside it)")
+    e.set_defaults(fn=_cmd_explain)
+    d = sub.add_parser("draw", help="draw the plan: tensors coloured by tiling, collectives marked, time bars")
+    _add_explained_args(d)
+    d.add_argument("--out", required=True, help="plan.svg, or plan.html for a page with the explanation")
+    d.set_defaults(fn=_cmd_draw)
+    f = sub.add_parser("diff", help="what differs between two saved plans (exit 0: same, 1: they differ)")
+    f.add_argument("a", metavar="A.json")
+    f.add_argument("b", metavar="B.json")
+    f.set_defaults(fn=_cmd_diff)
     r = sub.add_parser("run", help="run a training script on N local processes (torchrun's environment, gloo on CPU)")
     r.add_argument("--nproc", type=int, default=2)
     r.add_argument("--timeout", type=float, default=3600.0, help="seconds before every rank is stopped")
