@@ -109,8 +109,10 @@ class MLP(nn.Module):
         for layer in self.hidden:
             h = F.relu(layer(h))
         out = self.out(h)
-        if y is None:
-            return out
+        return out if y is None else self.loss_fn(out, y)
+
+    def loss_fn(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The training loss, also for loops that compute it outside the model: ``model.loss_fn(model(x), y)``."""
         if self.classification:
             return F.cross_entropy(out, y)
         return F.mse_loss(out, y)

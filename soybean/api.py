@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .capture import Captured, capture
 from .mesh import Mesh
 from .module import ParallelModule
+from .outputs import OUTPUTS
 from .plan import Plan
 from .planner import plan as make_plan
 from .precision import policy
@@ -50,7 +51,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
                 groups: Sequence[Group] | None = None, captured: Captured | None = None,
                 local_batch: bool = False, gpus_per_node: int | None = None,
                 precision: str | None = None, recompute: str = "none",
-                memory_gb: float | None = None) -> ParallelModule:
+                memory_gb: float | None = None, outputs: str = "lazy") -> ParallelModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
 
     ``precision``: ``fp32`` or ``bf16-mixed`` (``soybean.precision``: bf16 compute from fp32 master weights,
@@ -67,8 +68,16 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
 
     ``local_batch=True`` is the cheaper contract: ``example_inputs`` is still the global batch, but
     at run time each rank passes only its dim-0 slice (``pmodel.local_slice(x)``) and non-scalar
-    outputs come back as this rank's tile (losses stay whole).  Nothing is sliced or gathered.
+    outputs come back as this rank's tile (losses stay whole).  Nothing is sliced or gathered.  A loss
+    computed outside on the tile trains as DDP does: the mean over ranks of their losses
+    (``soybean.outputs.local_mean``).
+
+    ``outputs`` (the full-batch contract): ``lazy`` (default) returns a split output as a
+    ``soybean.outputs.LazyFull``, this rank's tile, gathered on first full read; a loss of
+    ``torch.nn.functional`` on it reduces only the scalar.  ``full``: full tensors, gathered in the program.
     """
+    if outputs not in OUTPUTS:
+        raise ValueError(f"unknown outputs {outputs!r}: use one of {', '.join(OUTPUTS)}")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if isinstance(mesh, Mesh):
         mesh_obj: Mesh | None = mesh
@@ -122,4 +131,4 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
         from .runtime.comm import torch_groups
 
         groups = torch_groups(pmesh)
-    return ParallelModule(model, cap, p, rank, groups)
+    return ParallelModule(model, cap, p, rank, groups, lazy_outputs=outputs == "lazy")

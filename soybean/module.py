@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .capture import Captured
 from .codegen.lower import emit_reshard, lower
 from .mesh import Mesh
+from .outputs import lazy_outputs, local_mean
 from .plan import Plan
 from .precision import policy
 from .reshard import Route
@@ -27,17 +28,7 @@ from .runtime.comm import Group
 from .runtime.context import use_groups
 from .runtime.gradsync import GradSync
 from .runtime.pending import wait_all
-from .tiling import R, Shard, chunk_range, parse_placement
-
-
-def local_tile(full: torch.Tensor, tiling: Sequence, mesh: Mesh, coords: Sequence[int]) -> torch.Tensor:
-    """This device's tile of a full tensor (``Partial`` never occurs for stored tensors)."""
-    t = full
-    for axis, pl in enumerate(tiling):
-        if isinstance(pl, Shard):
-            a, b = chunk_range(t.shape[pl.dim], mesh.shape[axis], coords[axis])
-            t = t.narrow(pl.dim, a, b - a)
-    return t.clone()
+from .tiling import R, local_tile, parse_placement
 
 
 def _attach(root: nn.Module, fqn: str, value: torch.Tensor, kind: str) -> None:
@@ -58,7 +49,8 @@ class ParallelModule(nn.Module):
 
     program: fx.GraphModule  # set with object.__setattr__ in __init__ (a plain attribute, not a submodule)
 
-    def __init__(self, model: nn.Module, cap: Captured, plan: Plan, rank: int, groups: Sequence[Group]) -> None:
+    def __init__(self, model: nn.Module, cap: Captured, plan: Plan, rank: int, groups: Sequence[Group],
+                 lazy_outputs: bool = False) -> None:
         super().__init__()
         mesh = Mesh(tuple(plan.mesh))
         if len(groups) != mesh.ndim:
@@ -86,7 +78,11 @@ class ParallelModule(nn.Module):
                 tile = local_tile(state[fqn].detach(), tiling, mesh, self._coords)
                 _attach(self, fqn, tile if kind == "param" else pol.cast(tile), kind)
             self._order.append((kind, fqn))
-        object.__setattr__(self, "program", lower(cap, plan, rank))  # not a submodule: no params of its own
+        # not a submodule: no params of its own
+        object.__setattr__(self, "program", lower(cap, plan, rank, tile_outputs=lazy_outputs))
+        self._out_tilings: list = self.program.meta.get("output_tilings", [])
+        self._out_shapes = [tuple(v.shape) if isinstance(v := getattr(a, "meta", {}).get("val"), torch.Tensor) else ()
+                            for a in tree_flatten(next(n for n in cap.graph.nodes if n.op == "output").args[0])[0]]
         sync = self.program.meta.get("grad_sync", {})
         # A tied weight is one parameter behind two placeholders: sync it once.
         synced = list(dict.fromkeys(fqn for kind, fqn in self._order if fqn in sync))
@@ -117,10 +113,23 @@ class ParallelModule(nn.Module):
             self._grad_sync.check_complete()
         with use_groups(self._groups):
             out = self.program(*state, *user)
+        if any(t is not None for t in self._out_tilings):
+            out = self._returned(out)
         spec = self._cap.out_spec  # the model's own output structure (a ModelOutput stays one)
         if spec is not None and isinstance(out, (tuple, list)) and spec.num_leaves == len(out):
             return tree_unflatten(list(out), spec)
         return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+
+    def _returned(self, out: Any) -> Any:
+        """Split outputs as the contract hands them: under ``local_batch`` the tile with DDP's mean gradient,
+        else a ``LazyFull`` (``soybean.outputs``)."""
+        flat, spec = tree_flatten(out)
+        if self.plan.local_batch:
+            flat = [local_mean(o, t, self._mesh) if t is not None and isinstance(o, torch.Tensor) else o
+                    for o, t in zip(flat, self._out_tilings)]
+        else:
+            flat = lazy_outputs(flat, self._out_tilings, self._out_shapes, self._mesh, self._coords, self._groups)
+        return tree_unflatten(flat, spec)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

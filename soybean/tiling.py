@@ -253,3 +253,13 @@ def assemble(tiles: dict[tuple[int, ...], torch.Tensor], tiling: Sequence[Placem
         cur = {k: v for k, v in nxt.items()}
         cur = {tuple(k): v for k, v in cur.items()}
     return next(iter(cur.values()))
+
+
+def local_tile(full: torch.Tensor, tiling: Sequence, mesh: Mesh, coords: Sequence[int]) -> torch.Tensor:
+    """This device's tile of a full tensor (``Partial`` never occurs for stored tensors)."""
+    t = full
+    for axis, pl in enumerate(tiling):
+        if isinstance(pl, Shard):
+            a, b = chunk_range(t.shape[pl.dim], mesh.shape[axis], coords[axis])
+            t = t.narrow(pl.dim, a, b - a)
+    return t.clone()

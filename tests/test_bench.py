@@ -117,3 +117,21 @@ def test_bench_runs_only_the_selected_variants() -> None:
     for v in set(VARIANTS) - {"ddp", "soybean_dp"}:
         assert report["step_s"][v] is None and "not selected" in report["reasons"][v]
     assert "not selected" in format_table(report) and report["rounds"] == 1
+
+
+@pytest.mark.dist
+def test_bench_computes_the_loss_outside_the_model_in_both_contracts() -> None:
+    """``--loss outside``: the step is ``loss = model.loss_fn(model(x), y)`` for every variant; soybean under the
+    full-batch contract (a lazily gathered output) and the local-batch one (DDP's) both start from the serial
+    loss, and DDP's mean over ranks equals it too (an even split)."""
+    cfg = BenchConfig(model="examples.models:mlp", devices=2, args={"hidden": 16, "batch": 8}, steps=2, warmup=1,
+                      timeout_s=120, variants=("serial", "ddp", "soybean", "soybean_local"), loss="outside")
+    report = run_bench(cfg)
+    assert report["loss"] == "outside"
+    first = report["first_loss"]
+    for v in ("ddp", "soybean", "soybean_local"):
+        assert report["step_s"][v], (v, report["reasons"].get(v))
+        assert first[v] == pytest.approx(first["serial"], rel=1e-5), v
+    assert not report["notes"]
+    with pytest.raises(ValueError, match="--loss"):
+        BenchConfig(model="m:f", devices=2, loss="sideways").validate()

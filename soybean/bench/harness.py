@@ -64,9 +64,14 @@ __all__ = ["BenchConfig", "VARIANTS", "auto_rounds", "training_state_bytes", "ru
            "candidates", "tp_layout", "add_parser", "cmd_bench", "main"]
 
 SERIAL = "serial"
-DIST_VARIANTS: tuple[str, ...] = ("ddp", "tp", "fsdp", "soybean", "soybean_dp", "soybean_mp")
+DIST_VARIANTS: tuple[str, ...] = ("ddp", "tp", "fsdp", "soybean", "soybean_dp", "soybean_mp", "soybean_local")
 VARIANTS: tuple[str, ...] = (SERIAL, *DIST_VARIANTS)
-SOYBEAN_MODES: dict[str, str] = {"soybean": "auto", "soybean_dp": "dp", "soybean_mp": "mp"}
+SOYBEAN_MODES: dict[str, str] = {"soybean": "auto", "soybean_dp": "dp", "soybean_mp": "mp", "soybean_local": "auto"}
+# Variants under the local-batch contract (DDP's): each rank passes its own slice of every input.
+LOCAL_BATCH: frozenset[str] = frozenset({"soybean_local"})
+# Where the training step computes its loss: in the model (the target among the inputs), or outside it from the
+# model's output, ``loss = model.loss_fn(model(*inputs[:-1]), inputs[-1])``, as DDP-style loops do.
+LOSS_STYLES = ("inside", "outside")
 NOT_SELECTED = "not selected (--variants)"
 # ``--profile calibrate``: run ``soybean calibrate`` just before timing and plan with its profile
 # (a shared machine's speed drifts over minutes: a profile from earlier mispredicts by as much).
@@ -97,6 +102,7 @@ class BenchConfig:
     # None: auto_rounds; 0: turns after every step; 1: one after the other; n: steps/n at a time
     rounds: int | None = None
     variants: tuple[str, ...] = VARIANTS        # which to run; the others report "not selected"
+    loss: str = "inside"                        # LOSS_STYLES
 
     @property
     def dist_variants(self) -> tuple[str, ...]:
@@ -113,6 +119,8 @@ class BenchConfig:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if self.rounds is not None and self.rounds < 0:
             raise ValueError(f"--rounds must be >= 0, got {self.rounds}")
+        if self.loss not in LOSS_STYLES:
+            raise ValueError(f"--loss must be one of {', '.join(LOSS_STYLES)}, got {self.loss!r}")
         unknown = [v for v in self.variants if v not in VARIANTS]
         if unknown or not self.variants:
             raise ValueError(f"--variants: unknown {', '.join(unknown) or '(none given)'}; "
@@ -149,6 +157,7 @@ class Prepared:
 
     model: nn.Module
     inputs: tuple
+    loss_fn: Callable[..., torch.Tensor] | None = None  # the loss computed outside the model (``--loss outside``)
 
 
 # ---- one training step, timed ------------------------------------------------------
@@ -163,9 +172,11 @@ def _as_loss(out: Any) -> torch.Tensor:
     return out if out.dim() == 0 else out.float().sum()
 
 
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple) -> torch.Tensor:
-    """Forward, backward, AdamW step, zero_grad; returns the detached loss."""
-    loss = _as_loss(model(*inputs))
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple,
+                loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """Forward, backward, AdamW step, zero_grad; returns the detached loss.  With ``loss_fn`` the last input is
+    the target and the loss is computed outside the model."""
+    loss = _as_loss(model(*inputs)) if loss_fn is None else loss_fn(model(*inputs[:-1]), inputs[-1])
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -206,13 +217,30 @@ def _load(cfg: BenchConfig) -> tuple[nn.Module, tuple]:
     return models.load(cfg.model, cfg.args)
 
 
+def outside_loss(cfg: BenchConfig, model: nn.Module) -> Callable[..., torch.Tensor] | None:
+    """The loss a ``--loss outside`` step computes: the model's own ``loss_fn(output, target)``."""
+    if cfg.loss == "inside":
+        return None
+    fn = getattr(model, "loss_fn", None)
+    if not callable(fn):
+        raise Unavailable(f"{type(model).__name__} has no loss_fn(output, target) for --loss outside")
+    return fn
+
+
+def _prepared(prepare: Callable[[nn.Module, tuple], Prepared], cfg: BenchConfig) -> Prepared:
+    """A fresh model prepared for a variant, with the loss the step computes outside it (if any)."""
+    model, inputs = _load(cfg)
+    loss_fn = outside_loss(cfg, model)  # taken before a wrapper hides the model's methods
+    return replace(prepare(model, inputs), loss_fn=loss_fn)
+
+
 def _measure(prepare: Callable[[nn.Module, tuple], Prepared], cfg: BenchConfig,
              sync: Callable[[], None]) -> Measurement:
     """Build a fresh model, prepare it for the variant, train it and time it."""
-    model, inputs = _load(cfg)
-    prep = prepare(model, inputs)
+    prep = _prepared(prepare, cfg)
     opt = torch.optim.AdamW(prep.model.parameters(), lr=cfg.lr)
-    times, loss = _time_steps(functools.partial(_train_step, prep.model, opt, prep.inputs), cfg.steps, cfg.warmup, sync)
+    times, loss = _time_steps(functools.partial(_train_step, prep.model, opt, prep.inputs, prep.loss_fn), cfg.steps,
+                              cfg.warmup, sync)
     return Measurement(step_s=statistics.median(times), loss=loss, times=times)
 
 
@@ -300,7 +328,11 @@ def _prepare_soybean(variant: str, ctx: _Context, model: nn.Module, inputs: tupl
     plan = ctx.plans[variant]
     if not isinstance(plan, Plan):
         raise Unavailable(plan)
-    pmodel = soybean.parallelize(model, inputs, devices=ctx.world, mode=SOYBEAN_MODES[variant], plan=plan)
+    example = inputs[:-1] if ctx.cfg.loss == "outside" else inputs  # the target is the loss's, outside the model
+    pmodel = soybean.parallelize(model, example, devices=ctx.world, mode=SOYBEAN_MODES[variant], plan=plan)
+    if variant in LOCAL_BATCH:  # each rank passes its slice (the target: as the first input is split)
+        inputs = tuple(pmodel.local_slice(x, i if i < len(example) else 0) if isinstance(x, torch.Tensor) else x
+                       for i, x in enumerate(inputs))
     return Prepared(pmodel, inputs)
 
 
@@ -409,10 +441,9 @@ def _interleaved(ctx: _Context) -> dict[str, Measurement] | None:
         torch.manual_seed(cfg.seed)
         err: BaseException | None = None
         try:
-            model, inputs = _load(cfg)
-            prep = _DIST_PREPARE[variant](ctx, model, inputs)
+            prep = _prepared(functools.partial(_DIST_PREPARE[variant], ctx), cfg)
             opt = torch.optim.AdamW(prep.model.parameters(), lr=cfg.lr)
-            step = functools.partial(_train_step, prep.model, opt, prep.inputs)
+            step = functools.partial(_train_step, prep.model, opt, prep.inputs, prep.loss_fn)
             first[variant] = float(local_value(step()))
             for _ in range(max(0, cfg.warmup - 1)):
                 step()
@@ -462,7 +493,7 @@ def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any =
     from ..planner import plan
 
     try:
-        cap = capture(model, inputs)
+        cap = capture(model, inputs[:-1] if cfg.loss == "outside" else inputs)
     except Exception as e:  # reported for every soybean variant
         return {v: Measurement.failed(e).reason or "capture failed" for v in SOYBEAN_MODES}
     plans: dict[str, Plan | str] = {}
@@ -472,7 +503,7 @@ def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any =
             continue
         try:
             plans[variant] = plan(None, (), cfg.devices, objective="time", profile=profile or cfg.profile, mode=mode,
-                                  baselines=False, captured=cap)
+                                  baselines=False, captured=cap, local_batch=variant in LOCAL_BATCH)
         except Exception as e:
             plans[variant] = Measurement.failed(e).reason or "planning failed"
     return plans
@@ -583,7 +614,7 @@ def _check_losses(ms: dict[str, Measurement], notes: dict[str, str]) -> None:
 # only limit is memory: turns are taken while the estimate fits in this share of physical memory.
 ALTERNATE_MEMORY_SHARE = 0.5
 # Variants that may hold a full replica of the parameters on every rank (soybean's optimum may be DP).
-REPLICATING: frozenset[str] = frozenset({"ddp", "soybean", "soybean_dp"})
+REPLICATING: frozenset[str] = frozenset({"ddp", "soybean", "soybean_dp", "soybean_local"})
 
 
 def training_state_bytes(param_bytes: int, variants: Sequence[str], devices: int) -> int:
@@ -651,6 +682,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     rho = spearman([known[v] for v in ranked], [cand["measured_s"][v] for v in ranked])
     return {
         "model": cfg.model, "args": dict(cfg.args), "devices": cfg.devices, "steps": cfg.steps, "warmup": cfg.warmup,
+        "loss": cfg.loss,
         "rounds": cfg.rounds,
         "profile": cfg.profile,
         "calibrated_profile": asdict(prof) if prof is not None else None,
@@ -761,6 +793,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: 0, or 1 when all variants' training state together exceeds half of physical memory)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
+    p.add_argument("--loss", choices=[*LOSS_STYLES, "both"], default="inside",
+                   help="compute the loss in the model (inside), outside it from its output with the model's "
+                        "loss_fn as DDP-style loops do (outside), or run both loop styles one after the other")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
 
 
@@ -779,16 +814,24 @@ def cmd_bench(a: argparse.Namespace) -> int:
     Bad input raises ``ValueError`` (the caller prints it, exit 2); ranks that fail or time out
     outside a variant print one line and give 1.
     """
-    cfg = BenchConfig(model=a.model, devices=a.devices, args=models.parse_args(a.arg), steps=a.steps, warmup=a.warmup,
-                      profile=a.profile, timeout_s=a.timeout, rounds=a.rounds,
-                      variants=tuple(v.strip() for v in a.variants.split(",") if v.strip()))
-    models.resolve(cfg.model)  # a bad reference fails here, before anything runs
-    try:
-        report = run_bench(cfg)
-    except (RuntimeError, TimeoutError) as e:
-        print(f"soybean bench: error: {e}", file=sys.stderr)
-        return 1
-    sys.stdout.write(json.dumps(report, indent=1) + "\n" if a.json else format_table(report))
+    styles = LOSS_STYLES if a.loss == "both" else (a.loss,)
+    cfgs = [BenchConfig(model=a.model, devices=a.devices, args=models.parse_args(a.arg), steps=a.steps,
+                        warmup=a.warmup, profile=a.profile, timeout_s=a.timeout, rounds=a.rounds,
+                        variants=tuple(v.strip() for v in a.variants.split(",") if v.strip()), loss=style)
+            for style in styles]
+    models.resolve(cfgs[0].model)  # a bad reference fails here, before anything runs
+    reports = []
+    for cfg in cfgs:
+        try:
+            reports.append(run_bench(cfg))
+        except (RuntimeError, TimeoutError) as e:
+            print(f"soybean bench: error: {e}", file=sys.stderr)
+            return 1
+    if a.json:
+        sys.stdout.write(json.dumps(reports[0] if len(reports) == 1 else {"runs": reports}, indent=1) + "\n")
+    else:
+        sys.stdout.write("\n".join(f"loss {r['loss']} the model:\n{format_table(r)}" if len(reports) > 1
+                                   else format_table(r) for r in reports))
     return 0
 
 

@@ -43,7 +43,7 @@ from ..reshard import Route
 from ..rules.window import crops, halo_step, halos, local_rows, windows_of
 from ..runtime import context as rt
 from ..runtime.kinds import KINDS, apply_step
-from ..tiling import Partial, Placement, R, local_shape
+from ..tiling import Partial, Placement, R, Shard, local_shape, parse_placement
 from .recompute import checkpoint_layers
 
 Tiling = tuple[Placement, ...]
@@ -115,8 +115,12 @@ def _lazy_output_sums(g: fx.Graph) -> None:
 class Lowering:
     """One rank's program for ``plan``: placeholders as in ``cap`` (params and buffers as local tiles)."""
 
-    def __init__(self, cap: Captured, plan: Plan, rank: int) -> None:
+    def __init__(self, cap: Captured, plan: Plan, rank: int, tile_outputs: bool = False) -> None:
         self.cap, self.plan, self.rank = cap, plan, rank
+        # Non-scalar outputs leave as produced (partial sums reduced, splits kept) under the local-batch
+        # contract, and under the full-batch one when the module gathers them lazily (``soybean.outputs``).
+        self.tile_outputs = tile_outputs or plan.local_batch
+        self.output_tilings: list[Tiling | None] = []  # per flat output: its tiling when left split
         self.mesh = Mesh(tuple(plan.mesh))
         self.coords = self.mesh.coords(rank)
         self.full: Tiling = (R,) * self.mesh.ndim
@@ -149,6 +153,7 @@ class Lowering:
         _lazy_output_sums(self.g)
         gm = fx.GraphModule(torch.nn.Module(), self.g, class_name=f"Rank{self.rank}Program")
         gm.meta["grad_sync"] = {k: tuple(sorted(v)) for k, v in self.grad_sync.items() if v}
+        gm.meta["output_tilings"] = self.output_tilings
         return checkpoint_layers(gm, self.plan.recompute)
 
     def _tag(self, module: str) -> None:
@@ -254,31 +259,57 @@ class Lowering:
         self.env[node.name] = out
         self.values[(vi, 0)] = out
 
+    def _batch_tiling(self, shape: tuple[int, ...]) -> Tiling | None:
+        """Under ``local_batch``, the tiling a batch output leaves in: the first input's (each rank passed its
+        rows, ``ParallelModule.local_slice``), when the output has that batch (dim 0) and the input is split only
+        along it; else None."""
+        if not self.plan.local_batch or not self.cap.inputs or self.cap.inputs[0] not in self.plan.inputs:
+            return None
+        first = next(n for n in self.cap.graph.nodes if n.op == "placeholder" and n.name == self.cap.inputs[0])
+        val = first.meta.get("val")
+        tiling = _placements(self.plan.inputs[self.cap.inputs[0]])
+        if not isinstance(val, torch.Tensor) or not shape or val.dim() == 0 or shape[0] != val.shape[0] \
+                or any(isinstance(p, Shard) and p.dim != 0 for p in tiling):
+            return None
+        return tiling
+
     def output(self, node: fx.Node) -> None:
         flat, spec = tree_flatten(node.args[0])
         edges = iter(self.into.get(self.pg.index["output"], []))
         res: list[Any] = []
         for a in flat:
             v = _val(a)
+            tiling: Tiling | None = None
             if not isinstance(a, fx.Node):
                 res.append(a)
             elif not isinstance(v, torch.Tensor):
                 res.append(self.env[a.name])
-            elif not self.plan.local_batch or v.dim() == 0:
+            elif not self.tile_outputs or v.dim() == 0:
                 res.append(self.read(next(edges)))
-            else:  # the local-batch contract returns tiles: only pending sums are reduced
+            else:  # returned as a tile: only pending sums are reduced
+                if not self.plan.local_batch:
+                    next(edges)  # the planned gather to the full output, left to the module (``soybean.outputs``)
                 u, k = value_source(self.pg, a)
                 U = self.pg.vars[u]
                 src = U.strategies[0].outputs[k]
-                dst = tuple(R if isinstance(p, Partial) else p for p in src)
+                # The local-batch contract: a batch output comes back as the input's rows.
+                batch = self._batch_tiling(tuple(v.shape))
+                dst: Tiling = batch if batch is not None else tuple(R if isinstance(p, Partial) else p for p in src)
                 route = Route.of(src, dst, (), U.grad_partial[0] if U.kind == "reshard" else (), U.needs_grad)
                 res.append(emit_reshard(self.g, self.value(u, k), tuple(v.shape), route, self.mesh, self.coords))
+                tiling = dst if any(isinstance(p, Shard) and n > 1 for p, n in zip(dst, self.mesh.shape)) else None
+            self.output_tilings.append(tiling)
         self.g.output(tree_unflatten(res, spec))
 
 
-def lower(cap: Captured, plan: Plan, rank: int) -> fx.GraphModule:
-    """Rank ``rank``'s program for ``plan`` (see ``Lowering``)."""
-    return Lowering(cap, plan, rank).run()
+def _placements(names: list[str]) -> Tiling:
+    return tuple(parse_placement(x) for x in names)
+
+
+def lower(cap: Captured, plan: Plan, rank: int, tile_outputs: bool = False) -> fx.GraphModule:
+    """Rank ``rank``'s program for ``plan`` (see ``Lowering``); ``tile_outputs``: split non-scalar outputs are
+    returned as tiles, their tilings in ``meta["output_tilings"]``, not gathered (``soybean.outputs``)."""
+    return Lowering(cap, plan, rank, tile_outputs).run()
 
 
 def emit_files(model: torch.nn.Module, inputs: tuple, plan: Plan, out_dir: str | Path) -> list[Path]:

@@ -1,0 +1,162 @@
+"""Outputs as training loops meet them (``soybean.outputs``): the loss computed outside the model.
+
+Full-batch contract: a split output comes back as a ``LazyFull``; a ``torch.nn.functional`` loss on it moves only
+the scalar, and any other use gathers it once; training equals serial either way.  Local-batch contract (DDP's):
+each rank's loss on its tile is a mean over its slice, and the gradients are DDP's average, equal to serial.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from examples.models import mlp
+from soybean.api import parallelize
+from soybean.capture import capture
+from soybean.mesh import Mesh
+from soybean.outputs import LazyFull
+from soybean.planner import plan as make_plan
+from soybean.runtime.launch import run_threads
+from soybean.testing import _gather_grads
+
+pytestmark = pytest.mark.sim
+
+MESHES = [(1,), (2,), (4,), (2, 2)]
+
+
+def _serial(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn, **kw) -> tuple[float, dict]:
+    model.zero_grad()
+    loss = loss_fn(model(x), y, **kw)
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    return float(loss.detach()), grads
+
+
+def _gathers(monkeypatch) -> list[bool]:
+    """Records every ``LazyFull.full`` call (True: it gathered, False: it reused the gathered tensor)."""
+    import soybean.outputs as outputs
+
+    calls: list[bool] = []
+    real = outputs.LazyFull.full
+
+    def counting(self):
+        calls.append(self._full is None)
+        return real(self)
+
+    monkeypatch.setattr(outputs.LazyFull, "full", counting)
+    return calls
+
+
+def _run(model, x, y, mesh, loss_fn, local_batch=False, mode="dp", counter=None, **kw):
+    cap = capture(model, (x,))
+    p = make_plan(None, (), Mesh(mesh).size, mesh=mesh, mode=mode, baselines=False, captured=cap,
+                  local_batch=local_batch)
+
+    def body(rank: int, groups: list):
+        pm = parallelize(model, (x,), plan=p, rank=rank, groups=groups, captured=cap)
+        xi, yi = (pm.local_slice(x), pm.local_slice(y)) if local_batch else (x, y)
+        out = pm(xi)
+        if counter is not None:
+            counter(out)
+        loss = loss_fn(out, yi, **kw)
+        loss.backward()
+        return float(loss.detach()), _gather_grads(pm), type(out)
+
+    return p, run_threads(Mesh(mesh), body)
+
+
+def _close(grads: dict, serial: dict) -> None:
+    for k, g in serial.items():
+        assert torch.allclose(grads[k], g, rtol=1e-9, atol=1e-12), k
+
+
+CASES = [  # (loss, kwargs, classification)
+    (F.mse_loss, {}, False), (F.mse_loss, {"reduction": "sum"}, False), (F.l1_loss, {}, False),
+    (F.smooth_l1_loss, {"beta": 0.5}, False), (F.cross_entropy, {}, True),
+    (F.cross_entropy, {"ignore_index": 1, "label_smoothing": 0.1}, True),
+    (F.cross_entropy, {"weight": torch.tensor([1.0, 2.0, 0.5, 1.0, 3.0], dtype=torch.float64)}, True),
+    (F.binary_cross_entropy_with_logits, {}, False),
+]
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m)))
+@pytest.mark.parametrize("loss_fn,kw,cls", CASES, ids=lambda c: getattr(c, "__name__", None) or str(c))
+def test_loss_outside_reduces_only_the_scalar_and_equals_serial(mesh, loss_fn, kw, cls, monkeypatch) -> None:
+    """Batch 10 (uneven over 4): every loss of the table, on its tile, sums to the serial loss and gradients,
+    without gathering the output."""
+    calls = _gathers(monkeypatch)
+    model, (x, y) = mlp(batch=10, hidden=8, layers=1, classes=5 if cls else None)
+    model, x = model.double(), x.double()
+    y = y if cls else y.double()
+    if loss_fn is F.binary_cross_entropy_with_logits:
+        y = torch.rand_like(y)  # probabilities
+    want, grads = _serial(model, x, y, loss_fn, **kw)
+    p, ranks = _run(model, x, y, mesh, loss_fn, **kw)
+    for loss, got, kind in ranks:
+        assert loss == pytest.approx(want, rel=1e-12)
+        _close(got, grads)
+        assert kind is (LazyFull if Mesh(mesh).size > 1 else torch.Tensor)
+    assert calls == []
+
+
+def test_a_loss_on_the_tile_gathers_nothing_but_any_other_use_gathers_once(monkeypatch) -> None:
+    """The fast path sends one scalar per split axis; ``.argmax``, indexing and arithmetic gather once."""
+    calls = _gathers(monkeypatch)
+    model, (x, y) = mlp(batch=8, hidden=8, layers=1, classes=4)
+    _run(model, x, y, (2,), F.cross_entropy)
+    assert calls == []  # the loss needed no gather
+
+    def uses(out: LazyFull) -> None:
+        assert out.shape == (8, 4) and out.dim() == 2 and out.size(0) == 8 and len(out) == 8 and out.numel() == 32
+        assert out._full is None  # metadata only: nothing gathered (per output: the ranks run as threads)
+        full = out.full()
+        assert torch.equal(out.argmax(-1), full.argmax(-1)) and torch.equal(out[3], full[3])
+        assert torch.equal(out * 2, full * 2) and torch.allclose(torch.softmax(out, -1), torch.softmax(full, -1))
+
+    _, ranks = _run(model, x, y, (2,), lambda o, t: F.cross_entropy(o.full(), t), counter=uses)
+    assert calls.count(True) == 2  # one gather per rank, later reads reuse it
+    want, grads = _serial(model, x, y, F.cross_entropy)
+    for loss, got, _ in ranks:
+        assert loss == pytest.approx(want, rel=1e-6)
+
+
+def test_a_loss_the_fast_path_does_not_cover_gathers_and_still_equals_serial() -> None:
+    """A broadcast target and a hand-written loss go through the whole output."""
+    model, (x, y) = mlp(batch=6, hidden=8, layers=1)
+    model, x, y = model.double(), x.double(), y.double()
+
+    def hand(out, t):
+        return ((out - t) ** 2).mean() + out.abs().sum() * 1e-3
+
+    want, grads = _serial(model, x, y, hand)
+    for loss, got, _ in _run(model, x, y, (2, 2), hand)[1]:
+        assert loss == pytest.approx(want, rel=1e-12)
+        _close(got, grads)
+
+
+@pytest.mark.parametrize("mesh,mode", [((2,), "dp"), ((4,), "dp"), ((2, 2), "dp")])
+def test_local_batch_loss_outside_trains_as_ddp(mesh, mode) -> None:
+    """Each rank's loss is the mean over its own slice; the gradients are DDP's average, the serial ones."""
+    model, (x, y) = mlp(batch=8, hidden=8, layers=1)
+    model, x, y = model.double(), x.double(), y.double()
+    _, grads = _serial(model, x, y, F.mse_loss)
+    p, ranks = _run(model, x, y, mesh, F.mse_loss, local_batch=True, mode=mode)
+    assert all(t == ["S(0)"] * len(mesh) for t in p.inputs.values())
+    for _, got, kind in ranks:
+        assert kind is torch.Tensor
+        _close(got, grads)
+
+
+def test_full_outputs_are_still_available() -> None:
+    model, (x, y) = mlp(batch=4, hidden=8, layers=1)
+    cap = capture(model, (x,))
+    p = make_plan(None, (), 2, mesh=(2,), mode="dp", baselines=False, captured=cap)
+
+    def body(rank: int, groups: list):
+        out = parallelize(model, (x,), plan=p, rank=rank, groups=groups, captured=cap, outputs="full")(x)
+        return type(out), torch.allclose(out, model(x))
+
+    assert run_threads(Mesh((2,)), body) == [(torch.Tensor, True)] * 2
+    with pytest.raises(ValueError, match="unknown outputs"):
+        parallelize(model, (x,), plan=p, rank=0, groups=[None], captured=cap, outputs="gathered")
