@@ -46,13 +46,20 @@ def table(plan: Plan) -> str:
         lines.append(f"{'':<16} = compute {c['compute_s'] * 1e3:.3f} ms + comm {c.get('comm_s', 0) * 1e3:.3f} ms"
                      f" - gradient sync hidden behind backward {c.get('hidden_s', 0) * 1e3:.3f} ms")
     m = plan.memory
-    if m:
-        lines.append(f"{'memory':<16} {_bytes(m['peak']):>10}/device = parameters {_bytes(m['parameters'])}"
-                     f" + gradients {_bytes(m['gradients'])} + optimizer states {_bytes(m['optimizer_states'])}"
-                     f" (+ step temporaries {_bytes(m['optimizer_temporaries'])}) + activations kept "
-                     f"{_bytes(m['activations'])} + recompute buffers {_bytes(m['recompute_buffers'])}"
-                     f" + gradient-sync buckets {_bytes(m['collective_buffers'])}"
-                     f" + inputs and buffers {_bytes(m['inputs_and_buffers'])}")
+    if m and "activation_phase" in m:
+        both = (f"parameters {_bytes(m['parameters'])} + optimizer states {_bytes(m['optimizer_states'])}"
+                f" + inputs and buffers {_bytes(m['inputs_and_buffers'])}")
+        lines.append(f"{'memory':<16} {_bytes(m['peak']):>10}/device (modelled peak: the larger phase)")
+        lines.append(f"{'':<16} end of forward {_bytes(m['activation_phase'])} = {both} + activations kept "
+                     f"{_bytes(m['activations'])} + backward transient {_bytes(m['backward_transient'])}"
+                     f" + recompute buffers {_bytes(m['recompute_buffers'])}")
+        lines.append(f"{'':<16} after backward {_bytes(m['gradient_phase'])} = {both} + gradients "
+                     f"{_bytes(m['gradients'])} + step temporaries {_bytes(m['optimizer_temporaries'])}"
+                     f" + gradient-sync buckets {_bytes(m['collective_buffers'])}")
+    if plan.recompute:
+        shown = ", ".join(plan.recompute[:4]) + (f", ... ({len(plan.recompute)} in all)"
+                                                 if len(plan.recompute) > 4 else "")
+        lines.append(f"{'recompute':<16} {len(plan.recompute)} units rerun in backward: {shown}")
     for k, v in plan.baselines.items():
         lines.append(_total(k, v))
     if plan.meshes and len(plan.meshes) > 1:
