@@ -9,8 +9,9 @@ the loss.  So a split output is returned as a ``LazyFull``: this rank's tile, wi
   ``cross_entropy``, ``nll_loss``, ``binary_cross_entropy_with_logits``) applied to it with a full target and
   ``reduction`` ``mean`` or ``sum`` is computed on the tile against the target's matching tile and summed over
   the split mesh axes: only the scalar moves.  With ``T_k`` the tiles of the batch, a sum loss is
-  ``sum_k l(T_k)``, one all-reduce (``P -> R``, whose adjoint hands every member the replicated gradient 1),
-  and a mean divides by the count the full target gives (its element count; ``cross_entropy`` / ``nll_loss``:
+  ``sum_k l(T_k)``, one all-reduce (``P -> R``, whose adjoint hands every member the replicated gradient 1;
+  started asynchronously, its sum arriving while backward runs, ``runtime.pending``), and a mean divides each
+  tile's sum by the count the full target gives (its element count; ``cross_entropy`` / ``nll_loss``:
   the targets not ignored, with class weights their summed weight), so the value and every gradient equal the
   serial loss's.
 * Anything else (an op, a method, an attribute that needs the values, ``torch.Tensor`` arithmetic) gathers
@@ -45,7 +46,8 @@ from .reshard import Route
 from .runtime.collectives import all_reduce
 from .runtime.comm import Group
 from .runtime.context import use_groups
-from .tiling import Placement, R, Shard, local_tile
+from .runtime.pending import all_reduce_lazy
+from .tiling import Placement, R, Shard, chunk_range
 
 OUTPUTS = ("lazy", "full")
 
@@ -186,18 +188,19 @@ class LazyFull:
             return None  # broadcasting targets: the whole path
         if kw.get("pos_weight") is not None or (kind == "numel" and kw.get("weight") is not None):
             return None  # per-element weights would need tiling too
-        mine = local_tile(target, self.tiling, self._mesh, self._coords)
+        mine = target
+        for axis, p in enumerate(self.tiling):  # the target's rows, as a view (a target needs no copy)
+            if isinstance(p, Shard):
+                a, b = chunk_range(mine.shape[0], self._mesh.shape[axis], self._coords[axis])
+                mine = mine.narrow(0, a, b - a)
         part = func(self.local, mine, reduction="sum", **kw)
-        with use_groups(self._groups):
-            total = part
-            for axis, p in enumerate(self.tiling):
-                if isinstance(p, Shard) and self._mesh.shape[axis] > 1:
-                    total = all_reduce(total, self._groups[axis])
-        if reduction == "sum":
-            return total
-        if kind == "numel":
-            return total / self.numel()
-        return total / _class_count(target, kw)
+        if reduction == "mean":  # (sum_k s_k) / c = sum_k (s_k / c): scaled first, so the sum is the last step
+            part = part / (self.numel() if kind == "numel" else _class_count(target, kw))
+        axes = [a for a, p in enumerate(self.tiling) if isinstance(p, Shard) and self._mesh.shape[a] > 1]
+        for a in axes[:-1]:
+            part = all_reduce(part, self._groups[a])
+        # The last sum arrives while backward runs, as the loss a model returns does (``runtime.pending``).
+        return all_reduce_lazy(part, self._groups[axes[-1]]) if axes else part
 
 
 def _forward(name: str) -> Callable[..., Any]:
