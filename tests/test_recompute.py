@@ -250,3 +250,37 @@ def test_a_budget_holds_when_the_plan_runs(devices: int) -> None:
     for (name, p, budget), peak in zip(plans, peaks):
         assert peak <= budget, (name, peak, budget, p.mesh, p.recompute)
         assert abs(p.cost["memory_bytes"] - peak) <= 0.10 * peak, (name, p.cost["memory_bytes"], peak, p.mesh)
+
+
+def _dropout_ranks(rank: int, world: int, plan_json: str) -> bool:
+    """In one gloo process: one step of the plan with and without its layers recomputed, from the same seed."""
+    import json
+
+    import torch
+
+    from soybean.api import parallelize
+    from soybean.plan import Plan
+
+    torch.set_num_threads(1)
+    model, inputs = transformer(batch=4, seq=16, hidden=32, layers=3, heads=4, dropout=0.3)
+    plan = Plan.from_dict(json.loads(plan_json))
+    grads = []
+    for layers in ([], recomputable_layers(capture(model, inputs))):
+        plan.recompute = layers
+        pm = parallelize(model, inputs, plan=plan)
+        torch.manual_seed(1234 + rank)
+        pm(*inputs).backward()
+        grads.append([p.grad.clone() for p in pm.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*grads)) and any(g.abs().sum() > 0 for g in grads[1])
+
+
+@pytest.mark.dist
+def test_dropout_draws_the_same_masks_when_a_layer_reruns() -> None:
+    """With dropout (p = 0.3), the rerun of a recomputed layer in backward draws the masks of its forward (the
+    random state is kept, ``torch.utils.checkpoint``'s ``preserve_rng_state``): the gradients equal those of the
+    same plan without recomputation, bit for bit, on each of 2 gloo processes."""
+    from soybean.runtime.launch import spawn
+
+    model, inputs = transformer(batch=4, seq=16, hidden=32, layers=3, heads=4, dropout=0.3)
+    plan = make_plan(model, inputs, mesh=(2,), mode="mp", baselines=False)
+    assert spawn(_dropout_ranks, 2, plan.to_json(), timeout_s=120) == [True, True]

@@ -41,7 +41,8 @@ class _Recomputed(nn.Module):
         # No early stop: the whole run reruns, every collective of it, as the cost model prices it (stopping
         # after the last saved tensor would skip the run's tail, which is what saves nothing).
         with set_checkpoint_early_stop(False):
-            return checkpoint(self._forward, rt.current_groups(), *args, use_reentrant=False)
+            return checkpoint(self._forward, rt.current_groups(), *args, use_reentrant=False,
+                              preserve_rng_state=True)  # dropout draws the same masks in the rerun
 
 
 def _stays(node: fx.Node) -> bool:
