@@ -10,7 +10,7 @@ from .tiling import Partial, Replicate, Shard
 if TYPE_CHECKING:
     from .module import ParallelModule
 
-__all__ = ["Mesh", "Partial", "Plan", "Replicate", "Shard", "parallelize", "plan"]
+__all__ = ["Mesh", "Partial", "Plan", "Replicate", "Shard", "compile_backend", "parallelize", "plan"]
 __version__ = "0.1.0"
 
 
@@ -26,3 +26,10 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
     from .planner import plan as _p
 
     return _p(*args, **kwargs)
+
+
+def compile_backend(*args: Any, **kwargs: Any) -> Any:
+    """``torch.compile(model, backend=soybean.compile_backend())``: see ``soybean.compile``."""
+    from .compile import compile_backend as _c
+
+    return _c(*args, **kwargs)

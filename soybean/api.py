@@ -51,7 +51,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
                 groups: Sequence[Group] | None = None, captured: Captured | None = None,
                 local_batch: bool = False, gpus_per_node: int | None = None,
                 precision: str | None = None, recompute: str = "none",
-                memory_gb: float | None = None, outputs: str = "lazy") -> ParallelModule:
+                memory_gb: float | None = None, outputs: str = "lazy", share_params: bool = False) -> ParallelModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
 
     ``precision``: ``fp32`` or ``bf16-mixed`` (``soybean.precision``: bf16 compute from fp32 master weights,
@@ -75,6 +75,9 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
     ``outputs`` (the full-batch contract): ``lazy`` (default) returns a split output as a
     ``soybean.outputs.LazyFull``, this rank's tile, gathered on first full read; a loss of
     ``torch.nn.functional`` on it reduces only the scalar.  ``full``: full tensors, gathered in the program.
+
+    ``share_params``: a parameter the plan stores whole is the model's own ``nn.Parameter`` object, not a copy,
+    so an optimizer built on ``model.parameters()`` updates it (``soybean.compile``; fp32 only).
     """
     if outputs not in OUTPUTS:
         raise ValueError(f"unknown outputs {outputs!r}: use one of {', '.join(OUTPUTS)}")
@@ -131,4 +134,4 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
         from .runtime.comm import torch_groups
 
         groups = torch_groups(pmesh)
-    return ParallelModule(model, cap, p, rank, groups, lazy_outputs=outputs == "lazy")
+    return ParallelModule(model, cap, p, rank, groups, lazy_outputs=outputs == "lazy", share_params=share_params)

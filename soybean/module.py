@@ -31,14 +31,17 @@ from .runtime.pending import wait_all
 from .tiling import R, local_tile, parse_placement
 
 
-def _attach(root: nn.Module, fqn: str, value: torch.Tensor, kind: str) -> None:
+def _attach(root: nn.Module, fqn: str, value: torch.Tensor, kind: str, shared: bool = False) -> None:
+    """Register ``value`` under ``fqn``; ``shared``: a parameter is registered as the very object given."""
     *path, leaf = fqn.split(".")
     mod = root
     for part in path:
         if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
             mod.add_module(part, nn.Module())
         mod = getattr(mod, part)
-    if kind == "param":
+    if kind == "param" and shared and isinstance(value, nn.Parameter):
+        mod.register_parameter(leaf, value)
+    elif kind == "param":
         mod.register_parameter(leaf, nn.Parameter(value, requires_grad=value.is_floating_point()))
     else:
         mod.register_buffer(leaf, value)
@@ -50,7 +53,7 @@ class ParallelModule(nn.Module):
     program: fx.GraphModule  # set with object.__setattr__ in __init__ (a plain attribute, not a submodule)
 
     def __init__(self, model: nn.Module, cap: Captured, plan: Plan, rank: int, groups: Sequence[Group],
-                 lazy_outputs: bool = False) -> None:
+                 lazy_outputs: bool = False, share_params: bool = False) -> None:
         super().__init__()
         mesh = Mesh(tuple(plan.mesh))
         if len(groups) != mesh.ndim:
@@ -74,6 +77,12 @@ class ParallelModule(nn.Module):
             else:
                 continue
             tiling = plan.param_tiling(fqn) if fqn in plan.params else (R,) * mesh.ndim
+            whole = all(p == R for p in tiling)
+            if share_params and kind == "param" and whole and pol.name == "fp32":
+                # The model's own parameter: an optimizer built on the model updates what this module runs.
+                _attach(self, fqn, state[fqn], kind, shared=True)
+                self._order.append((kind, fqn))
+                continue
             with torch.no_grad():
                 tile = local_tile(state[fqn].detach(), tiling, mesh, self._coords)
                 _attach(self, fqn, tile if kind == "param" else pol.cast(tile), kind)

@@ -44,7 +44,9 @@ from .search import TARGET_GAP, Pruned, Run, SearchError, Solution, find_repeats
 from .search.problem import lower_bound, reduce
 from .tiling import R, fmt
 
-MODES = ("auto", "dp", "mp")
+# ``replicated``: the optimum with every parameter stored whole on every device (its use still split where that
+# pays), as the torch.compile backend runs plans on the user's own parameters (``soybean.compile``).
+MODES = ("auto", "dp", "mp", "replicated")
 
 
 @dataclass
@@ -81,6 +83,8 @@ def _domains(cap: Captured, mesh: Mesh, mode: str, local_batch: bool = False) ->
         doms.update(batch_split(cap, mesh))
     elif mode == "mp":
         doms.update(model_parallel_domains(cap, mesh))
+    elif mode == "replicated":
+        doms.update({fqn: [(R,) * mesh.ndim] for fqn in cap.params.values()})
     return doms
 
 

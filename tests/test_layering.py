@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent / "soybean"
 CORE = ["soybean.capture", "soybean.graph", "soybean.reshard", "soybean.mesh", "soybean.tiling", "soybean.plan",
         "soybean.planner", "soybean.rules", "soybean.cost", "soybean.search", "soybean.codegen", "soybean.runtime"]
 TOOLING = ["soybean.bench", "soybean.testing", "soybean.models", "soybean.cli", "soybean.report", "soybean.api",
-           "soybean.explain", "soybean.draw", "soybean.plandiff"]
+           "soybean.explain", "soybean.draw", "soybean.plandiff", "soybean.compile"]
 
 
 def in_layer(module: str, prefixes: list[str]) -> bool:
