@@ -5,8 +5,8 @@
 
 The model is captured once (on the meta device: nothing is allocated).  The sweep runs from the budget
 at which everything fits (the peak of the best plan without a budget, plus ``MEMORY_HEADROOM``) down to the
-smallest any plan reaches (every layer recomputed, the least-memory tilings), in ``--points`` equal steps.  At each budget
-it plans with ``--recompute auto`` (recomputation decided with the tilings, ``planner.solve_recompute``)
+smallest any plan reaches (every layer recomputed, the least-memory tilings), in ``--points`` equal steps.
+At each budget it plans with ``--recompute auto`` (recomputation decided with the tilings, ``planner.solve_recompute``)
 and prints soybean's modelled step time, mesh and recomputed layer count beside the baselines priced
 under the same cost model and budget (``soybean.baselines``): FSDP, FSDP with every layer recomputed,
 FSDP with each layer's attention recomputed (selective), and data parallelism.  ``x best baseline`` is the
@@ -32,20 +32,11 @@ from soybean.planner import MemoryBudgetError, plan  # noqa: E402
 BASELINES = ("fsdp", "fsdp_recompute", "fsdp_selective_recompute", "data_parallel")
 
 
-def _args(ref: str) -> tuple[str, dict[str, Any]]:
-    """A model reference with ``key=value`` overrides (``hf:gpt2 n_layer=4``), as ``soybean plan --arg``."""
-    name, *pairs = ref.split()
-    kw: dict[str, Any] = {}
-    for p in pairs:
-        k, v = p.split("=", 1)
-        kw[k] = int(v) if v.lstrip("-").isdigit() else v
-    return name, kw
-
-
 def sweep(ref: str, devices: int, points: int, profile: str | None) -> list[dict[str, Any]]:
-    name, kw = _args(ref)
+    name, *pairs = ref.split()  # a model reference with --arg pairs: "hf:gpt2 n_layer=4"
+    kw = models.parse_args(pairs)
     kw.setdefault("meta", True)
-    model, inputs = models.resolve(name)(**kw)
+    model, inputs = models.load(name, kw)
     cap = capture(model, inputs)
     free = plan(None, (), devices, captured=cap, profile=profile, baselines=False)
     try:

@@ -6,10 +6,11 @@ import os
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from .explain import Explanation
+    from .plan import Plan
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -50,11 +51,25 @@ class ProgressLine:
             self.stream.flush()
 
 
+def _planned(progress: bool, *args: Any, **kwargs: Any) -> Plan:
+    """``planner.plan(*args, **kwargs)`` with its progress line on stderr (``progress``), and soybean's warnings
+    (the replicate fallback) printed there as one line each."""
+    from .planner import plan
+
+    line = ProgressLine(sys.stderr, enabled=progress)
+    with warnings.catch_warnings(record=True) as caught, line:
+        warnings.simplefilter("always")
+        p = plan(*args, progress=line, **kwargs)
+    for w in caught:
+        if "soybean" in str(w.message):
+            print(f"warning: {w.message}", file=sys.stderr)
+    return p
+
+
 def _cmd_plan(a: argparse.Namespace) -> int:
     from . import models
     from .cost.profiles import load_profile
     from .mesh import Mesh
-    from .planner import plan
     from .report import table
 
     if a.devices < 1:
@@ -71,15 +86,9 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         raise ValueError(f"--mesh {a.mesh} has {mesh.size} devices but --devices is {a.devices}: make them agree")
     profile = load_profile(a.profile)
     model, inputs = models.load(a.model, models.parse_args(a.arg))
-    line = ProgressLine(sys.stderr, enabled=not a.quiet)
-    with warnings.catch_warnings(record=True) as caught, line:
-        warnings.simplefilter("always")
-        p = plan(model, inputs, a.devices, mesh=mesh, objective=a.objective, profile=profile, solver=a.solver,
-                 memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node, progress=line,
+    p = _planned(not a.quiet, model, inputs, a.devices, mesh=mesh, objective=a.objective, profile=profile,
+                 solver=a.solver, memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node,
                  tie_layers=not a.no_tie, gap=gap, precision=a.precision, recompute=a.recompute)
-    for w in caught:
-        if "soybean" in str(w.message):
-            print(f"warning: {w.message}", file=sys.stderr)
     text = p.to_json() if a.format == "json" else table(p)
     if a.out:
         with open(a.out, "w") as f:
@@ -103,7 +112,6 @@ def _explained(a: argparse.Namespace) -> Explanation:
     from .explain import explain
     from .mesh import Mesh
     from .plan import Plan
-    from .planner import plan
 
     model, inputs = models.load(a.model, models.parse_args(a.arg))
     if a.plan:
@@ -119,15 +127,9 @@ def _explained(a: argparse.Namespace) -> Explanation:
             raise ValueError("give --devices P to plan the model, or a saved plan with --plan")
         mesh = Mesh.parse(a.mesh) if a.mesh else None
         cap = capture(model, inputs, precision=a.precision)
-        line = ProgressLine(sys.stderr)
-        with warnings.catch_warnings(record=True) as caught, line:
-            warnings.simplefilter("always")
-            p = plan(None, (), a.devices, mesh=mesh, objective=a.objective, profile=a.profile, captured=cap,
+        p = _planned(True, None, (), a.devices, mesh=mesh, objective=a.objective, profile=a.profile, captured=cap,
                      memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node,
-                     recompute=a.recompute, baselines=False, progress=line)
-        for w in caught:
-            if "soybean" in str(w.message):
-                print(f"warning: {w.message}", file=sys.stderr)
+                     recompute=a.recompute, baselines=False)
     return explain(cap, p, load_profile(a.profile) if a.profile else None)
 
 

@@ -48,7 +48,7 @@ from .planner import BACKWARD_SHARE, Result, evaluate
 from .reshard import Route
 from .runtime.kinds import KINDS, apply_step
 from .search import Solution
-from .tiling import R, fmt, max_local_numel, parse_placement
+from .tiling import R, fmt, max_local_numel
 
 
 @dataclass(frozen=True)
@@ -142,10 +142,6 @@ def _load(name: str) -> Profile:
         raise ValueError(f"{e} (the plan's profile {name!r}; give it with --profile)") from None
 
 
-def _tiling(names: dict[str, list[str]], key: str, n: int) -> tuple:
-    return tuple(parse_placement(x) for x in names[key]) if key in names else (R,) * n
-
-
 def plan_choice(g: PlanGraph, plan: Plan) -> list[int]:
     """The plan's strategy index for every variable of ``g``, matched by tilings (as ``graph.build(fixed=plan)``
     reads them: a placeholder's stored tiling, an op's input and output tilings, a reshard point's tiling and
@@ -154,9 +150,9 @@ def plan_choice(g: PlanGraph, plan: Plan) -> list[int]:
     choice: list[int] = []
     for v in g.vars:
         if v.kind in ("param", "buffer"):
-            want: tuple = (((), (_tiling(plan.params, v.fqn, n),)), ())
+            want: tuple = (((), (plan.param_tiling(v.fqn),)), ())
         elif v.kind == "input":
-            want = (((), (_tiling(plan.inputs, v.name, n),)), ())
+            want = (((), (plan.input_tiling(v.name),)), ())
         elif v.kind == "output":
             want = _key(v, 0)
         else:

@@ -60,7 +60,7 @@ from .precision import policy
 from .reshard import Route
 from .rules._common import Args
 from .rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, strategies_1d
-from .tiling import Partial, R, Replicate, Shard, is_valid, max_local_numel, parse_placement
+from .tiling import Partial, R, Replicate, Shard, is_valid, max_local_numel
 
 
 @dataclass
@@ -504,11 +504,6 @@ def pinned_use(stored: tuple, used: tuple, gathered: tuple[int, ...]) -> bool:
                for u, w in zip(used, use_tiling(stored, gathered)))
 
 
-def _fixed_tiling(key: str, names: dict[str, list[str]], n: int) -> tuple:
-    """A plan's tiling of ``key`` (replicated when the plan does not list it)."""
-    return tuple(parse_placement(x) for x in names[key]) if key in names else (R,) * n
-
-
 def build(
     cap: Captured,
     mesh: Mesh,
@@ -587,7 +582,7 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
             kind = "param" if node.name in cap.params else "buffer" if node.name in cap.buffers else "input"
             fqn = cap.params.get(node.name) or cap.buffers.get(node.name) or node.name
             if fixed is not None:
-                tilings = [_fixed_tiling(fqn, fixed.params if kind != "input" else fixed.inputs, mesh.ndim)]
+                tilings = [fixed.param_tiling(fqn) if kind != "input" else fixed.input_tiling(fqn)]
             else:
                 tilings = domains.get(fqn) or _placeholder_tilings(shape, mesh)
                 tilings = [t for t in tilings if is_valid(t, shape, mesh)] or [full]
@@ -710,16 +705,28 @@ def backward_transient(g: PlanGraph) -> None:
     v = g.vars[vi]
     assert v.op is not None
     v.transient = TRANSIENT_COPIES * output_bytes(v.op, v.strategies, g.mesh)
+    params = param_reads(g)
     for e in g.edges:
-        src = g.vars[e.src]
-        if e.dst != vi or not e.needs_grad or src.kind not in ("param", "reshard"):
-            continue
-        if src.kind == "reshard" and not any(x.dst == e.src and g.vars[x.src].kind == "param" for x in g.edges):
+        if e.dst != vi or not e.needs_grad or e.src not in params:
             continue
         spec = v.op.inputs[e.dst_in]
         v.transient = v.transient + np.array([max_local_numel(spec.shape, st.inputs[e.dst_in], g.mesh)
                                               * spec.dtype.itemsize for st in v.strategies], dtype=float)
     v.memory = v.memory + v.transient
+
+
+def param_reads(g: PlanGraph) -> dict[int, int]:
+    """Every variable that carries a parameter's value -> that parameter: the parameter itself and the shared
+    uses (reshard points) it feeds, directly or through one another."""
+    out = {i: i for i, v in enumerate(g.vars) if v.kind == "param"}
+    feeds = [(e.src, e.dst) for e in g.edges if g.vars[e.dst].kind == "reshard"]
+    grown = True
+    while grown:  # a shared use of a shared use: until nothing more is reached
+        grown = False
+        for src, dst in feeds:
+            if src in out and dst not in out:
+                out[dst], grown = out[src], True
+    return out
 
 
 def rerun_credit(g: PlanGraph) -> float:
@@ -739,15 +746,9 @@ def rerun_credit(g: PlanGraph) -> float:
     if not rec:
         return 0.0
     g.rerun_after = max(rec) + 1
-    users: dict[int, list[int]] = {}
-    for e in g.edges:
-        users.setdefault(e.src, []).append(e.dst)
-
-    def late(i: int, depth: int = 0) -> bool:  # read at or after rerun_after, directly or through a shared use
-        return any(j >= g.rerun_after or (depth < 2 and g.vars[j].kind == "reshard" and late(j, depth + 1))
-                   for j in users.get(i, []))
-
-    g.rerun_grads = [i for i, v in enumerate(g.vars) if v.grad_phase is not None and late(i)]
+    params = param_reads(g)  # read at or after rerun_after, directly or through a shared use
+    late = {params[e.src] for e in g.edges if e.src in params and e.dst >= g.rerun_after}
+    g.rerun_grads = [i for i in sorted(late) if g.vars[i].grad_phase is not None]
     after = sum(float(v.memory.min()) for v in g.vars[g.rerun_after:] if v.kind == "op") \
         - sum(float(gp.max()) for i in g.rerun_grads if (gp := g.vars[i].grad_phase) is not None)
     buffers = [b for i in rec if (b := g.vars[i].rerun_buffer) is not None]
@@ -784,7 +785,7 @@ def phase_peaks(g: PlanGraph, choice: list[int]) -> tuple[float, float]:
     """A plan's modelled peak in each phase (``phase_memory``): at the end of forward or while a unit reruns
     (less ``rerun_freed``), and after backward.  The step's peak is the larger."""
     act = sum(float(phase_memory(v, "activations")[c]) for v, c in zip(g.vars, choice)) - rerun_freed(g, choice)
-    grad = sum(float(v.memory[c]) for v, c in zip(g.vars, choice) if v.kind != "op")
+    grad = sum(float(phase_memory(v, "gradients")[c]) for v, c in zip(g.vars, choice))
     return act, grad
 
 

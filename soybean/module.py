@@ -18,17 +18,16 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .capture import Captured
-from .codegen.lower import emit_reshard, lower
+from .codegen.lower import gather_now, lower
 from .mesh import Mesh
 from .outputs import lazy_outputs, local_mean
 from .plan import Plan
 from .precision import policy
-from .reshard import Route
 from .runtime.comm import Group
 from .runtime.context import use_groups
 from .runtime.gradsync import GradSync
 from .runtime.pending import wait_all
-from .tiling import R, local_tile, parse_placement
+from .tiling import R, local_tile
 
 
 def _attach(root: nn.Module, fqn: str, value: torch.Tensor, kind: str, shared: bool = False) -> None:
@@ -76,16 +75,14 @@ class ParallelModule(nn.Module):
                 kind, fqn = "buffer", cap.buffers[node.name]
             else:
                 continue
-            tiling = plan.param_tiling(fqn) if fqn in plan.params else (R,) * mesh.ndim
-            whole = all(p == R for p in tiling)
-            if share_params and kind == "param" and whole and pol.name == "fp32":
+            tiling = plan.param_tiling(fqn)
+            if share_params and kind == "param" and all(p == R for p in tiling) and pol.name == "fp32":
                 # The model's own parameter: an optimizer built on the model updates what this module runs.
                 _attach(self, fqn, state[fqn], kind, shared=True)
-                self._order.append((kind, fqn))
-                continue
-            with torch.no_grad():
-                tile = local_tile(state[fqn].detach(), tiling, mesh, self._coords)
-                _attach(self, fqn, tile if kind == "param" else pol.cast(tile), kind)
+            else:
+                with torch.no_grad():
+                    tile = local_tile(state[fqn].detach(), tiling, mesh, self._coords)
+                    _attach(self, fqn, tile if kind == "param" else pol.cast(tile), kind)
             self._order.append((kind, fqn))
         # not a submodule: no params of its own
         object.__setattr__(self, "program", lower(cap, plan, rank, tile_outputs=lazy_outputs))
@@ -103,9 +100,7 @@ class ParallelModule(nn.Module):
     def local_slice(self, x: torch.Tensor, input_index: int = 0) -> torch.Tensor:
         """This rank's tile of a full input, under the plan's tiling of input ``input_index``
         (what a data loader feeds each rank under ``local_batch=True``)."""
-        name = self._cap.inputs[input_index]
-        tiling = tuple(parse_placement(s) for s in self.plan.inputs.get(name, ["R"] * self._mesh.ndim))
-        return local_tile(x, tiling, self._mesh, self._coords)
+        return local_tile(x, self.plan.input_tiling(self._cap.inputs[input_index]), self._mesh, self._coords)
 
     def _tensor(self, kind: str, fqn: str) -> torch.Tensor:
         return self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn)
@@ -146,14 +141,9 @@ class ParallelModule(nn.Module):
         out: dict[str, torch.Tensor] = {}
         with use_groups(self._groups):
             for kind, fqn in self._order:
-                t = self._tensor(kind, fqn)
-                tiling = self.plan.param_tiling(fqn) if fqn in self.plan.params else (R,) * self._mesh.ndim
-                full_shape = self._full_shape(fqn)
-                g = fx.Graph()
-                x = g.placeholder("x")
-                gather = Route.of(tiling, (R,) * self._mesh.ndim)
-                g.output(emit_reshard(g, x, full_shape, gather, self._mesh, self._coords))
-                out[fqn] = fx.GraphModule(nn.Module(), g)(t.detach()).clone()
+                t = self._tensor(kind, fqn).detach()
+                out[fqn] = gather_now(t, self.plan.param_tiling(fqn), self._full_shape(fqn), self._mesh,
+                                      self._coords).clone()
         for alias, fqn in self._cap.aliases.items():
             if fqn in out:
                 out[alias] = out[fqn]
@@ -184,5 +174,5 @@ class ParallelModule(nn.Module):
         for kind, fqn in self._order:
             if fqn not in sd:
                 raise KeyError(f"state dict has no {fqn}")
-            tiling = self.plan.param_tiling(fqn) if fqn in self.plan.params else (R,) * self._mesh.ndim
+            tiling = self.plan.param_tiling(fqn)
             self._tensor(kind, fqn).copy_(local_tile(sd[fqn], tiling, self._mesh, self._coords))

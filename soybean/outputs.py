@@ -36,18 +36,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
 from torch.autograd import Function
 from torch.utils._pytree import tree_map
 
-from .codegen.lower import emit_reshard
+from .codegen.lower import gather_now
 from .mesh import Mesh
-from .reshard import Route
 from .runtime.collectives import all_reduce
 from .runtime.comm import Group
 from .runtime.context import use_groups
 from .runtime.pending import all_reduce_lazy
-from .tiling import Placement, R, Shard, chunk_range
+from .tiling import Placement, Shard, local_tile
 
 OUTPUTS = ("lazy", "full")
 
@@ -132,12 +130,8 @@ class LazyFull:
     def full(self) -> torch.Tensor:
         """The whole output (differentiable), gathered once."""
         if self._full is None:
-            g = fx.Graph()
-            x = g.placeholder("x")
-            g.output(emit_reshard(g, x, tuple(self._shape), Route.of(self.tiling, (R,) * self._mesh.ndim),
-                                  self._mesh, self._coords))
             with use_groups(self._groups):
-                self._full = fx.GraphModule(nn.Module(), g)(self.local)
+                self._full = gather_now(self.local, self.tiling, tuple(self._shape), self._mesh, self._coords)
         return self._full
 
     def __getattr__(self, name: str) -> Any:
@@ -188,11 +182,7 @@ class LazyFull:
             return None  # broadcasting targets: the whole path
         if kw.get("pos_weight") is not None or (kind == "numel" and kw.get("weight") is not None):
             return None  # per-element weights would need tiling too
-        mine = target
-        for axis, p in enumerate(self.tiling):  # the target's rows, as a view (a target needs no copy)
-            if isinstance(p, Shard):
-                a, b = chunk_range(mine.shape[0], self._mesh.shape[axis], self._coords[axis])
-                mine = mine.narrow(0, a, b - a)
+        mine = local_tile(target, self.tiling, self._mesh, self._coords, copy=False)  # a target needs no copy
         part = func(self.local, mine, reduction="sum", **kw)
         if reduction == "mean":  # (sum_k s_k) / c = sum_k (s_k / c): scaled first, so the sum is the last step
             part = part / (self.numel() if kind == "numel" else _class_count(target, kw))

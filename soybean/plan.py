@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .tiling import Placement, parse_placement
+from .tiling import Placement, R, parse_placement
 
 SCHEMA_VERSION = 1
 
@@ -53,7 +53,15 @@ class Plan:
 
     # ---- placements as objects ----
     def param_tiling(self, fqn: str) -> tuple[Placement, ...]:
-        return tuple(parse_placement(s) for s in self.params[fqn])
+        """The stored tiling of a parameter or buffer (replicated when the plan does not list it)."""
+        return self._tiling(self.params, fqn)
+
+    def input_tiling(self, name: str) -> tuple[Placement, ...]:
+        """The tiling of a user input (replicated when the plan does not list it)."""
+        return self._tiling(self.inputs, name)
+
+    def _tiling(self, names: dict[str, list[str]], key: str) -> tuple[Placement, ...]:
+        return tuple(parse_placement(s) for s in names[key]) if key in names else (R,) * len(self.mesh)
 
     def grad_partial_axes(self, name: str) -> tuple[int, ...]:
         """The axes over which reshard point ``name`` sums partial gradients (empty if none)."""

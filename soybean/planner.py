@@ -21,7 +21,7 @@ import torch
 from . import rules
 from .baselines import batch_split, model_parallel_domains, price as price_baselines
 from .capture import Captured, CaptureError, capture
-from .cost.memory import MEMORY_HEADROOM, PARAM_COPIES, budget_bytes, stored_bytes, sync_bucket_bytes
+from .cost.memory import PARAM_COPIES, budget_bytes, budget_needed, stored_bytes, sync_bucket_bytes
 from .cost.profiles import Profile, load_profile
 from .graph import (
     Edge,
@@ -237,7 +237,7 @@ def least_memory(g: PlanGraph) -> float:
     cheapest strategy together is the exact minimum of each phase, and the larger of the two a lower bound of the
     step's (exact when one strategy per variable is cheapest in both)."""
     act = float(sum(phase_memory(v, "activations").min() for v in g.vars)) - g.rerun_credit
-    return max(act, float(sum(v.memory.min() for v in g.vars if v.kind != "op")))
+    return max(act, float(sum(phase_memory(v, "gradients").min() for v in g.vars)))
 
 
 class MemoryBudgetError(SearchError):
@@ -246,7 +246,7 @@ class MemoryBudgetError(SearchError):
 
     def __init__(self, modelled: float, mesh: Mesh) -> None:
         self.modelled, self.mesh = modelled, mesh
-        self.least = least = modelled / (1 - MEMORY_HEADROOM)
+        self.least = least = budget_needed(modelled)
         gb = least / 2**30
         step = 10 ** (math.floor(math.log10(gb)) - 3) if gb > 0 else 1.0
         enough = math.ceil(gb / step) * step  # 4 significant digits, rounded up: a budget that fits

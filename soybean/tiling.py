@@ -255,11 +255,13 @@ def assemble(tiles: dict[tuple[int, ...], torch.Tensor], tiling: Sequence[Placem
     return next(iter(cur.values()))
 
 
-def local_tile(full: torch.Tensor, tiling: Sequence, mesh: Mesh, coords: Sequence[int]) -> torch.Tensor:
-    """This device's tile of a full tensor (``Partial`` never occurs for stored tensors)."""
+def local_tile(full: torch.Tensor, tiling: Sequence, mesh: Mesh, coords: Sequence[int],
+               copy: bool = True) -> torch.Tensor:
+    """This device's tile of a full tensor (``Partial`` never occurs for stored tensors); ``copy=False``: a view
+    of ``full``."""
     t = full
     for axis, pl in enumerate(tiling):
         if isinstance(pl, Shard):
             a, b = chunk_range(t.shape[pl.dim], mesh.shape[axis], coords[axis])
             t = t.narrow(pl.dim, a, b - a)
-    return t.clone()
+    return t.clone() if copy else t

@@ -43,7 +43,7 @@ from ..reshard import Route
 from ..rules.window import crops, halo_step, halos, local_rows, windows_of
 from ..runtime import context as rt
 from ..runtime.kinds import KINDS, apply_step
-from ..tiling import Partial, Placement, R, Shard, local_shape, parse_placement
+from ..tiling import Partial, Placement, R, Shard, local_shape
 from .recompute import checkpoint_layers
 
 Tiling = tuple[Placement, ...]
@@ -76,6 +76,15 @@ def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], route: Route, 
         x = g.call_function(kind.call, (x, step.axis, *kind.args(step, after)), kwargs)
         cur = nxt
     return x
+
+
+def gather_now(t: torch.Tensor, tiling: Tiling, shape: tuple[int, ...], mesh: Mesh,
+               coords: tuple[int, ...]) -> torch.Tensor:
+    """The full tensor of this device's tile ``t`` of ``tiling``, gathered now (the reshard to all-``R``,
+    differentiable; call it under ``runtime.context.use_groups``)."""
+    g = fx.Graph()
+    g.output(emit_reshard(g, g.placeholder("x"), shape, Route.of(tiling, (R,) * mesh.ndim), mesh, coords))
+    return fx.GraphModule(torch.nn.Module(), g)(t)
 
 
 _SCALINGS = (torch.ops.aten.div.Tensor, torch.ops.aten.mul.Tensor)
@@ -267,7 +276,7 @@ class Lowering:
             return None
         first = next(n for n in self.cap.graph.nodes if n.op == "placeholder" and n.name == self.cap.inputs[0])
         val = first.meta.get("val")
-        tiling = _placements(self.plan.inputs[self.cap.inputs[0]])
+        tiling = self.plan.input_tiling(self.cap.inputs[0])
         if not isinstance(val, torch.Tensor) or not shape or val.dim() == 0 or shape[0] != val.shape[0] \
                 or any(isinstance(p, Shard) and p.dim != 0 for p in tiling):
             return None
@@ -300,10 +309,6 @@ class Lowering:
                 tiling = dst if any(isinstance(p, Shard) and n > 1 for p, n in zip(dst, self.mesh.shape)) else None
             self.output_tilings.append(tiling)
         self.g.output(tree_unflatten(res, spec))
-
-
-def _placements(names: list[str]) -> Tiling:
-    return tuple(parse_placement(x) for x in names)
 
 
 def lower(cap: Captured, plan: Plan, rank: int, tile_outputs: bool = False) -> fx.GraphModule:

@@ -71,6 +71,11 @@ def budget_bytes(memory_gb: float | None) -> float | None:
     return memory_gb * 2**30 * (1 - MEMORY_HEADROOM) if memory_gb else None
 
 
+def budget_needed(modelled: float) -> float:
+    """The ``--memory-gb`` (in bytes) a plan whose modelled peak is ``modelled`` needs: ``budget_bytes``'s inverse."""
+    return modelled / (1 - MEMORY_HEADROOM)
+
+
 # Adam/AdamW keep two states per parameter, plus the gradient: 4 copies in all.
 PARAM_COPIES = 4
 # Single-tensor AdamW's step: sqrt(exp_avg_sq) and its quotient by the bias correction, live at once.

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ..plan import Plan
-from ..tiling import R, to_torch
+from ..tiling import to_torch
 
 
 class Tiled(Protocol):
@@ -45,7 +45,7 @@ def sharded_state_dict(pm: Tiled) -> dict[str, DTensor]:
     out: dict[str, DTensor] = {}
     for kind, fqn in pm._order:
         t = pm._tensor(kind, fqn)
-        tiling = pm.plan.param_tiling(fqn) if fqn in pm.plan.params else (R,) * len(pm.plan.mesh)
+        tiling = pm.plan.param_tiling(fqn)
         shape = pm._full_shape(fqn)
         stride = torch.empty(shape, device="meta").stride()
         out[fqn] = DTensor.from_local(t.detach(), mesh, [to_torch(p) for p in tiling], run_check=False,
