@@ -66,3 +66,17 @@ def test_incomplete_backward_is_reported() -> None:
         return "ok"
 
     assert run_threads(Mesh((2,)), member, timeout_s=30) == ["ok", "ok"]
+
+
+def test_buckets_close_as_ddp_closes_them() -> None:
+    """A bucket closes once it reaches its cap, with the gradient that crossed it (DDP's rule): the last
+    layer's weight shares the first, small bucket with its bias instead of waiting for the end of backward."""
+    mib = 2**18  # float32 elements in 1 MiB
+    sizes = [mib, 512, mib, 512, mib, 512]  # (weight, bias) x 3 layers, in registration order
+    ps = [nn.Parameter(torch.zeros(n)) for n in sizes]
+    groups = run_threads(Mesh((1,)), lambda rank, groups: groups)[0]
+    sync = GradSync([(p, (0,)) for p in ps], groups, bucket_mb=1.0, first_bucket_mb=1.0)
+    assert [[sizes[[id(q) for q in ps].index(id(p))] for p in b] for b in sync.buckets] == \
+        [[512, mib], [512, mib], [512, mib]]
+    for h in sync.handles:
+        h.remove()

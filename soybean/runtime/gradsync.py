@@ -8,9 +8,9 @@ one all-reduce per use in backward, gradients are packed into buckets of about
 ``bucket_mb`` and each bucket is all-reduced once per axis, as soon as all its
 parameters are ready.
 
-Buckets are fixed up front (reverse registration order, like DDP: the first one
-small, so communication starts early) and flushed strictly in bucket order, so
-every rank issues the same collectives in the same order whatever order autograd
+Buckets are fixed up front as DDP fixes them (reverse registration order; a bucket
+closes once it reaches its cap; the first cap small, so communication starts early) and
+flushed strictly in bucket order, so every rank issues the same collectives in the same order whatever order autograd
 finishes the gradients in.  On a process group a bucket reduced over one axis is
 all-reduced asynchronously, overlapping the rest of backward; the last bucket's
 hook waits for all of them, so gradients are complete when backward returns.  With gradient
@@ -47,15 +47,21 @@ class GradSync:
             if not p.requires_grad or id(p) in seen:  # a parameter listed twice would never complete its bucket
                 continue
             seen.add(id(p))
-            nbytes = p.numel() * p.element_size()
-            if cur and (axes != cur_axes or p.dtype != cur[0].dtype or size + nbytes > cap):
+            if cur and (axes != cur_axes or p.dtype != cur[0].dtype):  # one bucket is one flat all-reduce
+                self.buckets.append(cur)
+                self.axes.append(cur_axes)
+                cur, size = [], 0.0
+            cur.append(p)
+            cur_axes = axes
+            size += p.numel() * p.element_size()
+            # DDP's rule: a bucket closes once it reaches its cap, with the gradient that crossed it.  Closing
+            # before that gradient instead would leave the first bucket a lone bias and expose the last layer's
+            # weight sum at the end of backward (measured 5% of an MLP step behind DDP).
+            if size >= cap:
                 self.buckets.append(cur)
                 self.axes.append(cur_axes)
                 cur, size = [], 0.0
                 cap = bucket_mb * 2**20
-            cur.append(p)
-            cur_axes = axes
-            size += nbytes
         if cur:
             self.buckets.append(cur)
             self.axes.append(cur_axes)
