@@ -19,11 +19,12 @@ import torch.distributed as dist
 from soybean.mesh import Mesh
 from soybean.runtime import TorchGroup, spawn, torch_groups, use_groups
 import test_halo as H
+from test_algorithms import RUNS, algo_cases
 from test_collectives import CASES, check_group, make_data, run_member, seed_for
 
 pytestmark = pytest.mark.dist
 
-Key = tuple[tuple[int, ...], int, int]  # (mesh shape, axis, case index)
+Key = tuple[tuple[int, ...], int, Any]  # (mesh shape, axis, case index or (algorithm, case index))
 
 
 def _adjoint_worker(rank: int, world: int, mesh_shapes: list[tuple[int, ...]]) -> dict[Key, tuple]:
@@ -40,6 +41,11 @@ def _adjoint_worker(rank: int, world: int, mesh_shapes: list[tuple[int, ...]]) -
                 for ci, case in enumerate(CASES):
                     d = make_data(case, len(members), seed_for(ci, members))
                     results[(shape, axis, ci)] = run_member(case, axis, d.xs[coords[axis]], d.ys[coords[axis]])
+                for run in RUNS:  # soybean's own algorithms on point-to-point messages (runtime.algorithms)
+                    for ci, case in enumerate(algo_cases(run)):
+                        d = make_data(case, len(members), seed_for(ci, members))
+                        results[(shape, axis, (run, ci))] = run_member(case, axis, d.xs[coords[axis]],
+                                                                       d.ys[coords[axis]])
                 for hi, hcase in enumerate(H.CASES + [H.INF_CASE]):  # the halo exchange: point to point
                     _, xs, ys = H.make_data(hcase, len(members), H.seed_for(hi, members))
                     k = coords[axis]
@@ -58,6 +64,11 @@ def _check_all(results: list[dict[Key, tuple]], mesh_shapes: list[tuple[int, ...
                     plains, outs, grads = zip(*(results[r][(shape, axis, ci)] for r in members))
                     check_group(case, make_data(case, len(members), seed_for(ci, members)), plains, outs, grads)
                     checked += 1
+                for run in RUNS:
+                    for ci, case in enumerate(algo_cases(run)):
+                        plains, outs, grads = zip(*(results[r][(shape, axis, (run, ci))] for r in members))
+                        check_group(case, make_data(case, len(members), seed_for(ci, members)), plains, outs, grads)
+                        checked += 1
                 for hi, hcase in enumerate(H.CASES + [H.INF_CASE]):
                     hplains, hgrads = zip(*(results[r][(shape, axis, -1 - hi)] for r in members))
                     H.check_group(hcase, len(members), H.seed_for(hi, members), hplains, hgrads)

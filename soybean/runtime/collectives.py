@@ -20,7 +20,9 @@ the exact adjoint under the matching inner product:
   members' gradients takes a partial gradient; ``<a, b> = sum_k <a_k, b_k>``.
 
 Every public function is the identity for a group of size 1 and works for
-inputs that do not require grad.
+inputs that do not require grad.  Each takes the algorithm its forward collective runs (``algo``) and the
+one its adjoint's runs (``back``), ``(name, lp chunks)`` pairs of :mod:`.algorithms`; the backend's own call
+by default.
 """
 from __future__ import annotations
 
@@ -32,10 +34,12 @@ import torch
 from torch.autograd import Function
 
 from ..tiling import chunk_range
+from . import algorithms as A
+from .algorithms import BACKEND_ALGO, Algo
 from .comm import Group, take_chunk
 
 __all__ = ["shard_slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "to_partial", "grad_all_reduce",
-           "grad_to_partial", "halo", "windowed_call"]
+           "grad_to_partial", "broadcast", "reduce", "halo", "windowed_call"]
 
 
 def _my_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
@@ -54,13 +58,13 @@ class _ShardSlice(Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.full = group, dim, x.shape[dim]
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int, back: Algo) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.full, ctx.back = group, dim, x.shape[dim], back
         return _my_chunk(x, group, dim)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        return ctx.group.all_gather(g.contiguous(), ctx.dim, ctx.full), None, None
+        return A.all_gather(ctx.group, g.contiguous(), ctx.dim, ctx.full, ctx.back), None, None, None
 
 
 class _AllGather(Function):
@@ -73,14 +77,16 @@ class _AllGather(Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int, full: int, grad_partial: bool) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.grad_partial = group, dim, grad_partial
-        return group.all_gather(x.contiguous(), dim, full)
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int, full: int, grad_partial: bool, algo: Algo,
+                back: Algo) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.grad_partial, ctx.back = group, dim, grad_partial, back
+        return A.all_gather(group, x.contiguous(), dim, full, algo)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        gx = ctx.group.reduce_scatter(g.contiguous(), ctx.dim) if ctx.grad_partial else _my_chunk(g, ctx.group, ctx.dim)
-        return gx, None, None, None, None
+        gx = A.reduce_scatter(ctx.group, g.contiguous(), ctx.dim, ctx.back) if ctx.grad_partial else \
+            _my_chunk(g, ctx.group, ctx.dim)
+        return gx, None, None, None, None, None, None
 
 
 # ---- P -> R and its adjoint R -> P --------------------------------------------------
@@ -94,12 +100,12 @@ class _AllReduce(Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        return group.all_reduce(x)
+    def forward(ctx: Any, x: torch.Tensor, group: Group, algo: Algo) -> torch.Tensor:
+        return A.all_reduce(group, x, algo)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        return g, None
+        return g, None, None
 
 
 class _ToPartial(Function):
@@ -129,13 +135,13 @@ class _ReduceScatter(Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.full = group, dim, x.shape[dim]
-        return group.reduce_scatter(x.contiguous(), dim)
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int, algo: Algo, back: Algo) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.full, ctx.back = group, dim, x.shape[dim], back
+        return A.reduce_scatter(group, x.contiguous(), dim, algo)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        return ctx.group.all_gather(g.contiguous(), ctx.dim, ctx.full), None, None
+        return A.all_gather(ctx.group, g.contiguous(), ctx.dim, ctx.full, ctx.back), None, None, None, None
 
 
 # ---- S(src) -> S(dst), self-adjoint up to swapping the dims -------------------------
@@ -171,13 +177,13 @@ class _GradAllReduce(Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, group: Group, back: Algo) -> torch.Tensor:
+        ctx.group, ctx.back = group, back
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        return ctx.group.all_reduce(g), None
+        return A.all_reduce(ctx.group, g, ctx.back), None, None
 
 
 class _GradToPartial(Function):
@@ -197,6 +203,43 @@ class _GradToPartial(Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
         return (g if ctx.index == 0 else torch.zeros_like(g)), None
+
+
+# ---- one member's tensor to all, and all summed at one member: adjoints of each other -----
+
+
+class _Broadcast(Function):
+    """``y_k = x_root`` on every member (the others' ``x`` is not read: its gradient is zero).
+
+    Adjoint, pairing summed over members on both sides: ``sum_k <x_root, g_k> = <x_root, sum_k g_k>``, so the
+    root's gradient is the reduce of the ``g_k`` to the root, every other member's is zero.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, root: int, algo: Algo, back: Algo) -> torch.Tensor:
+        ctx.group, ctx.root, ctx.back = group, root, back
+        return A.broadcast(group, x, root, algo)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return A.reduce(ctx.group, g.contiguous(), ctx.root, ctx.back), None, None, None, None
+
+
+class _Reduce(Function):
+    """``y_root = sum_j x_j``, ``y_k = 0`` on the other members.
+
+    Adjoint: ``sum_k <y_k, g_k> = <sum_j x_j, g_root> = sum_j <x_j, g_root>``: every member's gradient is the
+    root's ``g`` (broadcast).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, root: int, algo: Algo, back: Algo) -> torch.Tensor:
+        ctx.group, ctx.root, ctx.back = group, root, back
+        return A.reduce(group, x, root, algo)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return A.broadcast(ctx.group, g.contiguous(), ctx.root, ctx.back), None, None, None, None
 
 
 # ---- S(dim) -> windows of S(dim): the halo exchange and its adjoint ------------------
@@ -278,7 +321,7 @@ class _Halo(Function):
 # ---- public functions: identity on a single member, else the Function --------------
 
 
-def shard_slice(x: torch.Tensor, group: Group, dim: int, view: bool = False) -> torch.Tensor:
+def shard_slice(x: torch.Tensor, group: Group, dim: int, view: bool = False, back: Algo = BACKEND_ALGO) -> torch.Tensor:
     """R -> S(dim): keep my chunk; backward all_gather.
 
     ``view``: when ``x`` needs no gradient, a contiguous chunk is returned as a view of ``x``
@@ -289,22 +332,24 @@ def shard_slice(x: torch.Tensor, group: Group, dim: int, view: bool = False) -> 
     dim = dim % x.ndim
     if view and not (x.requires_grad and torch.is_grad_enabled()):
         return take_chunk(x, dim, group.size, group.index).contiguous()  # a view when already contiguous
-    return _ShardSlice.apply(x, group, dim)
+    return _ShardSlice.apply(x, group, dim, back)
 
 
-def all_gather(x: torch.Tensor, group: Group, dim: int, full: int, grad_partial: bool = False) -> torch.Tensor:
+def all_gather(x: torch.Tensor, group: Group, dim: int, full: int, grad_partial: bool = False,
+               algo: Algo = BACKEND_ALGO, back: Algo = BACKEND_ALGO) -> torch.Tensor:
     """S(dim) -> R, ``full`` = gathered length; backward slice (or reduce_scatter if ``grad_partial``)."""
-    return x if group.size == 1 else _AllGather.apply(x, group, dim % x.ndim, full, grad_partial)
+    return x if group.size == 1 else _AllGather.apply(x, group, dim % x.ndim, full, grad_partial, algo, back)
 
 
-def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: Group, algo: Algo = BACKEND_ALGO) -> torch.Tensor:
     """P -> R: sum; backward identity."""
-    return x if group.size == 1 else _AllReduce.apply(x, group)
+    return x if group.size == 1 else _AllReduce.apply(x, group, algo)
 
 
-def reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, group: Group, dim: int, algo: Algo = BACKEND_ALGO,
+                   back: Algo = BACKEND_ALGO) -> torch.Tensor:
     """P -> S(dim): sum, keep my chunk; backward all_gather."""
-    return x if group.size == 1 else _ReduceScatter.apply(x, group, dim % x.ndim)
+    return x if group.size == 1 else _ReduceScatter.apply(x, group, dim % x.ndim, algo, back)
 
 
 def all_to_all(x: torch.Tensor, group: Group, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
@@ -317,9 +362,21 @@ def to_partial(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _ToPartial.apply(x, group)
 
 
-def grad_all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+def grad_all_reduce(x: torch.Tensor, group: Group, back: Algo = BACKEND_ALGO) -> torch.Tensor:
     """Identity forward, all_reduce backward (R input consumed by split compute)."""
-    return x if group.size == 1 else _GradAllReduce.apply(x, group)
+    return x if group.size == 1 else _GradAllReduce.apply(x, group, back)
+
+
+def broadcast(x: torch.Tensor, group: Group, root: int, algo: Algo = BACKEND_ALGO,
+              back: Algo = BACKEND_ALGO) -> torch.Tensor:
+    """Member ``root``'s ``x`` on every member; backward reduce to ``root``."""
+    return x if group.size == 1 else _Broadcast.apply(x, group, root, algo, back)
+
+
+def reduce(x: torch.Tensor, group: Group, root: int, algo: Algo = BACKEND_ALGO,
+           back: Algo = BACKEND_ALGO) -> torch.Tensor:
+    """``sum_j x_j`` on member ``root`` (zeros elsewhere); backward broadcast from ``root``."""
+    return x if group.size == 1 else _Reduce.apply(x, group, root, algo, back)
 
 
 def grad_to_partial(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -13,6 +13,7 @@ With ``x_k`` member ``k``'s tensor and ``E_k`` "take chunk ``k`` along ``dim``":
 * ``reduce_scatter``:  ``y_k = E_k sum_j x_j``
 * ``all_to_all``:      ``y_k = cat_j E_k^{dst} x_j`` along ``src_dim``: gather
   ``src_dim``, scatter ``dst_dim``.
+* ``broadcast``:       ``y_k = x_root``;  ``reduce``: ``y_root = sum_j x_j`` (``y_k = 0`` elsewhere)
 * ``exchange``:        point to point: member ``k`` sends ``t_{k->j}`` to each ``j`` it names
   and receives ``t_{j->k}`` of a shape it names (the halo exchange's transport).
 
@@ -68,6 +69,14 @@ class Group(Protocol):
         Output: all of ``src_dim``, my chunk of ``dst_dim``."""
         ...
 
+
+    def broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
+        """Member ``root``'s ``t`` (a new tensor on every member)."""
+        ...
+
+    def reduce(self, t: torch.Tensor, root: int) -> torch.Tensor:
+        """``sum_j t_j`` on member ``root``, zeros on the others."""
+        ...
 
     def exchange(self, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
                  like: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -227,6 +236,13 @@ class ThreadGroup:
         posted = self._swap(("all_to_all", src_dim, dst_dim, full_src), t)
         return torch.cat([take_chunk(x, dst_dim, self.size, self.index) for x in posted], dim=src_dim)
 
+    def broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
+        return self._swap(("broadcast", root), t)[root].clone()  # every member gets its own
+
+    def reduce(self, t: torch.Tensor, root: int) -> torch.Tensor:
+        total = functools.reduce(torch.add, self._swap(("reduce", root), t))
+        return total if self.index == root else torch.zeros_like(t)
+
     def exchange(self, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
                  like: torch.Tensor) -> dict[int, torch.Tensor]:
         posted = self._ex.swap(self.index, ("exchange",), {j: t.detach().clone() for j, t in sends.items()})
@@ -282,6 +298,18 @@ class TorchGroup:
         out = t.detach().contiguous().clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.pg)
         return out
+
+    def broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
+        self._check_device(t)
+        out = t.detach().contiguous().clone()
+        dist.broadcast(out, group=self.pg, group_src=root)
+        return out
+
+    def reduce(self, t: torch.Tensor, root: int) -> torch.Tensor:
+        self._check_device(t)
+        out = t.detach().contiguous().clone()
+        dist.reduce(out, group=self.pg, group_dst=root, op=dist.ReduceOp.SUM)
+        return out if self.index == root else torch.zeros_like(out)
 
     # Every collective below moves blocks in their natural row-major layout: a tile split along a
     # later dim is packed block by block (long contiguous runs), never transposed by movedim, which

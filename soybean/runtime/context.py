@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from . import collectives as C
+from .algorithms import BACKEND_ALGO, Algo
 from .comm import Group
 from .pending import all_reduce_lazy
 
@@ -55,19 +56,23 @@ def _group(axis: int) -> Group:
     return groups[axis]
 
 
-def sb_shard(x: torch.Tensor, axis: int, dim: int, view: bool = False) -> torch.Tensor:
-    """R -> S(dim) along mesh ``axis`` (``view``: a view of ``x`` where no gradient is needed)."""
-    return C.shard_slice(x, _group(axis), dim, view)
+def sb_shard(x: torch.Tensor, axis: int, dim: int, view: bool = False, back: Algo = BACKEND_ALGO) -> torch.Tensor:
+    """R -> S(dim) along mesh ``axis`` (``view``: a view of ``x`` where no gradient is needed).
+
+    Here and below ``algo`` / ``back``: the algorithm (``runtime.algorithms``) of the forward collective and of
+    its adjoint, as the plan chose them."""
+    return C.shard_slice(x, _group(axis), dim, view, back)
 
 
-def sb_all_gather(x: torch.Tensor, axis: int, dim: int, full: int, grad_partial: bool = False) -> torch.Tensor:
+def sb_all_gather(x: torch.Tensor, axis: int, dim: int, full: int, grad_partial: bool = False,
+                  algo: Algo = BACKEND_ALGO, back: Algo = BACKEND_ALGO) -> torch.Tensor:
     """S(dim) -> R along mesh ``axis``; ``full`` is the gathered length of ``dim``."""
-    return C.all_gather(x, _group(axis), dim, full, grad_partial)
+    return C.all_gather(x, _group(axis), dim, full, grad_partial, algo, back)
 
 
-def sb_all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
+def sb_all_reduce(x: torch.Tensor, axis: int, algo: Algo = BACKEND_ALGO) -> torch.Tensor:
     """P -> R along mesh ``axis``."""
-    return C.all_reduce(x, _group(axis))
+    return C.all_reduce(x, _group(axis), algo)
 
 
 def sb_all_reduce_lazy(x: torch.Tensor, axis: int) -> torch.Tensor:
@@ -75,9 +80,10 @@ def sb_all_reduce_lazy(x: torch.Tensor, axis: int) -> torch.Tensor:
     return all_reduce_lazy(x, _group(axis))
 
 
-def sb_reduce_scatter(x: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
+def sb_reduce_scatter(x: torch.Tensor, axis: int, dim: int, algo: Algo = BACKEND_ALGO,
+                      back: Algo = BACKEND_ALGO) -> torch.Tensor:
     """P -> S(dim) along mesh ``axis``."""
-    return C.reduce_scatter(x, _group(axis), dim)
+    return C.reduce_scatter(x, _group(axis), dim, algo, back)
 
 
 def sb_all_to_all(x: torch.Tensor, axis: int, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
@@ -90,9 +96,9 @@ def sb_to_partial(x: torch.Tensor, axis: int) -> torch.Tensor:
     return C.to_partial(x, _group(axis))
 
 
-def sb_grad_all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
+def sb_grad_all_reduce(x: torch.Tensor, axis: int, back: Algo = BACKEND_ALGO) -> torch.Tensor:
     """Identity forward, all_reduce of the gradient along mesh ``axis``."""
-    return C.grad_all_reduce(x, _group(axis))
+    return C.grad_all_reduce(x, _group(axis), back)
 
 
 def sb_grad_to_partial(x: torch.Tensor, axis: int) -> torch.Tensor:
