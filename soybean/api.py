@@ -51,7 +51,8 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
                 groups: Sequence[Group] | None = None, captured: Captured | None = None,
                 local_batch: bool = False, gpus_per_node: int | None = None,
                 precision: str | None = None, recompute: str = "none",
-                memory_gb: float | None = None, outputs: str = "lazy", share_params: bool = False) -> ParallelModule:
+                memory_gb: float | None = None, outputs: str = "lazy", share_params: bool = False,
+                collectives: str = "auto") -> ParallelModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
 
     ``precision``: ``fp32`` or ``bf16-mixed`` (``soybean.precision``: bf16 compute from fp32 master weights,
@@ -75,6 +76,11 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
     ``outputs`` (the full-batch contract): ``lazy`` (default) returns a split output as a
     ``soybean.outputs.LazyFull``, this rank's tile, gathered on first full read; a loss of
     ``torch.nn.functional`` on it reduces only the scalar.  ``full``: full tensors, gathered in the program.
+
+    ``collectives``: the algorithm each collective runs, as ``soybean plan --collectives``: ``auto`` (the cheapest
+    modelled for its group and message, ``cost.collectives.choose``), or one forced: ``backend`` (the backend's
+    own calls), ``lp`` (chain pipelining), ``ring`` or ``tree`` (``runtime.algorithms``).  With ``plan=``, the
+    plan's own choices run.
 
     ``share_params``: a parameter the plan stores whole is the model's own ``nn.Parameter`` object, not a copy,
     so an optimizer built on ``model.parameters()`` updates it (``soybean.compile``; fp32 only).
@@ -118,7 +124,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
         def make() -> Plan:
             return make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode,
                              baselines=False, captured=cap, local_batch=local_batch, gpus_per_node=gpus_per_node,
-                             recompute=recompute, memory_gb=memory_gb)
+                             recompute=recompute, memory_gb=memory_gb, collectives=collectives)
 
         if simulated or world == 1:
             p = make()

@@ -88,7 +88,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     model, inputs = models.load(a.model, models.parse_args(a.arg))
     p = _planned(not a.quiet, model, inputs, a.devices, mesh=mesh, objective=a.objective, profile=profile,
                  solver=a.solver, memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node,
-                 tie_layers=not a.no_tie, gap=gap, precision=a.precision, recompute=a.recompute)
+                 tie_layers=not a.no_tie, gap=gap, precision=a.precision, recompute=a.recompute,
+                 collectives=a.collectives)
     text = p.to_json() if a.format == "json" else table(p)
     if a.out:
         with open(a.out, "w") as f:
@@ -129,7 +130,7 @@ def _explained(a: argparse.Namespace) -> Explanation:
         cap = capture(model, inputs, precision=a.precision)
         p = _planned(True, None, (), a.devices, mesh=mesh, objective=a.objective, profile=a.profile, captured=cap,
                      memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node,
-                     recompute=a.recompute, baselines=False)
+                     recompute=a.recompute, baselines=False, collectives=a.collectives)
     return explain(cap, p, load_profile(a.profile) if a.profile else None)
 
 
@@ -161,6 +162,14 @@ def _cmd_diff(a: argparse.Namespace) -> int:
     return 1 if lines else 0
 
 
+def _add_collectives_arg(p: argparse.ArgumentParser) -> None:
+    from .runtime.algorithms import ALGORITHMS
+
+    p.add_argument("--collectives", choices=["auto", *ALGORITHMS], default="auto",
+                   help="the algorithm each collective runs: auto (default: the cheapest modelled for its group and "
+                        "message), or force the backend's own call or soybean's lp (chain pipelining), ring or tree")
+
+
 def _add_explained_args(p: argparse.ArgumentParser) -> None:
     """The arguments ``explain`` and ``draw`` share: the model, and its plan saved or planned now."""
     from .precision import POLICIES
@@ -177,6 +186,7 @@ def _add_explained_args(p: argparse.ArgumentParser) -> None:
                         "with --plan, default the plan's")
     p.add_argument("--memory-gb", type=float, default=None, help="per-device memory budget")
     p.add_argument("--recompute", choices=["none", "layers", "attention", "auto"], default="none")
+    _add_collectives_arg(p)
     p.add_argument("--precision", choices=list(POLICIES), default="fp32")
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="G")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="seconds per ILP solve")
@@ -241,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--solver", choices=["ilp", "dp"], default="ilp")
     from .precision import POLICIES
 
+    _add_collectives_arg(p)
     p.add_argument("--recompute", choices=["none", "layers", "attention", "auto"], default="none",
                    help="rerun every layer's forward in backward instead of keeping its activations (layers), "
                         "only each layer's attention (attention), or decide which layers with the tilings: "

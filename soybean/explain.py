@@ -39,16 +39,15 @@ import numpy as np
 
 from .baselines import batch_split
 from .capture import Captured
-from .cost.collectives import Cost, collective, op_comm_calls
+from .cost.collectives import Cost, choose, collective, op_comm_calls, route_calls
 from .cost.profiles import Profile, load_profile
-from .graph import Edge, PlanGraph, Var, build, freed_after, phase_memory, phase_peaks, rerun_freed
+from .graph import Edge, PlanGraph, Var, build, edge_profile, freed_after, phase_memory, phase_peaks, rerun_freed
 from .mesh import Mesh
 from .plan import Plan
-from .planner import BACKWARD_SHARE, Result, evaluate
+from .planner import BACKWARD_SHARE, Result, evaluate, with_collectives
 from .reshard import Route
-from .runtime.kinds import KINDS, apply_step
 from .search import Solution
-from .tiling import R, fmt, max_local_numel
+from .tiling import R, fmt
 
 
 @dataclass(frozen=True)
@@ -62,6 +61,7 @@ class Collective:
     bytes: float
     seconds: float
     sync: bool = False  # a deferred gradient sync, which may run hidden behind backward (``H``)
+    algorithm: str = "backend"  # how it runs (``runtime.algorithms``; ``cost.collectives.choose``)
 
 
 @dataclass(frozen=True)
@@ -127,9 +127,10 @@ class Explanation:
 
 def plan_table(cap: Captured, plan: Plan, profile: Profile | None = None) -> PlanGraph:
     """The full candidate table of ``cap`` on the plan's mesh, built as ``planner.plan`` builds it in mode
-    ``auto`` (the plan's objective, recomputed units and input contract; ``profile``: default the plan's)."""
+    ``auto`` (the plan's objective, recomputed units, input contract and collective algorithms; ``profile``:
+    default the plan's)."""
     mesh = Mesh(tuple(plan.mesh))
-    prof = profile if profile is not None else _load(plan.profile)
+    prof = with_collectives(profile if profile is not None else _load(plan.profile), plan.collectives)
     return build(cap, mesh, prof.on_mesh(mesh, plan.gpus_per_node), objective=plan.objective,
                  domains=batch_split(cap, mesh) if plan.local_batch else None, local_outputs=plan.local_batch,
                  recompute=frozenset(plan.recompute))
@@ -279,29 +280,17 @@ def edge_collectives(g: PlanGraph, e: Edge, s: int, t: int) -> list[Collective]:
 
 
 def _route_collectives(g: PlanGraph, e: Edge, route: Route, value: str, phase: str) -> list[Collective]:
-    """``cost.collectives.reshard_cost`` term by term: a ring collective of the message tile (the tiling
-    before or after its step) on the axis's group, plus ``blocking_s`` for all but a gradient sync."""
-    mesh, prof = g.mesh, g.profile
+    """``cost.collectives.reshard_cost`` term by term: each collective of the route's steps
+    (``cost.collectives.route_calls``) by the algorithm ``choose`` picks for it, plus ``blocking_s`` for all but
+    a gradient sync."""
     out = []
-    cur = route.src
-    for step in route.steps():
-        kind = KINDS[step.kind]
-        nxt = apply_step(cur, step)
-        priced = [(phase, kind.forward, False)]
-        if route.needs_grad:
-            priced.append(("backward", kind.adjoint(step), kind.gradient_sync))
-        p = mesh.shape[step.axis]
-        for ph, pr, sync in priced:
-            if pr is None or p <= 1:
-                continue
-            m = float(max_local_numel(e.shape, nxt if pr.message == "after" else cur, mesh) * e.itemsize)
-            cost = collective(pr.collective, m, p, *prof.ab(step.axis, pr.collective))
-            # A step's backward may run another collective than its name (all_gather's is reduce_scatter).
-            text = str(step) if pr.collective == step.kind else \
-                f"{pr.collective}{str(step)[len(step.kind):]} (for {step.kind})"
-            out.append(Collective(text, pr.collective, ph, value, cost.bytes,
-                                  cost.seconds + (0.0 if sync else prof.blocking_s), sync))
-        cur = nxt
+    for c in route_calls(route, e.shape, e.itemsize, g.mesh):
+        pick = choose(c.collective, c.m, g.mesh.shape[c.step.axis], c.step.axis, edge_profile(g, e), c.sync)
+        # A step's backward may run another collective than its name (all_gather's is reduce_scatter).
+        text = str(c.step) if c.collective == c.step.kind else \
+            f"{c.collective}{str(c.step)[len(c.step.kind):]} (for {c.step.kind})"
+        out.append(Collective(text, c.collective, "backward" if c.backward else phase, value, pick.bytes,
+                              pick.seconds + (0.0 if c.sync else g.profile.blocking_s), c.sync, pick.algorithm))
     return out
 
 
@@ -495,7 +484,8 @@ def _block(r: Row, objective: str) -> list[str]:
     for c in r.collectives:
         of = f" of {c.value}" if c.value else " inside the op"
         sync = " (gradient sync, may overlap backward)" if c.sync else ""
-        lines.append(f"  {c.phase:<10} {c.step}{of}: {_bytes(c.bytes)}, {_ms(c.seconds)}{sync}")
+        how = f" by {c.algorithm}" if c.algorithm != "backend" else ""
+        lines.append(f"  {c.phase:<10} {c.step}{of}{how}: {_bytes(c.bytes)}, {_ms(c.seconds)}{sync}")
     lines.append(f"  memory     {_bytes(r.memory)}")
     lines.append(f"  total      {_ms(r.total_s)}" + (f" (communication {_ms(r.comm_s)})" if r.comm_s else ""))
     a = r.alternative

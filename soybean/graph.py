@@ -113,6 +113,9 @@ class Edge:
     write_back: bool
     # The consumer's layer is recomputed: the read's forward collectives run again in backward (priced in).
     rerun: bool = False
+    # The read ends in a returned sum that the generated program makes asynchronous (``returned_sum``): its
+    # all-reduce runs, and is priced as, the backend's call (``edge_profile``).
+    lazy: bool = False
     # Distinct (tiling, collected partial-gradient axes) of the source's strategies, and
     # (tiling, partial-gradient axes) of the consumer's, with each strategy's index into them.
     src_keys: list[tuple[tuple, tuple[int, ...]]] = field(default_factory=list)
@@ -661,7 +664,8 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
                         compute.flags.writeable = mem.flags.writeable = False
                         memo.vars[kid] = (strategies, compute, mem, c, op_comm, buffer)
             for i, (a, (u, k)) in enumerate(zip(tensor_args, sources)):
-                _add_edge(g, u, v, k, i, needs_grad.get(a.name, False), memo=memo, rerun=rerun.op(node.name))
+                _add_edge(g, u, v, k, i, needs_grad.get(a.name, False), memo=memo, rerun=rerun.op(node.name),
+                          lazy=i == 0 and returned_sum(a, node))
             for i in written_inputs(op):
                 a = tensor_args[i]
                 if a.op != "placeholder":
@@ -679,12 +683,39 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
             v = _add_var(g, Var("output", "output", [st], np.zeros(1), np.zeros(1)))
             for i, a in enumerate(returned):
                 u, k = value_source(g, a)
-                _add_edge(g, u, v, k, i, needs_grad.get(a.name, False))
+                _add_edge(g, u, v, k, i, needs_grad.get(a.name, False), lazy=returned_sum(a, node))
     g.fallback_ops = sorted(fallback)
     backward_transient(g)
     rerun.working_set(g)
     g.rerun_credit = rerun_credit(g)
     return g
+
+
+# A returned sum divided or multiplied by a constant is summed after the scaling instead (``returned_sum``).
+SCALINGS = (torch.ops.aten.div.Tensor, torch.ops.aten.mul.Tensor)
+
+
+def returned_sum(value: fx.Node, consumer: fx.Node) -> bool:
+    """Whether an all-reduce of ``value`` read by ``consumer`` is a returned sum, which the generated program
+    starts asynchronously (``codegen.lower._lazy_output_sums``): ``value`` has no other reader, and ``consumer``
+    is the output, or a scaling by a constant (the mean's ``/ count``) whose only reader is the output."""
+    if len(value.users) != 1:
+        return False
+    if consumer.op == "output":
+        return True
+    return (consumer.target in SCALINGS and len(consumer.args) == 2 and not consumer.kwargs
+            and consumer.args[0] is value and isinstance(consumer.args[1], (int, float))
+            and len(consumer.users) == 1 and next(iter(consumer.users)).op == "output")
+
+
+def backend_only(profile: Profile) -> Profile:
+    """``profile`` with every collective on the backend's own call (a returned sum's: ``returned_sum``)."""
+    return replace(profile, algorithms=("backend",))
+
+
+def edge_profile(g: PlanGraph, e: Edge) -> Profile:
+    """The profile edge ``e`` is priced with: the backend's calls only for a returned sum (``Edge.lazy``)."""
+    return backend_only(g.profile) if e.lazy else g.profile
 
 
 # Gradient tiles of its output size a backward op holds at once: the incoming gradient and the one it makes.
@@ -855,12 +886,13 @@ def partial_grad_axes(s: Strategy, dst: tuple, mesh: Mesh) -> tuple[int, ...]:
 
 def _add_edge(
     g: PlanGraph, u: int, v: int, out_idx: int, in_idx: int, needs_grad: bool, write_back: bool = False,
-    memo: _Memo | None = None, rerun: bool = False,
+    memo: _Memo | None = None, rerun: bool = False, lazy: bool = False,
 ) -> None:
-    """``rerun``: the consumer's layer is recomputed, so the read's forward collectives run again in backward."""
+    """``rerun``: the consumer's layer is recomputed, so the read's forward collectives run again in backward.
+    ``lazy``: ``Edge.lazy``."""
     mkey = None
     if memo is not None and v in memo.key and u in memo.cls:
-        mkey = (memo.cls[u], out_idx, memo.key[v], in_idx, needs_grad, write_back, rerun)
+        mkey = (memo.cls[u], out_idx, memo.key[v], in_idx, needs_grad, write_back, rerun, lazy)
         if (seen := memo.edges.get(mkey)) is not None:
             g.edges.append(replace(seen, src=u, dst=v))
             return
@@ -883,16 +915,17 @@ def _add_edge(
     # Price each distinct (source tiling, target tiling) pair once; repeated layers share the table.
     us, si = _unique(src_keys)
     ud, di = _unique(dst_keys)
+    profile = backend_only(g.profile) if lazy else g.profile
     key = (tuple(us), tuple(ud), shape, itemsize, needs_grad, U.pinned, U.gathered, write_back, rerun, g.mesh,
-           g.profile)
+           profile)
     if key not in _EDGE_MEMO:
         if _EDGE_MEMO and next(iter(_EDGE_MEMO))[-2:] != key[-2:]:
             _EDGE_MEMO.clear()  # another mesh or profile: its tables would only hold memory
         ids = _route_ids(key[0], key[1], needs_grad, write_back)
-        Bu, Tu, Su = (x.reshape(len(us), len(ud)) for x in price_route_ids(ids, shape, itemsize, g.mesh, g.profile))
+        Bu, Tu, Su = (x.reshape(len(us), len(ud)) for x in price_route_ids(ids, shape, itemsize, g.mesh, profile))
         if rerun:  # the forward steps again (a route that needs no gradient is its forward)
             fwd = _route_ids(key[0], key[1], False, write_back)
-            Bf, Tf, _ = (x.reshape(len(us), len(ud)) for x in price_route_ids(fwd, shape, itemsize, g.mesh, g.profile))
+            Bf, Tf, _ = (x.reshape(len(us), len(ud)) for x in price_route_ids(fwd, shape, itemsize, g.mesh, profile))
             Bu, Tu = Bu + Bf, Tu + Tf
         if U.pinned and not write_back:
             banned = np.array([[not pinned_use(src, dst, U.gathered) for dst, _ in ud] for src, _ in us])
@@ -905,8 +938,8 @@ def _add_edge(
     B, T = Bu[np.ix_(si, di)], Tu[np.ix_(si, di)]
     deferred = U.kind == "param" and not write_back
     S = Su[np.ix_(si, di)] if deferred and Su.any() else None
-    edge = Edge(u, v, out_idx, in_idx, B, T, shape, itemsize, needs_grad, deferred, S, write_back, rerun, us, si, ud,
-                di)
+    edge = Edge(u, v, out_idx, in_idx, B, T, shape, itemsize, needs_grad, deferred, S, write_back, rerun, lazy, us,
+                si, ud, di)
     g.edges.append(edge)
     if memo is not None and mkey is not None:
         for arr in (B, T, S, si, di):

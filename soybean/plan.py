@@ -49,12 +49,21 @@ class Plan:
     memory: dict[str, float] = field(default_factory=dict)
     precision: str = "fp32"  # the policy it computes under (``soybean.precision``)
     recompute: list[str] = field(default_factory=list)  # layers whose forward reruns in backward
+    # the collective algorithms allowed (``auto``: the cheapest of every one; or one forced), and every reshard
+    # step's collectives with the algorithm each runs (``planner.reshard_records``)
+    collectives: str = "auto"
+    reshards: list[dict[str, Any]] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     # ---- placements as objects ----
     def param_tiling(self, fqn: str) -> tuple[Placement, ...]:
         """The stored tiling of a parameter or buffer (replicated when the plan does not list it)."""
         return self._tiling(self.params, fqn)
+
+    def algorithms(self) -> dict[tuple[str, int, int], tuple[str, int]]:
+        """(collective, mesh axis, message bytes) -> (algorithm, lp chunks), from ``reshards``: what a generated
+        program runs for each collective (one a plan does not list runs the backend's call)."""
+        return {(r["collective"], r["axis"], r["bytes"]): (r["algorithm"], r["chunks"]) for r in self.reshards}
 
     def input_tiling(self, name: str) -> tuple[Placement, ...]:
         """The tiling of a user input (replicated when the plan does not list it)."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ import torch
 from . import rules
 from .baselines import batch_split, model_parallel_domains, price as price_baselines
 from .capture import Captured, CaptureError, capture
+from .cost.collectives import choose, route_calls
 from .cost.memory import PARAM_COPIES, budget_bytes, budget_needed, stored_bytes, sync_bucket_bytes
 from .cost.profiles import Profile, load_profile
 from .graph import (
@@ -28,6 +29,7 @@ from .graph import (
     PlanGraph,
     attention_units,
     build,
+    edge_profile,
     layer_of,
     phase_memory,
     phase_peaks,
@@ -40,6 +42,7 @@ from .precision import policy
 from .reshard import Step
 from .rules.base import OpSpec, Strategy
 from .rules.window import halo_step, halos, windows_of
+from .runtime.algorithms import check as check_algorithm
 from .search import TARGET_GAP, Pruned, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
 from .search.problem import lower_bound, reduce
 from .tiling import R, fmt
@@ -306,6 +309,7 @@ def plan(
     gap: float = TARGET_GAP,
     precision: str | None = None,
     recompute: str = "none",
+    collectives: str = "auto",
 ) -> Plan:
     """The best plan for ``model`` on ``devices`` (or on ``mesh``).
 
@@ -328,6 +332,9 @@ def plan(
     (none without a budget).  ``plan.recompute`` lists the recomputed units (module names).
     ``precision``: ``fp32`` (default) or ``bf16-mixed`` (``soybean.precision``); with ``captured=``, the
     capture's own.
+    ``collectives``: ``auto`` (default): each collective runs the algorithm modelled cheapest for its group
+    and message (``cost.collectives.choose``: the backend's, or soybean's ``lp``, ``ring``, ``tree``); or one of
+    ``runtime.algorithms.ALGORITHMS`` forced wherever it applies.  ``plan.reshards`` lists each choice.
     ``progress``: called with a short line at each stage (capture, each mesh shape with its optimum and
     gap, the baselines).
     """
@@ -344,7 +351,7 @@ def plan(
         raise ValueError(
             f"mesh {mesh} has {mesh.size} devices, not {devices}: give a mesh whose sizes multiply to {devices}"
         )
-    prof = profile if isinstance(profile, Profile) else load_profile(profile)
+    prof = with_collectives(profile if isinstance(profile, Profile) else load_profile(profile), collectives)
     if captured is not None:
         cap = captured
         if precision is not None and policy(precision).name != cap.precision:
@@ -417,6 +424,7 @@ def plan(
             stacklevel=2,
         )
     out = to_plan(cap, best, objective, prof.name, devices, base, seconds, solver, results, best.recompute)
+    out.collectives = collectives
     out.meshes += pruned
     out.local_batch = local_batch
     out.gpus_per_node = gpus_per_node
@@ -477,10 +485,44 @@ def to_plan(
                 "gap": 0.0 if sol.status == "optimal" else relative_gap(sol.objective, sol.bound)},
         meshes=[{"mesh": list(x.graph.mesh.shape), "objective": x.value(objective)} for x in all_results],
         fallback_ops=g.fallback_ops, layers=layer_rows(g, sol), memory=memory_breakdown(g, sol),
-        precision=cap.precision, recompute=sorted(recompute),
+        precision=cap.precision, recompute=sorted(recompute), reshards=reshard_records(g, sol.choice),
         tying={"used": bool(r.runs), "runs": [x.record() for x in r.runs],
                "variables": [len(g.vars), len(g.vars) - sum(len(b) for x in r.runs for b in x.blocks[1:])]},
     )
+
+
+def reshard_records(g: PlanGraph, choice: Sequence[int]) -> list[dict[str, Any]]:
+    """Every collective the plan's reshard steps run, forward and backward, with the algorithm it runs
+    (``cost.collectives.choose`` under the graph's profile): ``tensor`` (the value), ``to`` (its consumer),
+    ``step``, ``collective``, ``phase``, mesh ``axis``, ``group_size``, message ``bytes``, ``algorithm``,
+    ``chunks`` (lp's) and modelled ``seconds``.  A generated program runs each (``Plan.algorithms``); the
+    deferred gradient sync is the backend's.  Deduplicated, in edge order."""
+    out: list[dict[str, Any]] = []
+    seen: set[tuple] = set()
+    for e in g.edges:
+        route = e.route(choice[e.src], choice[e.dst])
+        src = g.vars[e.src]
+        tensor = src.fqn if src.kind in ("param", "buffer") else src.name
+        for c in route_calls(route, e.shape, e.itemsize, g.mesh):
+            p = g.mesh.shape[c.step.axis]
+            pick = choose(c.collective, c.m, p, c.step.axis, edge_profile(g, e), c.sync)
+            rec = {"tensor": tensor, "to": g.vars[e.dst].name, "step": str(c.step), "collective": c.collective,
+                   "phase": "backward" if c.backward else "forward", "axis": c.step.axis, "group_size": p,
+                   "bytes": int(c.m), "algorithm": pick.algorithm, "chunks": pick.chunks,
+                   "seconds": float(f"{pick.seconds:.6g}")}
+            key = tuple(rec.values())
+            if key not in seen:
+                seen.add(key)
+                out.append(rec)
+    return out
+
+
+def with_collectives(profile: Profile, collectives: str) -> Profile:
+    """``profile`` restricted to the collective algorithms ``collectives`` allows: ``auto`` every one (or the
+    profile's own list), else the one named (``runtime.algorithms.ALGORITHMS``)."""
+    if collectives == "auto":
+        return profile
+    return replace(profile, algorithms=(check_algorithm(collectives),))
 
 
 def memory_breakdown(g: PlanGraph, sol: Solution) -> dict[str, float]:

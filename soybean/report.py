@@ -1,6 +1,7 @@
 """Human-readable reports of a plan: the per-layer table and totals beside the baselines."""
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,6 +57,11 @@ def table(plan: Plan) -> str:
         lines.append(f"{'':<16} after backward {_bytes(m['gradient_phase'])} = {both} + gradients "
                      f"{_bytes(m['gradients'])} + step temporaries {_bytes(m['optimizer_temporaries'])}"
                      f" + gradient-sync buckets {_bytes(m['collective_buffers'])}")
+    if plan.reshards:
+        used = Counter((r["collective"], r["algorithm"]) for r in plan.reshards)
+        own = [f"{n} {c} by {a}" for (c, a), n in sorted(used.items()) if a != "backend"]
+        backend = sum(n for (_, a), n in used.items() if a == "backend")
+        lines.append(f"{'collectives':<16} {plan.collectives}: " + ", ".join(own + [f"{backend} by the backend"]))
     if plan.recompute:
         shown = ", ".join(plan.recompute[:4]) + (f", ... ({len(plan.recompute)} in all)"
                                                  if len(plan.recompute) > 4 else "")

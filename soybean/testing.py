@@ -99,9 +99,10 @@ def _local_grads(m: torch.nn.Module) -> Grads:
 def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | str | None = None, *,
                            devices: int | None = None, mesh: tuple | None = None, mode: str = "auto",
                            objective: str = "time", steps: int = 3, lr: float = 1e-3,
-                           precision: str | None = None) -> tuple[Trace, Plan]:
+                           precision: str | None = None, collectives: str = "auto") -> tuple[Trace, Plan]:
     """Every rank as a thread: parallelize, train ``steps`` steps, gather full grads/params.  ``precision``:
-    plan under that policy (a given plan brings its own)."""
+    plan under that policy (a given plan brings its own); ``collectives``: the algorithms' policy
+    (``planner.plan``)."""
     from .api import parallelize
     from .capture import capture
     from .planner import plan as make_plan
@@ -111,7 +112,7 @@ def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | s
     cap = capture(model, inputs, precision=plan.precision if plan is not None else policy(precision).name)
     if plan is None:
         plan = make_plan(None, (), captured=cap, devices=devices or (Mesh(mesh).size if mesh else 1), mesh=mesh,
-                         mode=mode, objective=objective, baselines=False)
+                         mode=mode, objective=objective, baselines=False, collectives=collectives)
     m_shape = Mesh(tuple(plan.mesh))
 
     def rank_fn(rank: int, groups: list[Group]) -> Trace:

@@ -9,7 +9,7 @@ from examples.models import mlp, resnet
 from soybean import models
 from soybean.capture import capture
 from soybean.cost.profiles import BUILTIN
-from soybean.graph import PlanGraph, build
+from soybean.graph import PlanGraph, build, edge_profile
 from soybean.mesh import Mesh
 
 pytestmark = pytest.mark.unit
@@ -88,7 +88,7 @@ def test_tables_built_across_mesh_shapes_price_every_route_as_the_definition() -
                 for t in range(e.bytes.shape[1]):
                     if e.seconds[s, t] == PINNED:
                         continue
-                    c = reshard_cost(e.route(s, t), e.shape, e.itemsize, mesh, g.profile)
+                    c = reshard_cost(e.route(s, t), e.shape, e.itemsize, mesh, edge_profile(g, e))
                     assert (e.bytes[s, t], e.seconds[s, t]) == (c.bytes, c.seconds), (shape, e.src, e.dst, s, t)
                     checked += 1
         assert checked > 1000

@@ -31,6 +31,22 @@ def test_parallel_training_equals_serial(name: str, mesh: tuple, mode: str) -> N
     assert not bad, f"plan {plan.params}: " + "; ".join(bad[:5])
 
 
+FORCED = ("lp", "ring", "tree")
+
+
+@pytest.mark.parametrize("collectives", FORCED)
+@pytest.mark.parametrize("name,mesh,mode", CASES, ids=[f"{n}-{'x'.join(map(str, m))}-{md}" for n, m, md in CASES])
+def test_every_collective_algorithm_trains_like_serial(name: str, mesh: tuple, mode: str, collectives: str) -> None:
+    """The same plans with every collective run by one of soybean's algorithms (``runtime.algorithms``)."""
+    model, inputs = MODELS[name]()
+    serial = train_serial(model, inputs)
+    par, plan = train_parallel_threads(model, inputs, mesh=mesh, mode=mode, objective="comm", collectives=collectives)
+    assert all(r["algorithm"] in ("backend", collectives) for r in plan.reshards)
+    assert plan.collectives == collectives
+    bad = compare(serial, par)
+    assert not bad, f"plan {plan.params}, {collectives}: " + "; ".join(bad[:5])
+
+
 def test_plan_roundtrips_through_json(tmp_path) -> None:
     from soybean.plan import Plan
 

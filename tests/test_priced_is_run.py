@@ -13,11 +13,15 @@ route and the forward and backward collectives ``cost.collectives.priced_steps``
 more than one device, and every op's own communication (``Var.op_comm``): its halo exchanges (the
 busiest member's received rows, forward and backward) and batch norm's statistics all-reduces.  Every priced collective must run exactly once with exactly its bytes, and
 nothing else may run, except that the deferred parameter-gradient all-reduces are bucketed by the
-runtime (``GradSync``): those must add up, per axis, to the bytes priced for them.
+runtime (``GradSync``): those must add up, per axis, to the bytes priced for them.  A collective the plan
+runs by one of soybean's own algorithms (``plan.reshards``, ``runtime.algorithms``) is logged once, as that
+collective, and must run the algorithm the plan recorded for it.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,6 +36,7 @@ from soybean.mesh import Mesh
 from soybean.plan import Plan
 from soybean.planner import plan as make_plan
 from soybean.reshard import Route
+from soybean.runtime import algorithms as A
 from soybean.runtime.comm import Group
 from soybean.runtime.launch import run_threads
 from soybean.tiling import max_local_numel
@@ -87,10 +92,39 @@ class Recorder:
         return got
 
 
+@contextlib.contextmanager
+def algorithms_logged(ran: list[tuple[Call, str]]) -> Iterator[None]:
+    """Every collective run by one of soybean's own algorithms logged once (as the collective, on the
+    Recorder's axis) with its algorithm; its point-to-point rounds run on the Recorder's inner group."""
+    originals = {name: getattr(A, name) for name in ("all_reduce", "all_gather", "reduce_scatter")}
+
+    def wrap(name: str) -> Any:
+        def run(group: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+            algo = args[-1]
+            if algo[0] == A.BACKEND or not isinstance(group, Recorder):
+                return originals[name](group, x, *args)
+            out = originals[name](group.inner, x, *args)
+            call = (name, group.axis, (out if name == "all_gather" else x).numel() * x.element_size())
+            group.log.append(call)
+            ran.append((call, algo[0]))
+            return out
+        return run
+
+    for name in originals:
+        setattr(A, name, wrap(name))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(A, name, fn)
+
+
 def run_one_step(model: torch.nn.Module, inputs: tuple, plan: Plan, cap: Any) -> list[Call]:
-    """One forward and backward on every rank; the calls aligned across ranks, each with its largest message."""
+    """One forward and backward on every rank; the calls aligned across ranks, each with its largest message.
+    Each collective run by one of soybean's algorithms must run the one the plan recorded for it."""
     mesh = Mesh(tuple(plan.mesh))
     logs: list[list[Call]] = [[] for _ in range(mesh.size)]
+    by_algorithm: list[tuple[Call, str]] = []
 
     def rank_fn(rank: int, groups: list) -> None:
         rec = [Recorder(g, a, logs[rank]) for a, g in enumerate(groups)]
@@ -99,7 +133,16 @@ def run_one_step(model: torch.nn.Module, inputs: tuple, plan: Plan, cap: Any) ->
         out.backward()
         float(out)  # the loss sum may be pending until read
 
-    run_threads(mesh, rank_fn)
+    with algorithms_logged(by_algorithm):
+        run_threads(mesh, rank_fn)
+    recorded = plan.algorithms()
+
+    def planned(call: Call) -> str:  # a smaller tile of an uneven split: the record of the largest one
+        fits = [(m, algo) for (c, a, m), (algo, _) in recorded.items() if (c, a) == call[:2] and m >= call[2]]
+        return min(fits)[1] if fits else A.BACKEND
+
+    for call, algorithm in by_algorithm:
+        assert planned(call) == algorithm, f"{call} ran {algorithm}, the plan says {planned(call)}"
     calls: list[Call] = []
     for axis in range(mesh.ndim):
         per_rank = [[c for c in log if c[1] == axis] for log in logs]
@@ -107,6 +150,8 @@ def run_one_step(model: torch.nn.Module, inputs: tuple, plan: Plan, cap: Any) ->
         for same in zip(*per_rank):
             assert len({c[0] for c in same}) == 1, f"ranks ran different collectives together on axis {axis}: {same}"
             calls.append((same[0][0], axis, max(c[2] for c in same)))
+    # ... and every collective the plan says runs by one of soybean's algorithms did, on every rank.
+    assert len(by_algorithm) == mesh.size * sum(recorded.get(c, (A.BACKEND, 1))[0] != A.BACKEND for c in calls)
     return calls
 
 
@@ -149,6 +194,7 @@ def test_collectives_run_equal_collectives_priced(name: str, mesh: tuple, mode: 
     # The fixed graph prices the plan as the planner did: the plan's own record of its bytes.
     assert comm_bytes == pytest.approx(plan.cost["comm_bytes"], rel=1e-5, abs=1e-6)
     ran = Counter(run_one_step(model, inputs, plan, cap))
+    assert all(r["algorithm"] in A.ALGORITHMS for r in plan.reshards)
     missing = Counter(want) - ran
     assert not missing, f"priced but not run: {dict(missing)}"
     extra = ran - Counter(want)

@@ -16,7 +16,10 @@ factory call with the same seed.  The reported time is the median of ``--steps``
   ``ColwiseParallel`` and ``RowwiseParallel`` (an odd last one stays replicated), inputs replicated;
 * ``fsdp``: FSDP2 ``fully_shard`` on every Linear/Conv module and then the root, batch split;
 * ``soybean`` / ``soybean_dp`` / ``soybean_mp``: ``soybean.parallelize`` with the optimal plan
-  (``objective="time"``) and the forced data- and model-parallel plans, full batch on every rank.
+  (``objective="time"``) and the forced data- and model-parallel plans, full batch on every rank;
+* ``soybean_local``: the optimal plan under the local-batch contract (DDP's);
+* ``soybean_backend``: the optimal plan's tilings with every collective the backend's own call
+  (``collectives="backend"``), against which ``soybean``'s choice of algorithms is paired.
 
 The N ranks are spawned once and run every distributed variant in one process group, one
 thread per rank.  By default the variants take turns after every timed step, so drift of a
@@ -64,9 +67,14 @@ __all__ = ["BenchConfig", "VARIANTS", "auto_rounds", "training_state_bytes", "ru
            "candidates", "tp_layout", "add_parser", "cmd_bench", "main"]
 
 SERIAL = "serial"
-DIST_VARIANTS: tuple[str, ...] = ("ddp", "tp", "fsdp", "soybean", "soybean_dp", "soybean_mp", "soybean_local")
+DIST_VARIANTS: tuple[str, ...] = ("ddp", "tp", "fsdp", "soybean", "soybean_dp", "soybean_mp", "soybean_local",
+                                  "soybean_backend")
 VARIANTS: tuple[str, ...] = (SERIAL, *DIST_VARIANTS)
-SOYBEAN_MODES: dict[str, str] = {"soybean": "auto", "soybean_dp": "dp", "soybean_mp": "mp", "soybean_local": "auto"}
+SOYBEAN_MODES: dict[str, str] = {"soybean": "auto", "soybean_dp": "dp", "soybean_mp": "mp", "soybean_local": "auto",
+                                  "soybean_backend": "auto"}
+# Variants whose collectives all run the backend's own calls (``runtime.algorithms``): the optimal plan's
+# tilings with ``collectives="backend"``, paired against ``soybean``'s own choice of algorithms.
+BACKEND_COLLECTIVES: frozenset[str] = frozenset({"soybean_backend"})
 # Variants under the local-batch contract (DDP's): each rank passes its own slice of every input.
 LOCAL_BATCH: frozenset[str] = frozenset({"soybean_local"})
 # Where the training step computes its loss: in the model (the target among the inputs), or outside it from the
@@ -503,7 +511,8 @@ def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any =
             continue
         try:
             plans[variant] = plan(None, (), cfg.devices, objective="time", profile=profile or cfg.profile, mode=mode,
-                                  baselines=False, captured=cap, local_batch=variant in LOCAL_BATCH)
+                                  baselines=False, captured=cap, local_batch=variant in LOCAL_BATCH,
+                                  collectives="backend" if variant in BACKEND_COLLECTIVES else "auto")
         except Exception as e:
             plans[variant] = Measurement.failed(e).reason or "planning failed"
     return plans
@@ -513,7 +522,8 @@ def _same_plan(a: Plan, b: Plan) -> bool:
     """The same program: mesh, stored tilings and every op's strategy agree.  Full inputs arrive
     whole on every rank, so their planned tiling only says where the (free) slicing happens."""
     def key(p: Plan) -> tuple:
-        return p.mesh, p.params, p.nodes, p.local_batch, p.inputs if p.local_batch else None
+        algorithms = sorted(p.algorithms().items())  # the same tilings, other collective algorithms: not the same
+        return p.mesh, p.params, p.nodes, p.local_batch, p.inputs if p.local_batch else None, algorithms
 
     return key(a) == key(b)
 
@@ -614,7 +624,7 @@ def _check_losses(ms: dict[str, Measurement], notes: dict[str, str]) -> None:
 # only limit is memory: turns are taken while the estimate fits in this share of physical memory.
 ALTERNATE_MEMORY_SHARE = 0.5
 # Variants that may hold a full replica of the parameters on every rank (soybean's optimum may be DP).
-REPLICATING: frozenset[str] = frozenset({"ddp", "soybean", "soybean_dp", "soybean_local"})
+REPLICATING: frozenset[str] = frozenset({"ddp", "soybean", "soybean_dp", "soybean_local", "soybean_backend"})
 
 
 def training_state_bytes(param_bytes: int, variants: Sequence[str], devices: int) -> int:

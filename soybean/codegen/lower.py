@@ -26,6 +26,7 @@ A parameter's own gradient all-reduce is not emitted: its axes are collected in
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +36,16 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import rules
 from ..capture import Captured
+from ..cost.collectives import route_calls
 from ..cost.profiles import load_profile
-from ..graph import Edge, PlanGraph, build, node_module, value_source
+from ..graph import SCALINGS, Edge, PlanGraph, build, node_module, value_source
 from ..mesh import Mesh
 from ..plan import Plan
 from ..reshard import Route
 from ..rules.window import crops, halo_step, halos, local_rows, windows_of
 from ..runtime import context as rt
-from ..runtime.kinds import KINDS, apply_step
+from ..runtime.algorithms import BACKEND
+from ..runtime.kinds import KINDS, Step, apply_step
 from ..tiling import Partial, Placement, R, Shard, local_shape
 from .recompute import checkpoint_layers
 
@@ -56,13 +59,22 @@ def _val(n: Any) -> Any:
 
 
 def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], route: Route, mesh: Mesh, coords: tuple[int, ...],
-                 defer: set[int] | None = None, view: bool = False) -> fx.Node:
+                 defer: set[int] | None = None, view: bool = False, itemsize: int = 0,
+                 algorithms: Mapping[tuple[str, int, int], tuple[str, int]] | None = None) -> fx.Node:
     """Append the runtime calls of ``route``'s steps (the kinds table's ``call``) to ``x``.
 
     With ``defer`` (a parameter's own edge), the gradient-sync steps are not emitted but their axes
     collected: the runtime sums those parameter gradients after backward, bucketed (``GradSync``).
     ``view``: ``x`` is never written in place, so slicing it may return views.
+    ``algorithms`` (``Plan.algorithms``) with the value's ``itemsize``: each collective runs the algorithm the
+    plan chose for it (``algo=`` forward, ``back=`` its adjoint); one it does not list runs the backend's.
     """
+    chosen: dict[tuple[Step, bool], tuple[str, int]] = {}
+    if algorithms and itemsize:
+        for c in route_calls(route, shape, itemsize, mesh):
+            algo = algorithms.get((c.collective, c.step.axis, int(c.m)))
+            if algo is not None and algo[0] != BACKEND:
+                chosen[(c.step, c.backward)] = algo
     cur = route.src
     for step in route.steps():
         kind = KINDS[step.kind]
@@ -73,6 +85,9 @@ def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], route: Route, 
         nxt = apply_step(cur, step)
         after = local_shape(shape, nxt, mesh, coords)
         kwargs: dict[str, Any] = {"view": True} if view and kind.viewable else {}
+        for back, key in ((False, "algo"), (True, "back")):
+            if (step, back) in chosen:
+                kwargs[key] = chosen[(step, back)]
         x = g.call_function(kind.call, (x, step.axis, *kind.args(step, after)), kwargs)
         cur = nxt
     return x
@@ -87,7 +102,7 @@ def gather_now(t: torch.Tensor, tiling: Tiling, shape: tuple[int, ...], mesh: Me
     return fx.GraphModule(torch.nn.Module(), g)(t)
 
 
-_SCALINGS = (torch.ops.aten.div.Tensor, torch.ops.aten.mul.Tensor)
+_SCALINGS = SCALINGS
 
 
 def _lazy_output_sums(g: fx.Graph) -> None:
@@ -97,18 +112,20 @@ def _lazy_output_sums(g: fx.Graph) -> None:
     forward) can arrive while backward runs.  A division or multiplication by a constant after
     the all-reduce (the mean's ``/ count``) is moved before it: ``(sum_k x_k) / c = sum_k (x_k / c)``,
     so the all-reduce is the last step and its result the returned value.
+    The planning graph prices these sums as the backend's calls (``graph.returned_sum``), the only ones that
+    start asynchronously: one the plan runs by another algorithm (``algo=``) stays as it is.
     """
     out = next(n for n in g.nodes if n.op == "output")
     for a in tree_flatten(out.args)[0]:
         if not isinstance(a, fx.Node) or len(a.users) != 1:
             continue
-        if a.target is ALL_REDUCE:
+        if a.target is ALL_REDUCE and "algo" not in a.kwargs:
             a.target = rt.sb_all_reduce_lazy
             continue
         scale = a.target
         ar = a.args[0] if scale in _SCALINGS and len(a.args) == 2 and not a.kwargs else None
         if (
-            isinstance(ar, fx.Node) and ar.target is ALL_REDUCE and len(ar.users) == 1
+            isinstance(ar, fx.Node) and ar.target is ALL_REDUCE and len(ar.users) == 1 and "algo" not in ar.kwargs
             and isinstance(a.args[1], (int, float))
         ):
             assert callable(scale)  # one of _SCALINGS
@@ -133,6 +150,7 @@ class Lowering:
         self.mesh = Mesh(tuple(plan.mesh))
         self.coords = self.mesh.coords(rank)
         self.full: Tiling = (R,) * self.mesh.ndim
+        self.algorithms = plan.algorithms()
         # The plan's graph: one strategy per var, the edge semantics decided there (pricing unused).
         self.pg: PlanGraph = build(cap, self.mesh, load_profile(None), fixed=plan)
         self.into: dict[int, list[Edge]] = {}        # the edges a var reads, by input index
@@ -189,7 +207,8 @@ class Lowering:
         x = self.value(e.src, e.src_out)
         # An op's slices of a placeholder's value that nothing writes may alias it.
         view = V.kind == "op" and x in self.readonly
-        return emit_reshard(self.g, x, e.shape, e.route(0, 0), self.mesh, self.coords, defer=defer, view=view)
+        return emit_reshard(self.g, x, e.shape, e.route(0, 0), self.mesh, self.coords, defer=defer, view=view,
+                            itemsize=e.itemsize, algorithms=self.algorithms)
 
     # ---- one method per node kind ----
 
@@ -264,7 +283,8 @@ class Lowering:
             tile, x = self.values[(e.src, 0)], reads[e.dst_in]
             if x is not tile:  # the op updated a resharded copy: copy it back into the stored tile
                 self.g.call_function(torch.ops.aten.copy_.default,
-                                     (tile, emit_reshard(self.g, x, e.shape, e.route(0, 0), self.mesh, self.coords)))
+                                     (tile, emit_reshard(self.g, x, e.shape, e.route(0, 0), self.mesh, self.coords,
+                                                         itemsize=e.itemsize, algorithms=self.algorithms)))
         self.env[node.name] = out
         self.values[(vi, 0)] = out
 

@@ -13,6 +13,12 @@ collective; ``alpha`` and ``beta`` are its least-squares fit over every
 measurement (relative error weighted, so small messages count), overall and per
 collective (gloo's all-gather is much slower per byte than its all-reduce), and
 the JSON keeps the raw table beside them.
+
+Every collective algorithm (``runtime.algorithms``: soybean's ``lp``, ``ring`` and ``tree`` for broadcast,
+reduce, all-reduce, all-gather and reduce-scatter, and the backend's broadcast and reduce) is timed too, at
+the same sizes (``kind:algorithm`` in the progress bar and the raw rows), and fitted to its own rounds and
+bytes (``runtime.algorithms.terms``): the profile's ``collectives`` get one ``kind:algorithm`` entry each and
+a ``p2p`` entry fitted over all of them, which the planner's ``choose`` reads.
 """
 from __future__ import annotations
 
@@ -27,12 +33,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..runtime import algorithms as A
 from ..runtime.comm import TorchGroup
 from .collectives import RING_FACTOR
-from .profiles import LARGE_ALLOC, Profile
+from .profiles import BUILTIN, LARGE_ALLOC, Profile
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20]
 KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
+# soybean's own algorithms, and the backend's broadcast and reduce, fitted to ``algorithms.terms``
+ALGO_KINDS = [f"{c}:{a}" for c in A.COLLECTIVES for a in A.P2P] + ["broadcast", "reduce"]
 
 
 def _done() -> None:
@@ -90,6 +99,38 @@ def _collective(group: TorchGroup, kind: str, nbytes: int, world: int, rank: int
                 dist.recv(x, peer)
                 dist.send(x, peer)
     return p2p
+
+
+def split_kind(key: str) -> tuple[str, str]:
+    """``"all_reduce:lp"`` -> ``("all_reduce", "lp")``; ``"broadcast"`` -> ``("broadcast", "backend")``."""
+    kind, _, algo = key.partition(":")
+    return kind, algo or A.BACKEND
+
+
+def prior_chunks(collective: str, m: float, world: int, device: torch.device) -> int:
+    """The lp chunk count to measure with: the built-in profile's choice for this device type."""
+    prior = BUILTIN["h100-nvlink" if device.type == "cuda" else "cpu-gloo"]
+    return int(A.lp_chunks(collective, m, world, *prior.ab(0, collective, "lp")))
+
+
+def algorithm_call(group: TorchGroup, collective: str, algorithm: str, m: int, world: int, device: torch.device,
+                   chunks: int = 1) -> tuple[Callable[[], Any], int]:
+    """The call to time for ``collective`` run by ``algorithm`` (``runtime.algorithms``) on a message of about
+    ``m`` bytes (the kinds table's message: the buffer; the full result of an all-gather, the full input of a
+    reduce-scatter), and the message's exact bytes."""
+    rows = max(world, m // 4 // COLS // world * world)
+    algo = (algorithm, chunks)
+    if collective == "all_gather":
+        x = torch.ones(rows // world, COLS, device=device)
+        return (lambda: A.all_gather(group, x, 0, rows, algo)), rows * COLS * 4
+    x = torch.ones(rows, COLS, device=device)
+    calls: dict[str, Callable[[], Any]] = {
+        "all_reduce": lambda: A.all_reduce(group, x, algo),
+        "reduce_scatter": lambda: A.reduce_scatter(group, x, 0, algo),
+        "broadcast": lambda: A.broadcast(group, x, 0, algo),
+        "reduce": lambda: A.reduce(group, x, 0, algo),
+    }
+    return calls[collective], rows * COLS * 4
 
 
 def _compute_rates(device: torch.device, sync: Callable[[], None] = lambda: None) -> dict[str, float]:
@@ -240,6 +281,17 @@ def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
             bar = "#" * (30 * done // total)
             print(f"\rcalibrate [{bar:<30}] {done}/{total} {kind:<14} {size / 2**20:8.3f} MB {t * 1e3:9.3f} ms",
                   end="", file=sys.stderr, flush=True)
+    for i, (key, size) in enumerate((k, s) for k in ALGO_KINDS for s in SIZES):
+        kind, algo = split_kind(key)
+        k = prior_chunks(kind, size, world, device) if algo == "lp" else 1
+        fn, m = algorithm_call(group, kind, algo, size, world, device, k)
+        t = _median_time(fn, reps if size < (8 << 20) else max(2, reps // 3))
+        rows.append({"kind": key, "bytes": m, "seconds": t, "chunks": k})
+        if show and rank == 0:
+            done = i + 1
+            bar = "#" * (30 * done // (len(ALGO_KINDS) * len(SIZES)))
+            print(f"\ralgorithms [{bar:<30}] {done}/{len(ALGO_KINDS) * len(SIZES)} {key:<22} {size / 2**20:8.3f} MB "
+                  f"{t * 1e3:9.3f} ms", end="", file=sys.stderr, flush=True)
     if show and rank == 0:
         print(file=sys.stderr)
     overlap = _grad_overlap(group, device, reps)
@@ -252,19 +304,23 @@ def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
 
 
 def fit(rows: list[dict[str, Any]], world: int) -> tuple[float, float]:
-    """Least-squares ``alpha, beta`` of the ring model over every measurement (relative error)."""
-    A, b = [], []
+    """Least-squares ``alpha, beta`` of the ring model over every measurement (relative error); a row of one
+    of ``ALGO_KINDS`` by its algorithm's own rounds and bytes (``runtime.algorithms.terms``)."""
+    A_, b = [], []
     for r in rows:
         kind, m, t = r["kind"], r["bytes"], r["seconds"]
-        if kind == "p2p":
+        if kind in ALGO_KINDS:
+            rounds, by = A.terms(*split_kind(kind), m, world, r.get("chunks", 1))
+            steps, sent = float(rounds), float(by)
+        elif kind == "p2p":
             steps, sent = 2.0, 2.0 * m  # send then receive the same message
         else:
             f = RING_FACTOR[kind]
             m_full = m * world if kind == "all_gather" else m
             steps, sent = f * (world - 1), f * (world - 1) / world * m_full
-        A.append([steps / t, sent / t])
+        A_.append([steps / t, sent / t])
         b.append(1.0)
-    (alpha, beta), *_ = np.linalg.lstsq(np.array(A), np.array(b), rcond=None)
+    (alpha, beta), *_ = np.linalg.lstsq(np.array(A_), np.array(b), rcond=None)
     return max(float(alpha), 1e-7), max(float(beta), 1e-13)
 
 
@@ -279,6 +335,8 @@ def calibrate(devices: int = 2, reps: int = 10, show: bool = True,
     rows, comp = res[0]["collectives"], res[0]["compute"]
     alpha, beta = fit(rows, devices)
     per_kind = tuple((k, *fit([r for r in rows if r["kind"] == k], devices)) for k in RING_FACTOR)
+    per_kind += tuple((k, *fit([r for r in rows if r["kind"] == k], devices)) for k in ALGO_KINDS)
+    per_kind += (("p2p", *fit([r for r in rows if r["kind"] in ALGO_KINDS and ":" in r["kind"]], devices)),)
     mem = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 12.0
     prof = Profile(name, alpha=alpha, beta=beta, flops=comp["matmul_flops"], mem_bw=comp["mem_bw"], memory_gb=mem,
                    conv_flops=comp["conv_flops"], collectives=per_kind, optimizer_bw=comp["optimizer_bw"],

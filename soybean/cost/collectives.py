@@ -13,6 +13,13 @@ reduce_scatter  (p-1)/p * m              (p-1) alpha + bytes beta
 all_to_all      (p-1)/p * m              (p-1) alpha + bytes beta
 ==============  =======================  ===========================
 
+Each collective of a reshard step runs the algorithm (``runtime.algorithms``: the backend's own, or
+soybean's ``lp``, ``ring``, ``tree`` on point-to-point rounds) that ``choose`` finds cheapest for its
+collective, group and message among the profile's allowed ones (``Profile.algorithms``), each priced by its
+own rounds and bytes with its own calibrated ``alpha``, ``beta`` (``Profile.ab``); the table above is the
+backend's.  The gradient sync and the communication inside ops stay the backend's (the sync is
+asynchronous, bucketed, and overlaps backward).
+
 Communication inside an op is priced apart, by ``op_comm_costs``.  A windowed op's halo exchange
 (``rules.window``, ``op_comm_calls``): member ``k`` receives the rows of its window that other members
 own, ``h`` rows of ``r`` bytes at most, in one message from each of at most ``n`` owners, so forward
@@ -43,7 +50,8 @@ from ..mesh import Mesh
 from ..reshard import Route
 from ..rules.base import OpSpec, Strategy, lookup
 from ..rules.window import halos, windows_of
-from ..runtime.kinds import KINDS, RING_FACTOR, apply_step
+from ..runtime import algorithms as A
+from ..runtime.kinds import KINDS, RING_FACTOR, Step, apply_step
 from ..runtime.syncnorm import stats_bytes
 from ..tiling import R, Shard, max_local_numel
 from .profiles import Profile
@@ -66,6 +74,82 @@ def collective(kind: str, m: float, p: int, alpha: float, beta: float) -> Cost:
     f = RING_FACTOR[kind]
     sent = f * (p - 1) / p * m
     return Cost(sent, f * (p - 1) * alpha + sent * beta)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The algorithm a collective runs (``lp``: with ``chunks`` chunks), the bytes the busiest member sends
+    and its seconds (without ``blocking_s``)."""
+
+    algorithm: str = A.BACKEND
+    chunks: int = 1
+    bytes: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def algo(self) -> A.Algo:
+        """As a generated program passes it (``runtime.algorithms.Algo``)."""
+        return (self.algorithm, self.chunks)
+
+
+def allowed(profile: Profile, kind: str, sync: bool = False) -> tuple[str, ...]:
+    """The algorithms a ``kind`` collective may run: the profile's (every one when it names none) for the five
+    that ``runtime.algorithms`` implements, the backend's for any other and for the gradient sync."""
+    if sync or kind not in A.COLLECTIVES:
+        return (A.BACKEND,)
+    return profile.algorithms or A.ALGORITHMS
+
+
+def choose(kind: str, m: float, p: int, axis: int, profile: Profile, sync: bool = False) -> Choice:
+    """The cheapest allowed algorithm for a ``kind`` collective of ``m`` bytes on mesh ``axis`` (``p`` members):
+    ``rounds alpha + bytes beta`` (``runtime.algorithms.terms``) with the algorithm's own ``alpha``, ``beta``;
+    ties go to the earlier of ``ALGORITHMS`` (the backend first)."""
+    if p <= 1 or kind not in RING_FACTOR and kind not in A.COLLECTIVES:
+        return Choice()
+    best: Choice | None = None
+    for name in allowed(profile, kind, sync):
+        a, b = profile.ab(axis, kind, name)
+        if kind not in A.COLLECTIVES:  # all_to_all: the backend's ring formula
+            c = collective(kind, m, p, a, b)
+            return Choice(A.BACKEND, 1, c.bytes, c.seconds)
+        k = int(A.lp_chunks(kind, m, p, a, b)) if name == "lp" else 1
+        rounds, sent = A.terms(kind, name, m, p, k)
+        seconds = float(rounds * a + sent * b)
+        if best is None or seconds < best.seconds:
+            best = Choice(name, k, float(sent), seconds)
+    assert best is not None
+    return best
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective a reshard step runs: forward, or its adjoint in backward."""
+
+    step: Step
+    collective: str
+    backward: bool
+    m: float          # message bytes (module docstring)
+    sync: bool        # the gradient sync (the backend's, deferred on a parameter's own edge)
+
+
+def route_calls(route: Route, shape: tuple, itemsize: int, mesh: Mesh, forward_only: bool = False) -> list[Call]:
+    """Every collective ``route``'s steps run on a group of more than one, forward and (when the value needs a
+    gradient and not ``forward_only``) backward, in step order: what ``reshard_cost`` prices and a generated
+    program calls."""
+    out = []
+    cur = route.src
+    for step in route.steps():
+        kind = KINDS[step.kind]
+        nxt = apply_step(cur, step)
+        priced = [(kind.forward, False, False)]
+        if route.needs_grad and not forward_only:
+            priced.append((kind.adjoint(step), True, kind.gradient_sync))
+        for pr, back, sync in priced:
+            if pr is not None and mesh.shape[step.axis] > 1:
+                m = float(max_local_numel(shape, nxt if pr.message == "after" else cur, mesh) * itemsize)
+                out.append(Call(step, pr.collective, back, m, sync))
+        cur = nxt
+    return out
 
 
 @lru_cache(maxsize=200_000)
@@ -91,8 +175,8 @@ def reshard_cost(route: Route, shape: tuple, itemsize: int, mesh: Mesh, profile:
     """Forward + backward cost of ``route`` for one tensor of ``shape``."""
     nb = ns = sync = 0.0
     for kind, axis, tiling, is_sync in priced_steps(route):
-        a, b = profile.ab(axis, kind)
-        c = collective(kind, float(max_local_numel(shape, tiling, mesh) * itemsize), mesh.shape[axis], a, b)
+        c = choose(kind, float(max_local_numel(shape, tiling, mesh) * itemsize), mesh.shape[axis], axis, profile,
+                   is_sync)
         blocking = profile.blocking_s if not is_sync and mesh.shape[axis] > 1 else 0.0
         nb += c.bytes
         ns += c.seconds + blocking
@@ -248,6 +332,41 @@ def price_route_ids(ids: np.ndarray, shape: tuple, itemsize: int, mesh: Mesh,
     sent = np.where(on, f * (p - 1) / p * m, 0.0)
     seconds = np.where(on, f * (p - 1) * alpha + sent * beta, 0.0)
     sync = is_sync.astype(bool)
+    if profile.algorithms != (A.BACKEND,):
+        sent, seconds = _cheapest(sent, seconds, kinds, kind, axis, sync, m, p, l_inv, links, profile)
     blocking = np.where(~sync & on, profile.blocking_s, 0.0)
     return (np.bincount(own, sent, minlength=n), np.bincount(own, seconds + blocking, minlength=n),
             np.bincount(own, np.where(sync, seconds, 0.0), minlength=n))
+
+
+def _cheapest(sent: np.ndarray, seconds: np.ndarray, kinds: list[str], kind: np.ndarray, axis: np.ndarray,
+              sync: np.ndarray, m: np.ndarray, p: np.ndarray, l_inv: np.ndarray, links: np.ndarray,
+              profile: Profile) -> tuple[np.ndarray, np.ndarray]:
+    """``choose`` over arrays: each collective's bytes and seconds under its cheapest allowed algorithm (the
+    backend's figures come in; the same arithmetic as ``choose``, so the figures agree bit for bit)."""
+    mine = np.isin(np.array(kinds, dtype=object)[kind], A.COLLECTIVES) & ~sync & (p > 1)
+    if not mine.any():
+        return sent, seconds
+    names = profile.algorithms or A.ALGORITHMS
+    sent, seconds = sent.copy(), seconds.copy()
+    if A.BACKEND not in names:
+        seconds[mine] = np.inf
+    rows = np.flatnonzero(mine)
+    for name in names:
+        if name == A.BACKEND:
+            continue
+        r_m, r_p, r_link = m[rows], p[rows], l_inv[rows]
+        for li in np.unique(r_link):
+            at = r_link == li
+            c = int(links[li])
+            k_name = kinds[c % len(kinds)]
+            a, b = profile.ab(c // len(kinds), k_name, name)
+            mm, pp = r_m[at], r_p[at]
+            k = A.lp_chunks(k_name, mm, pp, a, b) if name == "lp" else np.ones_like(mm, dtype=np.int64)
+            rounds, by = A.terms(k_name, name, mm, pp, k)
+            sec = rounds * a + by * b
+            idx = rows[at]
+            better = sec < seconds[idx]
+            seconds[idx[better]] = sec[better]
+            sent[idx[better]] = by[better]
+    return sent, seconds

@@ -39,7 +39,9 @@ class Profile:
     axis_alpha: tuple[float, ...] = field(default=())   # optional per-axis overrides (outer axis first)
     axis_beta: tuple[float, ...] = field(default=())
     conv_flops: float = 0.0                              # convolution FLOP/s; 0: same as ``flops``
-    collectives: tuple[tuple[str, float, float], ...] = field(default=())  # measured (kind, alpha, beta)
+    # measured (kind, alpha, beta); kind "all_reduce" is the backend's call, "all_reduce:lp" soybean's lp algorithm
+    # (``runtime.algorithms``), "p2p" one point-to-point round of any of soybean's algorithms
+    collectives: tuple[tuple[str, float, float], ...] = field(default=())
     optimizer_bw: float = 0.0                            # parameter bytes/s an AdamW step gets through; 0: mem_bw / 7
     optimizer_large_bw: float = 0.0                      # the same for a tile of at least large_alloc; 0: from alloc_bw
     optimizer_tensor_s: float = 0.0                      # fixed AdamW seconds per parameter tensor (per-tensor kernels)
@@ -50,6 +52,8 @@ class Profile:
     node_alpha: float = 0.0                              # seconds per ring step across nodes; 0: no second level
     node_beta: float = 0.0                               # seconds per byte per device across nodes
     inter_node: tuple[bool, ...] = field(default=())     # per mesh axis: do its groups cross nodes (``on_mesh``)
+    # the collective algorithms the planner may pick from (``runtime.algorithms.ALGORITHMS``); empty: every one
+    algorithms: tuple[str, ...] = field(default=())
 
     @cached_property
     def _hash(self) -> int:
@@ -62,16 +66,20 @@ class Profile:
         # The cached hash is this process's (string hashing is salted per process): never pickle it.
         return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
-    def ab(self, axis: int, kind: str = "") -> tuple[float, float]:
-        """alpha, beta for a collective of ``kind`` on mesh ``axis``: the inter-node link for an axis whose
-        groups cross nodes, else a per-axis override, else the calibrated figure for that collective,
-        else the profile's default."""
-        if axis < len(self.inter_node) and self.inter_node[axis] and self.node_beta:
-            return self.node_alpha, self.node_beta
+    def ab(self, axis: int, kind: str = "", algorithm: str = "backend") -> tuple[float, float]:
+        """alpha, beta for a collective of ``kind`` run by ``algorithm`` on mesh ``axis``: the inter-node link
+        for an axis whose groups cross nodes, else a per-axis override, else the calibrated figure for that
+        collective and algorithm (for one of soybean's algorithms: ``kind:algorithm``, else ``p2p``; for the
+        backend's: ``kind``), else the profile's default."""
         a, b = self.alpha, self.beta
-        for k, ka, kb in self.collectives:
-            if k == kind:
-                a, b = ka, kb
+        keys = (kind,) if algorithm == "backend" else ("p2p", f"{kind}:{algorithm}")  # the more specific last
+        for key in keys:
+            for k, ka, kb in self.collectives:
+                if k == key:
+                    a, b = ka, kb
+        if axis < len(self.inter_node) and self.inter_node[axis] and self.node_beta:
+            # across nodes, the link's figures; one of soybean's rounds takes at least its own latency
+            return (self.node_alpha if algorithm == "backend" else max(self.node_alpha, a)), self.node_beta
         a = self.axis_alpha[axis] if axis < len(self.axis_alpha) else a
         b = self.axis_beta[axis] if axis < len(self.axis_beta) else b
         return a, b
@@ -97,22 +105,27 @@ BUILTIN: dict[str, Profile] = {
     # per parameter tensor (torch's CPU AdamW runs a dozen small kernels per tensor); 0-35% of an
     # async all_reduce hides behind a matmul loop (gloo needs CPU too); a blocking collective between
     # two stretches of compute costs ~0.45-0.65 ms more than the same collective timed right after a
-    # barrier.
+    # barrier.  One round of soybean's own collective algorithms (``runtime.algorithms``: batched isend/irecv
+    # from Python) takes ~0.25 ms and moves ~1.6 GB/s per process (``p2p``, two calibrate runs, rounded).
     "cpu-gloo": Profile("cpu-gloo", alpha=2e-4, beta=1 / 1.8e9, flops=1.1e11, mem_bw=2e10, memory_gb=12.0,
                         conv_flops=1.0e11, optimizer_bw=1.0e9, optimizer_large_bw=0.45e9, optimizer_tensor_s=2e-4,
-                        grad_overlap=0.25, large_alloc=float(LARGE_ALLOC), alloc_bw=2.5e9, blocking_s=5e-4),
+                        grad_overlap=0.25, large_alloc=float(LARGE_ALLOC), alloc_bw=2.5e9, blocking_s=5e-4,
+                        collectives=(("p2p", 2.5e-4, 1 / 1.6e9),)),
     # 8x H100 SXM with NVLink 4 / NVSwitch: 450 GB/s per direction per GPU, NCCL reaches ~360 GB/s
     # bus bandwidth on large all-reduces; ~5 us per ring step. Compute: 989 TFLOP/s dense bf16 at
     # ~40% achieved; HBM3 3.35 TB/s; 80 GB. (NVIDIA H100 datasheet; NCCL tests.)  NCCL runs on its own
     # stream, so bucketed gradient all-reduces mostly hide behind backward (all but the last bucket).
+    # A round of soybean's own algorithms is a Python-issued batch of NCCL send/recv: assumed 20 us (not measured:
+    # no GPU here; NCCL's sendrecv launch is ~5-10 us, nccl-tests) at NCCL's link bandwidth.
     "h100-nvlink": Profile("h100-nvlink", alpha=5e-6, beta=1 / 360e9, flops=400e12, mem_bw=3.35e12, memory_gb=80.0,
-                           grad_overlap=0.8),
+                           grad_overlap=0.8, collectives=(("p2p", 20e-6, 1 / 360e9),)),
     # Nodes of 8x H100 SXM as above (NVLink inside a node), joined by 400 Gb/s InfiniBand NDR per GPU: one
     # ConnectX-7 per GPU, 50 GB/s per direction, of which NCCL's ring reaches ~45 GB/s bus bandwidth across
     # nodes; ~15 us per ring step across the network.  (NVIDIA DGX H100 user guide: 8x ConnectX-7
     # 400 Gb/s; NCCL tests on DGX H100 clusters.)  Use with --gpus-per-node 8.
     "h100-nvlink-ib": Profile("h100-nvlink-ib", alpha=5e-6, beta=1 / 360e9, flops=400e12, mem_bw=3.35e12,
-                              memory_gb=80.0, grad_overlap=0.8, node_alpha=15e-6, node_beta=1 / 45e9),
+                              memory_gb=80.0, grad_overlap=0.8, node_alpha=15e-6, node_beta=1 / 45e9,
+                              collectives=(("p2p", 20e-6, 1 / 360e9),)),
 }
 
 
@@ -129,6 +142,7 @@ def load_profile(name_or_path: str | None) -> Profile:
         d["axis_beta"] = tuple(d.get("axis_beta", ()))
         d["collectives"] = tuple(tuple(x) for x in d.get("collectives", ()))
         d["inter_node"] = tuple(d.get("inter_node", ()))
+        d["algorithms"] = tuple(d.get("algorithms", ()))
         known = set(Profile.__dataclass_fields__)
         return Profile(**{k: v for k, v in d.items() if k in known})  # e.g. calibrate's raw "measurements"
     raise ValueError(f"unknown profile {name_or_path!r}: use one of {', '.join(sorted(BUILTIN))} "
