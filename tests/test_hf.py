@@ -83,7 +83,8 @@ def test_capture_folds_constant_masks_and_inlines_no_grad() -> None:
     targets = {n.target for n in captured("llama").graph.nodes if n.op == "call_function"}
     assert torch.ops.higher_order.wrap_with_set_grad_enabled not in targets
     assert torch.ops.aten._assert_tensor_metadata.default not in targets
-    assert torch.ops.aten.detach.default in targets  # the rotary tables, computed under no_grad
+    # (transformers < 5.24 computes the rotary tables under no_grad, >= 5.24 not: whether a ``detach`` appears
+    # depends on the version; inlining a no_grad region is checked on a toy model in test_capture_passes.py.)
 
 
 def test_tied_weights_keep_their_first_name() -> None:
