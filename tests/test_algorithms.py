@@ -141,3 +141,11 @@ def test_lp_chunks_minimise_the_lp_cost(collective: str) -> None:
 def test_unknown_algorithm_is_named() -> None:
     with pytest.raises(ValueError, match="unknown collective algorithm 'pipelined'.*lp, ring, tree"):
         run_threads(Mesh((2,)), lambda rank, groups: A.all_reduce(groups[0], torch.ones(3), ("pipelined", 1)))
+
+
+def test_adjoint_pairs_are_symmetric() -> None:
+    """The table of adjoints: broadcast and reduce, all-gather and reduce-scatter are each other's."""
+    assert set(A.ADJOINT) == set(A.COLLECTIVES)
+    for c, d in A.ADJOINT.items():
+        assert d is None or A.ADJOINT[d] == c
+    assert A.ADJOINT["broadcast"] == "reduce" and A.ADJOINT["all_gather"] == "reduce_scatter"
