@@ -3,7 +3,8 @@
 ``diff(a, b)`` reads two ``Plan`` records only (no model): the setting (devices, mesh, objective, profile, model
 fingerprint, precision, input contract, topology, recomputed layers), the tiling of every parameter and buffer
 (``params``), user input (``inputs``) and op or shared use (``nodes``: input and output tilings, and the axes
-over which a shared use sums partial gradients), then every ``cost`` and ``memory`` term.  A name present in one
+over which a shared use sums partial gradients), the algorithm each collective runs (``Plan.algorithms``, by
+collective, mesh axis and message bytes), then every ``cost`` and ``memory`` term.  A name present in one
 plan only is listed as such.  Two plans are the same when no line results: what varies run to run (the
 solver's time and record, the meshes tried, the baselines, the per-layer table derived from the tilings) is
 not compared.  ``soybean diff`` prints the lines and exits 1 when there are any, 0 when none (as ``diff``).
@@ -17,7 +18,7 @@ from .plan import Plan
 
 # The setting fields compared, in the order reported.
 SETTING = ("devices", "mesh", "objective", "profile", "fingerprint", "precision", "local_batch", "gpus_per_node",
-           "recompute")
+           "recompute", "collectives")
 
 
 def _value(x: Any) -> str:
@@ -76,6 +77,10 @@ def diff(a: Plan, b: Plan) -> list[str]:
     inputs = _tilings("input", a.inputs, b.inputs, _tiling)
     nodes = _tilings("node", a.nodes, b.nodes, _node)
     out += params + inputs + nodes
+    algos = {f"{c}[axis {ax}, {m} B]": f"{x[0]}" for (c, ax, m), x in a.algorithms().items()}
+    algos_b = {f"{c}[axis {ax}, {m} B]": f"{x[0]}" for (c, ax, m), x in b.algorithms().items()}
+    out += [f"collective {k}: {algos.get(k, '(absent)')} -> {algos_b.get(k, '(absent)')}"
+            for k in sorted(set(algos) | set(algos_b)) if algos.get(k) != algos_b.get(k)]
     out += _costs("cost", a.cost, b.cost) + _costs("memory", a.memory, b.memory)
     if params or inputs or nodes:
         out.append(f"{len(params)} of {len(set(a.params) | set(b.params))} parameters, {len(inputs)} of "

@@ -76,3 +76,17 @@ def test_cli_exit_codes_and_empty_output_when_same(plans: tuple[Plan, Plan], tmp
     assert out.splitlines() == diff(Plan.load(a), Plan.load(b))
     assert main(["diff", str(a), str(tmp_path / "missing.json")]) == 2
     assert "cannot read plan" in capsys.readouterr().err
+
+
+def test_diff_lists_the_collective_algorithms_that_differ() -> None:
+    from examples.models import mlp
+    from soybean.planner import plan
+
+    model, inputs = mlp(batch=8, hidden=2048, layers=2)
+    auto = plan(model, inputs, 4, mesh=(4,), baselines=False)
+    forced = plan(model, inputs, 4, mesh=(4,), baselines=False, collectives="lp")
+    lines = diff(auto, forced)
+    assert "collectives: auto -> lp" in lines
+    changed = [line for line in lines if line.startswith("collective all_reduce[axis 0")]
+    assert changed and all(line.endswith("-> lp") for line in changed)
+    assert diff(forced, forced) == []
