@@ -41,7 +41,18 @@ from .baselines import batch_split
 from .capture import Captured
 from .cost.collectives import Cost, choose, collective, op_comm_calls, route_calls
 from .cost.profiles import Profile, load_profile
-from .graph import Edge, PlanGraph, Var, build, edge_profile, freed_after, phase_memory, phase_peaks, rerun_freed
+from .graph import (
+    Edge,
+    PlanGraph,
+    Var,
+    build,
+    edge_profile,
+    freed_after,
+    phase_memory,
+    phase_peaks,
+    rerun_freed,
+    value_name,
+)
 from .mesh import Mesh
 from .plan import Plan
 from .planner import BACKWARD_SHARE, Result, evaluate, with_collectives
@@ -261,18 +272,13 @@ def strategy_text(v: Var, c: int) -> str:
     return " ".join(fmt(t) for t in st.inputs) + " -> " + " ".join(fmt(t) for t in st.outputs)
 
 
-def _value_name(g: PlanGraph, vi: int) -> str:
-    v = g.vars[vi]
-    return v.fqn if v.kind in ("param", "buffer") else v.name
-
-
 def edge_collectives(g: PlanGraph, e: Edge, s: int, t: int) -> list[Collective]:
     """The collectives of edge ``e`` when its source takes strategy ``s`` and its consumer ``t``: each step of
     its route's forward collective and, when the value needs a gradient, its adjoint's (``runtime.kinds``); a
     recomputed consumer's read runs its forward steps again (``rerun``).  Their seconds sum to
     ``e.seconds[s, t]`` and their bytes to ``e.bytes[s, t]``."""
     route = e.route(s, t)
-    value = _value_name(g, e.src)
+    value = value_name(g, e.src)
     out = _route_collectives(g, e, route, value, "write-back" if e.write_back else "forward")
     if e.rerun:
         out += _route_collectives(g, e, Route.of(route.src, route.dst), value, "rerun")

@@ -713,9 +713,20 @@ def backend_only(profile: Profile) -> Profile:
     return replace(profile, algorithms=("backend",))
 
 
+def value_name(g: PlanGraph, vi: int) -> str:
+    """How reports name the value var ``vi`` makes: a parameter's or buffer's FQN, else the var's name."""
+    v = g.vars[vi]
+    return v.fqn if v.kind in ("param", "buffer") else v.name
+
+
+def read_profile(profile: Profile, lazy: bool) -> Profile:
+    """The profile a read is priced with: the backend's calls only for a returned sum (``Edge.lazy``)."""
+    return backend_only(profile) if lazy else profile
+
+
 def edge_profile(g: PlanGraph, e: Edge) -> Profile:
-    """The profile edge ``e`` is priced with: the backend's calls only for a returned sum (``Edge.lazy``)."""
-    return backend_only(g.profile) if e.lazy else g.profile
+    """The profile edge ``e`` is priced with (``read_profile``)."""
+    return read_profile(g.profile, e.lazy)
 
 
 # Gradient tiles of its output size a backward op holds at once: the incoming gradient and the one it makes.
@@ -915,7 +926,7 @@ def _add_edge(
     # Price each distinct (source tiling, target tiling) pair once; repeated layers share the table.
     us, si = _unique(src_keys)
     ud, di = _unique(dst_keys)
-    profile = backend_only(g.profile) if lazy else g.profile
+    profile = read_profile(g.profile, lazy)
     key = (tuple(us), tuple(ud), shape, itemsize, needs_grad, U.pinned, U.gathered, write_back, rerun, g.mesh,
            profile)
     if key not in _EDGE_MEMO:

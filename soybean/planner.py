@@ -35,6 +35,7 @@ from .graph import (
     phase_peaks,
     recomputable_layers,
     rerun_freed,
+    value_name,
 )
 from .mesh import Mesh, factorizations
 from .plan import Plan
@@ -501,8 +502,7 @@ def reshard_records(g: PlanGraph, choice: Sequence[int]) -> list[dict[str, Any]]
     seen: set[tuple] = set()
     for e in g.edges:
         route = e.route(choice[e.src], choice[e.dst])
-        src = g.vars[e.src]
-        tensor = src.fqn if src.kind in ("param", "buffer") else src.name
+        tensor = value_name(g, e.src)
         for c in route_calls(route, e.shape, e.itemsize, g.mesh):
             p = g.mesh.shape[c.step.axis]
             pick = choose(c.collective, c.m, p, c.step.axis, edge_profile(g, e), c.sync)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..cost.calibrate import _fastest_medians, algorithm_call, calibrate
+from ..cost.calibrate import algorithm_call, calibrate, fastest_medians, message_bytes
 from ..cost.collectives import choose
 from ..cost.profiles import Profile, load_profile
 from ..runtime import algorithms as A
@@ -58,16 +58,15 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, profile: Profile
     out = []
     for collective in A.COLLECTIVES:
         for size in sizes:
+            m = message_bytes(size, world)
             calls, chunks = [], []
             for algorithm in A.ALGORITHMS:
-                _, m = algorithm_call(group, collective, algorithm, size, world, device)
                 k = int(A.lp_chunks(collective, m, world, *profile.ab(0, collective, "lp"))) if algorithm == "lp" else 1
-                fn, m = algorithm_call(group, collective, algorithm, size, world, device, k)
-                calls.append(fn)
+                calls.append(algorithm_call(group, collective, algorithm, size, world, device, k)[0])
                 chunks.append(k)
             # The algorithms take turns, three rounds, the fastest median of each: drift and outside load, which
             # only ever add time, favour none of them.
-            times = _fastest_medians(calls, reps if size < (8 << 20) else max(2, reps // 2))
+            times = fastest_medians(calls, reps if size < (8 << 20) else max(2, reps // 2))
             pick = choose(collective, m, world, 0, profile).algorithm
             for algorithm, t, k in zip(A.ALGORITHMS, times, chunks):
                 a, b = profile.ab(0, collective, algorithm)

@@ -102,9 +102,6 @@ def gather_now(t: torch.Tensor, tiling: Tiling, shape: tuple[int, ...], mesh: Me
     return fx.GraphModule(torch.nn.Module(), g)(t)
 
 
-_SCALINGS = SCALINGS
-
-
 def _lazy_output_sums(g: fx.Graph) -> None:
     """Make the last all-reduce before an output asynchronous (``sb_all_reduce_lazy``).
 
@@ -123,12 +120,12 @@ def _lazy_output_sums(g: fx.Graph) -> None:
             a.target = rt.sb_all_reduce_lazy
             continue
         scale = a.target
-        ar = a.args[0] if scale in _SCALINGS and len(a.args) == 2 and not a.kwargs else None
+        ar = a.args[0] if scale in SCALINGS and len(a.args) == 2 and not a.kwargs else None
         if (
             isinstance(ar, fx.Node) and ar.target is ALL_REDUCE and len(ar.users) == 1 and "algo" not in ar.kwargs
             and isinstance(a.args[1], (int, float))
         ):
-            assert callable(scale)  # one of _SCALINGS
+            assert callable(scale)  # one of SCALINGS
             x, axis = ar.args
             with g.inserting_before(a):
                 scaled = g.call_function(scale, (x, a.args[1]))

@@ -64,7 +64,7 @@ def _median_time(fn, reps: int) -> float:
     return float(np.median(ts))
 
 
-def _fastest_medians(fns: Sequence[Callable[[], Any]], reps: int, rounds: int = 3) -> tuple[float, ...]:
+def fastest_medians(fns: Sequence[Callable[[], Any]], reps: int, rounds: int = 3) -> tuple[float, ...]:
     """The :func:`_median_time` of each of ``fns`` in ``rounds`` alternating rounds, the fastest
     round of each: outside load only ever adds time."""
     medians = [[_median_time(fn, reps) for fn in fns] for _ in range(rounds)]
@@ -118,11 +118,11 @@ def algorithm_call(group: TorchGroup, collective: str, algorithm: str, m: int, w
     """The call to time for ``collective`` run by ``algorithm`` (``runtime.algorithms``) on a message of about
     ``m`` bytes (the kinds table's message: the buffer; the full result of an all-gather, the full input of a
     reduce-scatter), and the message's exact bytes."""
-    rows = max(world, m // 4 // COLS // world * world)
+    rows = _rows(m, world)
     algo = (algorithm, chunks)
     if collective == "all_gather":
         x = torch.ones(rows // world, COLS, device=device)
-        return (lambda: A.all_gather(group, x, 0, rows, algo)), rows * COLS * 4
+        return (lambda: A.all_gather(group, x, 0, rows, algo)), message_bytes(m, world)
     x = torch.ones(rows, COLS, device=device)
     calls: dict[str, Callable[[], Any]] = {
         "all_reduce": lambda: A.all_reduce(group, x, algo),
@@ -130,7 +130,17 @@ def algorithm_call(group: TorchGroup, collective: str, algorithm: str, m: int, w
         "broadcast": lambda: A.broadcast(group, x, 0, algo),
         "reduce": lambda: A.reduce(group, x, 0, algo),
     }
-    return calls[collective], rows * COLS * 4
+    return calls[collective], message_bytes(m, world)
+
+
+def _rows(m: int, world: int) -> int:
+    return max(world, m // 4 // COLS // world * world)
+
+
+def message_bytes(m: int, world: int) -> int:
+    """The exact message ``algorithm_call`` times for about ``m`` bytes: whole (rows, COLS) float32 rows, a
+    multiple of ``world`` of them."""
+    return _rows(m, world) * COLS * 4
 
 
 def _compute_rates(device: torch.device, sync: Callable[[], None] = lambda: None) -> dict[str, float]:
@@ -230,7 +240,7 @@ def _grad_overlap(group: TorchGroup, device: torch.device, reps: int) -> float:
         compute()
         work.wait()
 
-    tc, tm, tb = _fastest_medians((comm, compute, both), reps)
+    tc, tm, tb = fastest_medians((comm, compute, both), reps)
     return float(min(1.0, max(0.0, (tc + tm - tb) / tc)))
 
 
@@ -246,7 +256,7 @@ def _blocking_cost(group: TorchGroup, device: torch.device, reps: int) -> float:
     all-reduce after each (``t_a``), the same stretches with one all-reduce at the end (``t_b``),
     and that all-reduce alone after a barrier (``t_c``): each of the ``n - 1`` extra all-reduces
     costs ``(t_a - t_b) / (n - 1)``, of which ``t_c`` is its own latency and the rest is this
-    cost.  Three rounds, the fastest of each (:func:`_fastest_medians`); clamped at 0.
+    cost.  Three rounds, the fastest of each (:func:`fastest_medians`); clamped at 0.
     """
     tiny = torch.ones(16, device=device)
     a = torch.randn(384, 384, device=device)
@@ -262,7 +272,7 @@ def _blocking_cost(group: TorchGroup, device: torch.device, reps: int) -> float:
             a @ a
         group.all_reduce(tiny)
 
-    ta, tb, tc = _fastest_medians((each, once, lambda: group.all_reduce(tiny)), reps)
+    ta, tb, tc = fastest_medians((each, once, lambda: group.all_reduce(tiny)), reps)
     return float(max(0.0, (ta - tb) / (n - 1) - tc))
 
 
@@ -295,7 +305,7 @@ def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
             fn, m = algorithm_call(group, kind, algo, size, world, device, k)
             calls.append(fn)
             meta.append((key, m, k))
-        times = _fastest_medians(calls, reps if size < (8 << 20) else max(2, reps // 3))
+        times = fastest_medians(calls, reps if size < (8 << 20) else max(2, reps // 3))
         for (key, m, k), t in zip(meta, times):
             rows.append({"kind": key, "bytes": m, "seconds": t, "chunks": k})
         done += len(keys)

@@ -86,11 +86,6 @@ class Choice:
     bytes: float = 0.0
     seconds: float = 0.0
 
-    @property
-    def algo(self) -> A.Algo:
-        """As a generated program passes it (``runtime.algorithms.Algo``)."""
-        return (self.algorithm, self.chunks)
-
 
 def allowed(profile: Profile, kind: str, sync: bool = False) -> tuple[str, ...]:
     """The algorithms a ``kind`` collective may run: the profile's (every one when it names none) for the five
@@ -106,12 +101,12 @@ def choose(kind: str, m: float, p: int, axis: int, profile: Profile, sync: bool 
     ties go to the earlier of ``ALGORITHMS`` (the backend first)."""
     if p <= 1 or kind not in RING_FACTOR and kind not in A.COLLECTIVES:
         return Choice()
+    if kind not in A.COLLECTIVES:  # all_to_all: the backend's ring formula
+        c = collective(kind, m, p, *profile.ab(axis, kind))
+        return Choice(A.BACKEND, 1, c.bytes, c.seconds)
     best: Choice | None = None
     for name in allowed(profile, kind, sync):
         a, b = profile.ab(axis, kind, name)
-        if kind not in A.COLLECTIVES:  # all_to_all: the backend's ring formula
-            c = collective(kind, m, p, a, b)
-            return Choice(A.BACKEND, 1, c.bytes, c.seconds)
         k = int(A.lp_chunks(kind, m, p, a, b)) if name == "lp" else 1
         rounds, sent = A.terms(kind, name, m, p, k)
         seconds = float(rounds * a + sent * b)
@@ -132,17 +127,16 @@ class Call:
     sync: bool        # the gradient sync (the backend's, deferred on a parameter's own edge)
 
 
-def route_calls(route: Route, shape: tuple, itemsize: int, mesh: Mesh, forward_only: bool = False) -> list[Call]:
+def route_calls(route: Route, shape: tuple, itemsize: int, mesh: Mesh) -> list[Call]:
     """Every collective ``route``'s steps run on a group of more than one, forward and (when the value needs a
-    gradient and not ``forward_only``) backward, in step order: what ``reshard_cost`` prices and a generated
-    program calls."""
+    gradient) backward, in step order: what ``reshard_cost`` prices and a generated program calls."""
     out = []
     cur = route.src
     for step in route.steps():
         kind = KINDS[step.kind]
         nxt = apply_step(cur, step)
         priced = [(kind.forward, False, False)]
-        if route.needs_grad and not forward_only:
+        if route.needs_grad:
             priced.append((kind.adjoint(step), True, kind.gradient_sync))
         for pr, back, sync in priced:
             if pr is not None and mesh.shape[step.axis] > 1:
@@ -333,39 +327,37 @@ def price_route_ids(ids: np.ndarray, shape: tuple, itemsize: int, mesh: Mesh,
     seconds = np.where(on, f * (p - 1) * alpha + sent * beta, 0.0)
     sync = is_sync.astype(bool)
     if profile.algorithms != (A.BACKEND,):
-        sent, seconds = _cheapest(sent, seconds, kinds, kind, axis, sync, m, p, l_inv, links, profile)
+        sent, seconds = _cheapest(sent, seconds, kinds, kind, sync, m, p, l_inv, links, profile)
     blocking = np.where(~sync & on, profile.blocking_s, 0.0)
     return (np.bincount(own, sent, minlength=n), np.bincount(own, seconds + blocking, minlength=n),
             np.bincount(own, np.where(sync, seconds, 0.0), minlength=n))
 
 
-def _cheapest(sent: np.ndarray, seconds: np.ndarray, kinds: list[str], kind: np.ndarray, axis: np.ndarray,
-              sync: np.ndarray, m: np.ndarray, p: np.ndarray, l_inv: np.ndarray, links: np.ndarray,
+def _cheapest(sent: np.ndarray, seconds: np.ndarray, kinds: list[str], kind: np.ndarray, sync: np.ndarray,
+              m: np.ndarray, p: np.ndarray, l_inv: np.ndarray, links: np.ndarray,
               profile: Profile) -> tuple[np.ndarray, np.ndarray]:
     """``choose`` over arrays: each collective's bytes and seconds under its cheapest allowed algorithm (the
     backend's figures come in; the same arithmetic as ``choose``, so the figures agree bit for bit)."""
     mine = np.isin(np.array(kinds, dtype=object)[kind], A.COLLECTIVES) & ~sync & (p > 1)
     if not mine.any():
         return sent, seconds
-    names = profile.algorithms or A.ALGORITHMS
     sent, seconds = sent.copy(), seconds.copy()
-    if A.BACKEND not in names:
-        seconds[mine] = np.inf
     rows = np.flatnonzero(mine)
-    for name in names:
-        if name == A.BACKEND:
-            continue
-        r_m, r_p, r_link = m[rows], p[rows], l_inv[rows]
-        for li in np.unique(r_link):
-            at = r_link == li
-            c = int(links[li])
-            k_name = kinds[c % len(kinds)]
+    for li in np.unique(l_inv[rows]):  # one (mesh axis, collective) at a time
+        idx = rows[l_inv[rows] == li]
+        c = int(links[li])
+        k_name = kinds[c % len(kinds)]
+        names = allowed(profile, k_name)
+        if A.BACKEND not in names:
+            seconds[idx] = np.inf
+        mm, pp = m[idx], p[idx]
+        for name in names:
+            if name == A.BACKEND:
+                continue
             a, b = profile.ab(c // len(kinds), k_name, name)
-            mm, pp = r_m[at], r_p[at]
             k = A.lp_chunks(k_name, mm, pp, a, b) if name == "lp" else np.ones_like(mm, dtype=np.int64)
             rounds, by = A.terms(k_name, name, mm, pp, k)
             sec = rounds * a + by * b
-            idx = rows[at]
             better = sec < seconds[idx]
             seconds[idx[better]] = sec[better]
             sent[idx[better]] = by[better]

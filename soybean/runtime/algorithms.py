@@ -153,6 +153,48 @@ def _size(s: slice) -> int:
     return s.stop - s.start
 
 
+def _masks(p: int) -> list[int]:
+    """The binomial tree's round masks 1, 2, 4, ... below ``p``."""
+    return [1 << i for i in range((p - 1).bit_length())]
+
+
+def _ring_reduce_scatter(g: Group, buf: torch.Tensor, seg: list[slice], pos: int, right: int, left: int) -> None:
+    """``p - 1`` rounds round the ring (``pos``: my place on it): I pass on the partial of segment ``pos - t`` and
+    add the one of ``pos - t - 1`` I receive, so segment ``pos + 1`` ends summed."""
+    p = len(seg)
+    for t in range(p - 1):
+        s, r = seg[(pos - t) % p], seg[(pos - t - 1) % p]
+        buf[r] = _round(g, {right: buf[s]}, {left: _size(r)}, buf)[left] + buf[r]
+
+
+def _ring_all_gather(g: Group, buf: torch.Tensor, seg: list[slice], own: int, right: int, left: int,
+                     keep: bool = False) -> None:
+    """``p - 1`` rounds round the ring, starting from my segment ``own``: I pass on segment ``own - t`` and
+    store ``own - t - 1`` (``keep``: I hold every segment already and store nothing)."""
+    p = len(seg)
+    for t in range(p - 1):
+        s, r = seg[(own - t) % p], seg[(own - t - 1) % p]
+        piece = _round(g, {right: buf[s]}, {left: _size(r)}, buf)[left]
+        if not keep:
+            buf[r] = piece
+
+
+def _chain(g: Group, buf: torch.Tensor, k: int, rel: int, peer: Callable[[int], int], add: bool) -> None:
+    """``k`` chunks down the chain of relative ranks ``0 -> p - 1`` (``peer``: a relative rank's member), one
+    hop a round, ``p - 2 + k`` rounds: relative rank ``r`` passes chunk ``c`` on in round ``c + r``, having stored
+    it (broadcast) or added its own to it (``add``: reduce) the round before."""
+    p = g.size
+    seg = _segments(buf.numel(), k)
+    for t in range(p - 2 + k):
+        c_out, c_in = t - rel, t - (rel - 1)
+        sends = {peer(rel + 1): buf[seg[c_out]]} if rel < p - 1 and 0 <= c_out < k else {}
+        recvs = {peer(rel - 1): _size(seg[c_in])} if rel > 0 and 0 <= c_in < k else {}
+        got = _round(g, sends, recvs, buf)
+        if recvs:
+            s = seg[c_in]
+            buf[s] = got[peer(rel - 1)] + buf[s] if add else got[peer(rel - 1)]
+
+
 # ---- all-reduce ------------------------------------------------------------------------------
 
 
@@ -162,13 +204,8 @@ def _all_reduce_ring(g: Group, buf: torch.Tensor, k: int) -> None:
     p, me = g.size, g.index
     seg = _segments(buf.numel(), p)
     right, left = (me + 1) % p, (me - 1) % p
-    for t in range(p - 1):
-        s, r = seg[(me - t) % p], seg[(me - t - 1) % p]
-        got = _round(g, {right: buf[s]}, {left: _size(r)}, buf)[left]
-        buf[r] = got + buf[r]
-    for t in range(p - 1):
-        s, r = seg[(me + 1 - t) % p], seg[(me - t) % p]
-        buf[r] = _round(g, {right: buf[s]}, {left: _size(r)}, buf)[left]
+    _ring_reduce_scatter(g, buf, seg, me, right, left)
+    _ring_all_gather(g, buf, seg, me + 1, right, left)
 
 
 def _all_reduce_tree(g: Group, buf: torch.Tensor, k: int) -> None:
@@ -256,36 +293,22 @@ def _broadcast_flat(g: Group, buf: torch.Tensor, root: int, name: str, k: int) -
     peer = lambda r: (r + root) % p  # noqa: E731  (a relative rank's member)
     n = buf.numel()
     if name == "lp":
-        seg = _segments(n, k)
-        for t in range(p - 2 + k):
-            c_out, c_in = t - rel, t - (rel - 1)
-            sends = {peer(rel + 1): buf[seg[c_out]]} if rel < p - 1 and 0 <= c_out < k else {}
-            recvs = {peer(rel - 1): _size(seg[c_in])} if rel > 0 and 0 <= c_in < k else {}
-            got = _round(g, sends, recvs, buf)
-            if recvs:
-                buf[seg[c_in]] = got[peer(rel - 1)]
+        _chain(g, buf, k, rel, peer, add=False)
     elif name == "tree":
-        mask = 1
-        while mask < p:
+        for mask in _masks(p):
             if rel < mask and rel + mask < p:
                 _round(g, {peer(rel + mask): buf}, {}, buf)
             elif mask <= rel < 2 * mask:
                 buf.copy_(_round(g, {}, {peer(rel - mask): n}, buf)[peer(rel - mask)])
             else:
                 _round(g, {}, {}, buf)
-            mask <<= 1
     else:  # ring: the root scatters one segment to each member, then a ring all-gather of the segments
         seg = _segments(n, p)
         if rel == 0:
             _round(g, {peer(r): buf[seg[r]] for r in range(1, p)}, {}, buf)
         else:
             buf[seg[rel]] = _round(g, {}, {root: _size(seg[rel])}, buf)[root]
-        right, left = peer(rel + 1), peer(rel - 1)
-        for t in range(p - 1):
-            s, r = seg[(rel - t) % p], seg[(rel - 1 - t) % p]
-            piece = _round(g, {right: buf[s]}, {left: _size(r)}, buf)[left]
-            if rel != 0:  # the root has every segment already
-                buf[r] = piece
+        _ring_all_gather(g, buf, seg, rel, peer(rel + 1), peer(rel - 1), keep=rel == 0)
 
 
 def broadcast(group: Group, x: torch.Tensor, root: int, algo: Algo) -> torch.Tensor:
@@ -304,27 +327,12 @@ def _reduce_flat(g: Group, buf: torch.Tensor, root: int, name: str, k: int) -> N
     p, me = g.size, g.index
     n = buf.numel()
     if name == "lp":  # the chain ends at the root: relative rank p - 1
-        rel = (me - root - 1) % p
-        peer = lambda r: (r + root + 1) % p  # noqa: E731
-        seg = _segments(n, k)
-        for t in range(p - 2 + k):
-            c_out, c_in = t - rel, t - (rel - 1)
-            sends = {peer(rel + 1): buf[seg[c_out]]} if rel < p - 1 and 0 <= c_out < k else {}
-            recvs = {peer(rel - 1): _size(seg[c_in])} if rel > 0 and 0 <= c_in < k else {}
-            got = _round(g, sends, recvs, buf)
-            if recvs:
-                s = seg[c_in]
-                buf[s] = got[peer(rel - 1)] + buf[s]
+        _chain(g, buf, k, (me - root - 1) % p, lambda r: (r + root + 1) % p, add=True)
         return
     rel = (me - root) % p
     peer = lambda r: (r + root) % p  # noqa: E731
     if name == "tree":  # binomial, the broadcast's rounds in reverse
-        masks = []
-        mask = 1
-        while mask < p:
-            masks.append(mask)
-            mask <<= 1
-        for mask in reversed(masks):
+        for mask in reversed(_masks(p)):
             if rel < mask and rel + mask < p:
                 buf += _round(g, {}, {peer(rel + mask): n}, buf)[peer(rel + mask)]
             elif mask <= rel < 2 * mask:
@@ -334,11 +342,7 @@ def _reduce_flat(g: Group, buf: torch.Tensor, root: int, name: str, k: int) -> N
         return
     # ring: reduce-scatter round the ring (relative rank r ends owning segment r + 1), then gather at the root
     seg = _segments(n, p)
-    right, left = peer(rel + 1), peer(rel - 1)
-    for t in range(p - 1):
-        s, r = seg[(rel - t) % p], seg[(rel - t - 1) % p]
-        piece = _round(g, {right: buf[s]}, {left: _size(r)}, buf)[left]
-        buf[r] = piece + buf[r]
+    _ring_reduce_scatter(g, buf, seg, rel, peer(rel + 1), peer(rel - 1))
     own = seg[(rel + 1) % p]
     if rel == 0:
         pieces = _round(g, {}, {peer(q): _size(seg[(q + 1) % p]) for q in range(1, p)}, buf)
@@ -406,8 +410,7 @@ def all_gather(group: Group, x: torch.Tensor, dim: int, full: int, algo: Algo) -
                 blocks[me + 1 + t] = got[me + 1]
     else:  # tree: binomial gather of contiguous block ranges at member 0, then binomial broadcast of them all
         flat = xd
-        mask = 1
-        while mask < p:
+        for mask in _masks(p):
             if me % (2 * mask) == mask:
                 _round(group, {me - mask: flat}, {}, xd)
             elif me % (2 * mask) == 0 and me + mask < p:
@@ -415,7 +418,6 @@ def all_gather(group: Group, x: torch.Tensor, dim: int, full: int, algo: Algo) -
                 flat = torch.cat([flat, _round(group, {}, {me + mask: n}, xd)[me + mask]])
             else:
                 _round(group, {}, {}, xd)
-            mask <<= 1
         whole = flat if me == 0 else xd.new_empty(sum(sizes))
         _broadcast_flat(group, whole, 0, "tree", 1)
         blocks = list(whole.split(sizes))
@@ -477,12 +479,7 @@ def reduce_scatter(group: Group, x: torch.Tensor, dim: int, algo: Algo) -> torch
         offs = [0, *np.cumsum(sizes).tolist()]
         flat = whole if me == 0 else xd.new_empty(0)
         lo = me  # I hold blocks [lo, hi) of ``flat`` (member 0 starts with all of them)
-        masks = []
-        mask = 1
-        while mask < p:
-            masks.append(mask)
-            mask <<= 1
-        for mask in reversed(masks):
+        for mask in reversed(_masks(p)):
             if me % (2 * mask) == 0 and me + mask < p:
                 a, b = offs[me + mask] - offs[lo], offs[min(me + 2 * mask, p)] - offs[lo]
                 _round(group, {me + mask: flat[a:b]}, {}, xd)
