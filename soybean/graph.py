@@ -34,6 +34,7 @@ import operator
 from collections.abc import Callable, Collection, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -708,8 +709,10 @@ def returned_sum(value: fx.Node, consumer: fx.Node) -> bool:
             and len(consumer.users) == 1 and next(iter(consumer.users)).op == "output")
 
 
+@lru_cache(maxsize=16)
 def backend_only(profile: Profile) -> Profile:
-    """``profile`` with every collective on the backend's own call (a returned sum's: ``returned_sum``)."""
+    """``profile`` with every collective on the backend's own call (a returned sum's: ``returned_sum``).
+    Cached: pricing caches key on the profile, so one profile must stay one object."""
     return replace(profile, algorithms=("backend",))
 
 
@@ -927,8 +930,10 @@ def _add_edge(
     us, si = _unique(src_keys)
     ud, di = _unique(dst_keys)
     profile = read_profile(g.profile, lazy)
-    key = (tuple(us), tuple(ud), shape, itemsize, needs_grad, U.pinned, U.gathered, write_back, rerun, g.mesh,
-           profile)
+    # The mesh and the run's profile come last: a change of either clears the memo (a lazy read's
+    # backend-only profile must not, or every switch between lazy and plain reads would clear it).
+    key = (tuple(us), tuple(ud), shape, itemsize, needs_grad, U.pinned, U.gathered, write_back, rerun, lazy,
+           g.mesh, g.profile)
     if key not in _EDGE_MEMO:
         if _EDGE_MEMO and next(iter(_EDGE_MEMO))[-2:] != key[-2:]:
             _EDGE_MEMO.clear()  # another mesh or profile: its tables would only hold memory
