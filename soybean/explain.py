@@ -39,7 +39,7 @@ import numpy as np
 
 from .baselines import batch_split
 from .capture import Captured
-from .cost.collectives import Cost, choose, collective, op_comm_calls, route_calls
+from .cost.collectives import Cost, backend_call, choose, op_comm_calls, route_calls
 from .cost.profiles import Profile, load_profile
 from .graph import (
     Edge,
@@ -323,7 +323,7 @@ def op_collectives(g: PlanGraph, v: Var, c: int, grads: Sequence[bool]) -> list[
         phase = "forward" if k < len(fwd) and fwd[k] == (kind, axis, m, n) else "backward"
         k += phase == "forward"
         a, b = prof.ab(axis, kind)
-        cost = Cost(m, n * a + m * b) if kind == "halo" else collective(kind, m, mesh.shape[axis], a, b)
+        cost = Cost(m, n * a + m * b) if kind == "halo" else backend_call(kind, m, mesh.shape[axis], axis, prof)
         step = f"halo[axis {axis}]" if kind == "halo" else f"sum_statistics[axis {axis}]"
         out.append(Collective(step, kind, phase, "", cost.bytes, cost.seconds + prof.blocking_s))
     return out

@@ -2,13 +2,15 @@
 priced variable by variable, on stacks whose layers repeat and on models with uneven shapes."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from examples.models import mlp, resnet
 from soybean import models
 from soybean.capture import capture
-from soybean.cost.profiles import BUILTIN
+from soybean.cost.profiles import BUILTIN, Profile
 from soybean.graph import PlanGraph, build, edge_profile
 from soybean.mesh import Mesh
 
@@ -71,9 +73,21 @@ def test_the_layers_of_a_stack_share_their_tables() -> None:
     assert not l1[0].compute_s.flags.writeable  # shared arrays cannot be changed through one variable
 
 
-def test_tables_built_across_mesh_shapes_price_every_route_as_the_definition() -> None:
+# A calibrated profile whose bandwidth changes with the message (``Profile.beta_curves``), for the backend's
+# calls and for each of soybean's algorithms on the all-gather and all-reduce.
+_CURVE = ((1e2, 4e-9), (1e4, 2e-9), (1e6, 6e-9))
+CURVED = replace(BUILTIN["cpu-gloo"], name="curved",
+                 collectives=(("all_reduce", 3e-4, 1e-9), ("all_gather", 2e-4, 1e-9), ("all_gather:ring", 1e-4, 1e-9),
+                              ("all_gather:lp", 1e-4, 1e-9), ("all_reduce:tree", 1e-4, 1e-9), ("p2p", 2e-4, 1e-9)),
+                 beta_curves=tuple((k, _CURVE) for k in ("all_reduce", "all_gather", "all_gather:ring",
+                                                          "all_gather:lp", "all_reduce:tree")))
+
+
+@pytest.mark.parametrize("profile", [BUILTIN["h100-nvlink"], CURVED], ids=lambda p: p.name)
+def test_tables_built_across_mesh_shapes_price_every_route_as_the_definition(profile: Profile) -> None:
     """Route ids are kept across builds and mesh shapes (``graph._RouteIds``): after builds on other
-    meshes, every entry of every edge table is still ``reshard_cost`` of that entry's route."""
+    meshes, every entry of every edge table is still ``reshard_cost`` of that entry's route (with a profile
+    whose beta depends on the message too)."""
     from soybean.cost.collectives import reshard_cost
     from soybean.graph import PINNED
     ref, args, _ = CASES[1]
@@ -81,7 +95,7 @@ def test_tables_built_across_mesh_shapes_price_every_route_as_the_definition() -
     cap = capture(model, inputs)
     for shape in [(4,), (2, 2), (1, 4), (2, 2)]:
         mesh = Mesh(shape)
-        g = build(cap, mesh, BUILTIN["h100-nvlink"])
+        g = build(cap, mesh, profile)
         checked = 0
         for e in g.edges:
             for s in range(e.bytes.shape[0]):

@@ -61,7 +61,8 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, profile: Profile
             m = message_bytes(size, world)
             calls, chunks = [], []
             for algorithm in A.ALGORITHMS:
-                k = int(A.lp_chunks(collective, m, world, *profile.ab(0, collective, "lp"))) if algorithm == "lp" else 1
+                lp = profile.ab(0, collective, "lp", m)
+                k = int(A.lp_chunks(collective, m, world, *lp)) if algorithm == "lp" else 1
                 calls.append(algorithm_call(group, collective, algorithm, size, world, device, k)[0])
                 chunks.append(k)
             # The algorithms take turns, three rounds, the fastest median of each: drift and outside load, which
@@ -69,7 +70,7 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, profile: Profile
             times = fastest_medians(calls, reps if size < (8 << 20) else max(2, reps // 2))
             pick = choose(collective, m, world, 0, profile).algorithm
             for algorithm, t, k in zip(A.ALGORITHMS, times, chunks):
-                a, b = profile.ab(0, collective, algorithm)
+                a, b = profile.ab(0, collective, algorithm, m)
                 rounds, sent = A.terms(collective, algorithm, m, world, k)
                 out.append({"collective": collective, "algorithm": algorithm, "bytes": m, "group_size": world,
                             "measured_s": t, "predicted_s": float(rounds * a + sent * b), "chunks": k,

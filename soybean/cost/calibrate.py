@@ -1,24 +1,22 @@
 """``soybean calibrate``: measure this machine and write a profile the cost model uses.
 
-On ``N`` processes of the current backend (gloo on CPU, NCCL on GPUs) it times
-all-reduce, all-gather, reduce-scatter, all-to-all (as the generated programs run
-them: the runtime's ``TorchGroup`` calls, packing copies included) and
-point-to-point for message sizes from 4 KB to 64 MB, and the compute rate of matmul, convolution,
-an elementwise op, first-touching a large fresh allocation and an AdamW step
-(one thread per process, all processes at once, as training runs), and how much of an asynchronous
-gradient all-reduce hides behind compute, and what a blocking collective costs amid compute
-beyond its barrier-aligned time.  The ring
-model of ``cost.py`` predicts ``t = k_steps * alpha + k_bytes * beta`` for each
-collective; ``alpha`` and ``beta`` are its least-squares fit over every
-measurement (relative error weighted, so small messages count), overall and per
-collective (gloo's all-gather is much slower per byte than its all-reduce), and
-the JSON keeps the raw table beside them.
+On ``N`` processes of the current backend (gloo on CPU, NCCL on GPUs) it times every collective of
+``runtime.algorithms`` (broadcast, reduce, all-reduce, all-gather, reduce-scatter) run by each algorithm (the
+backend's own call, soybean's ``lp``, ``ring`` and ``tree``, as the generated programs run them, packing copies
+included), the algorithms of one collective taking turns; the backend's all-to-all and point-to-point; for
+message sizes from 4 KB to 64 MB, every 4x.  It also times the compute rate of matmul, convolution, an
+elementwise op, first-touching a large fresh allocation and an AdamW step (one thread per process, all
+processes at once, as training runs), how much of an asynchronous gradient all-reduce hides behind compute,
+and what a blocking collective costs amid compute beyond its barrier-aligned time.
 
-Every collective algorithm (``runtime.algorithms``: soybean's ``lp``, ``ring`` and ``tree`` for broadcast,
-reduce, all-reduce, all-gather and reduce-scatter, and the backend's broadcast and reduce) is timed too, at
-the same sizes (``kind:algorithm`` in the progress bar and the raw rows), and fitted to its own rounds and
-bytes (``runtime.algorithms.terms``): the profile's ``collectives`` get one ``kind:algorithm`` entry each and
-a ``p2p`` entry fitted over all of them, which the planner's ``choose`` reads.
+Each (collective, algorithm) row is fitted to its own rounds and bytes (``runtime.algorithms.terms``;
+the all-to-all to the ring model): ``t = rounds alpha + bytes beta``, least squares in relative error (so
+small messages count).  The profile's ``collectives`` get one entry per collective for the backend's call
+(``all_reduce``) and one per soybean algorithm (``all_reduce:lp``), a ``p2p`` entry fitted over all of
+soybean's, and ``alpha``, ``beta`` fitted over everything.  One line does not follow a bandwidth that
+changes with the message (on this CPU a 64 MB message moves at about half the rate of a 4 MB one), so each
+entry also gets ``beta_curves``: with its fitted alpha, the beta that gives back each measured time
+(``beta_curve``), interpolated in log message size by ``Profile.ab``.  The JSON keeps the raw table.
 """
 from __future__ import annotations
 
@@ -38,10 +36,13 @@ from ..runtime.comm import TorchGroup
 from .collectives import RING_FACTOR
 from .profiles import BUILTIN, LARGE_ALLOC, Profile
 
-SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20]
-KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
-# soybean's own algorithms, and the backend's broadcast and reduce, fitted to ``algorithms.terms``
-ALGO_KINDS = [f"{c}:{a}" for c in A.COLLECTIVES for a in A.P2P] + ["broadcast", "reduce"]
+# Every 4x: bandwidth changes with the message (``Profile.beta_curves``), so the curve needs its points close.
+SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+# timed on their own: the backend's all-to-all and one point-to-point exchange
+KINDS = ["all_to_all", "p2p"]
+# each collective of ``runtime.algorithms`` by every algorithm, taking turns (the backend's call keyed by the
+# collective's name, as ``Profile.ab`` reads it), fitted to ``algorithms.terms``
+ALGO_KINDS = [f"{c}:{a}" for c in A.COLLECTIVES for a in A.P2P] + list(A.COLLECTIVES)
 
 
 def _done() -> None:
@@ -75,16 +76,10 @@ COLS = 256  # every timed tensor is (rows, COLS) float32, like an activation or 
 
 
 def _collective(group: TorchGroup, kind: str, nbytes: int, world: int, rank: int, device: torch.device):
-    """The call to time: the runtime's own collective (``group``'s), packing copies included,
-    on a tensor of ``nbytes`` (the local input; the full input for reduce-scatter)."""
+    """The call to time for one of ``KINDS``: the runtime's own all-to-all (``group``'s, packing copies included)
+    or a point-to-point exchange, on a tensor of ``nbytes``."""
     rows = max(world, nbytes // 4 // COLS // world * world)
     x = torch.ones(rows, COLS, device=device)
-    if kind == "all_reduce":
-        return lambda: group.all_reduce(x)
-    if kind == "all_gather":
-        return lambda: group.all_gather(x, 0, rows * world)
-    if kind == "reduce_scatter":
-        return lambda: group.reduce_scatter(x, 0)
     if kind == "all_to_all":
         # my column block of every row -> my row block of every column (S(1) -> S(0))
         return lambda: group.all_to_all(x, 1, 0, COLS * world)
@@ -111,6 +106,17 @@ def prior_chunks(collective: str, m: float, world: int, device: torch.device) ->
     """The lp chunk count to measure with: the built-in profile's choice for this device type."""
     prior = BUILTIN["h100-nvlink" if device.type == "cuda" else "cpu-gloo"]
     return int(A.lp_chunks(collective, m, world, *prior.ab(0, collective, "lp")))
+
+
+def _chunk_counts(collective: str, algorithm: str, m: int, world: int, device: torch.device) -> list[int]:
+    """The chunk counts to time ``algorithm`` with: lp's on a chain whose rounds grow with them (broadcast,
+    reduce, all-reduce) at the built-in profile's choice and at 4x it, so the fit sees what one more round
+    costs (alpha) apart from what the bytes cost; one otherwise."""
+    if algorithm != "lp":
+        return [1]
+    k = prior_chunks(collective, m, world, device)
+    rounds_grow = A.terms(collective, "lp", m, world, 1)[0] != A.terms(collective, "lp", m, world, 2)[0]
+    return sorted({k, min(4 * k, A.MAX_CHUNKS)}) if rounds_grow and world > 1 else [k]
 
 
 def algorithm_call(group: TorchGroup, collective: str, algorithm: str, m: int, world: int, device: torch.device,
@@ -295,16 +301,16 @@ def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
     # scripts/bench_collectives.py times them: drift favours none.
     groups = [(c, [k for k in ALGO_KINDS if split_kind(k)[0] == c]) for c in dict.fromkeys(
         split_kind(k)[0] for k in ALGO_KINDS)]
-    total = len(ALGO_KINDS) * len(SIZES)
+    total = len(ALGO_KINDS) * len(SIZES)  # calls: keys, lp's extra chunk count not counted
     done = 0
     for (coll, keys), size in ((g, s) for g in groups for s in SIZES):
         calls, meta = [], []
         for key in keys:
             kind, algo = split_kind(key)
-            k = prior_chunks(kind, size, world, device) if algo == "lp" else 1
-            fn, m = algorithm_call(group, kind, algo, size, world, device, k)
-            calls.append(fn)
-            meta.append((key, m, k))
+            for k in _chunk_counts(kind, algo, size, world, device):
+                fn, m = algorithm_call(group, kind, algo, size, world, device, k)
+                calls.append(fn)
+                meta.append((key, m, k))
         times = fastest_medians(calls, reps if size < (8 << 20) else max(2, reps // 3))
         for (key, m, k), t in zip(meta, times):
             rows.append({"kind": key, "bytes": m, "seconds": t, "chunks": k})
@@ -324,25 +330,50 @@ def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
     return {"collectives": rows, "compute": compute}
 
 
+def _terms(r: dict[str, Any], world: int) -> tuple[float, float, float]:
+    """(rounds, bytes sent, message) of a measurement row: a row of one of ``ALGO_KINDS`` by its algorithm's own
+    rounds and bytes (``runtime.algorithms.terms``; the message is the kinds table's: an all-gather's full
+    result), an all-to-all by the ring model."""
+    kind, m = r["kind"], r["bytes"]
+    if kind in ALGO_KINDS:
+        rounds, by = A.terms(*split_kind(kind), m, world, r.get("chunks", 1))
+        return float(rounds), float(by), float(m)
+    if kind == "p2p":
+        return 2.0, 2.0 * m, float(m)  # send then receive the same message
+    f = RING_FACTOR[kind]
+    return f * (world - 1), f * (world - 1) / world * m, float(m)
+
+
 def fit(rows: list[dict[str, Any]], world: int) -> tuple[float, float]:
-    """Least-squares ``alpha, beta`` of the ring model over every measurement (relative error); a row of one
-    of ``ALGO_KINDS`` by its algorithm's own rounds and bytes (``runtime.algorithms.terms``)."""
+    """Least-squares ``alpha, beta`` of ``rounds alpha + bytes beta`` over every measurement (relative error;
+    ``_terms``)."""
     A_, b = [], []
     for r in rows:
-        kind, m, t = r["kind"], r["bytes"], r["seconds"]
-        if kind in ALGO_KINDS:
-            rounds, by = A.terms(*split_kind(kind), m, world, r.get("chunks", 1))
-            steps, sent = float(rounds), float(by)
-        elif kind == "p2p":
-            steps, sent = 2.0, 2.0 * m  # send then receive the same message
-        else:
-            f = RING_FACTOR[kind]
-            m_full = m * world if kind == "all_gather" else m
-            steps, sent = f * (world - 1), f * (world - 1) / world * m_full
-        A_.append([steps / t, sent / t])
+        steps, sent, _ = _terms(r, world)
+        A_.append([steps / r["seconds"], sent / r["seconds"]])
         b.append(1.0)
     (alpha, beta), *_ = np.linalg.lstsq(np.array(A_), np.array(b), rcond=None)
     return max(float(alpha), 1e-7), max(float(beta), 1e-13)
+
+
+# Least share of a measurement the bandwidth term keeps in ``beta_curve``: where latency is all of it, beta is
+# not measured (any small beta fits); the floor keeps the curve positive.
+MIN_BANDWIDTH_SHARE = 0.05
+
+
+def beta_curve(rows: list[dict[str, Any]], world: int, alpha: float) -> tuple[tuple[float, float], ...]:
+    """``((m, beta), ...)`` for one key's measurements, m ascending: the beta that, with the key's fitted
+    ``alpha``, gives each measured time exactly, ``beta(m) = (t - rounds alpha) / bytes`` (the bandwidth term
+    at least ``MIN_BANDWIDTH_SHARE`` of ``t``; the mean over rows of one message, lp's chunk counts).
+    ``Profile.ab`` interpolates it in log m: the fitted line's error where bandwidth changes with the message
+    (caches at 64 MB on CPU) goes."""
+    at: dict[float, list[float]] = {}
+    for r in rows:
+        steps, sent, m = _terms(r, world)
+        if sent > 0:
+            t = float(r["seconds"])
+            at.setdefault(m, []).append(max(t - steps * alpha, MIN_BANDWIDTH_SHARE * t) / sent)
+    return tuple((m, float(np.mean(b))) for m, b in sorted(at.items()))  # lp's chunk counts: their mean
 
 
 def calibrate(devices: int = 2, reps: int = 10, show: bool = True,
@@ -356,14 +387,17 @@ def calibrate(devices: int = 2, reps: int = 10, show: bool = True,
     rows, comp = res[0]["collectives"], res[0]["compute"]
     alpha, beta = fit(rows, devices)
     per_kind = tuple((k, *fit([r for r in rows if r["kind"] == k], devices)) for k in RING_FACTOR)
-    per_kind += tuple((k, *fit([r for r in rows if r["kind"] == k], devices)) for k in ALGO_KINDS)
+    per_kind += tuple((k, *fit([r for r in rows if r["kind"] == k], devices)) for k in ALGO_KINDS
+                      if k not in RING_FACTOR)
+    curves = tuple((k, beta_curve([r for r in rows if r["kind"] == k], devices, a)) for k, a, _ in per_kind)
     per_kind += (("p2p", *fit([r for r in rows if r["kind"] in ALGO_KINDS and ":" in r["kind"]], devices)),)
     mem = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 12.0
     prof = Profile(name, alpha=alpha, beta=beta, flops=comp["matmul_flops"], mem_bw=comp["mem_bw"], memory_gb=mem,
                    conv_flops=comp["conv_flops"], collectives=per_kind, optimizer_bw=comp["optimizer_bw"],
                    optimizer_large_bw=comp["optimizer_large_bw"], optimizer_tensor_s=comp["optimizer_tensor_s"],
                    grad_overlap=comp["grad_overlap"], alloc_bw=comp["alloc_bw"],
-                   large_alloc=float(LARGE_ALLOC) if comp["alloc_bw"] else 0.0, blocking_s=comp["blocking_s"])
+                   large_alloc=float(LARGE_ALLOC) if comp["alloc_bw"] else 0.0, blocking_s=comp["blocking_s"],
+                   beta_curves=curves)
     return prof, {"devices": devices, "collectives": rows, "compute": comp}
 
 

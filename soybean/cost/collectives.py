@@ -76,6 +76,12 @@ def collective(kind: str, m: float, p: int, alpha: float, beta: float) -> Cost:
     return Cost(sent, f * (p - 1) * alpha + sent * beta)
 
 
+def backend_call(kind: str, m: float, p: int, axis: int, profile: Profile) -> Cost:
+    """``collective`` with the profile's alpha and beta for the backend's own call on mesh ``axis`` (beta at this
+    message: ``Profile.ab``)."""
+    return collective(kind, m, p, *profile.ab(axis, kind, A.BACKEND, m))
+
+
 @dataclass(frozen=True)
 class Choice:
     """The algorithm a collective runs (``lp``: with ``chunks`` chunks), the bytes the busiest member sends
@@ -102,11 +108,11 @@ def choose(kind: str, m: float, p: int, axis: int, profile: Profile, sync: bool 
     if p <= 1 or kind not in RING_FACTOR and kind not in A.COLLECTIVES:
         return Choice()
     if kind not in A.COLLECTIVES:  # all_to_all: the backend's ring formula
-        c = collective(kind, m, p, *profile.ab(axis, kind))
+        c = backend_call(kind, m, p, axis, profile)
         return Choice(A.BACKEND, 1, c.bytes, c.seconds)
     best: Choice | None = None
     for name in allowed(profile, kind, sync):
-        a, b = profile.ab(axis, kind, name)
+        a, b = profile.ab(axis, kind, name, m)
         k = int(A.lp_chunks(kind, m, p, a, b)) if name == "lp" else 1
         rounds, sent = A.terms(kind, name, m, p, k)
         seconds = float(rounds * a + sent * b)
@@ -226,7 +232,7 @@ def op_comm_costs(op: OpSpec, strategies: Sequence[Strategy], grads: Sequence[bo
     for i, st in enumerate(strategies):
         for kind, axis, m, n in op_comm_calls(op, st, grads, mesh):
             a, b = profile.ab(axis, kind)
-            c = Cost(m, n * a + m * b) if kind == "halo" else collective(kind, m, mesh.shape[axis], a, b)
+            c = Cost(m, n * a + m * b) if kind == "halo" else backend_call(kind, m, mesh.shape[axis], axis, profile)
             out[i] += (c.bytes, c.seconds + profile.blocking_s)
     return out
 
@@ -320,6 +326,10 @@ def price_route_ids(ids: np.ndarray, shape: tuple, itemsize: int, mesh: Mesh,
     links, l_inv = np.unique(axis * len(kinds) + kind, return_inverse=True)
     ab = np.array([profile.ab(int(c) // len(kinds), kinds[int(c) % len(kinds)]) for c in links]).reshape(-1, 2)
     alpha, beta = ab[l_inv, 0], ab[l_inv, 1]
+    if profile.beta_curves:  # beta at each message (``Profile.ab``)
+        for li, c in enumerate(links.tolist()):
+            idx = np.flatnonzero(l_inv == li)
+            beta[idx] = profile.ab(c // len(kinds), kinds[c % len(kinds)], A.BACKEND, m[idx])[1]
     p = np.array(mesh.shape, dtype=float)[axis]
     f = np.array([RING_FACTOR.get(k, 0.0) for k in kinds])[kind]
     on = p > 1  # ``collective``: nothing on a group of one, or for a kind with no ring factor
@@ -354,7 +364,7 @@ def _cheapest(sent: np.ndarray, seconds: np.ndarray, kinds: list[str], kind: np.
         for name in names:
             if name == A.BACKEND:
                 continue
-            a, b = profile.ab(c // len(kinds), k_name, name)
+            a, b = profile.ab(c // len(kinds), k_name, name, mm)
             k = A.lp_chunks(k_name, mm, pp, a, b) if name == "lp" else np.ones_like(mm, dtype=np.int64)
             rounds, by = A.terms(k_name, name, mm, pp, k)
             sec = rounds * a + by * b

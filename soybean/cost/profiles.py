@@ -20,6 +20,9 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
+from typing import overload
+
+import numpy as np
 
 from ..mesh import Mesh
 
@@ -54,6 +57,10 @@ class Profile:
     inter_node: tuple[bool, ...] = field(default=())     # per mesh axis: do its groups cross nodes (``on_mesh``)
     # the collective algorithms the planner may pick from (``runtime.algorithms.ALGORITHMS``); empty: every one
     algorithms: tuple[str, ...] = field(default=())
+    # measured beta against message size for a ``collectives`` key: (key, ((m, beta), ...)), m ascending (the kinds
+    # table's message).  One alpha-beta line cannot follow a bandwidth that changes with the message (caches,
+    # protocols: NCCL's tuner keeps one per protocol for this); ``ab`` interpolates beta in log m between them.
+    beta_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = field(default=())
 
     @cached_property
     def _hash(self) -> int:
@@ -66,22 +73,38 @@ class Profile:
         # The cached hash is this process's (string hashing is salted per process): never pickle it.
         return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
-    def ab(self, axis: int, kind: str = "", algorithm: str = "backend") -> tuple[float, float]:
+    @overload
+    def ab(self, axis: int, kind: str = "", algorithm: str = "backend", m: None | float = None) -> tuple[float, float]:
+        ...
+
+    @overload
+    def ab(self, axis: int, kind: str, algorithm: str, m: np.ndarray) -> tuple[float, np.ndarray]:
+        ...
+
+    def ab(self, axis: int, kind: str = "", algorithm: str = "backend",
+           m: float | np.ndarray | None = None) -> tuple[float, float | np.ndarray]:
         """alpha, beta for a collective of ``kind`` run by ``algorithm`` on mesh ``axis``: the inter-node link
         for an axis whose groups cross nodes, else a per-axis override, else the calibrated figure for that
         collective and algorithm (for one of soybean's algorithms: ``kind:algorithm``, else ``p2p``; for the
-        backend's: ``kind``), else the profile's default."""
+        backend's: ``kind``), else the profile's default.  Given the message ``m`` (the kinds table's; an array
+        gives an array of betas), a calibrated figure's beta is its ``beta_curves`` entry at ``m``."""
         a, b = self.alpha, self.beta
+        found = ""
         keys = (kind,) if algorithm == "backend" else ("p2p", f"{kind}:{algorithm}")  # the more specific last
         for key in keys:
             for k, ka, kb in self.collectives:
                 if k == key:
-                    a, b = ka, kb
+                    a, b, found = ka, kb, k
         if axis < len(self.inter_node) and self.inter_node[axis] and self.node_beta:
             # across nodes, the link's figures; one of soybean's rounds takes at least its own latency
             return (self.node_alpha if algorithm == "backend" else max(self.node_alpha, a)), self.node_beta
         a = self.axis_alpha[axis] if axis < len(self.axis_alpha) else a
-        b = self.axis_beta[axis] if axis < len(self.axis_beta) else b
+        if axis < len(self.axis_beta):
+            return a, self.axis_beta[axis]
+        if m is not None and found:
+            for k, points in self.beta_curves:
+                if k == found:
+                    return a, _interp_log(m, points)
         return a, b
 
     def on_mesh(self, mesh: Mesh, gpus_per_node: int | None) -> Profile:
@@ -129,6 +152,13 @@ BUILTIN: dict[str, Profile] = {
 }
 
 
+def _interp_log(m: float | np.ndarray, points: tuple[tuple[float, float], ...]) -> float | np.ndarray:
+    """Beta at message ``m``: linear in log m between the measured points, the end points' beyond them."""
+    xs = np.log([max(p[0], 1.0) for p in points])
+    out = np.interp(np.log(np.maximum(m, 1.0)), xs, [p[1] for p in points])
+    return float(out) if np.ndim(m) == 0 else out
+
+
 def load_profile(name_or_path: str | None) -> Profile:
     """A built-in profile by name, or a JSON file written by ``soybean calibrate``."""
     if name_or_path is None:
@@ -143,6 +173,7 @@ def load_profile(name_or_path: str | None) -> Profile:
         d["collectives"] = tuple(tuple(x) for x in d.get("collectives", ()))
         d["inter_node"] = tuple(d.get("inter_node", ()))
         d["algorithms"] = tuple(d.get("algorithms", ()))
+        d["beta_curves"] = tuple((k, tuple(tuple(p) for p in pts)) for k, pts in d.get("beta_curves", ()))
         known = set(Profile.__dataclass_fields__)
         return Profile(**{k: v for k, v in d.items() if k in known})  # e.g. calibrate's raw "measurements"
     raise ValueError(f"unknown profile {name_or_path!r}: use one of {', '.join(sorted(BUILTIN))} "

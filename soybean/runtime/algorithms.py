@@ -86,7 +86,7 @@ def _lp_shape(collective: str, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.maximum(p - 2, 0.0), np.ones_like(p)
 
 
-def lp_chunks(collective: str, m: np.ndarray | float, p: np.ndarray | int, alpha: float, beta: float,
+def lp_chunks(collective: str, m: np.ndarray | float, p: np.ndarray | int, alpha: float, beta: float | np.ndarray,
               elements: np.ndarray | int | None = None) -> np.ndarray:
     """The chunk count ``k`` in ``[1, MAX_CHUNKS]`` (and at most ``elements``) that minimises the lp cost."""
     m_, p_ = np.asarray(m, dtype=float), np.asarray(p, dtype=float)
