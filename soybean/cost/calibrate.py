@@ -14,7 +14,7 @@ the all-to-all to the ring model): ``t = rounds alpha + bytes beta``, least squa
 small messages count).  The profile's ``collectives`` get one entry per collective for the backend's call
 (``all_reduce``) and one per soybean algorithm (``all_reduce:lp``), a ``p2p`` entry fitted over all of
 soybean's, and ``alpha``, ``beta`` fitted over everything.  One line does not follow a bandwidth that
-changes with the message (on this CPU a 64 MB message moves at about half the rate of a 4 MB one), so each
+changes with the message (on this CPU a 64 MB message moves at 30-75% of a 4 MB one's rate), so each
 entry also gets ``beta_curves``: with its fitted alpha, the beta that gives back each measured time
 (``beta_curve``), interpolated in log message size by ``Profile.ab``.  The JSON keeps the raw table.
 """
