@@ -1,7 +1,7 @@
 """Collective benchmark: every collective x algorithm x size on the current backend, predicted against measured.
 
     python scripts/bench_collectives.py --devices 4 [--profile NAME_OR_JSON] [--sizes 4K,64K,1M,4M,16M,64M]
-                                        [--reps 5] [--json]
+                                        [--reps 10] [--json]
 
 On ``--devices`` processes of the current backend (gloo on CPU, NCCL on GPUs) it times broadcast, reduce,
 all-reduce, all-gather and reduce-scatter, each run by every algorithm of ``runtime.algorithms`` (the
@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--profile", default=None, help="built-in name, calibrate JSON, or 'calibrate' (measure first)")
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated message sizes (default {DEFAULT_SIZES})")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=10,
+                    help="timed calls per algorithm per round (half from 8 MB up): ten, as calibrate times")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--modelled", metavar="P1,P2,...", default=None,
                     help="run nothing: print the planner's pick and modelled time per collective for these group sizes")
