@@ -61,8 +61,9 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, profile: Profile
             m = message_bytes(size, world)
             calls, chunks = [], []
             for algorithm in A.ALGORITHMS:
-                lp = profile.ab(0, collective, "lp", m)
-                k = int(A.lp_chunks(collective, m, world, *lp)) if algorithm == "lp" else 1
+                k = 1
+                if algorithm == "lp":
+                    k = int(A.lp_chunks(collective, m, world, *profile.ab(0, collective, "lp", m)))
                 calls.append(algorithm_call(group, collective, algorithm, size, world, device, k)[0])
                 chunks.append(k)
             # The algorithms take turns, three rounds, the fastest median of each: drift and outside load, which

@@ -116,7 +116,7 @@ def _chunk_counts(collective: str, algorithm: str, m: int, world: int, device: t
         return [1]
     k = prior_chunks(collective, m, world, device)
     rounds_grow = A.terms(collective, "lp", m, world, 1)[0] != A.terms(collective, "lp", m, world, 2)[0]
-    return sorted({k, min(4 * k, A.MAX_CHUNKS)}) if rounds_grow and world > 1 else [k]
+    return sorted({k, min(4 * k, A.MAX_CHUNKS)}) if rounds_grow else [k]
 
 
 def algorithm_call(group: TorchGroup, collective: str, algorithm: str, m: int, world: int, device: torch.device,
@@ -386,9 +386,9 @@ def calibrate(devices: int = 2, reps: int = 10, show: bool = True,
     res = spawn(_worker, devices, reps, show, timeout_s=900)
     rows, comp = res[0]["collectives"], res[0]["compute"]
     alpha, beta = fit(rows, devices)
-    per_kind = tuple((k, *fit([r for r in rows if r["kind"] == k], devices)) for k in RING_FACTOR)
-    per_kind += tuple((k, *fit([r for r in rows if r["kind"] == k], devices)) for k in ALGO_KINDS
-                      if k not in RING_FACTOR)
+    # the backend's calls (RING_FACTOR's names, also in ALGO_KINDS) and soybean's algorithms, one entry each
+    per_kind = tuple((k, *fit([r for r in rows if r["kind"] == k], devices))
+                     for k in dict.fromkeys([*RING_FACTOR, *ALGO_KINDS]))
     curves = tuple((k, beta_curve([r for r in rows if r["kind"] == k], devices, a)) for k, a, _ in per_kind)
     per_kind += (("p2p", *fit([r for r in rows if r["kind"] in ALGO_KINDS and ":" in r["kind"]], devices)),)
     mem = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 12.0
