@@ -557,6 +557,117 @@ def volume_net(batch: int = 1, volume: int = 128, channels: int = 8, in_channels
     return model, (torch.randn(shape), torch.randn(shape))
 
 
+# ---- a Llama-3 written as torchtitan writes it ------------------------------------------------------------------
+# Rotary embeddings by complex multiplication (a complex64 ``freqs_cis`` table, ``view_as_complex`` on queries and
+# keys), grouped-query attention by expand + reshape, SwiGLU feed-forward, RMSNorm, the loss outside the model.
+# With ``fused_qkv`` the attention keeps one ``wqkv`` weight and presents it, through state-dict hooks, as the
+# ``wq``/``wk``/``wv`` a checkpoint of the unfused model holds.  Like every model here, it returns its loss when
+# given the labels.
+
+
+def _freqs_cis(head_dim: int, seq: int, theta: float = 500000.0) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(seq).float(), freqs)
+    return torch.polar(torch.ones_like(angles), angles)  # (seq, head_dim / 2) complex64
+
+
+def _rotate(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """``x`` (batch, seq, heads, head_dim) rotated pairwise by the positions' angles."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    rotated = torch.view_as_real(xc * freqs_cis[: x.shape[1]].view(1, x.shape[1], 1, -1)).flatten(3)
+    return rotated.type_as(x)
+
+
+class Llama3Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, fused_qkv: bool) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        sizes = (heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim)
+        self.sizes, self.fused = sizes, fused_qkv
+        if fused_qkv:
+            self.wqkv = nn.Linear(dim, sum(sizes), bias=False)
+            self.register_state_dict_post_hook(_split_qkv)
+            self.register_load_state_dict_pre_hook(_fuse_qkv)
+        else:
+            self.wq, self.wk, self.wv = (nn.Linear(dim, n, bias=False) for n in sizes)
+        self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        if self.fused:
+            q, k, v = self.wqkv(x).split(self.sizes, dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = _rotate(q.view(b, s, -1, self.head_dim), freqs_cis)
+        k = _rotate(k.view(b, s, -1, self.head_dim), freqs_cis)
+        v = v.view(b, s, -1, self.head_dim)
+        rep = self.heads // self.kv_heads
+        k = k.unsqueeze(3).expand(b, s, self.kv_heads, rep, self.head_dim).reshape(b, s, -1, self.head_dim)
+        v = v.unsqueeze(3).expand(b, s, self.kv_heads, rep, self.head_dim).reshape(b, s, -1, self.head_dim)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def _split_qkv(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict post hook: ``wqkv`` presented as ``wq``, ``wk``, ``wv``."""
+    fused = state.pop(prefix + "wqkv.weight")
+    for name, part in zip(("wq", "wk", "wv"), fused.split(list(module.sizes), dim=0)):
+        state[f"{prefix}{name}.weight"] = part
+
+
+def _fuse_qkv(module: nn.Module, state: dict, prefix: str, *args: object) -> None:
+    """Load-state-dict pre hook: ``wq``, ``wk``, ``wv`` made into ``wqkv``."""
+    names = [f"{prefix}{n}.weight" for n in ("wq", "wk", "wv")]
+    if all(n in state for n in names):
+        state[prefix + "wqkv.weight"] = torch.cat([state.pop(n) for n in names], dim=0)
+
+
+class Llama3Block(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int, fused_qkv: bool) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim, eps=1e-5), nn.RMSNorm(dim, eps=1e-5)
+        self.attention = Llama3Attention(dim, heads, kv_heads, fused_qkv)
+        self.w1, self.w2, self.w3 = nn.Linear(dim, ffn, bias=False), nn.Linear(ffn, dim, bias=False), \
+            nn.Linear(dim, ffn, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs_cis)
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama3(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: int,
+                 fused_qkv: bool = False) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Llama3Block(dim, heads, kv_heads, ffn, fused_qkv) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim, eps=1e-5)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("freqs_cis", _freqs_cis(dim // heads, seq), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.freqs_cis)
+        logits = self.output(self.norm(h))
+        return logits if labels is None else self.loss_fn(logits, labels)
+
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """torchtitan's loss, computed outside the model by its trainer (``--loss outside``)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def llama3(batch: int = 2, seq: int = 64, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4,
+           kv_heads: int = 2, ffn: int = 160, fused_qkv: bool = False, seed: int = 0):
+    """A Llama-3 in torchtitan's style (``Llama3``); ``example_inputs`` are ``(tokens, labels)``; its trainer's loss
+    computed outside the model is ``Llama3.loss_fn``."""
+    torch.manual_seed(seed)
+    model = Llama3(vocab, dim, layers, heads, kv_heads, ffn, seq, fused_qkv)
+    tokens = torch.randint(0, vocab, (batch, seq))
+    return model, (tokens, torch.randint(0, vocab, (batch, seq)))
+
+
 FACTORIES = {
     "mlp": mlp,
     "alexnet": alexnet,
@@ -565,4 +676,5 @@ FACTORIES = {
     "transformer": transformer,
     "unet": unet,
     "volume_net": volume_net,
+    "llama3": llama3,
 }

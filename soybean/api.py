@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .capture import Captured, capture
+from .capture import Captured, capture, split_example
 from .mesh import Mesh
 from .module import ParallelModule
 from .outputs import OUTPUTS
@@ -45,15 +45,19 @@ def check_plan(p: Plan, fingerprint: str, world: int, precision: str | None = No
                          f"--precision {precision} or drop the argument")
 
 
-def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int | None = None,
+def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, *, devices: int | None = None,
                 mesh: tuple | Mesh | None = None, plan: Plan | str | Path | None = None, objective: str = "time",
                 profile: str | None = None, mode: str = "auto", rank: int | None = None,
                 groups: Sequence[Group] | None = None, captured: Captured | None = None,
                 local_batch: bool = False, gpus_per_node: int | None = None,
                 precision: str | None = None, recompute: str = "none",
                 memory_gb: float | None = None, outputs: str = "lazy", share_params: bool = False,
-                collectives: str = "auto") -> ParallelModule:
+                collectives: str = "auto", example_kwargs: dict | None = None) -> ParallelModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
+
+    ``example_inputs``: forward's positional arguments (a tuple, or one tensor), or a dict of its keyword
+    arguments; ``example_kwargs``: more keywords.  The returned module is called the same way
+    (``pm(input_ids, labels=labels)``), keywords in any order.
 
     ``precision``: ``fp32`` or ``bf16-mixed`` (``soybean.precision``: bf16 compute from fp32 master weights,
     which are the module's parameters, so the optimizer updates fp32); default: the plan's, else fp32.
@@ -87,7 +91,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
     """
     if outputs not in OUTPUTS:
         raise ValueError(f"unknown outputs {outputs!r}: use one of {', '.join(OUTPUTS)}")
-    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    example_inputs, example_kwargs = split_example(example_inputs, example_kwargs)
     if isinstance(mesh, Mesh):
         mesh_obj: Mesh | None = mesh
     elif mesh is not None:
@@ -119,7 +123,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple, *, devices: int |
         raise ValueError(f"mesh {mesh_obj} has {mesh_obj.size} devices but the world size is {world}")
     p = _resolve_plan(plan)
     prec = policy(precision).name if precision is not None else (p.precision if p is not None else "fp32")
-    cap = captured or capture(model, example_inputs, precision=prec)
+    cap = captured or capture(model, example_inputs, example_kwargs, precision=prec)
     if p is None:
         def make() -> Plan:
             return make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode,

@@ -6,19 +6,30 @@
 their fully qualified names; a tied weight (one parameter used under two names)
 is one placeholder with several users, the alias's placeholder has none.
 
+Tensors that forward makes from Python values (``torch.tensor(sliding_window)``, an index list, a
+relative-position table) are lifted by ``torch.export`` into placeholders; their values are kept in
+``gm.meta[CONSTANTS]`` while the passes run, and those still read afterwards become buffers of the
+captured model (``Captured.constants``: planned like buffers, outside the model's state dict).
+Frozen parameters (``requires_grad=False``) are listed in ``Captured.frozen``; forward's inputs may
+be positional or keywords (``Captured.in_spec``, ``flatten_inputs``).
+
 Then the exported graph goes through ``PASSES``, exact in-place rewrites run in this order:
 
-1. ``inline_grad_regions``: grad-mode regions that ``torch.export`` wraps in a higher-order op
+1. ``inline_empty_constants``: an empty tensor constant (a KV cache's start) becomes ``aten.empty``.
+2. ``inline_grad_regions``: grad-mode regions that ``torch.export`` wraps in a higher-order op
    (a ``torch.no_grad()`` block, such as Llama's rotary embedding) are inlined, with their
    outputs detached, so every remaining node is a plain aten op.
-2. ``drop_assertions``: runtime metadata assertions (``_assert_tensor_metadata``: no output,
+3. ``drop_assertions``: runtime metadata assertions (``_assert_tensor_metadata``: no output,
    no effect on values) are erased.
-3. ``fold_constant_masks``: an attention mask computed from constants only (Hugging Face builds
+4. ``functionalize``: in-place updates of values forward made (``shifted[:, 1:] = ids[:, :-1]``,
+   ``masked_fill_``) become out-of-place ops, carried to every alias (``soybean.functionalize``):
+   a tiled value read through a resharded copy would otherwise miss the update.
+5. ``fold_constant_masks``: an attention mask computed from constants only (Hugging Face builds
    its causal or all-true mask from ``arange`` under ``torch.export``, where eager mode passes
    none) is evaluated once; when it is the causal mask it becomes ``is_causal=True``, when it
    masks nothing it is dropped.  The mask subgraph then disappears: it was one value read by
    every layer.
-4. ``means_to_sums``: ``mean`` and ``mse_loss(mean)`` become ``sum / n`` and
+6. ``means_to_sums``: ``mean`` and ``mse_loss(mean)`` become ``sum / n`` and
    ``cross_entropy_loss(reduction='mean')`` becomes ``sum-loss / count`` so that a
    batch-split loss is a pending sum (``Partial``) instead of forcing a gather of
    the logits.
@@ -28,7 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
@@ -37,6 +48,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .functionalize import functionalize
 from .precision import compute_inputs, compute_model, policy
 
 
@@ -56,10 +68,32 @@ class Captured:
     fingerprint: str = ""             # identifies model structure + input shapes
     precision: str = "fp32"           # the policy it was captured under (``soybean.precision``)
     out_spec: Any = None              # the pytree of forward's outputs (a ModelOutput, a tuple, ...)
+    in_spec: Any = None               # the pytree of forward's ``(args, kwargs)`` (``flatten_inputs``)
+    # Tensors forward makes from constants (``torch.tensor(window)``, an index list), by buffer name: planned and
+    # stored like buffers, but no part of the model's state (``constants_as_buffers``).
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    frozen: frozenset[str] = frozenset()  # parameters (FQNs) whose ``requires_grad`` is False: never trained
 
     @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
+
+    def flatten_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        """The user inputs of a call ``forward(*args, **kwargs)``, in the order of ``inputs``.
+
+        Keyword arguments may come in any order (they are matched by name); the call must otherwise have
+        the captured structure: the same positional count and keywords, the same Python constants."""
+        if self.in_spec is None:
+            return list(args)
+        keys = list(self.in_spec.child(1).context) if self.in_spec.num_children > 1 else []
+        if set(kwargs) != set(keys):
+            raise TypeError(f"this model was captured with keyword arguments {sorted(keys)}, got {sorted(kwargs)}: "
+                            "call it as it was called when it was parallelized")
+        leaves, spec = tree_flatten((tuple(args), {k: kwargs[k] for k in keys}))
+        if spec != self.in_spec:
+            raise TypeError(f"this model was captured with inputs structured as {self.in_spec}, got {spec}: "
+                            "call it as it was called when it was parallelized")
+        return leaves
 
 
 def _fingerprint(gm: fx.GraphModule) -> str:
@@ -73,17 +107,29 @@ def _fingerprint(gm: fx.GraphModule) -> str:
     return h.hexdigest()[:16]
 
 
-_EXPORT_LOCK = threading.Lock()  # torch.export patches global state: one capture at a time
+def split_example(example_inputs: Any, example_kwargs: dict[str, Any] | None = None) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` of an example call: ``example_inputs`` is a tuple (or list) of positional arguments, one
+    tensor, or a dict of keyword arguments; ``example_kwargs`` adds keywords."""
+    if isinstance(example_inputs, dict):
+        return (), {**example_inputs, **(example_kwargs or {})}
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    return args, dict(example_kwargs or {})
 
 
-def capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None, *,
+EXPORT_LOCK = threading.Lock()  # torch.export patches global state: one capture at a time
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, example_kwargs: dict | None = None, *,
             passes: Sequence[Pass] | None = None, precision: str = "fp32") -> Captured:
-    """Export ``model(*example_inputs)`` at aten level (training IR), name its placeholders and
+    """Export ``model(*example_inputs, **example_kwargs)`` at aten level (training IR), name its placeholders and
     rewrite the graph with ``passes`` (default ``PASSES``; another list is for inspecting a pass).
+    ``example_inputs`` may also be one tensor or a dict of keywords (``split_example``).
     ``precision``: capture the model as that policy computes it (``soybean.precision``)."""
     pol = policy(precision)
-    model, example_inputs = compute_model(model, pol), compute_inputs(tuple(example_inputs), pol)
-    with _EXPORT_LOCK:
+    args, kwargs = split_example(example_inputs, example_kwargs)
+    model, example_inputs = compute_model(model, pol), compute_inputs(args, pol)
+    example_kwargs = dict(zip(kwargs, compute_inputs(tuple(kwargs.values()), pol)))
+    with EXPORT_LOCK:
         cap = _capture(model, example_inputs, example_kwargs, passes)
     cap.precision = pol.name
     return cap
@@ -108,8 +154,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
     buffers = _canonical_names(dict(sig.inputs_to_buffers), model.named_buffers(remove_duplicate=False))
     inputs = list(sig.user_inputs)
     gm = ep.graph_module
-    _inline_empty_constants(gm, {ph: ep.constants[name] for ph, name in sig.inputs_to_lifted_tensor_constants.items()},
-                            type(model).__name__)
+    gm.meta[CONSTANTS] = {ph: ep.constants[name] for ph, name in sig.inputs_to_lifted_tensor_constants.items()}
     used = set(params.values()) | set(buffers.values())
     aliases: dict[str, str] = {}
     named = dict(model.named_parameters(remove_duplicate=False))
@@ -127,7 +172,11 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
                     if q != fq and named.get(q) is named.get(fq):
                         aliases[fq] = q
     run_passes(gm, passes)
-    return Captured(gm, params, buffers, inputs, aliases, _fingerprint(gm), out_spec=ep.call_spec.out_spec)
+    constants = constants_as_buffers(gm)
+    buffers.update({name: name for name in constants})
+    frozen = frozenset(fqn for fqn, p in named.items() if not p.requires_grad)
+    return Captured(gm, params, buffers, inputs, aliases, _fingerprint(gm), out_spec=ep.call_spec.out_spec,
+                    in_spec=ep.call_spec.in_spec, constants=constants, frozen=frozen)
 
 
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None))
@@ -156,20 +205,23 @@ def _plain_outputs(model: torch.nn.Module) -> Iterator[None]:
             del model.forward
 
 
-def _inline_empty_constants(gm: fx.GraphModule, constants: dict[str, torch.Tensor], what: str) -> None:
-    """Tensor constants made inside forward become graph inputs under export (a KV cache starts from empty
-    tensors it concatenates keys onto).  An empty one holds no values: it is created in the graph instead
-    (``aten.empty``, which every rank makes locally).  Others are not supported: a clear error."""
-    values = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in constants]
-    full = [n.name for n in values if constants[n.name].numel()]
-    if full:
-        raise CaptureError(f"could not capture {what}: its forward creates tensor constants with values "
-                           f"({', '.join(full)}). Fix: register them as buffers in __init__")
+# ``gm.meta`` key of the tensor constants forward made (``torch.tensor(sliding_window)``, an index list, a table):
+# ``torch.export`` lifts each into a placeholder; placeholder name -> its value.  Passes may read the values
+# (``fold_constant_masks`` evaluates masks built from them) and drop the ones they leave unused.
+CONSTANTS = "soybean_constants"
+
+
+def inline_empty_constants(gm: fx.GraphModule) -> None:
+    """An empty tensor constant (a KV cache starts from empty tensors it concatenates keys onto) holds no values:
+    it is created in the graph instead (``aten.empty``, which every rank makes locally)."""
+    constants: dict[str, torch.Tensor] = gm.meta.get(CONSTANTS, {})
+    values = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in constants
+              and not constants[n.name].numel()]
     if not values:
         return
     last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     for n in values:
-        c = constants[n.name]
+        c = constants.pop(n.name)
         with gm.graph.inserting_after(last):
             made = gm.graph.call_function(torch.ops.aten.empty.memory_format, (list(c.shape),),
                                           {"dtype": c.dtype, "device": c.device})
@@ -177,6 +229,22 @@ def _inline_empty_constants(gm: fx.GraphModule, constants: dict[str, torch.Tenso
         n.replace_all_uses_with(made)
         gm.graph.erase_node(n)
     gm.recompile()
+
+
+def constants_as_buffers(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The tensor constants still read after the passes, by placeholder name, which becomes their buffer name:
+    a constant is a value like any other, planned like a buffer (replicated, or split as its consumers need it)
+    and kept by every rank as its tile.  Unread ones are erased."""
+    constants: dict[str, torch.Tensor] = gm.meta.pop(CONSTANTS, {})
+    out: dict[str, torch.Tensor] = {}
+    for n in list(gm.graph.nodes):
+        if n.op == "placeholder" and n.name in constants:
+            if n.users:
+                out[n.name] = constants[n.name].detach().clone()
+            else:
+                gm.graph.erase_node(n)
+    gm.recompile()
+    return out
 
 
 def _canonical_names(inputs: dict[str, str], named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
@@ -280,17 +348,19 @@ def _mutates(n: fx.Node) -> bool:
     return schema is not None and schema.is_mutable
 
 
-def _constant_nodes(g: fx.Graph) -> set[fx.Node]:
-    """Nodes whose value depends on no placeholder and no random draw (so on the shapes only).
+def _constant_nodes(g: fx.Graph, known: Collection[str] = ()) -> set[fx.Node]:
+    """Nodes whose value depends on no placeholder but the ``known`` constants (by name) and no random draw
+    (so on the shapes and those constants only).
 
-    Empty when an in-place op writes to such a node: its value would then depend on the order.
+    Empty when an in-place op writes to such a node: its value would then depend on the order (``detach_`` changes
+    no value and does not count).
     """
-    const: set[fx.Node] = set()
+    const: set[fx.Node] = {n for n in g.nodes if n.op == "placeholder" and n.name in known}
     for n in g.nodes:
         if n.op != "call_function":
             continue
         reads = [a for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, fx.Node)]
-        if _mutates(n) and any(a in const for a in reads):
+        if _mutates(n) and n.target is not aten.detach_.default and any(a in const for a in reads):
             return set()
         if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()) and all(a in const for a in reads):
             const.add(n)
@@ -336,8 +406,9 @@ def fold_constant_masks(gm: fx.GraphModule) -> None:
     was folded, constant nodes left without users (the mask's subgraph) are erased.
     """
     g = gm.graph
-    const = _constant_nodes(g)
-    memo: dict[fx.Node, Any] = {}
+    constants: dict[str, torch.Tensor] = gm.meta.get(CONSTANTS, {})
+    const = _constant_nodes(g, constants)
+    memo: dict[fx.Node, Any] = {n: constants[n.name] for n in const if n.op == "placeholder"}
     folded = 0
     for n in list(g.nodes):
         if n.op != "call_function" or n.target is not aten.scaled_dot_product_attention.default:
@@ -372,7 +443,7 @@ def fold_constant_masks(gm: fx.GraphModule) -> None:
     if not folded:
         return
     for dead in reversed(list(g.nodes)):
-        if dead in const and not dead.users and not _mutates(dead):
+        if dead in const and dead.op == "call_function" and not dead.users and not _mutates(dead):
             g.erase_node(dead)
     g.lint()
     gm.recompile()
@@ -473,8 +544,10 @@ class Pass(NamedTuple):
 # Run in this order by ``run_passes`` (the module docstring lists them alike).  The order matters:
 # a region's nodes must be inlined before the later passes can see them.
 PASSES: tuple[Pass, ...] = (
+    Pass("inline_empty_constants", inline_empty_constants, "empty tensor constants -> aten.empty in the graph"),
     Pass("inline_grad_regions", inline_grad_regions, "inline torch.no_grad() regions, their float outputs detached"),
     Pass("drop_assertions", drop_assertions, "erase _assert_tensor_metadata calls (no output, no effect)"),
+    Pass("functionalize", functionalize, "in-place updates of values forward made -> out-of-place ops"),
     Pass("fold_constant_masks", fold_constant_masks, "constant causal/all-true attention masks -> is_causal or none"),
     Pass("means_to_sums", means_to_sums, "mean, mse_loss(mean), cross_entropy(mean) -> sum / count"),
 )

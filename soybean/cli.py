@@ -1,4 +1,4 @@
-"""``soybean`` command line: plan | explain | draw | diff | run | calibrate | bench."""
+"""``soybean`` command line: plan | explain | draw | diff | check | run | calibrate | bench."""
 from __future__ import annotations
 
 import argparse
@@ -27,8 +27,8 @@ class ProgressLine:
     (``--quiet``) and when ``stream`` is not a terminal (logs and pipes get no carriage returns).
     """
 
-    def __init__(self, stream: TextIO, enabled: bool = True, after_s: float = 2.0) -> None:
-        self.stream, self.after_s = stream, after_s
+    def __init__(self, stream: TextIO, enabled: bool = True, after_s: float = 2.0, label: str = "plan") -> None:
+        self.stream, self.after_s, self.label = stream, after_s, label
         self.enabled = enabled and stream.isatty()
         self.t0 = time.perf_counter()
         self.last = ""
@@ -38,7 +38,7 @@ class ProgressLine:
         self.last = line
         elapsed = time.perf_counter() - self.t0
         if self.enabled and elapsed >= self.after_s:
-            self.stream.write(f"\r[plan {elapsed:5.1f}s] {line}".ljust(79)[:119] + "\x1b[K")
+            self.stream.write(f"\r[{self.label} {elapsed:5.1f}s] {line}".ljust(79)[:119] + "\x1b[K")
             self.stream.flush()
             self.shown = True
 
@@ -231,6 +231,36 @@ def _cmd_run(a: argparse.Namespace) -> int:
                 p.kill()
 
 
+def _cmd_check(a: argparse.Namespace) -> int:
+    """Exit 0 when every strategy of every rule the model's graph uses is exact on the meshes, 1 when one is not."""
+    import json
+    import logging
+
+    from . import models
+    from .check import check_model
+    from .mesh import Mesh
+
+    if a.devices < 1:
+        raise ValueError(f"--devices must be >= 1, got {a.devices}")
+    meshes = [Mesh.parse(a.mesh).shape] if a.mesh else None
+    if meshes and Mesh(meshes[0]).size != a.devices:
+        raise ValueError(f"mesh {a.mesh} has {Mesh(meshes[0]).size} devices, not {a.devices}")
+    model, inputs = models.load(a.model, models.parse_args(a.arg))
+    logging.getLogger("torch").setLevel(logging.ERROR)  # export's own chatter about fake tensors
+    line = ProgressLine(sys.stderr, enabled=not a.quiet, label="check")
+    with warnings.catch_warnings(), line:
+        warnings.simplefilter("ignore")
+        report = check_model(model, inputs, devices=a.devices, meshes=meshes, every_node=a.every_node, progress=line)
+    if a.format == "json":
+        print(json.dumps({"ok": report.ok, "meshes": [list(m) for m in report.meshes], "dtype": report.dtype,
+                          "ops": report.ops, "nodes": report.nodes, "strategies": report.strategies,
+                          "failures": [vars(f) for f in report.failures], "no_rule": report.unruled,
+                          "forward_only": report.forward_only, "not_checked": report.random}, indent=1))
+    else:
+        print("\n".join(report.lines()))
+    return 0 if report.ok else 1
+
+
 def _cmd_calibrate(a: argparse.Namespace) -> int:
     from .cost.calibrate import main_cli
 
@@ -290,6 +320,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("script")
     r.add_argument("script_args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=_cmd_run)
+    k = sub.add_parser("check", help="run every strategy of every rule the model uses on simulated ranks against the "
+                                     "serial op, forward and backward in float64 (exit 0: all exact, 1: not)")
+    _add_model_args(k)
+    k.add_argument("--devices", type=int, default=2, help="check the strategies of every mesh of this many devices")
+    k.add_argument("--mesh", help="only this mesh shape, such as 2x2")
+    k.add_argument("--every-node", action="store_true",
+                   help="check every op node (default: each distinct op, arguments and shapes once)")
+    k.add_argument("--format", choices=["table", "json"], default="table")
+    k.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    k.set_defaults(fn=_cmd_check)
     c = sub.add_parser("calibrate", help="measure collectives and compute here; write a profile for --profile")
     c.add_argument("--devices", type=int, default=2)
     c.add_argument("--out", help="profile JSON to write (default: print it)")

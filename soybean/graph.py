@@ -205,7 +205,7 @@ def _frozen(x: Any) -> Hashable:
     return (type(x).__name__, x)
 
 
-def _op_key(op: OpSpec) -> Hashable | None:
+def op_key(op: OpSpec) -> Hashable | None:
     """What an op's strategies and costs depend on besides its sources; None when an argument cannot be hashed."""
     try:
         return (op.target, _frozen(op.args), _frozen(op.kwargs), op.inputs, op.outputs)
@@ -473,6 +473,17 @@ def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int],
         _add_edge(g, vi, r, k, 0, needs_grad, memo=memo, rerun=again)
 
 
+def fallback_ops(cap: Captured) -> list[str]:
+    """The ops of ``cap`` that have no rule (and read a tensor): they run replicated (``PlanGraph.fallback_ops``)."""
+    out = set()
+    for n in cap.graph.nodes:
+        if n.op == "call_function" and n.target is not operator.getitem and rules.lookup(n.target) is None:
+            op = make_opspec(n.target, n.args, n.kwargs, n.meta.get("val"))
+            if op.inputs:
+                out.add(op.name)
+    return sorted(out)
+
+
 def _batch_norm_writes(a: Args) -> tuple[str, ...]:
     return ("running_mean", "running_var") if a["training"] else ()
 
@@ -591,10 +602,13 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
                 tilings = domains.get(fqn) or _placeholder_tilings(shape, mesh)
                 tilings = [t for t in tilings if is_valid(t, shape, mesh)] or [full]
             strategies = [Strategy((), (t,)) for t in tilings]
-            needs_grad[node.name] = kind == "param" and val.dtype.is_floating_point
-            # Under a mixed policy a parameter is stored, and updated, as its master (``g.master_itemsize``).
-            master_b = g.master_itemsize if needs_grad[node.name] and g.master_itemsize else 0
-            mem = param_bytes(node, shape, val.dtype.itemsize, tilings, mesh, kind, master_b)
+            # A frozen parameter (``requires_grad=False``) gets no gradient, no sync and no optimizer state.
+            needs_grad[node.name] = kind == "param" and val.dtype.is_floating_point and fqn not in cap.frozen
+            # Under a mixed policy a parameter is stored as its master (``g.master_itemsize``), frozen or not.
+            master_b = g.master_itemsize if kind == "param" and val.dtype.is_floating_point and g.master_itemsize \
+                else 0
+            mem = param_bytes(node, shape, val.dtype.itemsize, tilings, mesh,
+                              kind if needs_grad[node.name] or kind != "param" else "frozen", master_b)
             gp = None
             if needs_grad[node.name]:
                 # Its gradient and its share of the gradient-sync buckets (reduced in the compute dtype) exist
@@ -623,10 +637,10 @@ def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains:
             tensor_args = [a for a in args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
             sources = [value_source(g, a) for a in tensor_args]
             grads = [needs_grad.get(a.name, False) for a in tensor_args]
-            op_key = _op_key(op) if memo is not None else None
+            okey = op_key(op) if memo is not None else None
             kid = None
-            if memo is not None and op_key is not None:
-                kid = memo.key_id(("op", op_key, tuple((memo.cls[u], k) for u, k in sources), tuple(grads),
+            if memo is not None and okey is not None:
+                kid = memo.key_id(("op", okey, tuple((memo.cls[u], k) for u, k in sources), tuple(grads),
                                    rerun.key(node)))
             hit = memo.vars.get(kid) if memo is not None and kid is not None else None
             if hit is not None:

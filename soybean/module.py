@@ -10,14 +10,17 @@ replicated parameters are summed by the program's adjoint collectives, so
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+import itertools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .capture import Captured
+from .capture import EXPORT_LOCK, Captured
 from .codegen.lower import gather_now, lower
 from .mesh import Mesh
 from .outputs import lazy_outputs, local_mean
@@ -30,8 +33,11 @@ from .runtime.pending import wait_all
 from .tiling import R, local_tile
 
 
-def _attach(root: nn.Module, fqn: str, value: torch.Tensor, kind: str, shared: bool = False) -> None:
-    """Register ``value`` under ``fqn``; ``shared``: a parameter is registered as the very object given."""
+def _attach(root: nn.Module, fqn: str, value: torch.Tensor, kind: str, shared: bool = False,
+            trains: bool = True) -> None:
+    """Register ``value`` under ``fqn``; ``shared``: a parameter is registered as the very object given;
+    ``trains``: whether a parameter requires a gradient (a frozen one keeps the model's ``False``).  A
+    ``constant`` (made by forward, ``Captured.constants``) is a buffer outside the state dict."""
     *path, leaf = fqn.split(".")
     mod = root
     for part in path:
@@ -41,9 +47,32 @@ def _attach(root: nn.Module, fqn: str, value: torch.Tensor, kind: str, shared: b
     if kind == "param" and shared and isinstance(value, nn.Parameter):
         mod.register_parameter(leaf, value)
     elif kind == "param":
-        mod.register_parameter(leaf, nn.Parameter(value, requires_grad=value.is_floating_point()))
+        mod.register_parameter(leaf, nn.Parameter(value, requires_grad=trains and value.is_floating_point()))
     else:
-        mod.register_buffer(leaf, value)
+        mod.register_buffer(leaf, value, persistent=kind == "buffer")
+
+
+def _skeleton(model: nn.Module) -> nn.Module | None:
+    """A copy of ``model`` whose parameters and buffers are on the meta device (no memory): it keeps the model's
+    own state-dict hooks, through which ``full_state_dict`` and ``load_full_state_dict`` convert names and
+    layouts exactly as ``model.state_dict()`` and ``model.load_state_dict()`` do.  None when the model cannot
+    be copied (then the state dict is keyed by the parameters' own names)."""
+    memo: dict[int, Any] = {}
+    # Under capture's lock: another thread's torch.export (ranks as threads) patches the dispatcher's state.
+    with EXPORT_LOCK:
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        try:
+            return copy.deepcopy(model, memo)
+        except Exception:  # any object deepcopy cannot copy (a lock, a handle): the plain names still work
+            return None
+
+
+def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    """The module holding tensor ``fqn`` and the tensor's name in it."""
+    path, _, leaf = fqn.rpartition(".")
+    return root.get_submodule(path), leaf
 
 
 class ParallelModule(nn.Module):
@@ -65,14 +94,16 @@ class ParallelModule(nn.Module):
         self._policy = pol = policy(plan.precision)
         state: dict[str, torch.Tensor] = dict(model.named_parameters())
         state.update(dict(model.named_buffers()))
-        self._order: list[tuple[str, str]] = []  # (kind, fqn) in placeholder order
+        state.update(cap.constants)
+        self._order: list[tuple[str, str]] = []  # (kind, fqn) in placeholder order; kind: param, buffer, constant
         for node in cap.graph.nodes:
             if node.op != "placeholder":
                 continue
             if node.name in cap.params:
                 kind, fqn = "param", cap.params[node.name]
             elif node.name in cap.buffers:
-                kind, fqn = "buffer", cap.buffers[node.name]
+                fqn = cap.buffers[node.name]
+                kind = "constant" if fqn in cap.constants else "buffer"
             else:
                 continue
             tiling = plan.param_tiling(fqn)
@@ -82,8 +113,10 @@ class ParallelModule(nn.Module):
             else:
                 with torch.no_grad():
                     tile = local_tile(state[fqn].detach(), tiling, mesh, self._coords)
-                    _attach(self, fqn, tile if kind == "param" else pol.cast(tile), kind)
+                    _attach(self, fqn, tile if kind == "param" else pol.cast(tile), kind, trains=fqn not in cap.frozen)
             self._order.append((kind, fqn))
+        self._skeleton: nn.Module | None
+        object.__setattr__(self, "_skeleton", _skeleton(model))  # not a submodule: its meta tensors are not ours
         # not a submodule: no params of its own
         object.__setattr__(self, "program", lower(cap, plan, rank, tile_outputs=lazy_outputs))
         self._out_tilings: list = self.program.meta.get("output_tilings", [])
@@ -105,16 +138,19 @@ class ParallelModule(nn.Module):
     def _tensor(self, kind: str, fqn: str) -> torch.Tensor:
         return self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn)
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         # The policy's compute copies: a parameter cast from its master (differentiable), inputs cast.
         state = [self._policy.cast(self._tensor(k, f)) if k == "param" else self._tensor(k, f) for k, f in self._order]
-        user = [self._policy.cast(a) if isinstance(a, torch.Tensor) else a for a in args]
+        given = self._cap.flatten_inputs(args, kwargs)
         n_user = len(self._cap.inputs)
-        if len(user) != n_user:
-            raise TypeError(f"this model takes {n_user} tensor inputs, got {len(user)}")
+        if len(given) != n_user:
+            raise TypeError(f"this model takes {n_user} tensor inputs, got {len(given)}")
+        user = [self._policy.cast(a) if isinstance(a, torch.Tensor) else a for a in given]
         wait_all()  # the previous step's loss sum, if nobody read it
         if self._grad_sync is not None and torch.is_grad_enabled():
             self._grad_sync.check_complete()
+            params = [(t, self.get_parameter(f)) for t, (k, f) in zip(state, self._order) if k == "param"]
+            self._grad_sync.watch([t for t, _ in params], [p for _, p in params])
         with use_groups(self._groups):
             out = self.program(*state, *user)
         if any(t is not None for t in self._out_tilings):
@@ -135,12 +171,17 @@ class ParallelModule(nn.Module):
             flat = lazy_outputs(flat, self._out_tilings, self._out_shapes, self._mesh, self._coords, self._groups)
         return tree_unflatten(flat, spec)
 
+    def _state(self) -> Iterator[tuple[str, str]]:
+        """(kind, fqn) of the model's own parameters and buffers (not the constants forward made)."""
+        return ((k, f) for k, f in self._order if k != "constant")
+
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors of every parameter and buffer, gathered (on every rank; rank 0 saves)."""
+    def full_tensors(self) -> dict[str, torch.Tensor]:
+        """Full tensors of every parameter and buffer (non-persistent ones included) by the model's own names,
+        tied aliases included, gathered on every rank."""
         out: dict[str, torch.Tensor] = {}
         with use_groups(self._groups):
-            for kind, fqn in self._order:
+            for kind, fqn in self._state():
                 t = self._tensor(kind, fqn).detach()
                 out[fqn] = gather_now(t, self.plan.param_tiling(fqn), self._full_shape(fqn), self._mesh,
                                       self._coords).clone()
@@ -148,6 +189,39 @@ class ParallelModule(nn.Module):
             if fqn in out:
                 out[alias] = out[fqn]
         return out
+
+    @contextmanager
+    def _filled_skeleton(self, tensors: dict[str, torch.Tensor]) -> Iterator[nn.Module]:
+        """The model's skeleton (``_skeleton``) holding ``tensors`` (by parameter and buffer name, aliases
+        included) while the block runs; emptied to the meta device afterwards."""
+        sk = self._skeleton
+        assert sk is not None
+        names = [(n, True) for n, _ in sk.named_parameters(remove_duplicate=False)]
+        names += [(n, False) for n, _ in sk.named_buffers(remove_duplicate=False)]
+        try:
+            for name, is_param in names:
+                if name in tensors:
+                    mod, leaf = _owner(sk, name)
+                    setattr(mod, leaf, nn.Parameter(tensors[name], requires_grad=False) if is_param else tensors[name])
+            yield sk
+        finally:
+            for name, is_param in names:
+                mod, leaf = _owner(sk, name)
+                t = getattr(mod, leaf)
+                if t is not None and not t.is_meta:
+                    meta = torch.empty_like(t, device="meta")
+                    setattr(mod, leaf, nn.Parameter(meta, requires_grad=False) if is_param else meta)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """What ``model.state_dict()`` of the serial model would give for the current values: full tensors,
+        gathered on every rank (rank 0 saves), named and laid out by the model's own state-dict hooks (a fused
+        ``wqkv`` presented as ``wq``/``wk``/``wv``), non-persistent buffers left out."""
+        tensors = self.full_tensors()
+        if self._skeleton is None:
+            return tensors
+        with self._filled_skeleton(tensors) as sk:
+            return {k: v.detach() for k, v in sk.state_dict().items()}
 
     def _full_shape(self, fqn: str) -> tuple[int, ...]:
         cap = self._cap
@@ -170,9 +244,21 @@ class ParallelModule(nn.Module):
 
     @torch.no_grad()
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load full tensors (as from the serial model's ``state_dict()``): each rank keeps its tile."""
-        for kind, fqn in self._order:
-            if fqn not in sd:
+        """Load full tensors, as the serial model's ``state_dict()`` gives them (through its own load hooks,
+        as ``model.load_state_dict`` reads them): each rank keeps its tile.  Non-persistent buffers keep their
+        values."""
+        if self._skeleton is not None:
+            sk = self._skeleton
+            with self._filled_skeleton({}):
+                missing, _ = sk.load_state_dict(sd, strict=False, assign=True)
+                full = {n: t for n, t in itertools.chain(sk.named_parameters(remove_duplicate=False),
+                                                          sk.named_buffers(remove_duplicate=False)) if not t.is_meta}
+        else:
+            missing, full = [], dict(sd)
+        for kind, fqn in self._state():
+            if fqn not in full:
+                if kind == "buffer" and fqn not in sd and fqn not in missing:
+                    continue  # non-persistent: not in any state dict
                 raise KeyError(f"state dict has no {fqn}")
             tiling = self.plan.param_tiling(fqn)
-            self._tensor(kind, fqn).copy_(local_tile(sd[fqn], tiling, self._mesh, self._coords))
+            self._tensor(kind, fqn).copy_(local_tile(full[fqn], tiling, self._mesh, self._coords))

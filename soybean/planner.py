@@ -20,7 +20,7 @@ import torch
 
 from . import rules
 from .baselines import batch_split, model_parallel_domains, price as price_baselines
-from .capture import Captured, CaptureError, capture
+from .capture import Captured, CaptureError, capture, split_example
 from .cost.collectives import choose, route_calls
 from .cost.memory import PARAM_COPIES, budget_bytes, budget_needed, stored_bytes, sync_bucket_bytes
 from .cost.profiles import Profile, load_profile
@@ -291,7 +291,7 @@ def evaluate(g: PlanGraph, sol: Solution) -> Result:
 
 def plan(
     model: torch.nn.Module | None,
-    example_inputs: tuple = (),
+    example_inputs: tuple | dict | torch.Tensor = (),
     devices: int | None = None,
     *,
     mesh: Mesh | tuple | None = None,
@@ -311,8 +311,12 @@ def plan(
     precision: str | None = None,
     recompute: str = "none",
     collectives: str = "auto",
+    example_kwargs: dict[str, Any] | None = None,
 ) -> Plan:
     """The best plan for ``model`` on ``devices`` (or on ``mesh``).
+
+    ``example_inputs`` are forward's positional arguments and ``example_kwargs`` its keyword arguments (a dict
+    given as ``example_inputs`` is taken as the keywords): ``model(*example_inputs, **example_kwargs)``.
 
     ``local_batch``: the cheaper contract -- every input split on dim 0 over the whole mesh (each
     rank passes its slice) and non-scalar outputs left in their planned tiling.
@@ -360,7 +364,8 @@ def plan(
                              f"capture with precision={precision!r}")
     elif model is not None:
         say("capture")
-        cap = capture(model, tuple(example_inputs), precision=policy(precision).name)
+        args, kwargs = split_example(example_inputs, example_kwargs)
+        cap = capture(model, args, kwargs, precision=policy(precision).name)
     else:
         raise CaptureError("could not capture: plan() was given neither a model nor captured=")
     if recompute not in RECOMPUTE:

@@ -8,11 +8,12 @@ threads of this process (the simulated tier), so no process group is needed.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from .mesh import Mesh
 from .plan import Plan
@@ -35,21 +36,32 @@ class Trace:
     buffers: dict[str, torch.Tensor]
 
 
-def _loss(out: object) -> torch.Tensor:
-    if isinstance(out, torch.Tensor) and out.dim() == 0:
-        return out
-    if isinstance(out, torch.Tensor):
-        return out.float().pow(2).mean()
-    raise TypeError("verify needs a model returning a tensor (its loss, or an output to square)")
+def loss_of(out: object) -> torch.Tensor:
+    """The loss a training loop takes from a model's output: a scalar as it is; a ``ModelOutput`` or dict's
+    ``loss`` when it has one; else the mean square of the output (its first tensor)."""
+    if isinstance(out, Mapping) and out.get("loss") is not None:
+        return out["loss"]
+    if not isinstance(out, torch.Tensor):
+        leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        if not leaves:
+            raise TypeError("verify needs a model returning a tensor (its loss, or an output to square)")
+        out = leaves[0]
+    return out if out.dim() == 0 else out.float().pow(2).mean()
 
 
-def _train(m: M, inputs: tuple, steps: int, lr: float, grads_of: Callable[[M], Grads]) -> tuple[list[float], Grads]:
+def _call(m: torch.nn.Module, inputs: tuple | dict) -> object:
+    """``m`` called on an example: positional arguments, or keywords (a dict)."""
+    return m(**inputs) if isinstance(inputs, dict) else m(*inputs)
+
+
+def _train(m: M, inputs: tuple | dict, steps: int, lr: float,
+           grads_of: Callable[[M], Grads]) -> tuple[list[float], Grads]:
     """``steps`` AdamW steps; returns the losses and ``grads_of(m)`` after the first backward."""
-    opt = torch.optim.AdamW(m.parameters(), lr=lr)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr)
     losses: list[float] = []
     grads: Grads = {}
     for i in range(steps):
-        loss = _loss(m(*inputs))
+        loss = loss_of(_call(m, inputs))
         loss.backward()
         if i == 0:
             grads = grads_of(m)
@@ -69,14 +81,15 @@ class _UnderPolicy(torch.nn.Module):
         self.work: torch.nn.Module
         object.__setattr__(self, "work", compute_model(model, pol))  # not a submodule: its params are unused
 
-    def forward(self, *args: object) -> object:
+    def forward(self, *args: object, **kwargs: object) -> object:
         params = {k: self.pol.cast(p) for k, p in self.model.named_parameters()}
         state = {**params, **dict(self.work.named_buffers())}
         return torch.func.functional_call(self.work, state, tuple(
-            self.pol.cast(a) if isinstance(a, torch.Tensor) else a for a in args))
+            self.pol.cast(a) if isinstance(a, torch.Tensor) else a for a in args), {
+            k: self.pol.cast(a) if isinstance(a, torch.Tensor) else a for k, a in kwargs.items()})
 
 
-def train_serial(model: torch.nn.Module, inputs: tuple, steps: int = 3, lr: float = 1e-3,
+def train_serial(model: torch.nn.Module, inputs: tuple | dict, steps: int = 3, lr: float = 1e-3,
                  precision: str | None = None) -> Trace:
     """``steps`` AdamW steps of a copy of ``model``; under ``precision`` (``soybean.precision``) as the policy
     trains it: fp32 masters updated by AdamW, compute in the policy's dtype."""
@@ -96,7 +109,7 @@ def _local_grads(m: torch.nn.Module) -> Grads:
     return {k: p.grad.detach().clone() for k, p in m.named_parameters() if p.grad is not None}
 
 
-def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | str | None = None, *,
+def train_parallel_threads(model: torch.nn.Module, inputs: tuple | dict, plan: Plan | str | None = None, *,
                            devices: int | None = None, mesh: tuple | None = None, mode: str = "auto",
                            objective: str = "time", steps: int = 3, lr: float = 1e-3,
                            precision: str | None = None, collectives: str = "auto") -> tuple[Trace, Plan]:
@@ -118,7 +131,7 @@ def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | s
     def rank_fn(rank: int, groups: list[Group]) -> Trace:
         pm = parallelize(model, inputs, plan=plan, rank=rank, groups=groups, captured=cap)
         losses, grads = _train(pm, inputs, steps, lr, _gather_grads)
-        full = pm.full_state_dict()
+        full = pm.full_tensors()
         names = {k for k, _ in model.named_parameters()}
         return Trace(losses, grads, {k: v for k, v in full.items() if k in names},
                      {k: v for k, v in full.items() if k not in names})
@@ -130,14 +143,15 @@ def train_parallel_threads(model: torch.nn.Module, inputs: tuple, plan: Plan | s
 def _gather_grads(pm: ParallelModule) -> Grads:
     """Full gradients: swap each local grad in as the tile, gather like a state dict."""
     saved = {k: p.detach().clone() for k, p in pm.named_parameters()}
+    got = {k for k, p in pm.named_parameters() if p.grad is not None}  # a frozen or unused one gets none
     with torch.no_grad():
         for _, p in pm.named_parameters():
             p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
-    full = pm.full_state_dict()
+    full = pm.full_tensors()
     with torch.no_grad():
         for k, p in pm.named_parameters():
             p.copy_(saved[k])
-    return {k: v for k, v in full.items() if k in saved}
+    return {k: v for k, v in full.items() if k in got}
 
 
 def compare(serial: Trace, parallel: Trace, rtol: float = 1e-4, atol: float = 1e-5) -> list[str]:

@@ -1,9 +1,10 @@
 """Capture's rewrites are the named, ordered list ``capture.PASSES``, and each pass is observable.
 
-A toy model carries one construct per pass: a ``torch.no_grad()`` block (which ``torch.export``
-wraps in a higher-order op), a ``.to(dtype)`` (which it guards with ``_assert_tensor_metadata``),
-a constant causal attention mask, and the three mean losses (``mean``, ``mse_loss``,
-``cross_entropy``).  The full pipeline removes every construct and keeps the loss's value; leaving
+A toy model carries one construct per pass: an empty tensor made in forward (which ``torch.export``
+lifts into a constant), a ``torch.no_grad()`` block (which it wraps in a higher-order op), a
+``.to(dtype)`` (which it guards with ``_assert_tensor_metadata``), an in-place update of a slice of a
+value forward made, a constant causal attention mask, and the three mean losses (``mean``,
+``mse_loss``, ``cross_entropy``).  The full pipeline removes every construct and keeps the loss's value; leaving
 out any one pass leaves exactly that pass's construct in the graph.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import fx, nn
 
 import soybean.capture as capmod
 from soybean.capture import PASSES, Captured, Pass, capture
+from soybean.functionalize import functional_variant
 
 pytestmark = pytest.mark.unit
 
@@ -37,6 +39,10 @@ class Toy(nn.Module):
         with torch.no_grad():  # a grad-mode region
             pos = torch.arange(SEQ, device=x.device).to(x.dtype) / SEQ
         h = self.lin(x.to(torch.float32)) + pos[:, None]  # .to(dtype): an assertion under export
+        h = torch.cat([h.reshape(-1), torch.tensor([], device=x.device)]).view_as(h)  # an empty constant
+        shifted = h.new_zeros(h.shape)
+        shifted[:, 1:] = h[:, :-1]  # an in-place update through a view of a value forward made
+        h = h + shifted
         mask = torch.ones(SEQ, SEQ, dtype=torch.bool, device=x.device).tril()  # constant and causal
         q = h.view(BATCH, SEQ, 2, HIDDEN // 2).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, q, q, attn_mask=mask).transpose(1, 2).reshape(BATCH, SEQ, HIDDEN)
@@ -68,6 +74,9 @@ def _reduction(n: fx.Node, position: int) -> object:
 
 # What each pass removes: True when the construct it rewrites is still in the graph.
 CONSTRUCT: dict[str, Callable[[fx.Graph], bool]] = {
+    "inline_empty_constants": lambda g: any(n.op == "placeholder" and n.name.startswith("c_") for n in g.nodes),
+    "functionalize": lambda g: any(n.op == "call_function" and functional_variant(n.target) is not None
+                                   for n in g.nodes),
     "inline_grad_regions": lambda g: bool(calls(g, torch.ops.higher_order.wrap_with_set_grad_enabled)),
     "drop_assertions": lambda g: bool(calls(g, aten._assert_tensor_metadata.default)),
     "fold_constant_masks": lambda g: any(n.args[3] is not None or n.kwargs.get("attn_mask") is not None
@@ -117,6 +126,7 @@ def test_full_pipeline_rewrites_every_construct_and_keeps_the_loss() -> None:
     assert sdpa.args[3] is None and sdpa.args[5] is True
     assert calls(g, aten.detach.default), "the no-grad region's output is detached"
     assert len(calls(g, aten.div.Tensor)) >= 3  # one per mean loss (the model's own / SEQ is a fourth)
+    assert calls(g, aten.slice_scatter.default) and calls(g, aten.empty.memory_format) and not cap.constants
     model, inputs = toy()
     state = dict(model.named_parameters())
     flat = [state[cap.params[n.name]] for n in g.nodes if n.op == "placeholder" and n.name in cap.params]

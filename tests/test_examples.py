@@ -27,7 +27,7 @@ FACTORY_OF = {
 
 
 def test_factories_registry():
-    assert set(FACTORIES) == {"mlp", "alexnet", "vgg16", "resnet", "transformer", "unet", "volume_net"}
+    assert set(FACTORIES) == {"mlp", "alexnet", "vgg16", "resnet", "transformer", "unet", "volume_net", "llama3"}
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

@@ -208,20 +208,20 @@ def test_unknown_op_falls_back_to_replicate_with_one_warning() -> None:
     """An op without a rule runs replicated; the warning lists it once; the plan still trains like serial."""
     from soybean.testing import compare, train_parallel_threads, train_serial
 
-    class Repeats(torch.nn.Module):
+    class Scans(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.lin = torch.nn.Linear(8, 8)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.lin(x).repeat(1, 2).pow(2).mean()
+            return self.lin(x).logcumsumexp(1).pow(2).mean()
 
     torch.manual_seed(0)
-    m, x = Repeats(), torch.randn(4, 8)
-    with pytest.warns(UserWarning, match="aten.repeat.default") as rec:
+    m, x = Scans(), torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="aten.logcumsumexp.default") as rec:
         p = plan(m, (x,), 2, objective="comm", baselines=False)
     assert sum("no sharding rule" in str(w.message) for w in rec) == 1
-    assert "aten.repeat.default" in p.fallback_ops
+    assert "aten.logcumsumexp.default" in p.fallback_ops
     par, _ = train_parallel_threads(m, (x,), plan=p)
     assert not compare(train_serial(m, (x,)), par)
 

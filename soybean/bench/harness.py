@@ -51,7 +51,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -172,11 +172,14 @@ class Prepared:
 
 
 def _as_loss(out: Any) -> torch.Tensor:
-    """The scalar to call ``backward`` on: the loss itself, or the sum of the (first) output."""
+    """The scalar to call ``backward`` on: the loss itself, or the sum of the (first) output.  A Hugging Face
+    ``ModelOutput`` (or any dict) gives its ``loss`` when the model computed one, else its ``logits``."""
+    if isinstance(out, Mapping):
+        out = out["loss"] if out.get("loss") is not None else out.get("logits", next(iter(out.values()), None))
     if isinstance(out, (tuple, list)):
         out = out[0]
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"the model returned {type(out).__name__}, not a tensor")
+        raise TypeError(f"the model returned {type(out).__name__}, not a tensor or a ModelOutput with a loss or logits")
     return out if out.dim() == 0 else out.float().sum()
 
 

@@ -415,16 +415,16 @@ def make_spec(node: fx.Node) -> OpSpec:
 
 def param_bytes(node: fx.Node, shape: tuple[int, ...], itemsize: int, tilings: Sequence[tuple], mesh: Mesh,
                 kind: str, master_itemsize: int = 0) -> np.ndarray:
-    """Bytes per device of a stored tensor (``kind``: ``param``, ``buffer`` or ``input``) under each tiling:
-    a parameter's ``PARAM_COPIES``, plus AdamW's temporaries on the largest parameter.  Under a mixed
-    precision policy (``master_itemsize``) those are of the master, and the compute copy the step casts
-    (``itemsize``) adds one tile."""
+    """Bytes per device of a stored tensor (``kind``: ``param``, ``frozen`` (a parameter that does not train),
+    ``buffer`` or ``input``) under each tiling: a parameter's ``PARAM_COPIES``, plus AdamW's temporaries on the
+    largest parameter; a frozen one's single copy.  Under a mixed precision policy (``master_itemsize``) a
+    parameter's copies are of the master, and the compute copy the step casts (``itemsize``) adds one tile."""
     copies = 1
     if kind == "param":
         copies = PARAM_COPIES
         if node.graph is not None and liveness(node.graph).largest_param == node.name:
             copies += OPTIMIZER_TEMPORARIES
-    if kind == "param" and master_itemsize:
+    if kind in ("param", "frozen") and master_itemsize:
         return stored_bytes(shape, master_itemsize, tilings, mesh, copies) + stored_bytes(shape, itemsize, tilings,
                                                                                           mesh, 1)
     return stored_bytes(shape, itemsize, tilings, mesh, copies)

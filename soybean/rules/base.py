@@ -62,6 +62,8 @@ class Strategy1D:
     ``even`` lists ``(i, dim)`` pairs that must split evenly; ``i`` indexes
     ``inputs + outputs`` (inputs first).  View-like rules need it: a chunked
     dimension is only a chunk of the merged dimension when every chunk is full.
+    ``(i, dim, unit)`` asks more: the dim splits into whole units of ``unit``
+    elements (``repeat``: every device's chunk is whole copies of the input).
     """
 
     inputs: tuple[Placement, ...]
@@ -87,12 +89,15 @@ class Strategy:
         return tuple(any(isinstance(t[a], Shard) for t in self.inputs + self.outputs) for a in range(n))
 
     def split_axes(self) -> tuple[bool, ...]:
-        """Per mesh axis: is any tensor non-replicated there?  Then a replicated input's gradient is
-        a per-device partial sum (Megatron's ``f``), including for ``P``-only strategies."""
+        """Per mesh axis: is any output non-replicated there?  Then each device computes a part of the
+        outputs (a shard, or a summand of ``P``), so a replicated input's gradient is a per-device partial
+        sum (Megatron's ``f``).  Where every output is replicated, every device computes all of it from the
+        whole replicated inputs (an input split there is one whose values the op ignores, such as
+        ``type_as``'s ``other``): each device's gradient is then the whole gradient, and summing it would
+        count it once per device.  An op without outputs counts its inputs."""
         n = len(self.outputs[0]) if self.outputs else (len(self.inputs[0]) if self.inputs else 0)
-        return tuple(
-            any(not isinstance(t[a], Replicate) for t in self.inputs + self.outputs) for a in range(n)
-        )
+        tensors = self.outputs or self.inputs
+        return tuple(any(not isinstance(t[a], Replicate) for t in tensors) for a in range(n))
 
 
 @dataclass(frozen=True)
@@ -267,9 +272,10 @@ def expand(op: OpSpec, mesh: Mesh, one_axis: list[Strategy1D] | None = None) -> 
             ok = all(sum(1 for pl in tilings[i] if pl == Shard(d)) <= most for i, d in windowed)
         if ok:
             for s in combo:
-                for (i, d) in s.even:
+                for i, d, *unit in s.even:
                     f = split_factor(tilings[i], mesh, d)
-                    if specs[i].shape[d] % f:
+                    n, u = specs[i].shape[d], (unit[0] if unit else 1)
+                    if n % u or (n // u) % f:
                         ok = False
         if ok:
             out.append(Strategy(tuple(tilings[: len(op.inputs)]), tuple(tilings[len(op.inputs):])))

@@ -115,3 +115,18 @@ def conv(op: OpSpec) -> list[Strategy1D]:
           windows=transposed_windows, window_args=conv_window_args)
 def conv_transpose(op: OpSpec) -> list[Strategy1D]:
     return _strategies(op, transposed_windows(op), transposed=True)
+
+
+@register("aten.im2col.default", family="conv", cost=OpCost())
+def im2col(op: OpSpec) -> list[Strategy1D]:
+    """``unfold``: ``(N, C, H, W) -> (N, C * kh * kw, L)``, each block of ``kh * kw`` rows one channel's taps.
+    Batch splits as it is; channels split when they split evenly into whole blocks on the output (``even`` with
+    the block as the unit); the spatial dims are read through every window (not split).  Linear."""
+    a = Args(op)
+    x = a.tensor("self")
+    taps = math.prod(a["kernel_size"])
+    c = x.ndim - 3  # the channel dim (an unbatched input has none in front)
+    found = [a.strategy({"self": Shard(c)}, Shard(c), [(a.idx("self"), c), (a.out_idx(), c, taps)])]
+    if c == 1:
+        found.append(a.strategy({"self": Shard(0)}, Shard(0)))
+    return found + partial_strategies(a, [["self"]])

@@ -9,7 +9,8 @@ where ``f`` is linear in them: ``f(sum_k x_k) = sum_k f(x_k)``:
   data operands -> all of them ``P`` (``c`` ``R``).  ``add(x, 1.0)`` is affine, not linear.
 * ``mul``: linear in each factor separately -> one factor ``P``, the other ``R``.
 * ``div``: linear in the numerator only.
-* ``masked_fill``/``where`` with a Python scalar: linear only when the scalar is 0.
+* ``masked_fill``/``where`` with a Python scalar: linear only when the scalar is 0; ``fill`` (``self``
+  replaced everywhere by ``value``): linear in a tensor ``value``, or zero.
 * copies/casts (``clone``, ``alias``, ``to`` between float dtypes), ``neg``,
   ``dropout`` with ``p == 0`` or in eval: linear.
 
@@ -70,6 +71,14 @@ def _where_scalar_self(a: Args) -> list[list[str]]:
     return [["other"]] if a["self"] == 0 else []
 
 
+def _fill_scalar(a: Args) -> list[list[str]]:
+    return [["self"]] if a["value"] == 0 else []  # zeros: every summand zero
+
+
+def _fill_tensor(a: Args) -> list[list[str]]:
+    return [["value"]]  # the output is ``value`` broadcast: linear in it (``self`` only gives the shape)
+
+
 def pointwise(op: OpSpec, linear: LinearFn = _none) -> list[Strategy1D]:
     """Shard every output dim (inputs follow by broadcasting); ``P`` where linear."""
     a = Args(op)
@@ -99,6 +108,10 @@ NONLINEAR_UNARY = (
 TABLE: dict[str, LinearFn] = {
     **{f"aten.{n}.default": _none for n in NONLINEAR_UNARY},
     "aten.pow.Tensor_Scalar": _none,
+    "aten.pow.Tensor_Tensor": _none,
+    "aten.pow.Scalar": _none,  # a Python base to a tensor power
+    "aten.max.other": _none,
+    "aten.min.other": _none,
     "aten.clamp.default": _none,
     "aten.rsub.Scalar": _none,  # other - alpha * self: affine
     # linear unary: copies, casts, negation
@@ -120,6 +133,7 @@ TABLE: dict[str, LinearFn] = {
     "aten.add_.Tensor": _both_tensors,
     "aten.sub_.Tensor": _both_tensors,
     "aten.mul.Tensor": _each_factor,
+    "aten.multiply.Tensor": _each_factor,
     "aten.mul_.Tensor": _each_factor,
     "aten.div.Tensor": _self,
     "aten.div_.Tensor": _self,
@@ -136,6 +150,9 @@ TABLE: dict[str, LinearFn] = {
     "aten.where.ScalarSelf": _where_scalar_self,
     "aten.masked_fill.Scalar": _masked_fill_scalar,
     "aten.masked_fill.Tensor": _masked_fill_tensor,
+    # ``self`` everywhere replaced by ``value`` (what an in-place ``fill_`` becomes: ``soybean.functionalize``)
+    "aten.fill.Scalar": _fill_scalar,
+    "aten.fill.Tensor": _fill_tensor,
 }
 
 # Aliases of their input: free for the cost model.

@@ -41,7 +41,7 @@ def created(op: OpSpec) -> list[Strategy1D]:
 
 register(
     "aten.zeros.default", "aten.ones.default", "aten.full.default", "aten.empty.memory_format",
-    "aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
+    "aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default", "aten.new_empty.default",
     localize=size_localizer("size"), family="factory", cost=ELEMENTWISE,
 )(created)
 

@@ -12,7 +12,8 @@ broadcast ``bias`` added to the output, scaled by ``beta``).  On one mesh axis:
 * the op is linear in each operand: one operand ``P``, the others ``R``,
   bias ``P`` -> output ``P``.
 
-DTensor's ``mm`` is ``"mk,kn->mn"``; ``linear`` is ``"...k,nk->...n"`` plus bias ``n``.
+DTensor's ``mm`` is ``"mk,kn->mn"``; ``linear`` is ``"...k,nk->...n"`` plus bias ``n``; ``einsum`` reads
+its own equation (``einsum_subscripts``).
 """
 from __future__ import annotations
 
@@ -136,3 +137,63 @@ def matmul(op: OpSpec) -> list[Strategy1D]:
     y_sub = "k" if y.ndim == 1 else batch[nb - (y.ndim - 2):] + "kn"
     out = batch + ("m" if x.ndim > 1 else "") + ("n" if y.ndim > 1 else "")
     return einsum_strategies(a, [("self", x_sub), ("other", y_sub)], out)
+
+
+def einsum_subscripts(equation: str, ranks: Sequence[int]) -> tuple[list[str], str]:
+    """``torch.einsum``'s equation as one letter per dim of each operand and of the output: spaces dropped,
+    ``...`` replaced by letters the equation does not use (right-aligned across operands, as it broadcasts), an implicit output
+    (no ``->``) made explicit (the broadcast dims, then the letters used once, sorted)."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    subs = lhs.split(",")
+    dots = max((r - (len(s) - 3) for s, r in zip(subs, ranks) if "..." in s), default=0)
+    fill = "".join(c for c in string.ascii_letters if c not in eq)[:dots]
+    subs = [s.replace("...", fill[dots - (r - (len(s) - 3)):]) if "..." in s else s for s, r in zip(subs, ranks)]
+    if arrow:
+        out = rhs.replace("...", fill)
+    else:
+        letters = "".join(subs)
+        out = fill + "".join(sorted(c for c in set(letters) if letters.count(c) == 1 and c not in fill))
+    return subs, out
+
+
+def _einsum_flops(op: OpSpec) -> float:
+    """``2 * prod(every index's length)``: one multiply-add per term of the sum."""
+    a = Args(op)
+    subs, _ = einsum_subscripts(a["equation"], [s.ndim for s in a["tensors"]])
+    size: dict[str, int] = {}
+    for sub, spec in zip(subs, a["tensors"]):
+        for letter, n in zip(sub, spec.shape):
+            size[letter] = max(size.get(letter, 1), n)
+    return 2.0 * math.prod(size.values())
+
+
+@register("aten.einsum.default", family="matmul", cost=OpCost(flops=_einsum_flops, backward=2.0))
+def einsum(op: OpSpec) -> list[Strategy1D]:
+    """``torch.einsum(equation, tensors)``: a free index splits on every operand that carries it at full length
+    and on the output; a contracted index carried at full length by every operand that has it gives ``P``;
+    linear in each operand (that one ``P``, the others ``R``)."""
+    a = Args(op)
+    specs: list[TensorSpec] = list(a["tensors"])
+    subs, out = einsum_subscripts(a["equation"], [s.ndim for s in specs])
+    size: dict[str, int] = {}
+    for sub, spec in zip(subs, specs):
+        for letter, n in zip(sub, spec.shape):
+            size[letter] = max(size.get(letter, 1), n)
+    can_p = outputs_float(op)
+
+    def place(spec: TensorSpec, sub: str, letter: str) -> Placement:
+        return Shard(sub.index(letter)) if letter in sub and spec.shape[sub.index(letter)] == size[letter] else R
+
+    found: list[Strategy1D] = []
+    for letter in dict.fromkeys("".join(subs)):
+        pls = [place(spec, sub, letter) for spec, sub in zip(specs, subs)]
+        if letter in out:
+            found.append(a.strategy({"tensors": pls}, Shard(out.index(letter))))
+        elif can_p and all(isinstance(p, Shard) for p, sub in zip(pls, subs) if letter in sub):
+            found.append(a.strategy({"tensors": pls}, P))
+    if can_p:
+        for i, spec in enumerate(specs):
+            if is_float(spec):
+                found.append(a.strategy({"tensors": [P if j == i else R for j in range(len(specs))]}, P))
+    return found

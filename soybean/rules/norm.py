@@ -6,6 +6,7 @@ per-feature affine map.  A dim may be sharded only if no statistic spans it:
 * ``layer_norm``/``rms_norm`` over the trailing ``normalized_shape``: every
   leading dim; weight and bias (shape ``normalized_shape``) stay ``R``;
 * ``group_norm`` (statistics over channels-in-a-group x spatial): batch only;
+* ``_weight_norm`` (``g * v / ||v||``, the norm over every dim but ``dim``): ``dim`` only;
 * ``batch_norm`` (statistics over every dim but channels ``1``): channels, with
   weight, bias and running stats ``S(0)`` — the in-place running-stat update
   is per channel too.  Batch or spatial splits: in eval mode with running stats
@@ -33,6 +34,19 @@ def layer_norm(op: OpSpec) -> list[Strategy1D]:
     assert x is not None
     lead = x.ndim - len(a["normalized_shape"])
     return [a.strategy({"input": Shard(d), "weight": R, "bias": R}, Shard(d)) for d in range(lead)]
+
+
+@register("aten._weight_norm.default", family="norm", cost=ELEMENTWISE)
+def weight_norm(op: OpSpec) -> list[Strategy1D]:
+    """``w = g * v / ||v||`` with the norm over every dim but ``dim`` (``g`` has ``v``'s length there and 1
+    elsewhere): only ``dim`` splits, on ``v``, ``g`` and ``w`` alike."""
+    a = Args(op)
+    v = a.tensor("v")
+    dim = a["dim"]
+    if not -v.ndim <= dim < v.ndim:  # dim=-1 of the old API: one norm over everything
+        return []
+    d = dim % v.ndim
+    return [a.strategy({"v": Shard(d), "g": Shard(d)}, Shard(d))]
 
 
 @register("aten.group_norm.default", family="norm", cost=ELEMENTWISE)

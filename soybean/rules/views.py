@@ -12,12 +12,13 @@ only) and a sharded dim survives if it maps to one output dim:
   ``k`` holds the contiguous range ``[k N/p, (k+1) N/p)`` of the flattened group
   on both sides.  Size arguments are rewritten to the local output shape
   (``localize``), which also removes ``-1``.
-* **permute/transpose/t/unsqueeze/squeeze**: dims are renumbered.  A squeezed
+* **permute/transpose/t/numpy_T/unsqueeze/squeeze**: dims are renumbered.  A squeezed
   dim is never sharded (a local tile of size 1 would be squeezed where the
   global dim is not); bare ``squeeze()`` therefore gets ``P`` only.
-* **expand**: an existing full-size dim follows the input; a broadcast or new
+* **expand**, ``broadcast_to``: an existing full-size dim follows the input; a broadcast or new
   dim is sharded on the output only (input ``R``, local expand size).
-* **slice/narrow/select**: any dim but the indexed one.
+* **slice/narrow/select**: any dim but the indexed one; so for their inverses ``slice_scatter`` and
+  ``select_scatter`` (what in-place updates of slices become), linear in the base and the source.
 * **cat/stack/split/chunk/unbind**: any dim but the joined/split one.
 """
 from __future__ import annotations
@@ -97,7 +98,7 @@ def _unflatten_sizes(op: OpSpec, local_out: Sequence[int]) -> list[int]:
 register("aten.unflatten.int", localize=size_localizer("sizes", _unflatten_sizes), family="views", cost=VIEW)(_reshape)
 
 
-@register("aten.view_as.default", family="views", cost=VIEW)
+@register("aten.view_as.default", "aten.reshape_as.default", family="views", cost=VIEW)
 def view_as(op: OpSpec) -> list[Strategy1D]:
     """Reshape to ``other``'s shape: ``other`` (values unused) is placed like the output."""
     return reshape_strategies(Args(op), shape_like="other")
@@ -131,6 +132,14 @@ def transpose(op: OpSpec) -> list[Strategy1D]:
     return renumber(a, [swap.get(d, d) for d in range(n)])
 
 
+@register("aten.numpy_T.default", family="views", cost=VIEW)
+def numpy_t(op: OpSpec) -> list[Strategy1D]:
+    """``x.T``: every dim reversed."""
+    a = Args(op)
+    n = _ndim(a)
+    return renumber(a, [n - 1 - d for d in range(n)])
+
+
 @register("aten.t.default", family="views", cost=VIEW)
 def t(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
@@ -160,6 +169,7 @@ def squeeze(op: OpSpec) -> list[Strategy1D]:
 
 
 @register("aten.expand.default", localize=size_localizer("size"), family="views", cost=VIEW)
+@register("aten.broadcast_to.default", localize=size_localizer("size"), family="views", cost=VIEW)
 def expand(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.tensor("self")
@@ -185,6 +195,28 @@ def slice_(op: OpSpec) -> list[Strategy1D]:
     dim = a.dim()
     whole = a["start"] in (None, 0) and (a["end"] is None or a["end"] >= x.shape[dim]) and a["step"] == 1
     return renumber(a, [d if (d != dim or whole) else None for d in range(x.ndim)])
+
+
+@register("aten.slice_scatter.default", family="views", cost=ELEMENTWISE)
+def slice_scatter(op: OpSpec) -> list[Strategy1D]:
+    """``self`` with ``self[..., start:end:step, ...] = src`` along ``dim``: any other dim split on ``self``,
+    ``src`` (same rank) and the output alike; jointly linear in ``self`` and ``src``."""
+    a = Args(op)
+    x = a.tensor("self")
+    dim = a.dim()
+    found = [a.strategy({"self": Shard(d), "src": Shard(d)}, Shard(d)) for d in range(x.ndim) if d != dim]
+    return found + partial_strategies(a, [["self", "src"]])
+
+
+@register("aten.select_scatter.default", family="views", cost=ELEMENTWISE)
+def select_scatter(op: OpSpec) -> list[Strategy1D]:
+    """``self`` with ``self.select(dim, index) = src`` (``src`` lacks ``dim``): any other dim split on all three
+    (renumbered on ``src``); jointly linear in ``self`` and ``src``."""
+    a = Args(op)
+    x = a.tensor("self")
+    dim = a.dim()
+    found = [a.strategy({"self": Shard(d), "src": Shard(d - (d > dim))}, Shard(d)) for d in range(x.ndim) if d != dim]
+    return found + partial_strategies(a, [["self", "src"]])
 
 
 @register("aten.select.int", "aten.unbind.int", family="views", cost=VIEW)

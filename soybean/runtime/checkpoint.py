@@ -7,6 +7,7 @@ mesh: DCP reshards.  Loading writes straight into the local parameter tiles.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -25,7 +26,8 @@ class Tiled(Protocol):
     ``soybean.module`` (which imports the runtime)."""
 
     plan: Plan
-    _order: list[tuple[str, str]]  # (kind, fqn) of every parameter and buffer
+
+    def _state(self) -> Iterator[tuple[str, str]]: ...  # (kind, fqn) of every parameter and buffer
 
     def _tensor(self, kind: str, fqn: str) -> torch.Tensor: ...
 
@@ -43,7 +45,7 @@ def sharded_state_dict(pm: Tiled) -> dict[str, DTensor]:
     """Every parameter and buffer of ParallelModule ``pm`` as a DTensor viewing the local tile."""
     mesh = _device_mesh(pm)
     out: dict[str, DTensor] = {}
-    for kind, fqn in pm._order:
+    for kind, fqn in pm._state():
         t = pm._tensor(kind, fqn)
         tiling = pm.plan.param_tiling(fqn)
         shape = pm._full_shape(fqn)
@@ -63,5 +65,5 @@ def load(pm: Tiled, path: str | Path) -> None:
     """Read a DCP checkpoint written under any plan into ``pm``'s tiles."""
     sd = sharded_state_dict(pm)
     dcp.load(sd, checkpoint_id=str(path))
-    for kind, fqn in pm._order:  # from_local may share storage; copy to be sure
+    for kind, fqn in pm._state():  # from_local may share storage; copy to be sure
         pm._tensor(kind, fqn).copy_(sd[fqn].to_local())

@@ -71,7 +71,32 @@ class GradSync:
         self._flat: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._ready: list[int] = [0] * len(self.buckets)
         self._next = 0
+        self._absent: set[int] = set()  # parameters this backward does not reach (``watch``)
+        self._watch: torch.utils.hooks.RemovableHandle | None = None
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for ps in self.buckets for p in ps]
+
+    def watch(self, uses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
+        """Learn, during the coming backward, which of ``params`` it does not reach: ``uses[i]`` is the tensor
+        forward read ``params[i]`` as.  A parameter that only feeds an output the loss ignores (a pooler nobody
+        reads) gets no gradient, serially as here; its bucket must not wait for it.  Autograd's multi-grad hook
+        (mode ``all``) reports, once backward has computed every gradient it will, which of ``uses`` got none."""
+        if self._watch is not None:
+            self._watch.remove()  # a forward whose backward never ran
+        mine = [(u, p) for u, p in zip(uses, params) if id(p) in self.where and u.requires_grad]
+        if not mine:
+            self._watch = None
+            return
+
+        def seen(grads: Sequence[torch.Tensor | None]) -> None:
+            if self._watch is not None:
+                self._watch.remove()
+                self._watch = None
+            for (_, p), g in zip(mine, grads):
+                if g is None:
+                    self._absent.add(id(p))
+                    self._on_grad(p)
+
+        self._watch = torch.autograd.graph.register_multi_grad_hook([u for u, _ in mine], seen, mode="all")
 
     def check_complete(self) -> None:
         """Raise if the last backward left a bucket unsynchronised (some of its parameters got no
@@ -99,7 +124,7 @@ class GradSync:
     @torch.no_grad()
     def _flush(self, b: int) -> None:
         ps = self.buckets[b]
-        grads = [_grad(p).reshape(-1) for p in ps]
+        grads = [self._grad(p).reshape(-1) for p in ps]
         dtype = self.reduce_dtype or grads[0].dtype
         flat = self._flat[b]
         if flat is None or flat.dtype != dtype or flat.device != grads[0].device:
@@ -131,18 +156,22 @@ class GradSync:
             work.wait()
             self._scatter(flat, b)
         self._pending.clear()
+        self._absent.clear()
 
     def _scatter(self, flat: torch.Tensor, b: int) -> None:
         off = 0
         for p in self.buckets[b]:
             n = p.numel()
-            g = _grad(p)
-            g.copy_(flat[off:off + n].view_as(g))
+            if id(p) not in self._absent:
+                g = self._grad(p)
+                g.copy_(flat[off:off + n].view_as(g))
             off += n
 
-
-def _grad(p: torch.Tensor) -> torch.Tensor:
-    """``p.grad``, which a bucket's parameters all have: it is synchronised only once every one is ready."""
-    g = p.grad
-    assert g is not None
-    return g
+    def _grad(self, p: torch.Tensor) -> torch.Tensor:
+        """``p.grad``, which a bucket's parameters all have once it is ready; zeros for one this backward does
+        not reach (summed as nothing, and left without a gradient, as serially)."""
+        if id(p) in self._absent:
+            return torch.zeros_like(p)
+        g = p.grad
+        assert g is not None
+        return g

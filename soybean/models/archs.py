@@ -1,0 +1,203 @@
+"""The architecture suite: Hugging Face architectures as users load them, at tiny sizes.
+
+Each ``Arch`` is a ``transformers`` model type with the head of a task (``hf.TASKS``), built from its
+config class with random weights and the config's own defaults (``use_cache`` as loaded, attention
+implementation as loaded) except:
+
+* sizes shrunk (``tiny_overrides``: hidden 64, 4 heads of 16, 2 layers, vocabulary 128, 4 experts...),
+  plus what an architecture needs for those sizes to agree (``Arch.overrides``);
+* randomness a parallel run cannot reproduce set to 0 (dropout, SpecAugment masks: ``hf.make_config``).
+
+``build(arch)`` returns the model and its example keywords (with labels, so the model returns its own loss):
+the call a training loop makes, ``model(**kwargs).loss``.  ``scripts/arch_sweep.py`` trains each as
+``soybean.parallelize`` runs it and compares with the model trained alone; the test suite checks every rule
+the suite's graphs use (``soybean.check``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import hf
+
+# Size fields of transformers configs, by the names configs give them, and their tiny values.
+TINY: dict[str, int] = {
+    "hidden_size": 64, "n_embd": 64, "d_model": 64, "n_embed": 64,
+    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
+    "num_decoder_layers": 2, "n_layers": 2,
+    "num_attention_heads": 4, "n_head": 4, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+    "num_heads": 4, "num_key_value_heads": 2, "num_kv_heads": 2, "head_dim": 16, "d_kv": 16,
+    "intermediate_size": 128, "n_inner": 128, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "d_ff": 128,
+    "ffn_dim": 128, "ffn_hidden_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "vocab_size": 128, "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "max_position_embeddings": 64, "n_positions": 64, "max_source_positions": 16, "max_target_positions": 64,
+    "image_size": 32, "patch_size": 8, "num_mel_bins": 16,
+}
+
+
+def tiny_overrides(model_type: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """``TINY`` for the size fields ``model_type``'s config has (set, not ``None``), then ``extra``."""
+    defaults = hf._transformers().AutoConfig.for_model(model_type).to_dict()
+    out = {k: v for k, v in TINY.items() if defaults.get(k) is not None}
+    out.update(extra)
+    return out
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One architecture of the suite."""
+
+    name: str                 # how the suite names it (the model type, or model type + variant)
+    family: str               # decoder | moe | ssm | encoder | encoder-decoder | vision | audio
+    model_type: str           # transformers' model_type
+    task: str = "causal-lm"   # hf.TASKS
+    overrides: dict[str, Any] = field(default_factory=dict)  # beyond ``TINY``: what the tiny sizes need
+    seq: int = 9              # tokens per example (odd: uneven tiles on 2 and 4 devices)
+    batch: int = 2
+
+    def config(self) -> Any:
+        return hf.make_config(self.model_type, tiny_overrides(self.model_type, self.overrides), use_cache=None)
+
+
+def build(arch: Arch, seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """``(model, kwargs)``: the architecture's model with random weights, in training mode, and its example
+    batch with labels, by keyword."""
+    config = arch.config()
+    cls = hf.head_class(arch.model_type, config, arch.task)
+    torch.manual_seed(seed)
+    model = cls(config)
+    model.train()
+    return model, hf.example(arch.task, config, arch.batch, arch.seq)
+
+
+def _rope(dim: int = 8) -> dict[str, Any]:
+    return {"rotary_dim": dim}
+
+
+# The suite.  ``overrides`` only make the tiny sizes consistent (a rotary dim within a head, a window or
+# chunk within the sequence); everything else is the config's default.
+ARCHS: list[Arch] = [
+    # decoder-only language models
+    Arch("gpt2", "decoder", "gpt2"),
+    Arch("gpt_neo", "decoder", "gpt_neo", overrides={"attention_types": [[["global", "local"], 1]],
+                                                      "window_size": 4}),
+    Arch("gpt_neox", "decoder", "gpt_neox"),
+    Arch("gptj", "decoder", "gptj", overrides=_rope()),
+    Arch("codegen", "decoder", "codegen", overrides=_rope()),
+    Arch("bloom", "decoder", "bloom"),
+    Arch("opt", "decoder", "opt", overrides={"word_embed_proj_dim": 64}),
+    Arch("llama", "decoder", "llama"),
+    Arch("mistral", "decoder", "mistral", overrides={"sliding_window": 4}),
+    Arch("qwen2", "decoder", "qwen2"),
+    Arch("qwen3", "decoder", "qwen3"),
+    Arch("gemma", "decoder", "gemma"),
+    Arch("gemma2", "decoder", "gemma2", overrides={"sliding_window": 4}),
+    Arch("gemma3_text", "decoder", "gemma3_text", overrides={"sliding_window": 4}),
+    Arch("starcoder2", "decoder", "starcoder2", overrides={"sliding_window": 4}),
+    Arch("olmo", "decoder", "olmo"),
+    Arch("olmo2", "decoder", "olmo2"),
+    Arch("olmo3", "decoder", "olmo3", overrides={"sliding_window": 4}),
+    Arch("cohere", "decoder", "cohere"),
+    Arch("cohere2", "decoder", "cohere2", overrides={"sliding_window": 4}),
+    Arch("phi", "decoder", "phi"),
+    Arch("phi3", "decoder", "phi3"),
+    Arch("falcon", "decoder", "falcon"),
+    Arch("stablelm", "decoder", "stablelm"),
+    Arch("persimmon", "decoder", "persimmon"),
+    Arch("glm", "decoder", "glm"),
+    Arch("glm4", "decoder", "glm4"),
+    Arch("granite", "decoder", "granite"),
+    Arch("gpt_bigcode", "decoder", "gpt_bigcode"),
+    Arch("xglm", "decoder", "xglm"),
+    Arch("biogpt", "decoder", "biogpt"),
+    Arch("mpt", "decoder", "mpt"),
+    Arch("helium", "decoder", "helium"),
+    Arch("smollm3", "decoder", "smollm3"),
+    Arch("nemotron", "decoder", "nemotron", overrides={"partial_rotary_factor": 0.5, "num_key_value_heads": 2}),
+    Arch("deepseek_v3_dense", "decoder", "deepseek_v3",
+         overrides={"first_k_dense_replace": 2, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "n_group": 1, "topk_group": 1,
+                    "num_key_value_heads": 4}),
+    # mixture of experts (routing runs replicated until issue 22; training must still equal serial)
+    Arch("mixtral", "moe", "mixtral"),
+    Arch("qwen2_moe", "moe", "qwen2_moe"),
+    Arch("granitemoe", "moe", "granitemoe"),
+    Arch("olmoe", "moe", "olmoe"),
+    Arch("deepseek_v3", "moe", "deepseek_v3",
+         overrides={"first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "n_group": 1, "topk_group": 1,
+                    "num_key_value_heads": 4}),
+    Arch("gpt_oss", "moe", "gpt_oss", overrides={"sliding_window": 4}),
+    Arch("qwen3_next", "moe", "qwen3_next",
+         overrides={"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                    "linear_value_head_dim": 16, "full_attention_interval": 2}),
+    # state-space and recurrent
+    Arch("mamba", "ssm", "mamba"),
+    Arch("mamba2", "ssm", "mamba2", overrides={"num_heads": 8, "head_dim": 16, "n_groups": 1, "chunk_size": 4,
+                                                "state_size": 16, "expand": 2}),
+    Arch("falcon_mamba", "ssm", "falcon_mamba"),
+    Arch("rwkv", "ssm", "rwkv", overrides={"attention_hidden_size": 64, "context_length": 64}),
+    # encoders (masked language models)
+    Arch("bert", "encoder", "bert", "masked-lm"),
+    Arch("roberta", "encoder", "roberta", "masked-lm"),
+    Arch("distilbert", "encoder", "distilbert", "masked-lm", overrides={"dim": 64, "hidden_dim": 128, "n_heads": 4}),
+    Arch("albert", "encoder", "albert", "masked-lm", overrides={"embedding_size": 32}),
+    Arch("electra", "encoder", "electra", "masked-lm", overrides={"embedding_size": 32}),
+    Arch("deberta", "encoder", "deberta", "masked-lm"),
+    Arch("deberta-v2", "encoder", "deberta-v2", "masked-lm"),
+    Arch("modernbert", "encoder", "modernbert", "masked-lm", overrides={"local_attention": 4,
+                                                                        "global_attn_every_n_layers": 2}),
+    Arch("xlm-roberta", "encoder", "xlm-roberta", "masked-lm"),
+    Arch("mpnet", "encoder", "mpnet", "masked-lm"),
+    Arch("roformer", "encoder", "roformer", "masked-lm", overrides={"embedding_size": 64}),
+    Arch("esm", "encoder", "esm", "masked-lm", overrides={"vocab_size": 128, "pad_token_id": 1, "mask_token_id": 2}),
+    Arch("convbert", "encoder", "convbert", "masked-lm", overrides={"embedding_size": 64}),
+    # encoder-decoders
+    Arch("t5", "encoder-decoder", "t5", "seq2seq", overrides={"decoder_start_token_id": 0}),
+    Arch("bart", "encoder-decoder", "bart", "seq2seq"),
+    Arch("mbart", "encoder-decoder", "mbart", "seq2seq"),
+    Arch("pegasus", "encoder-decoder", "pegasus", "seq2seq"),
+    Arch("marian", "encoder-decoder", "marian", "seq2seq", overrides={"decoder_vocab_size": 128}),
+    Arch("mt5", "encoder-decoder", "mt5", "seq2seq", overrides={"decoder_start_token_id": 0}),
+    Arch("umt5", "encoder-decoder", "umt5", "seq2seq", overrides={"decoder_start_token_id": 0}),
+    Arch("m2m_100", "encoder-decoder", "m2m_100", "seq2seq"),
+    Arch("blenderbot", "encoder-decoder", "blenderbot", "seq2seq"),
+    Arch("whisper", "encoder-decoder", "whisper", "speech-seq2seq"),
+    # vision
+    Arch("vit", "vision", "vit", "image-classification"),
+    Arch("deit", "vision", "deit", "image-classification"),
+    Arch("beit", "vision", "beit", "image-classification"),
+    Arch("swin", "vision", "swin", "image-classification", overrides={"embed_dim": 16, "depths": [1, 1],
+                                                                      "num_heads": [2, 4], "window_size": 2,
+                                                                      "patch_size": 4}),
+    Arch("convnext", "vision", "convnext", "image-classification", overrides={"hidden_sizes": [16, 32],
+                                                                              "depths": [1, 1], "num_stages": 2}),
+    Arch("dinov2", "vision", "dinov2", "image-classification"),
+    Arch("resnet", "vision", "resnet", "image-classification", overrides={"hidden_sizes": [16, 32], "depths": [1, 1],
+                                                                          "embedding_size": 16}),
+    Arch("siglip", "vision", "siglip", "image-classification",
+         overrides={"vision_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                      "num_attention_heads": 4, "image_size": 32, "patch_size": 8}}),
+    Arch("clip", "vision", "clip", "image-classification",
+         overrides={"vision_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                      "num_attention_heads": 4, "image_size": 32, "patch_size": 8}}),
+    # audio
+    Arch("wav2vec2", "audio", "wav2vec2", "audio-classification",
+         overrides={"conv_dim": [16, 16], "conv_stride": [5, 4], "conv_kernel": [10, 8], "num_conv_pos_embeddings": 8,
+                    "num_conv_pos_embedding_groups": 4}),
+    Arch("hubert", "audio", "hubert", "audio-classification",
+         overrides={"conv_dim": [16, 16], "conv_stride": [5, 4], "conv_kernel": [10, 8], "num_conv_pos_embeddings": 8,
+                    "num_conv_pos_embedding_groups": 4}),
+    Arch("wavlm", "audio", "wavlm", "audio-classification",
+         overrides={"conv_dim": [16, 16], "conv_stride": [5, 4], "conv_kernel": [10, 8], "num_conv_pos_embeddings": 8,
+                    "num_conv_pos_embedding_groups": 4}),
+    Arch("whisper_classifier", "audio", "whisper", "audio-classification"),
+    Arch("audio-spectrogram-transformer", "audio", "audio-spectrogram-transformer", "audio-classification",
+         overrides={"max_length": 32, "patch_size": 8, "frequency_stride": 8, "time_stride": 8}),
+]
+
+BY_NAME = {a.name: a for a in ARCHS}
+FAMILIES = sorted({a.family for a in ARCHS})

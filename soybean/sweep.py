@@ -1,0 +1,193 @@
+"""The architecture sweep: does each architecture of ``models.archs`` train with soybean exactly as it does alone?
+
+For one architecture (``sweep_arch``):
+
+* ``check``: every strategy of every rule its graph uses, on simulated ranks in float64 (``soybean.check``);
+* ``time`` and ``comm``: ``soybean.parallelize(model, kwargs, devices=N, objective=...)`` trained for a few
+  AdamW steps (``model(**kwargs).loss``), every rank a thread of this process (``tier="threads"``) or a gloo
+  process (``tier="gloo"``), and the loss of every step, every gradient of the first step and every parameter
+  after the last compared with the model trained alone (``differences``); ``comm`` (SoyBean's objective:
+  bytes) splits parameters where the default objective, on tiny models, mostly keeps them whole.
+
+"Equal" is judged against the float64 serial run (``differences``): the parallel float32 run must be as close to
+it as the float32 serial run is.
+"""
+from __future__ import annotations
+
+import copy
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .models import archs
+from .testing import Trace, train_parallel_threads, train_serial
+
+STEPS, LR = 3, 1e-4  # lr 1e-4: AdamW moves a parameter whose gradient is 0 up to rounding by lr (tests/test_hf.py)
+OBJECTIVES = ("time", "comm")
+
+
+@dataclass
+class Row:
+    """One architecture's results: per column ``ok``, ``FAIL: why`` or ``error: why``."""
+
+    name: str
+    family: str
+    task: str
+    results: dict[str, str] = field(default_factory=dict)
+    split: dict[str, str] = field(default_factory=dict)   # objective -> "k/n" parameters split
+    no_rule: list[str] = field(default_factory=list)        # ops that ran replicated for want of a rule
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(v == "ok" for v in self.results.values())
+
+
+def _float64(x: Any) -> Any:
+    return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+# A parallel run is as exact as the serial one when, for every loss, gradient and parameter, its distance to the
+# float64 serial run is at most SLACK times the float32 serial run's, plus the comparison's tolerance.
+SLACK = 3.0
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def differences(serial: Trace, exact: Trace, parallel: Trace) -> list[str]:
+    """Where ``parallel`` (float32) is further from the float64 serial run ``exact`` than the float32 serial run
+    ``serial`` is, beyond ``SLACK`` and the tolerance: the lines name the tensor and both distances.
+
+    Why not ``parallel`` against ``serial`` directly: summing in another order rounds differently, and AdamW
+    divides each gradient element by its own size, so a parameter whose gradient is zero in exact arithmetic
+    (a key bias under softmax) moves by up to the learning rate on rounding noise alone -- serially as in
+    parallel, in unrelated directions.  Both float32 runs are then equally far from the exact one."""
+    out = []
+    pairs = [("loss", dict(enumerate(serial.losses)), dict(enumerate(exact.losses)), dict(enumerate(parallel.losses)))]
+    pairs += [(kind, getattr(serial, kind), getattr(exact, kind), getattr(parallel, kind))
+              for kind in ("grads", "params", "buffers")]
+    for kind, s32, s64, par in pairs:
+        for k, want in s64.items():
+            if k not in par:
+                out.append(f"{kind} {k} missing")
+                continue
+            w = torch.as_tensor(want, dtype=torch.float64)
+            p, s = torch.as_tensor(par[k]).double(), torch.as_tensor(s32[k]).double()
+            if p.shape != w.shape:
+                out.append(f"{kind} {k}: shape {tuple(p.shape)} != {tuple(w.shape)}")
+                continue
+            if not w.is_floating_point() or not w.numel():
+                continue
+            serial_err = float((s - w).abs().max())
+            err = float((p - w).abs().max())
+            if err > SLACK * serial_err + ATOL + RTOL * float(w.abs().max()):
+                out.append(f"{kind} {k}: {err:.3g} from float64 serial (float32 serial: {serial_err:.3g})")
+    return out
+
+
+def exact_serial(model: torch.nn.Module, kwargs: dict, serial: Trace, steps: int = STEPS, lr: float = LR) -> Trace:
+    """The float64 serial run of ``model`` on ``kwargs``; ``serial`` (the float32 run) for a model that does not run
+    in float64 (then the parallel run is compared with it at the plain tolerance)."""
+    try:
+        return train_serial(copy.deepcopy(model).double(), {k: _float64(v) for k, v in kwargs.items()}, steps=steps,
+                            lr=lr)
+    except RuntimeError:
+        return serial
+
+
+def _gloo_rank(rank: int, world: int, name: str, objective: str, steps: int, lr: float) -> Trace:
+    """One gloo rank of ``train_gloo``: build the architecture (same seed on every rank), parallelize, train."""
+    from .api import parallelize
+    from .testing import _gather_grads, _train
+
+    model, kwargs = archs.build(archs.BY_NAME[name])
+    pm = parallelize(model, kwargs, devices=world, objective=objective)
+    losses, grads = _train(pm, kwargs, steps, lr, _gather_grads)
+    full = pm.full_tensors()
+    names = {k for k, _ in model.named_parameters()}
+    return Trace(losses, grads, {k: v for k, v in full.items() if k in names},
+                 {k: v for k, v in full.items() if k not in names})
+
+
+def train(arch: archs.Arch, objective: str, devices: int, tier: str, steps: int = STEPS,
+          lr: float = LR) -> tuple[Trace, dict[str, list[str]]]:
+    """The parallel trace of ``arch`` and its plan's parameter tilings (rank 0's)."""
+    if tier == "gloo":
+        from .runtime.launch import spawn
+
+        traces = spawn(_gloo_rank, devices, arch.name, objective, steps, lr, timeout_s=600)
+        return traces[0], {}
+    model, kwargs = archs.build(arch)
+    trace, plan = train_parallel_threads(model, kwargs, devices=devices, objective=objective, steps=steps, lr=lr)
+    return trace, plan.params
+
+
+def sweep_arch(arch: archs.Arch, columns: tuple[str, ...] = ("check", *OBJECTIVES), devices: int = 2,
+               tier: str = "threads", say: Callable[[str], None] | None = None) -> Row:
+    """One architecture through ``columns`` (``check`` and objectives)."""
+    from .capture import capture
+    from .check import check_model
+    from .graph import fallback_ops
+
+    t0 = time.perf_counter()
+    row = Row(arch.name, arch.family, arch.task)
+    try:
+        model, kwargs = archs.build(arch)
+        row.no_rule = fallback_ops(capture(model, (), kwargs))
+        serial = train_serial(model, kwargs, steps=STEPS, lr=LR)
+        exact = exact_serial(model, kwargs, serial) if any(c in OBJECTIVES for c in columns) else serial
+    except Exception as e:  # a model that does not build or capture: the row says why
+        row.results["capture"] = f"error: {type(e).__name__}: {_first(e)}"
+        row.seconds = time.perf_counter() - t0
+        return row
+    for col in columns:
+        try:
+            if col == "check":
+                rep = check_model(model, kwargs, devices=devices)
+                row.results[col] = "ok" if rep.ok else f"FAIL: {len(rep.failures)} inexact: {rep.failures[0].message}"
+                continue
+            par, params = train(arch, col, devices, tier)
+            bad = differences(serial, exact, par)
+            row.split[col] = f"{sum(1 for t in params.values() if any(p != 'R' for p in t))}/{len(params)}"
+            row.results[col] = "ok" if not bad else f"FAIL: {len(bad)} differ: {'; '.join(bad[:2])}"
+        except Exception as e:
+            row.results[col] = f"error: {type(e).__name__}: {_first(e)}"
+            if say is not None:
+                say(traceback.format_exc())
+    row.seconds = time.perf_counter() - t0
+    return row
+
+
+def _first(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def table(rows: list[Row], columns: tuple[str, ...]) -> list[str]:
+    """The sweep as a Markdown table: architecture, family, each column, the ops without a rule."""
+    head = ["architecture", "family", *columns, "ops without a rule"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = []
+        for c in columns:
+            v = r.results.get(c, r.results.get("capture", ""))
+            mark = "yes" if v == "ok" else ("no" if v.startswith("FAIL") else "error")
+            if c in r.split and v == "ok":
+                mark += f" ({r.split[c]} split)"
+            cells.append(mark)
+        out.append("| " + " | ".join([r.name, r.family, *cells, ", ".join(r.no_rule) or "none"]) + " |")
+    return out
+
+
+def summary(rows: list[Row], columns: tuple[str, ...]) -> list[str]:
+    """One line per column: how many architectures pass it."""
+    return [f"{c}: {sum(1 for r in rows if r.results.get(c) == 'ok')} of {len(rows)} equal"
+            + ("" if c != "check" else " (every strategy exact)") for c in columns]
+
+
+def rows_json(rows: list[Row]) -> list[dict[str, Any]]:
+    return [{"architecture": r.name, "family": r.family, "task": r.task, "results": r.results, "split": r.split,
+             "no_rule": r.no_rule, "seconds": round(r.seconds, 1)} for r in rows]
