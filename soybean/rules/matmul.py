@@ -141,8 +141,8 @@ def matmul(op: OpSpec) -> list[Strategy1D]:
 
 def einsum_subscripts(equation: str, ranks: Sequence[int]) -> tuple[list[str], str]:
     """``torch.einsum``'s equation as one letter per dim of each operand and of the output: spaces dropped,
-    ``...`` replaced by letters the equation does not use (right-aligned across operands, as it broadcasts), an implicit output
-    (no ``->``) made explicit (the broadcast dims, then the letters used once, sorted)."""
+    ``...`` replaced by letters the equation does not use (right-aligned across operands, as it broadcasts),
+    an implicit output (no ``->``) made explicit (the broadcast dims, then the letters used once, sorted)."""
     eq = equation.replace(" ", "")
     lhs, arrow, rhs = eq.partition("->")
     subs = lhs.split(",")
