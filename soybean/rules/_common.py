@@ -96,7 +96,7 @@ class Args:
         return len(self.op.inputs) + j
 
     def strategy(
-        self, roles: Roles, outs: Sequence[Placement] | Placement, even: Iterable[tuple[int, int]] = ()
+        self, roles: Roles, outs: Sequence[Placement] | Placement, even: Iterable[tuple[int, ...]] = ()
     ) -> Strategy1D:
         """``Strategy1D`` from ``{argument name: placement(s)}``; absent tensors are skipped."""
         ins: list[Placement] = [R] * len(self.op.inputs)
