@@ -37,6 +37,8 @@ Then the exported graph goes through ``PASSES``, exact in-place rewrites run in 
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
 import math
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -73,6 +75,8 @@ class Captured:
     # stored like buffers, but no part of the model's state (``constants_as_buffers``).
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     frozen: frozenset[str] = frozenset()  # parameters (FQNs) whose ``requires_grad`` is False: never trained
+    arg_names: tuple[str, ...] = ()   # forward's parameters that take a value by position or by name, in order
+    keys: dict[str, str] = field(default_factory=dict)  # node name -> structural key (``structural_keys``)
 
     @property
     def graph(self) -> fx.Graph:
@@ -81,11 +85,20 @@ class Captured:
     def flatten_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
         """The user inputs of a call ``forward(*args, **kwargs)``, in the order of ``inputs``.
 
-        Keyword arguments may come in any order (they are matched by name); the call must otherwise have
-        the captured structure: the same positional count and keywords, the same Python constants."""
+        Arguments are matched to forward's parameters by name (``arg_names``), so a tensor passed by position at
+        capture may be passed by keyword later, and keywords in any order; the call must otherwise give the
+        captured arguments, with the same Python constants."""
         if self.in_spec is None:
             return list(args)
         keys = list(self.in_spec.child(1).context) if self.in_spec.num_children > 1 else []
+        n_pos = self.in_spec.child(0).num_children
+        if (len(args), set(kwargs)) != (n_pos, set(keys)) and self.arg_names:
+            given = dict(zip(self.arg_names, args))
+            if len(args) <= len(self.arg_names) and not set(given) & set(kwargs):
+                given.update(kwargs)
+                want = [*self.arg_names[:n_pos], *keys]
+                if set(given) == set(want):
+                    args, kwargs = tuple(given[n] for n in self.arg_names[:n_pos]), {k: given[k] for k in keys}
         if set(kwargs) != set(keys):
             raise TypeError(f"this model was captured with keyword arguments {sorted(keys)}, got {sorted(kwargs)}: "
                             "call it as it was called when it was parallelized")
@@ -96,15 +109,38 @@ class Captured:
         return leaves
 
 
-def _fingerprint(gm: fx.GraphModule) -> str:
-    import hashlib
+def structural_keys(gm: fx.GraphModule, names: dict[str, str]) -> dict[str, str]:
+    """Every value node's *structural key*: a hash of what it computes, from the graph's inputs up (a placeholder
+    by ``names``' FQN, shape and dtype; an op by its target, its constant arguments and its inputs' keys).
 
-    h = hashlib.sha256()
+    Two captures of one model agree on these keys even when they list independent computations in another order
+    (Python ``set`` iteration in a forward differs between processes: ModernBERT computes each layer type's rotary
+    table in the order of ``set(layer_types)``), where node names, made in graph order, do not; a plan is matched
+    to a graph by them (``plan.Plan.aligned``)."""
+    keys: dict[str, str] = {}
+
+    def arg(a: Any) -> Any:
+        return ("node", keys[a.name]) if isinstance(a, fx.Node) else a
+
     for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
-        h.update(f"{n.op}|{n.target}|{shape}|{len(n.args)}\n".encode())
-    return h.hexdigest()[:16]
+        if n.op == "placeholder":
+            v = n.meta.get("val")
+            desc: Any = ("placeholder", names.get(n.name, n.name), tuple(v.shape) if isinstance(v, torch.Tensor) else v,
+                         str(getattr(v, "dtype", "")))
+        elif n.op == "call_function":
+            desc = (str(n.target), tree_map(arg, (tuple(n.args), dict(n.kwargs))))
+        elif n.op == "get_attr":  # a submodule a higher-order op calls (a pass left out keeps it)
+            desc = ("get_attr", str(n.target))
+        else:
+            continue
+        keys[n.name] = hashlib.sha1(repr(desc).encode()).hexdigest()[:16]
+    return keys
+
+
+def _fingerprint(keys: dict[str, str]) -> str:
+    """The graph's structure as one hash, whatever the order of its independent computations: every node's
+    structural key, sorted."""
+    return hashlib.sha256("\n".join(sorted(keys.values())).encode()).hexdigest()[:16]
 
 
 def split_example(example_inputs: Any, example_kwargs: dict[str, Any] | None = None) -> tuple[tuple, dict[str, Any]]:
@@ -175,8 +211,24 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
     constants = constants_as_buffers(gm)
     buffers.update({name: name for name in constants})
     frozen = frozenset(fqn for fqn, p in named.items() if not p.requires_grad)
-    return Captured(gm, params, buffers, inputs, aliases, _fingerprint(gm), out_spec=ep.call_spec.out_spec,
-                    in_spec=ep.call_spec.in_spec, constants=constants, frozen=frozen)
+    keys = structural_keys(gm, {**params, **buffers})
+    return Captured(gm, params, buffers, inputs, aliases, _fingerprint(keys), out_spec=ep.call_spec.out_spec,
+                    in_spec=ep.call_spec.in_spec, constants=constants, frozen=frozen, arg_names=_arg_names(model),
+                    keys=keys)
+
+
+def _arg_names(model: torch.nn.Module) -> tuple[str, ...]:
+    """The names of ``model.forward``'s parameters that take a value by position or by name (up to a ``*args``)."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return ()
+    out = []
+    for p in sig.parameters.values():
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        out.append(p.name)
+    return tuple(out)
 
 
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None))
@@ -232,17 +284,33 @@ def inline_empty_constants(gm: fx.GraphModule) -> None:
 
 
 def constants_as_buffers(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
-    """The tensor constants still read after the passes, by placeholder name, which becomes their buffer name:
-    a constant is a value like any other, planned like a buffer (replicated, or split as its consumers need it)
-    and kept by every rank as its tile.  Unread ones are erased."""
+    """The tensor constants still read after the passes, by buffer name: a constant is a value like any other,
+    planned like a buffer (replicated, or split as its consumers need it) and kept by every rank as its tile.
+
+    Each is named by its value (``constant_<hash of dtype, shape, bytes>``), not by export's numbering, which
+    follows the order forward made them in and may differ between processes; equal constants become one.
+    Unread ones are erased."""
     constants: dict[str, torch.Tensor] = gm.meta.pop(CONSTANTS, {})
     out: dict[str, torch.Tensor] = {}
-    for n in list(gm.graph.nodes):
-        if n.op == "placeholder" and n.name in constants:
-            if n.users:
-                out[n.name] = constants[n.name].detach().clone()
-            else:
-                gm.graph.erase_node(n)
+    made: dict[str, fx.Node] = {}
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op != "placeholder" or n.name not in constants:
+            continue
+        value = constants[n.name].detach()
+        if not n.users:
+            g.erase_node(n)
+            continue
+        raw = value.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        digest = hashlib.sha1(f"{value.dtype}{tuple(value.shape)}".encode() + raw)
+        name = f"constant_{digest.hexdigest()[:12]}"
+        if name not in made:
+            with g.inserting_before(n):
+                made[name] = g.placeholder(name)
+            made[name].meta.update(n.meta)
+            out[made[name].name] = value.clone()
+        n.replace_all_uses_with(made[name])
+        g.erase_node(n)
     gm.recompile()
     return out
 

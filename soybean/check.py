@@ -129,10 +129,13 @@ def _random(target: Any, args: tuple, kwargs: dict) -> bool:
 
 
 def check_captured(cap: Captured, env: dict[fx.Node, Any], meshes: Sequence[Mesh], every_node: bool = False,
-                   progress: Callable[[str], None] | None = None, seed: int = 0) -> CheckReport:
-    """Check every strategy of every op of ``cap`` on ``meshes`` with the values ``env`` (``values``)."""
+                   progress: Callable[[str], None] | None = None, seed: int = 0,
+                   seen: dict[Any, None] | None = None) -> CheckReport:
+    """Check every strategy of every op of ``cap`` on ``meshes`` with the values ``env`` (``values``).  ``seen``:
+    the ops (``graph.op_key``, with the meshes) already checked, shared across models (a suite of models repeats
+    most of its ops); those are skipped and the ones checked here are added."""
     report = CheckReport([m.shape for m in meshes])
-    seen: dict[Any, None] = {}
+    seen = {} if seen is None else seen
     unruled: dict[str, None] = {}
     forward_only: dict[str, None] = {}
     rnd: dict[str, None] = {}
@@ -150,7 +153,8 @@ def check_captured(cap: Captured, env: dict[fx.Node, Any], meshes: Sequence[Mesh
         if _random(n.target, args, kwargs):
             rnd[op.name] = None
             continue
-        key = op_key(op) if not every_node else None
+        okey = op_key(op) if not every_node else None
+        key = (okey, tuple(m.shape for m in meshes)) if okey is not None else None
         report.nodes += 1
         if key is not None and key in seen:
             continue
@@ -181,9 +185,10 @@ def check_captured(cap: Captured, env: dict[fx.Node, Any], meshes: Sequence[Mesh
 
 def check_model(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict | None = None, *,
                 devices: int = 2, meshes: Sequence[tuple[int, ...] | Mesh] | None = None, every_node: bool = False,
-                progress: Callable[[str], None] | None = None) -> CheckReport:
+                progress: Callable[[str], None] | None = None, seen: dict[Any, None] | None = None) -> CheckReport:
     """Check every rule ``model``'s plans on ``devices`` may use (every mesh shape the planner tries, or
-    ``meshes``) with the model's own ops and values, in float64 (see the module docstring)."""
+    ``meshes``) with the model's own ops and values, in float64 (see the module docstring); ``seen`` as
+    ``check_captured``."""
     if any(t.is_meta for t in model.parameters()):
         raise ValueError("soybean check runs the model's ops on real values: build it on the CPU, not the meta "
                          "device (a small config or batch is enough: the rules are checked, not the size)")
@@ -199,7 +204,7 @@ def check_model(model: torch.nn.Module, example_inputs: Any, example_kwargs: dic
         cap = capture(model, args, kwargs)
         env = values(cap, model, args, kwargs)
         dtype = "the model's own dtypes (it does not run in float64)"
-    report = check_captured(cap, env, mesh_list, every_node=every_node, progress=progress)
+    report = check_captured(cap, env, mesh_list, every_node=every_node, progress=progress, seen=seen)
     report.dtype = dtype
     return report
 

@@ -192,6 +192,7 @@ def _key(v: Var, c: int) -> tuple:
 
 def explain(cap: Captured, plan: Plan, profile: Profile | None = None) -> Explanation:
     """Every variable's row and next-best alternative under ``plan`` (module docstring)."""
+    plan = plan.aligned(cap.keys)  # named as this capture names its nodes
     g = plan_table(cap, plan, profile)
     return explain_table(g, plan_choice(g, plan), plan)
 

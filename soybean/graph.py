@@ -551,6 +551,8 @@ def build(
     ``fixed``, the plan's): their ops keep only what leaves the layer, pay one more forward pass, and the
     forward collectives of the reads inside the layer run again (``_Rerun``).
     """
+    if fixed is not None:  # named as this capture names its nodes
+        fixed = fixed.aligned(cap.keys)
     with _gc_paused():
         return _build(cap, mesh, profile, objective, domains or {}, pin_params, local_outputs, divide_work, fixed,
                       tuple(gather_axes), share, frozenset(fixed.recompute if fixed is not None else recompute))

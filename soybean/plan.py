@@ -10,7 +10,7 @@ field, ``solver.seconds``, is rounded to 0.1 s.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,41 @@ class Plan:
     # step's collectives with the algorithm each runs (``planner.reshard_records``)
     collectives: str = "auto"
     reshards: list[dict[str, Any]] = field(default_factory=list)
+    # every op node's [name, structural key] (``capture.structural_keys``), in the order of the graph it was planned
+    # on: how ``aligned`` finds a node in another process's capture of the same model, whose node names may follow
+    # another order, and the order every rank lowers its ops in (``codegen.lower.walk_order``)
+    keys: list[list[str]] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
+
+    def aligned(self, keys: dict[str, str]) -> Plan:
+        """This plan with its ``nodes`` named as in a graph whose node keys are ``keys`` (``Captured.keys``).
+
+        A process captures a model's independent computations in the order its forward runs them, which Python's
+        ``set`` iteration can change from one process to the next; node names follow that order.  Nodes are matched
+        by structural key (two nodes with one key compute the same value, matched in order), and a reshard point
+        ``name:k`` follows its producer.  Raises ``ValueError`` when the graphs compute different things."""
+        if not self.keys or all(keys.get(n) == k for n, k in self.keys):
+            return self
+        mine: dict[str, list[str]] = {}
+        for n, k in self.keys:
+            mine.setdefault(k, []).append(n)
+        theirs: dict[str, list[str]] = {}
+        for n, k in keys.items():
+            theirs.setdefault(k, []).append(n)
+        rename: dict[str, str] = {}
+        for k, names in mine.items():
+            there = theirs.get(k, [])
+            if len(there) < len(names):
+                raise ValueError(f"plan was made for another model: its node {names[0]} computes nothing this graph "
+                                 "computes: re-run `soybean plan` for this model and batch")
+            rename.update(zip(names, there))
+
+        def local(name: str) -> str:
+            src, colon, k = name.rpartition(":")
+            return f"{rename.get(src, src)}:{k}" if colon else rename.get(name, name)
+
+        nodes = {local(n): rec for n, rec in self.nodes.items()}
+        return replace(self, nodes=nodes, keys=[[rename.get(n, n), k] for n, k in self.keys])
 
     # ---- placements as objects ----
     def param_tiling(self, fqn: str) -> tuple[Placement, ...]:

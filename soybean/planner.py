@@ -494,6 +494,7 @@ def to_plan(
         precision=cap.precision, recompute=sorted(recompute), reshards=reshard_records(g, sol.choice),
         tying={"used": bool(r.runs), "runs": [x.record() for x in r.runs],
                "variables": [len(g.vars), len(g.vars) - sum(len(b) for x in r.runs for b in x.blocks[1:])]},
+        keys=[[n, k] for n, k in cap.keys.items() if n in nodes],
     )
 
 

@@ -120,6 +120,21 @@ def test_bench_runs_only_the_selected_variants() -> None:
 
 
 @pytest.mark.dist
+def test_bench_takes_what_a_hugging_face_causal_lm_returns() -> None:
+    """A mixture-of-experts causal LM as transformers returns it (``MoeCausalLMOutputWithPast``): its logits."""
+    pytest.importorskip("transformers")
+    args = {"raw": True, "batch": 2, "seq": 8, "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+            "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "num_experts": 2, "num_experts_per_tok": 1, "vocab_size": 64}
+    cfg = BenchConfig(model="hf:qwen2_moe", devices=2, args=args, steps=2, warmup=1, timeout_s=180,
+                      variants=("serial", "ddp", "soybean"), rounds=1)
+    report = run_bench(cfg)
+    for v in ("serial", "ddp", "soybean"):
+        assert report["step_s"][v], (v, report["reasons"].get(v))
+    assert report["first_loss"]["soybean"] == pytest.approx(report["first_loss"]["serial"], rel=1e-4)
+
+
+@pytest.mark.dist
 def test_bench_computes_the_loss_outside_the_model_in_both_contracts() -> None:
     """``--loss outside``: the step is ``loss = model.loss_fn(model(x), y)`` for every variant; soybean under the
     full-batch contract (a lazily gathered output) and the local-batch one (DDP's) both start from the serial

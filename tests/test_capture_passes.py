@@ -74,7 +74,7 @@ def _reduction(n: fx.Node, position: int) -> object:
 
 # What each pass removes: True when the construct it rewrites is still in the graph.
 CONSTRUCT: dict[str, Callable[[fx.Graph], bool]] = {
-    "inline_empty_constants": lambda g: any(n.op == "placeholder" and n.name.startswith("c_") for n in g.nodes),
+    "inline_empty_constants": lambda g: any(n.op == "placeholder" and n.name.startswith("constant_") for n in g.nodes),
     "functionalize": lambda g: any(n.op == "call_function" and functional_variant(n.target) is not None
                                    for n in g.nodes),
     "inline_grad_regions": lambda g: bool(calls(g, torch.ops.higher_order.wrap_with_set_grad_enabled)),

@@ -13,6 +13,7 @@ planned on the meta device for 8 H100s, is modelled strictly faster than both ba
 from __future__ import annotations
 
 import functools
+import json
 import sys
 
 import pytest
@@ -131,3 +132,60 @@ def test_gpt2_small_on_8_h100s_beats_both_baselines() -> None:
     step = p.cost["step_time_s"]
     for baseline in ("data_parallel", "model_parallel"):
         assert step < p.baselines[baseline]["step_time_s"], f"{step} s is not below {baseline}: {p.baselines}"
+
+
+TASK_CASES = [
+    ("t5", "seq2seq", dict(num_layers=1, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=64),
+     ("input_ids", "labels")),
+    ("bart", None, dict(encoder_layers=1, decoder_layers=1, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                        encoder_attention_heads=2, decoder_attention_heads=2, vocab_size=64), ("input_ids", "labels")),
+    ("vit", None, dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                       image_size=16, patch_size=8), ("pixel_values", "labels")),
+    ("wav2vec2", None, dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                            conv_dim=[8, 8], conv_stride=[5, 4], conv_kernel=[10, 8], num_conv_pos_embeddings=8,
+                            num_conv_pos_embedding_groups=2), ("input_values", "labels")),
+    ("whisper", "speech-seq2seq", dict(encoder_layers=1, decoder_layers=1, d_model=32, encoder_ffn_dim=64,
+                                       decoder_ffn_dim=64, encoder_attention_heads=2, decoder_attention_heads=2,
+                                       num_mel_bins=8, max_source_positions=8, vocab_size=64),
+     ("input_features", "labels")),
+]
+
+
+@pytest.mark.parametrize("model_type,task,config,names", TASK_CASES, ids=[c[0] for c in TASK_CASES])
+def test_every_task_builds_with_the_inputs_its_model_takes(model_type: str, task: str | None, config: dict,
+                                                           names: tuple[str, ...]) -> None:
+    """``hf:`` names encoder-decoders, image and audio classifiers: their heads, and the inputs they take."""
+    model, inputs = hf.build(model_type, task=task, batch=2, seq=6, **config)
+    assert model.names == names and len(inputs) == len(names)
+    loss = model(*inputs)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    cap = capture(model, inputs)
+    assert cap.inputs and not make_plan(None, (), 2, captured=cap, baselines=False).fallback_ops
+
+
+def test_default_tasks_follow_the_model_type() -> None:
+    from transformers import AutoConfig
+
+    expect = {"gpt2": "causal-lm", "bert": "masked-lm", "t5": "seq2seq", "bart": "seq2seq", "vit": "image-classification",
+              "wav2vec2": "audio-classification", "whisper": "speech-seq2seq"}
+    for model_type, task in expect.items():
+        assert hf.default_task(model_type, AutoConfig.for_model(model_type)) == task, model_type
+    with pytest.raises(ValueError, match="no masked-lm head"):
+        hf.build("vit", task="masked-lm", meta=True)
+
+
+def test_t5_plans_on_the_meta_device_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from soybean import cli
+
+    argv = ["plan", "hf:t5", "--arg", "meta=True", "--arg", "batch=8", "--arg", "seq=128", "--arg", "num_layers=2",
+            "--devices", "8", "--mesh", "2x4", "--quiet", "--format", "json"]
+    assert cli.main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["mesh"] == [2, 4] and plan["fallback_ops"] == []
+
+
+def test_an_unrolled_recurrence_fails_fast_with_the_fix() -> None:
+    """RWKV on a CPU loops over tokens in Python: 12 layers x 128 tokens would capture ~50,000 ops."""
+    with pytest.raises(ValueError, match=r"--arg seq=\d+ or less"):
+        hf.build("rwkv", meta=True, batch=16, seq=128, num_hidden_layers=12, hidden_size=768,
+                 attention_hidden_size=768, intermediate_size=3072)

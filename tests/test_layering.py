@@ -32,10 +32,11 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parent.parent / "soybean"
 
 # A module is in a layer when its name is the prefix or starts with "prefix.".
-CORE = ["soybean.capture", "soybean.graph", "soybean.reshard", "soybean.mesh", "soybean.tiling", "soybean.plan",
-        "soybean.planner", "soybean.rules", "soybean.cost", "soybean.search", "soybean.codegen", "soybean.runtime"]
+CORE = ["soybean.capture", "soybean.functionalize", "soybean.graph", "soybean.reshard", "soybean.mesh",
+        "soybean.tiling", "soybean.plan", "soybean.planner", "soybean.rules", "soybean.cost", "soybean.search",
+        "soybean.codegen", "soybean.runtime"]
 TOOLING = ["soybean.bench", "soybean.testing", "soybean.models", "soybean.cli", "soybean.report", "soybean.api",
-           "soybean.explain", "soybean.draw", "soybean.plandiff", "soybean.compile"]
+           "soybean.explain", "soybean.draw", "soybean.plandiff", "soybean.compile", "soybean.check", "soybean.sweep"]
 
 
 def in_layer(module: str, prefixes: list[str]) -> bool:

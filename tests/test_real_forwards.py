@@ -8,7 +8,7 @@
   and the gradient sync does not wait for it;
 * state-dict hooks: ``full_state_dict`` is ``model.state_dict()`` (a fused ``wqkv`` presented as ``wq``/``wk``/
   ``wv``), and ``load_full_state_dict`` takes what ``model.state_dict()`` gives;
-* keyword arguments, in any order.
+* keyword arguments, in any order, or by position (matched to forward's parameters by name).
 """
 from __future__ import annotations
 
@@ -134,6 +134,8 @@ def test_keywords_in_any_order_and_a_wrong_call_is_named() -> None:
     def body(rank: int, groups: list) -> float:
         pm = parallelize(model, kwargs, plan=plan, rank=rank, groups=groups)
         loss = pm(labels=kwargs["labels"], ids=kwargs["ids"])["loss"]  # the other order
+        again = pm(kwargs["ids"], kwargs["labels"])["loss"]  # by position: matched to forward's parameters by name
+        assert torch.equal(loss, again)
         with pytest.raises(TypeError, match="captured with keyword arguments"):
             pm(ids=kwargs["ids"])
         return float(loss)
@@ -163,3 +165,49 @@ def test_sliding_window_mask_of_constants_folds() -> None:
     assert sdpa.args[3] is None and sdpa.args[5] is True and not cap.constants
     assert math.isfinite(float(cap.graph_module(*[p for _, p in Windowed().named_parameters()],
                                                  torch.randn(2, 5, 8))[0]))
+
+
+class Branches(nn.Module):
+    """Two independent branches of one shape, computed in an order a flag sets: what Python's ``set`` iteration
+    does to a forward in two processes (ModernBERT's rotary tables per layer type)."""
+
+    def __init__(self, swap: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 12), nn.Linear(8, 12)
+        self.out = nn.Linear(24, 4)
+        self.swap = swap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        names = ("b", "a") if self.swap else ("a", "b")
+        # a batch-split branch's sum over the batch is a pending sum, made whole before exp: one all-reduce each
+        made = {n: getattr(self, n)(x).tanh().sum(0).exp() for n in names}
+        return self.out(torch.cat([made["a"], made["b"]], dim=-1)).pow(2).mean()
+
+
+def test_ranks_whose_captures_order_independent_ops_differently_run_one_program() -> None:
+    """A plan made on one order runs on a capture in the other (names matched by structural key, ops lowered in the
+    plan's order): every rank issues its collectives in one order (each branch's all-reduce), and training equals
+    serial.  Lowered in each rank's own order, rank 0 would sum its ``a`` with rank 1's ``b``."""
+    x = torch.randn(6, 8)
+    first, second = capture(Branches(False), (x,)), capture(Branches(True), (x,))
+    assert first.fingerprint == second.fingerprint and first.keys != second.keys  # same structure, other names
+    plan = make_plan(None, (), devices=2, captured=first, mode="dp", baselines=False)
+    assert plan.inputs["x"] == ["S(0)"]
+    serial = train_serial(Branches(False), (x,), lr=LR)
+    models = [Branches(False), Branches(True)]  # built here: the global random state is no thread's own
+
+    def body(rank: int, groups: list) -> list[float]:
+        pm = parallelize(models[rank], (x,), plan=plan, rank=rank, groups=groups, captured=second if rank else first)
+        opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+        losses = []
+        for _ in range(3):
+            loss = pm(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        return losses
+
+    for losses in run_threads(Mesh((2,)), body):
+        assert losses == pytest.approx(serial.losses, rel=1e-5)

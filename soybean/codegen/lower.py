@@ -25,6 +25,7 @@ A parameter's own gradient all-reduce is not emitted: its axes are collected in
 """
 from __future__ import annotations
 
+import heapq
 import operator
 from collections.abc import Mapping
 from pathlib import Path
@@ -135,6 +136,42 @@ def _lazy_output_sums(g: fx.Graph) -> None:
             g.erase_node(ar)
 
 
+def walk_order(cap: Captured, plan: Plan) -> list[fx.Node]:
+    """The captured graph's nodes in the order the plan's graph listed its ops (``Plan.keys``, matched by structural
+    key: ``Plan.aligned``), so that every rank emits its collectives in one order.
+
+    Each process captures a model's independent computations in the order its forward runs them, which Python's
+    ``set`` iteration can change between processes (ModernBERT's rotary tables per layer type); two ranks walking
+    their own orders would pair one's all-gather of one table with the other's of the other.  The order is a
+    topological sort of the local graph by the plan's positions (a ``getitem`` right after its producer, local
+    order between equals); placeholders stay first in local order (the program's signature), the output last."""
+    nodes = list(cap.graph.nodes)
+    pos = {n: i for i, (n, _) in enumerate(plan.aligned(cap.keys).keys)}
+    ops = [n for n in nodes if n.op == "call_function"]
+    planned = [pos[n.name] for n in ops if n.name in pos]
+    if planned == sorted(planned):
+        return nodes  # already the plan's order
+    index = {n: i for i, n in enumerate(nodes)}
+
+    def priority(n: fx.Node) -> tuple[float, int]:
+        src = n.args[0] if n.target is operator.getitem and isinstance(n.args[0], fx.Node) else n
+        return (pos.get(src.name, pos.get(n.name, float(index[n]))) + (0.5 if src is not n else 0.0), index[n])
+
+    waiting = {n: sum(1 for a in n.all_input_nodes if a.op == "call_function") for n in ops}
+    ready = [(priority(n), n.name, n) for n in ops if not waiting[n]]
+    heapq.heapify(ready)
+    out: list[fx.Node] = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        out.append(n)
+        for u in n.users:
+            if u in waiting:
+                waiting[u] -= 1
+                if not waiting[u]:
+                    heapq.heappush(ready, (priority(u), u.name, u))
+    return [n for n in nodes if n.op == "placeholder"] + out + [n for n in nodes if n.op == "output"]
+
+
 class Lowering:
     """One rank's program for ``plan``: placeholders as in ``cap`` (params and buffers as local tiles)."""
 
@@ -164,7 +201,7 @@ class Lowering:
         self.readonly: set[fx.Node] = set()                 # lowered values of placeholders nothing writes
 
     def run(self) -> fx.GraphModule:
-        for node in self.cap.graph.nodes:
+        for node in walk_order(self.cap, self.plan):
             if node.op == "placeholder":
                 self.placeholder(node)
             elif node.op == "call_function" and node.target is operator.getitem:

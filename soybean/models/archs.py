@@ -65,7 +65,7 @@ class Arch:
 def build(arch: Arch, seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """``(model, kwargs)``: the architecture's model with random weights, in training mode, and its example
     batch with labels, by keyword."""
-    config = arch.config()
+    config = hf.for_task(arch.config(), arch.task)
     cls = hf.head_class(arch.model_type, config, arch.task)
     torch.manual_seed(seed)
     model = cls(config)
@@ -75,6 +75,14 @@ def build(arch: Arch, seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]
 
 def _rope(dim: int = 8) -> dict[str, Any]:
     return {"rotary_dim": dim}
+
+
+# DeepSeek-V3's multi-head latent attention at tiny sizes (low-rank q and kv, rotary and plain halves of a head).
+_MLA = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+        "head_dim": 8, "n_group": 1, "topk_group": 1, "num_key_value_heads": 4}
+# A two-layer waveform feature extractor (strides 5 x 4) and a small positional convolution.
+_WAVE = {"conv_dim": [16, 16], "conv_stride": [5, 4], "conv_kernel": [10, 8], "num_conv_pos_embeddings": 8,
+         "num_conv_pos_embedding_groups": 4}
 
 
 # The suite.  ``overrides`` only make the tiny sizes consistent (a rotary dim within a head, a window or
@@ -117,19 +125,13 @@ ARCHS: list[Arch] = [
     Arch("helium", "decoder", "helium"),
     Arch("smollm3", "decoder", "smollm3"),
     Arch("nemotron", "decoder", "nemotron", overrides={"partial_rotary_factor": 0.5, "num_key_value_heads": 2}),
-    Arch("deepseek_v3_dense", "decoder", "deepseek_v3",
-         overrides={"first_k_dense_replace": 2, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
-                    "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "n_group": 1, "topk_group": 1,
-                    "num_key_value_heads": 4}),
+    Arch("deepseek_v3_dense", "decoder", "deepseek_v3", overrides={**_MLA, "first_k_dense_replace": 2}),
     # mixture of experts (routing runs replicated until issue 22; training must still equal serial)
     Arch("mixtral", "moe", "mixtral"),
     Arch("qwen2_moe", "moe", "qwen2_moe"),
     Arch("granitemoe", "moe", "granitemoe"),
     Arch("olmoe", "moe", "olmoe"),
-    Arch("deepseek_v3", "moe", "deepseek_v3",
-         overrides={"first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
-                    "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "n_group": 1, "topk_group": 1,
-                    "num_key_value_heads": 4}),
+    Arch("deepseek_v3", "moe", "deepseek_v3", overrides={**_MLA, "first_k_dense_replace": 1}),
     Arch("gpt_oss", "moe", "gpt_oss", overrides={"sliding_window": 4}),
     Arch("qwen3_next", "moe", "qwen3_next",
          overrides={"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
@@ -156,13 +158,13 @@ ARCHS: list[Arch] = [
     Arch("esm", "encoder", "esm", "masked-lm", overrides={"vocab_size": 128, "pad_token_id": 1, "mask_token_id": 2}),
     Arch("convbert", "encoder", "convbert", "masked-lm", overrides={"embedding_size": 64}),
     # encoder-decoders
-    Arch("t5", "encoder-decoder", "t5", "seq2seq", overrides={"decoder_start_token_id": 0}),
+    Arch("t5", "encoder-decoder", "t5", "seq2seq"),
     Arch("bart", "encoder-decoder", "bart", "seq2seq"),
     Arch("mbart", "encoder-decoder", "mbart", "seq2seq"),
     Arch("pegasus", "encoder-decoder", "pegasus", "seq2seq"),
     Arch("marian", "encoder-decoder", "marian", "seq2seq", overrides={"decoder_vocab_size": 128}),
-    Arch("mt5", "encoder-decoder", "mt5", "seq2seq", overrides={"decoder_start_token_id": 0}),
-    Arch("umt5", "encoder-decoder", "umt5", "seq2seq", overrides={"decoder_start_token_id": 0}),
+    Arch("mt5", "encoder-decoder", "mt5", "seq2seq"),
+    Arch("umt5", "encoder-decoder", "umt5", "seq2seq"),
     Arch("m2m_100", "encoder-decoder", "m2m_100", "seq2seq"),
     Arch("blenderbot", "encoder-decoder", "blenderbot", "seq2seq"),
     Arch("whisper", "encoder-decoder", "whisper", "speech-seq2seq"),
@@ -186,14 +188,11 @@ ARCHS: list[Arch] = [
                                       "num_attention_heads": 4, "image_size": 32, "patch_size": 8}}),
     # audio
     Arch("wav2vec2", "audio", "wav2vec2", "audio-classification",
-         overrides={"conv_dim": [16, 16], "conv_stride": [5, 4], "conv_kernel": [10, 8], "num_conv_pos_embeddings": 8,
-                    "num_conv_pos_embedding_groups": 4}),
+         overrides=_WAVE),
     Arch("hubert", "audio", "hubert", "audio-classification",
-         overrides={"conv_dim": [16, 16], "conv_stride": [5, 4], "conv_kernel": [10, 8], "num_conv_pos_embeddings": 8,
-                    "num_conv_pos_embedding_groups": 4}),
+         overrides=_WAVE),
     Arch("wavlm", "audio", "wavlm", "audio-classification",
-         overrides={"conv_dim": [16, 16], "conv_stride": [5, 4], "conv_kernel": [10, 8], "num_conv_pos_embeddings": 8,
-                    "num_conv_pos_embedding_groups": 4}),
+         overrides=_WAVE),
     Arch("whisper_classifier", "audio", "whisper", "audio-classification"),
     Arch("audio-spectrogram-transformer", "audio", "audio-spectrogram-transformer", "audio-classification",
          overrides={"max_length": 32, "patch_size": 8, "frequency_stride": 8, "time_stride": 8}),

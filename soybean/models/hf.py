@@ -9,7 +9,9 @@ command line, ``**kwargs`` here) are config overrides, except for these, which s
   the shape of the example token ids and labels (images and audio take their config's sizes);
 * ``seed`` (default 0): ``torch.manual_seed`` before the weights and the example batch are drawn;
 * ``meta`` (default False): build weights and inputs on the meta device, so that ``soybean plan``
-  can plan full-size configs without allocating them.
+  can plan full-size configs without allocating them;
+* ``raw`` (default False): the model as ``transformers`` builds it and its first input alone, returning its
+  ``ModelOutput`` (logits), as a user's loop that computes the loss itself calls it.
 
 Examples: ``hf:gpt2 n_layer=2 n_embd=128 n_head=4``; ``hf:t5 num_layers=2 d_model=64``;
 ``hf:vit task=image-classification``.
@@ -228,6 +230,15 @@ def make_config(model_type: str, overrides: dict[str, Any], *, use_cache: bool |
     return tf.AutoConfig.for_model(model_type, **kwargs)
 
 
+def for_task(config: Any, task: str) -> Any:
+    """``config`` made complete for ``task``: a sequence-to-sequence model shifts its labels right to make the
+    decoder's inputs, starting from ``decoder_start_token_id``, which some default configs lack (T5's: its
+    checkpoints set it to the pad id, 0)."""
+    if task in ("seq2seq", "speech-seq2seq") and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
+    return config
+
+
 def example(task: str, config: Any, batch: int, seq: int, meta: bool = False) -> Inputs:
     """The example inputs (with labels) of ``task`` for ``config``, by keyword."""
     if task not in TASKS:
@@ -238,7 +249,10 @@ def example(task: str, config: Any, batch: int, seq: int, meta: bool = False) ->
 # A recurrence unrolled over the sequence adds ops per token; past this many ops (estimated from the config:
 # layers x sequence x ops per step) capture is refused with the fix, rather than taking minutes.
 MAX_UNROLLED = 20_000
-UNROLLED_OPS_PER_STEP = {"rwkv": 25}  # model types whose capture unrolls time steps, and ops per layer and step
+# Model types whose capture (on a CPU, without their CUDA kernels) unrolls a Python loop over tokens, and the ops
+# each layer adds per token (measured: the captured graph's growth from 8 to 16 tokens, per layer).  Mamba-2
+# scans in chunks (a fixed number of ops) and is not listed.
+UNROLLED_OPS_PER_STEP = {"rwkv": 33, "mamba": 9, "falcon_mamba": 9}
 
 
 def check_unrolled(model_type: str, config: Any, seq: int) -> None:
@@ -256,11 +270,14 @@ def check_unrolled(model_type: str, config: Any, seq: int) -> None:
 
 
 def build(model_type: str, *, task: str | None = None, batch: int = 8, seq: int | None = None, seed: int = 0,
-          meta: bool = False, **overrides: Any) -> tuple[nn.Module, tuple]:
-    """``(LossOnly(model), inputs)`` for ``hf:model_type`` with random weights, inputs in ``LossOnly``'s order."""
+          meta: bool = False, raw: bool = False, **overrides: Any) -> tuple[nn.Module, tuple]:
+    """``(LossOnly(model), inputs)`` for ``hf:model_type`` with random weights, inputs in ``LossOnly``'s order.
+    ``raw``: the model itself and its first input alone (``model(input_ids)``), as a user's own loop calls it: it
+    returns the model's ``ModelOutput`` (logits, no loss)."""
     config = make_config(model_type, overrides)
     task = task or default_task(model_type, config)
     cls = head_class(model_type, config, task)
+    for_task(config, task)
     if getattr(cls, "_supports_sdpa", False):
         config._attn_implementation = "sdpa"  # what from_pretrained(attn_implementation="sdpa") sets
     if seq is None:
@@ -271,6 +288,8 @@ def build(model_type: str, *, task: str | None = None, batch: int = 8, seq: int 
         model = cls(config)
         model.train()
     inputs = example(task, config, batch, seq, meta)
+    if raw:
+        return model, (next(iter(inputs.values())),)
     return LossOnly(model, tuple(inputs)), tuple(inputs.values())
 
 

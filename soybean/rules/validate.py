@@ -36,6 +36,14 @@ def cut_window(x: torch.Tensor, split: list[tuple[int, Window]], mesh: Mesh, coo
     return x
 
 
+def magnitude(t: torch.Tensor) -> float:
+    """The largest finite absolute value of ``t`` (0 when it has none): the scale its tolerances are relative to
+    (a mask's infinities, or the NaNs of uninitialised memory, set none)."""
+    a = t.abs()
+    finite = a[torch.isfinite(a)] if t.numel() else a
+    return float(finite.max()) if finite.numel() else 0.0
+
+
 NOISE_CAP = 1e6  # summands of a huge value (a mask's dtype minimum) stay far from overflow
 
 
@@ -51,8 +59,8 @@ def shard_exact(
     rnd = full.is_floating_point() or full.is_complex()
     # Summands of the value's own size: unit noise on a small value would leave the sum its rounding error
     # at the noise's scale (a float32 op then looks inexact by that much).
-    size = float(full.abs().max()) if rnd and full.numel() else 1.0
-    size = min(size, NOISE_CAP) if 0 < size < float("inf") else 1.0
+    size = magnitude(full) if rnd else 1.0
+    size = min(size, NOISE_CAP) if size > 0 else 1.0
     for axis, pl in enumerate(tiling):
         if not isinstance(pl, Partial):
             continue
@@ -192,7 +200,7 @@ def mismatch(got_tiles: dict[tuple[int, ...], torch.Tensor], tiling: tuple[Place
         if tuple(t.shape) != want:
             return f"tile of device {c} is {tuple(t.shape)}, not its chunk {want}"
     floating = expected.is_floating_point() or expected.is_complex()
-    scale = float(expected.abs().max()) if expected.numel() and floating else 1.0
+    scale = magnitude(expected) if floating else 1.0
     try:
         got = assemble(got_tiles, tiling, mesh, check_replicas=atol * 10 + rtol * scale)
     except AssertionError as e:
@@ -283,7 +291,7 @@ def check_strategy(op: OpSpec, target: Any, args: tuple, kwargs: dict, st: Strat
     where = describe(op, st, mesh)
     bad = []
     for j, (exp, tiling) in enumerate(zip(ref.outputs, st.outputs)):
-        scale = float(exp.abs().max()) if exp.numel() and (exp.is_floating_point() or exp.is_complex()) else 0.0
+        scale = magnitude(exp) if exp.is_floating_point() or exp.is_complex() else 0.0
         why = mismatch({c: ts[j] for c, ts in outs.items()}, tiling, mesh, exp, rtol, atol + rtol * scale)
         if why is not None:
             bad.append(f"{where}: output {j} wrong ({why})")
@@ -298,7 +306,7 @@ def check_strategy(op: OpSpec, target: Any, args: tuple, kwargs: dict, st: Strat
                 continue
             tiling = gradient_tiling(input_tiling(op, st, i, split), st)
             why = mismatch({c: g[i] for c, g in tensors.items()}, tiling, mesh, exp, rtol,
-                           atol + rtol * float(exp.abs().max() if exp.numel() else 0))
+                           atol + rtol * magnitude(exp))
             if why is not None:
                 bad.append(f"{where}: gradient of input {i} wrong ({why})")
     return bad

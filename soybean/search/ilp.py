@@ -48,6 +48,15 @@ class SearchError(ValueError):
     """No plan: the constraints cannot be met, or the solver found none; the message names the fix."""
 
 
+def _infeasible(p: Problem, time_limit_s: float) -> SearchError:
+    """The error for a solve HiGHS calls infeasible: the budget when there is one; else (every plan is allowed)
+    the solver gave up, which it reports so on problems too large for its time."""
+    if p.budget is not None:
+        return SearchError("no plan satisfies the memory budget: raise it")
+    return SearchError(f"the ILP solver gave up within {time_limit_s:g} s on a problem of {p.n} variables with no "
+                       "memory constraint: give more time (--time-limit) or use --solver dp")
+
+
 class Pruned(SearchError):
     """The problem's lower bound (``problem.lower_bound``, or a Lagrangian bound) already reaches the
     cutoff: no plan of it can beat the plan the cutoff came from, so it was not solved."""
@@ -243,7 +252,7 @@ def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP
     f = formulate(p)
     status, values, bound = run(f, False, time_limit_s, gap)
     if status == "infeasible":
-        raise SearchError("no plan satisfies the memory budget: raise it")
+        raise _infeasible(p, time_limit_s)
     candidates = [f.choice(values)] if values is not None else []
     fits = [c for c in candidates if _fits(p, c)]
     lp_bound = bound if status == "optimal" else -float("inf")
@@ -253,7 +262,7 @@ def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP
     if left > 0.1:
         status, values, bound = run(f, True, left, gap)
         if status == "infeasible":
-            raise SearchError("no plan satisfies the memory budget: raise it")
+            raise _infeasible(p, time_limit_s)
         if values is not None:
             fits += [c for c in [f.choice(values)] if _fits(p, c)]
         lp_bound = max(lp_bound, bound)
