@@ -37,12 +37,12 @@ def check_plan(p: Plan, fingerprint: str, world: int, precision: str | None = No
     if p.devices != world:
         raise ValueError(f"plan is for {p.devices} devices but the world size is {world}: "
                          f"launch {p.devices} processes or re-plan with --devices {world}")
+    if precision is not None and p.precision != precision:  # first: the graph of another precision differs too
+        raise ValueError(f"plan computes in {p.precision} but precision={precision!r} was asked: re-plan with "
+                         f"--precision {precision} or drop the argument")
     if p.fingerprint != fingerprint:
         raise ValueError("plan was made for another model or other input shapes (fingerprint "
                          f"{p.fingerprint} != {fingerprint}): re-run `soybean plan` for this model and batch")
-    if precision is not None and p.precision != precision:
-        raise ValueError(f"plan computes in {p.precision} but precision={precision!r} was asked: re-plan with "
-                         f"--precision {precision} or drop the argument")
 
 
 def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, *, devices: int | None = None,

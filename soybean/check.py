@@ -139,7 +139,6 @@ def check_captured(cap: Captured, env: dict[fx.Node, Any], meshes: Sequence[Mesh
     unruled: dict[str, None] = {}
     forward_only: dict[str, None] = {}
     rnd: dict[str, None] = {}
-    gen = torch.Generator().manual_seed(seed)
     for n in cap.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
             continue
@@ -163,6 +162,8 @@ def check_captured(cap: Captured, env: dict[fx.Node, Any], meshes: Sequence[Mesh
         report.ops += 1
         if progress is not None:
             progress(f"{n.name} ({op.name})")
+        # Each op draws from its own seed (its structural key's): the same draws whatever was checked before it.
+        gen = torch.Generator().manual_seed(seed + int(cap.keys.get(n.name, "0"), 16) % 2**31)
         ref = Reference(n.target, args, kwargs, gen)
         if ref.grads is None and any(s.dtype.is_floating_point for s in op.inputs) \
                 and any(o.is_floating_point() for o in ref.outputs):

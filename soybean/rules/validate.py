@@ -57,10 +57,18 @@ def shard_exact(
     """
     tiles = shard(full, tuple(R if isinstance(p, Partial) else p for p in tiling), mesh)
     rnd = full.is_floating_point() or full.is_complex()
-    # Summands of the value's own size: unit noise on a small value would leave the sum its rounding error
-    # at the noise's scale (a float32 op then looks inexact by that much).
-    size = magnitude(full) if rnd else 1.0
-    size = min(size, NOISE_CAP) if size > 0 else 1.0
+    # Summands of each element's own size (at least the value's typical size, at most NOISE_CAP): noise larger
+    # than an element would leave the sum its rounding error at the noise's scale (a float32 op then looks
+    # inexact by that much; a mask's dtype minimum beside small scores set a scale of 1e308 for all).
+    typical = 1.0
+    if rnd:
+        finite = full.abs()[torch.isfinite(full.abs())].double()
+        typical = float(finite.median()) if finite.numel() and float(finite.median()) > 0 else (magnitude(full) or 1.0)
+
+    def size(x: torch.Tensor) -> torch.Tensor:
+        a = x.abs().to(torch.float64)
+        return torch.where(torch.isfinite(a), a.clamp(min=min(typical, NOISE_CAP), max=NOISE_CAP), typical)
+
     for axis, pl in enumerate(tiling):
         if not isinstance(pl, Partial):
             continue
@@ -69,8 +77,8 @@ def shard_exact(
             base = tiles[coords]
             key = tuple(0 if isinstance(t, Replicate) else c for t, c in zip(tiling, coords))
             noise = drawn.setdefault(key, [
-                torch.randn(base.shape, generator=gen, dtype=base.dtype) * size if rnd else torch.zeros_like(base)
-                for _ in range(1, mesh.shape[axis])
+                torch.randn(base.shape, generator=gen, dtype=base.dtype) * size(base).to(base.real.dtype)
+                if rnd else torch.zeros_like(base) for _ in range(1, mesh.shape[axis])
             ])
             tiles[coords] = base - sum(noise, torch.zeros_like(base))
             tiles.update((coords[:axis] + (k,) + coords[axis + 1:], n.clone()) for k, n in enumerate(noise, 1))
