@@ -75,6 +75,10 @@ for _n in ("relu", "relu_", "gelu", "gelu_", "silu", "silu_", "tanh", "sigmoid",
            "square", "hardtanh", "hardtanh_", "relu6", "leaky_relu", "elu", "softplus", "mish", "hardswish",
            "hardsigmoid", "sign", "floor", "ceil", "round", "neg", "clone", "contiguous", "alias", "detach"):
     case(getattr(aten, _n).default, X)
+case(aten.expm1.default, X)
+case(aten.log_sigmoid.default, X)
+case(aten.polar.default, pos(6, 5), randn(5))
+case(aten.where.Scalar, mask(6, 5), 1.0, 0.0)
 for _n in ("log", "log1p", "rsqrt", "sqrt", "reciprocal"):
     case(getattr(aten, _n).default, pos(6, 5, 7))
 case(aten.gelu.default, X, approximate="tanh")
@@ -262,6 +266,8 @@ case(aten.embedding.default, randn(10, 6), ints(10, 7), 0)
 
 # ---- reductions --------------------------------------------------------------------------
 case(aten.linalg_vector_norm.default, X, 2, [-1], True)
+case(aten.logsumexp.default, X, [1])
+case(aten.logsumexp.default, X, [-1], True)
 case(aten.linalg_vector_norm.default, X, 2.0, [0, 2])
 case(aten.sum.default, X)
 case(aten.sum.default, ints(5, 6, 7), splits=False)  # integers are never P, and all dims are reduced

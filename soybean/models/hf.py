@@ -18,7 +18,7 @@ Examples: ``hf:gpt2 n_layer=2 n_embd=128 n_head=4``; ``hf:t5 num_layers=2 d_mode
 
 Every dropout-like probability of the config (a float field whose name contains ``drop``:
 ``resid_pdrop``, ``hidden_dropout_prob``, ``layerdrop``...) and every SpecAugment mask probability
-(``mask_time_prob``...) is set to 0 unless overridden, so a parallel run reproduces the serial one exactly;
+(``mask_time_prob``...) and router jitter (``router_jitter_noise``) is set to 0 unless overridden, so a parallel run reproduces the serial one exactly;
 ``use_cache=False`` (training has no KV cache); attention uses ``attn_implementation="sdpa"`` where the
 class supports it (one ``scaled_dot_product_attention`` op, which soybean has a rule for).  Special token
 ids of the config outside a shrunken ``vocab_size`` (GPT-2's ``bos``/``eos`` 50256 with ``vocab_size=128``)
@@ -195,7 +195,7 @@ class LossOnly(nn.Module):
 
 
 # Config fields set to 0 unless overridden: randomness a serial run cannot reproduce in parallel.
-RANDOM_FIELDS = ("drop", "mask_time_prob", "mask_feature_prob")
+RANDOM_FIELDS = ("drop", "mask_time_prob", "mask_feature_prob", "jitter_noise")
 
 
 def in_vocab(defaults: dict[str, Any], vocab: int, keep: set[str]) -> dict[str, int]:

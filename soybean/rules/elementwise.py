@@ -102,7 +102,7 @@ NONLINEAR_UNARY = (
     "relu", "relu_", "gelu", "gelu_", "silu", "silu_", "tanh", "sigmoid", "exp", "exp_", "log", "log1p", "rsqrt",
     "sqrt", "abs", "sin", "cos", "erf", "reciprocal", "square", "hardtanh", "hardtanh_", "relu6", "leaky_relu", "elu",
     "softplus", "mish", "hardswish", "hardsigmoid", "logical_not", "bitwise_not", "clamp_min", "clamp_max",
-    "sign", "floor", "ceil", "round",
+    "sign", "floor", "ceil", "round", "expm1", "log_sigmoid",
 )
 
 TABLE: dict[str, LinearFn] = {
@@ -148,6 +148,8 @@ TABLE: dict[str, LinearFn] = {
     "aten.where.self": _where,
     "aten.where.ScalarOther": _where_scalar_other,
     "aten.where.ScalarSelf": _where_scalar_self,
+    "aten.where.Scalar": _none,  # two Python scalars chosen by a condition
+    "aten.polar.default": _none,  # abs * exp(i angle): a complex tensor from two real ones
     "aten.masked_fill.Scalar": _masked_fill_scalar,
     "aten.masked_fill.Tensor": _masked_fill_tensor,
     # ``self`` everywhere replaced by ``value`` (what an in-place ``fill_`` becomes: ``soybean.functionalize``)

@@ -6,7 +6,7 @@ keeps it, possibly renumbered when ``keepdim=False``).  A dim inside ``D``:
 * ``sum``: local sums add up -> output ``P`` (floats only);
 * ``mean``: local means of ``n/p`` elements sum to ``p`` times the mean (and
   uneven chunks weigh differently), so not listed; ``max``/``amax``/``var``...:
-  not sums, not listed (``P`` means pending *sum*); nor ``linalg_vector_norm`` (a root of a sum).
+  not sums, not listed (``P`` means pending *sum*); nor ``linalg_vector_norm`` (a root of a sum) and ``logsumexp`` (a log of one).
 
 ``sum`` and ``mean`` are linear: ``P`` -> ``P``.  Scans (``cumsum``) and their
 inverse ``diff`` (``x[i+1] - x[i]`` along ``dim``, after ``prepend``/``append``,
@@ -35,6 +35,7 @@ TABLE: dict[str, tuple[str | None, bool, bool]] = {
     "aten.std.correction": ("dim", False, False),
     "aten.std.dim": ("dim", False, False),
     "aten.linalg_vector_norm.default": ("dim", False, False),
+    "aten.logsumexp.default": ("dim", False, False),
 }
 
 
