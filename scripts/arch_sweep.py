@@ -3,7 +3,8 @@
     python scripts/arch_sweep.py [--only gpt2,t5] [--family decoder] [--devices 2] [--tier threads|gloo]
                                  [--columns check,time,comm] [--json out.json]
 
-For each architecture of ``soybean.models.archs`` (tiny sizes, the config's defaults otherwise): ``check``
+For each architecture of ``soybean.models.archs`` (tiny sizes, the config's defaults otherwise), and a Llama-3
+written as torchtitan writes it (``examples.models:llama3``; torchtitan's own where it imports): ``check``
 runs every strategy of every rule its graph uses on simulated ranks in float64 (``soybean check``); ``time``
 and ``comm`` train it 3 AdamW steps with ``soybean.parallelize(model, kwargs, devices=N, objective=...)``,
 every rank a thread (``--tier threads``) or a gloo process (``--tier gloo``), and compare the loss, every
@@ -15,6 +16,7 @@ Your own model: ``soybean check pkg.module:fn --devices N`` runs the check colum
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -43,12 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     if a.family:
         chosen = [x for x in chosen if x.family == a.family]
     columns = tuple(c for c in a.columns.split(",") if c)
+    # (name, family, task, model reference): the suite, then a Llama-3 as torchtitan writes it (complex rotary,
+    # loss outside), and torchtitan's own where it imports (its model package imports Triton).
+    todo = [(x.name, x.family, x.task, f"arch:{x.name}") for x in chosen]
+    if not a.only and not a.family:
+        todo.append(("llama3 (torchtitan style)", "decoder", "causal-lm", "examples.models:llama3"))
+        if importlib.util.find_spec("torchtitan") is not None:
+            todo.append(("torchtitan llama3", "decoder", "causal-lm", "torchtitan:llama3"))
+        else:
+            print("# torchtitan is not importable here: its own Llama-3 is left out", file=sys.stderr)
     rows = []
-    for arch in chosen:
-        row = sweep.sweep_arch(arch, columns, a.devices, a.tier, say=print if a.verbose else None)
+    for name, family, task, ref in todo:
+        row = sweep.sweep(ref, sweep.Row(name, family, task), columns, a.devices, a.tier,
+                          say=print if a.verbose else None)
         rows.append(row)
         status = "  ".join(f"{c}={row.results.get(c, row.results.get('capture', ''))[:160]}" for c in columns)
-        print(f"# {arch.name:30s} {row.seconds:6.1f}s  {status}", file=sys.stderr, flush=True)
+        print(f"# {name:30s} {row.seconds:6.1f}s  {status}", file=sys.stderr, flush=True)
     print("\n".join(sweep.table(rows, columns)))
     print()
     print("\n".join(sweep.summary(rows, columns)))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from .models import archs
 from .testing import Trace, train_parallel_threads, train_serial
@@ -88,7 +89,7 @@ def differences(serial: Trace, exact: Trace, parallel: Trace, lr: float = LR, st
                 continue
             serial_err = float((s - w).abs().max())
             allowed = torch.full_like(w, SLACK * serial_err + ATOL + RTOL * float(w.abs().max()))
-            g = exact.grads.get(k)
+            g = exact.grads.get(str(k))
             if kind == "params" and g is not None and g.shape == w.shape:
                 allowed = torch.where(g.abs().double() <= ZERO_GRADIENT * largest, allowed + lr * steps, allowed)
             err = (p - w).abs()
@@ -97,57 +98,105 @@ def differences(serial: Trace, exact: Trace, parallel: Trace, lr: float = LR, st
     return out
 
 
-def exact_serial(model: torch.nn.Module, kwargs: dict, serial: Trace, steps: int = STEPS, lr: float = LR) -> Trace:
-    """The float64 serial run of ``model`` on ``kwargs``; ``serial`` (the float32 run) for a model that does not run
-    in float64 (then the parallel run is compared with it at the plain tolerance)."""
+def exact_serial(model: torch.nn.Module, example: tuple | dict, serial: Trace, steps: int = STEPS,
+                 lr: float = LR) -> Trace:
+    """The float64 serial run of ``model`` on ``example``; ``serial`` (the float32 run) for a model that does not
+    run in float64 (then the parallel run is compared with it at the plain tolerance)."""
     try:
-        return train_serial(copy.deepcopy(model).double(), {k: _float64(v) for k, v in kwargs.items()}, steps=steps,
-                            lr=lr)
+        return train_serial(copy.deepcopy(model).double(), tree_map(_float64, example), steps=steps, lr=lr)
     except RuntimeError:
         return serial
 
 
-def _gloo_rank(rank: int, world: int, name: str, objective: str, steps: int, lr: float) -> Trace:
-    """One gloo rank of ``train_gloo``: build the architecture (same seed on every rank), parallelize, train."""
+Example = tuple[torch.nn.Module, tuple | dict]
+
+
+def build(ref: str) -> Example:
+    """The model and example of a sweep row: ``arch:NAME`` (``models.archs``), ``torchtitan:llama3`` (torchtitan's
+    own Llama-3, ``torchtitan_llama3``), or a model reference (``pkg.module:fn``, ``hf:NAME``: ``models.load``)."""
+    if ref.startswith("arch:"):
+        return archs.build(archs.BY_NAME[ref[5:]])
+    if ref == "torchtitan:llama3":
+        return torchtitan_llama3()
+    from . import models
+
+    return models.load(ref)
+
+
+def torchtitan_llama3(batch: int = 2, seq: int = 9) -> Example:
+    """torchtitan's own Llama-3 (its debug size: dim 64, 2 layers, 4 heads, 2 of them for keys and values), with
+    its loss outside the model as torchtitan's trainer computes it; ``ImportError`` where torchtitan is missing."""
+    from torchtitan.models.llama3.model.args import TransformerModelArgs  # type: ignore[import-not-found]
+    from torchtitan.models.llama3.model.model import Transformer  # type: ignore[import-not-found]
+
+    torch.manual_seed(0)
+    args = TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64)
+    titan = Transformer(args)
+    titan.init_weights()
+    model = _LossOutside(titan)
+    ids = torch.randint(0, 128, (batch, seq))
+    return model, {"tokens": ids, "labels": torch.randint(0, 128, (batch, seq))}
+
+
+class _LossOutside(torch.nn.Module):
+    """A model returning logits, with the cross-entropy a trainer computes on them: ``{"loss": ...}``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.model(tokens)
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())}
+
+
+def _gloo_rank(rank: int, world: int, ref: str, objective: str, steps: int,
+               lr: float) -> tuple[Trace, dict[str, list[str]]]:
+    """One gloo rank of ``train``: build the model (same seed on every rank), parallelize, train; rank 0's trace
+    and plan's parameter tilings."""
     from .api import parallelize
     from .testing import _gather_grads, _train
 
-    model, kwargs = archs.build(archs.BY_NAME[name])
-    pm = parallelize(model, kwargs, devices=world, objective=objective)
-    losses, grads = _train(pm, kwargs, steps, lr, _gather_grads)
+    model, example = build(ref)
+    pm = parallelize(model, example, devices=world, objective=objective)
+    losses, grads = _train(pm, example, steps, lr, _gather_grads)
     full = pm.full_tensors()
     names = {k for k, _ in model.named_parameters()}
     return Trace(losses, grads, {k: v for k, v in full.items() if k in names},
-                 {k: v for k, v in full.items() if k not in names})
+                 {k: v for k, v in full.items() if k not in names}), pm.plan.params
 
 
-def train(arch: archs.Arch, objective: str, devices: int, tier: str, steps: int = STEPS,
+def train(ref: str, objective: str, devices: int, tier: str, steps: int = STEPS,
           lr: float = LR) -> tuple[Trace, dict[str, list[str]]]:
-    """The parallel trace of ``arch`` and its plan's parameter tilings (rank 0's)."""
+    """The parallel trace of the model ``ref`` names (``build``) and its plan's parameter tilings."""
     if tier == "gloo":
         from .runtime.launch import spawn
 
-        traces = spawn(_gloo_rank, devices, arch.name, objective, steps, lr, timeout_s=600)
-        return traces[0], {}
-    model, kwargs = archs.build(arch)
-    trace, plan = train_parallel_threads(model, kwargs, devices=devices, objective=objective, steps=steps, lr=lr)
+        return spawn(_gloo_rank, devices, ref, objective, steps, lr, timeout_s=600)[0]
+    model, example = build(ref)
+    trace, plan = train_parallel_threads(model, example, devices=devices, objective=objective, steps=steps, lr=lr)
     return trace, plan.params
 
 
 def sweep_arch(arch: archs.Arch, columns: tuple[str, ...] = ("check", *OBJECTIVES), devices: int = 2,
                tier: str = "threads", say: Callable[[str], None] | None = None) -> Row:
-    """One architecture through ``columns`` (``check`` and objectives)."""
+    """One architecture of the suite through ``columns`` (``check`` and objectives)."""
+    return sweep(f"arch:{arch.name}", Row(arch.name, arch.family, arch.task), columns, devices, tier, say)
+
+
+def sweep(ref: str, row: Row, columns: tuple[str, ...] = ("check", *OBJECTIVES), devices: int = 2,
+          tier: str = "threads", say: Callable[[str], None] | None = None) -> Row:
+    """The model ``ref`` names (``build``) through ``columns``, its results in ``row``."""
     from .capture import capture
     from .check import check_model
     from .graph import fallback_ops
 
     t0 = time.perf_counter()
-    row = Row(arch.name, arch.family, arch.task)
     try:
-        model, kwargs = archs.build(arch)
-        row.no_rule = fallback_ops(capture(model, (), kwargs))
-        serial = train_serial(model, kwargs, steps=STEPS, lr=LR)
-        exact = exact_serial(model, kwargs, serial) if any(c in OBJECTIVES for c in columns) else serial
+        model, example = build(ref)
+        row.no_rule = fallback_ops(capture(model, example))
+        serial = train_serial(model, example, steps=STEPS, lr=LR)
+        exact = exact_serial(model, example, serial) if any(c in OBJECTIVES for c in columns) else serial
     except Exception as e:  # a model that does not build or capture: the row says why
         row.results["capture"] = f"error: {type(e).__name__}: {_first(e)}"
         row.seconds = time.perf_counter() - t0
@@ -155,10 +204,10 @@ def sweep_arch(arch: archs.Arch, columns: tuple[str, ...] = ("check", *OBJECTIVE
     for col in columns:
         try:
             if col == "check":
-                rep = check_model(model, kwargs, devices=devices)
+                rep = check_model(model, example, devices=devices)
                 row.results[col] = "ok" if rep.ok else f"FAIL: {len(rep.failures)} inexact: {rep.failures[0].message}"
                 continue
-            par, params = train(arch, col, devices, tier)
+            par, params = train(ref, col, devices, tier)
             bad = differences(serial, exact, par)
             row.split[col] = f"{sum(1 for t in params.values() if any(p != 'R' for p in t))}/{len(params)}"
             row.results[col] = "ok" if not bad else f"FAIL: {len(bad)} differ: {'; '.join(bad[:2])}"

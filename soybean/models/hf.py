@@ -17,8 +17,9 @@ Examples: ``hf:gpt2 n_layer=2 n_embd=128 n_head=4``; ``hf:t5 num_layers=2 d_mode
 ``hf:vit task=image-classification``.
 
 Every dropout-like probability of the config (a float field whose name contains ``drop``:
-``resid_pdrop``, ``hidden_dropout_prob``, ``layerdrop``...) and every SpecAugment mask probability
-(``mask_time_prob``...) and router jitter (``router_jitter_noise``) is set to 0 unless overridden, so a parallel run reproduces the serial one exactly;
+``resid_pdrop``, ``hidden_dropout_prob``, ``layerdrop``...), every SpecAugment mask probability
+(``mask_time_prob``...) and the router jitter (``router_jitter_noise``) is set to 0 unless overridden, so a
+parallel run reproduces the serial one exactly;
 ``use_cache=False`` (training has no KV cache); attention uses ``attn_implementation="sdpa"`` where the
 class supports it (one ``scaled_dot_product_attention`` op, which soybean has a rule for).  Special token
 ids of the config outside a shrunken ``vocab_size`` (GPT-2's ``bos``/``eos`` 50256 with ``vocab_size=128``)

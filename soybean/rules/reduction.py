@@ -6,7 +6,8 @@ keeps it, possibly renumbered when ``keepdim=False``).  A dim inside ``D``:
 * ``sum``: local sums add up -> output ``P`` (floats only);
 * ``mean``: local means of ``n/p`` elements sum to ``p`` times the mean (and
   uneven chunks weigh differently), so not listed; ``max``/``amax``/``var``...:
-  not sums, not listed (``P`` means pending *sum*); nor ``linalg_vector_norm`` (a root of a sum) and ``logsumexp`` (a log of one).
+  not sums, not listed (``P`` means pending *sum*); nor ``linalg_vector_norm`` (a root of a sum) and
+  ``logsumexp`` (a log of one).
 
 ``sum`` and ``mean`` are linear: ``P`` -> ``P``.  Scans (``cumsum``) and their
 inverse ``diff`` (``x[i+1] - x[i]`` along ``dim``, after ``prepend``/``append``,
