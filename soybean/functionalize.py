@@ -64,7 +64,6 @@ SCATTERS: dict[Any, _Scatter] = {
 }
 
 
-
 def returns_view(target: Any) -> bool:
     """Does the op return a view of (an alias into) an argument without writing it (its schema's ``Tensor(a)``
     return, a list of them for ``split``)?  Views that no ``SCATTERS`` entry undoes (``expand``, ``split``'s
