@@ -8,9 +8,12 @@ from .plan import Plan
 from .tiling import Partial, Replicate, Shard
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from .module import ParallelModule
 
-__all__ = ["Mesh", "Partial", "Plan", "Replicate", "Shard", "compile_backend", "parallelize", "plan"]
+__all__ = ["Mesh", "Partial", "Plan", "Replicate", "Shard", "compile_backend", "latest_checkpoint", "parallelize",
+           "plan"]
 __version__ = "0.1.0"
 
 
@@ -33,3 +36,12 @@ def compile_backend(*args: Any, **kwargs: Any) -> Any:
     from .compile import compile_backend as _c
 
     return _c(*args, **kwargs)
+
+
+def latest_checkpoint(path: Any) -> Path | None:
+    """The checkpoint ``ParallelModule.load_sharded(path)`` would read: the newest complete one under directory
+    ``path`` (or ``path`` itself when it is one), None when there is none yet; what a resumable loop asks at
+    start."""
+    from .runtime.checkpoint_dir import latest
+
+    return latest(path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -24,6 +25,11 @@ from .plan import Plan
 from .planner import plan as make_plan
 from .precision import policy
 from .runtime.comm import Group
+
+# The other ranks wait this long for rank 0's plan (planning 1,024 devices takes minutes): over a group of its
+# own, so the collective timeout (``timeout_s``) can stay short.  A rank 0 that dies closes its connections, so
+# the wait ends at once then.
+PLAN_WAIT_S = 3600.0
 
 
 def _resolve_plan(plan: Plan | str | Path | None) -> Plan | None:
@@ -52,7 +58,8 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
                 local_batch: bool = False, gpus_per_node: int | None = None,
                 precision: str | None = None, recompute: str = "none",
                 memory_gb: float | None = None, outputs: str = "lazy", share_params: bool = False,
-                collectives: str = "auto", example_kwargs: dict | None = None) -> ParallelModule:
+                collectives: str = "auto", example_kwargs: dict | None = None,
+                timeout_s: float | None = None) -> ParallelModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
 
     ``example_inputs``: forward's positional arguments (a tuple, or one tensor), or a dict of its keyword
@@ -88,6 +95,10 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
 
     ``share_params``: a parameter the plan stores whole is the model's own ``nn.Parameter`` object, not a copy,
     so an optimizer built on ``model.parameters()`` updates it (``soybean.compile``; fp32 only).
+
+    ``timeout_s``: when this call initialises torch.distributed (under torchrun or ``soybean run``), how long a
+    collective waits for a peer before failing: ``runtime.launch.collective_timeout`` (300 s, or
+    ``$SOYBEAN_TIMEOUT_S``).  A process group the caller initialised keeps its own timeout.
     """
     if outputs not in OUTPUTS:
         raise ValueError(f"unknown outputs {outputs!r}: use one of {', '.join(OUTPUTS)}")
@@ -108,7 +119,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
         if not dist.is_initialized():
             from .runtime.launch import init_from_env
 
-            init_from_env()
+            init_from_env(timeout_s=timeout_s)
         world, rank = dist.get_world_size(), dist.get_rank()
     else:
         world = 1
@@ -133,8 +144,10 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
         if simulated or world == 1:
             p = make()
         else:  # plan once on rank 0 and broadcast: every rank runs the same plan
+            waiting = dist.new_group(backend="gloo", timeout=timedelta(seconds=PLAN_WAIT_S))
             box: list[str | None] = [make().to_json() if rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=waiting)
+            dist.destroy_process_group(waiting)
             received = box[0]
             assert received is not None  # rank 0 sent its plan
             p = Plan.from_dict(json.loads(received))

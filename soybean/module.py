@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -230,17 +232,26 @@ class ParallelModule(nn.Module):
                 return tuple(node.meta["val"].shape)
         raise KeyError(fqn)
 
-    def save_sharded(self, path: str) -> None:
-        """Save this rank's tiles as a ``torch.distributed.checkpoint`` that loads under any plan."""
+    def save_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+                     extra: Any = None, keep: int | None = None) -> Path:
+        """Save a new checkpoint under directory ``path`` (every rank calls it): this rank's tiles, the state
+        ``optimizer`` holds for them, and ``extra`` (anything picklable: the step, a scheduler's and the RNG's
+        state; rank 0's is kept).  Written beside the older ones and committed by rename, so a crash mid-save
+        leaves the previous checkpoint loadable; ``keep``: how many to leave (the newest), None for all.
+        Returns the new checkpoint's directory (``path/ckpt-NNNNNN``)."""
         from .runtime.checkpoint import save
 
-        save(self, path)
+        return save(self, path, optimizer, extra, keep)
 
-    def load_sharded(self, path: str) -> None:
-        """Load a ``torch.distributed.checkpoint`` (written under any plan) into this rank's tiles."""
+    def load_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Load the newest checkpoint under ``path`` (or the one checkpoint ``path``), saved under any plan,
+        mesh or world size, into this rank's tiles and ``optimizer``'s state; returns its ``extra`` (None if
+        none was saved).  ``FileNotFoundError`` when ``path`` holds no complete checkpoint
+        (``soybean.latest_checkpoint(path)`` is None); ``CheckpointError`` for a checkpoint of another model or
+        one whose files are missing or cut short."""
         from .runtime.checkpoint import load
 
-        load(self, path)
+        return load(self, path, optimizer)
 
     @torch.no_grad()
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:

@@ -27,10 +27,34 @@ from ..mesh import Mesh
 from .comm import Group, ThreadWorld
 from .context import use_groups
 
-__all__ = ["spawn", "init_from_env", "run_threads", "default_backend", "free_port"]
+__all__ = ["spawn", "init_from_env", "run_threads", "default_backend", "free_port", "collective_timeout",
+           "DEFAULT_TIMEOUT_S"]
 
 # A rank that exited without posting a result may still have it in the pipe; wait this long.
 _DEAD_GRACE_S = 1.0
+
+# How long a collective waits for a peer before it fails (torch's own default is 30 minutes for gloo, 10 for
+# NCCL): long enough for a first step, a checkpoint or a slow data batch, short enough that a rank whose peer
+# vanished without closing its connections (a node lost) stops instead of hanging.  torchtitan's default is
+# also 300 s.  Overridden by ``timeout_s=`` or the environment variable below.
+DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "SOYBEAN_TIMEOUT_S"
+
+
+def collective_timeout(timeout_s: float | None = None) -> float:
+    """``timeout_s``, else ``$SOYBEAN_TIMEOUT_S``, else :data:`DEFAULT_TIMEOUT_S` (seconds)."""
+    if timeout_s is not None:
+        return float(timeout_s)
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: the collective timeout must be positive seconds")
+    return value
 
 
 def default_backend() -> str:
@@ -52,18 +76,35 @@ def free_port() -> int:
 def _init_process_group(backend: str, rank: int, world_size: int, local_rank: int, timeout_s: float) -> None:
     if "nccl" in backend and torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())  # one GPU per rank
+        # NCCL collectives are asynchronous: without its watchdog tearing the process down, a rank whose peer
+        # died waits forever inside a kernel whatever the timeout.  On by default in recent torch; a user's
+        # own setting is kept.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        # Under torchrun every attempt of an elastic restart reaches the same agent store, and env:// reads its
+        # keys without telling attempts apart: a restarted rank can read the address a dead peer published in
+        # the attempt before and fail to connect ("Gloo connectFullMesh failed ... Connection refused").  Keys
+        # of our own per attempt keep the attempts apart (and every group made later, which uses this store).
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"soybean/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt-{attempt}", agent)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        return
     dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+                            timeout=timeout)
 
 
 # ---- torchrun ---------------------------------------------------------------------
 
 
-def init_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, int]:
+def init_from_env(backend: str | None = None, timeout_s: float | None = None) -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment; returns ``(rank, world_size)``.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``;
-    ``backend=None`` means :func:`default_backend`.  A second call is a no-op.
+    ``backend=None`` means :func:`default_backend`; ``timeout_s``: how long a collective waits for a peer
+    (:func:`collective_timeout`: 300 s unless ``$SOYBEAN_TIMEOUT_S`` says otherwise).  A second call is a no-op.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -71,7 +112,8 @@ def init_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> tupl
     if missing:
         raise RuntimeError(f"init_from_env: {', '.join(missing)} not set; start the program with torchrun")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _init_process_group(backend or default_backend(), rank, world, int(os.environ.get("LOCAL_RANK", rank)), timeout_s)
+    _init_process_group(backend or default_backend(), rank, world, int(os.environ.get("LOCAL_RANK", rank)),
+                        collective_timeout(timeout_s))
     return rank, world
 
 
