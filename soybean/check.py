@@ -8,7 +8,7 @@ model's own ops, with the model's own values:
 2. the captured graph is run serially once (``torch.fx.Interpreter``), keeping every op's arguments;
 3. every op with a rule (one per distinct op, arguments and shapes; ``every_node`` checks each) is run under
    every strategy its rule offers on each mesh, every rank simulated in this process
-   (``rules.validate.check_strategy``): the tiles of its outputs must make the serial op's outputs, and for
+   (``validate.check_strategy``): the tiles of its outputs must make the serial op's outputs, and for
    one random output gradient, the ranks' input gradients, combined as the generated program's adjoint
    collectives combine them, must make the serial op's input gradients.
 
@@ -33,7 +33,7 @@ from .capture import Captured, capture, split_example
 from .graph import op_key
 from .mesh import Mesh, factorizations
 from .rules.base import expand, make_opspec, op_name
-from .rules.validate import Reference, check_strategy, describe
+from .validate import Reference, check_strategy, describe
 
 # Tolerances by the least precise dtype an op reads or writes: float64 agrees to rounding; an op the model itself
 # runs in float32 (``hidden.to(torch.float32)`` in a norm), or that casts to or from it, agrees to that dtype's

@@ -163,7 +163,7 @@ def _cmd_diff(a: argparse.Namespace) -> int:
 
 
 def _add_collectives_arg(p: argparse.ArgumentParser) -> None:
-    from .runtime.algorithms import ALGORITHMS
+    from .ir.algorithms import ALGORITHMS
 
     p.add_argument("--collectives", choices=["auto", *ALGORITHMS], default="auto",
                    help="the algorithm each collective runs: auto (default: the cheapest modelled for its group and "
@@ -262,7 +262,7 @@ def _cmd_check(a: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(a: argparse.Namespace) -> int:
-    from .cost.calibrate import main_cli
+    from .bench.calibrate import main_cli
 
     return main_cli(a.devices, a.out, a.reps)
 

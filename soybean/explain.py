@@ -275,7 +275,7 @@ def strategy_text(v: Var, c: int) -> str:
 
 def edge_collectives(g: PlanGraph, e: Edge, s: int, t: int) -> list[Collective]:
     """The collectives of edge ``e`` when its source takes strategy ``s`` and its consumer ``t``: each step of
-    its route's forward collective and, when the value needs a gradient, its adjoint's (``runtime.kinds``); a
+    its route's forward collective and, when the value needs a gradient, its adjoint's (``ir.kinds``); a
     recomputed consumer's read runs its forward steps again (``rerun``).  Their seconds sum to
     ``e.seconds[s, t]`` and their bytes to ``e.bytes[s, t]``."""
     route = e.route(s, t)

@@ -37,13 +37,13 @@ from .graph import (
     rerun_freed,
     value_name,
 )
+from .ir.algorithms import check as check_algorithm
 from .mesh import Mesh, factorizations
 from .plan import Plan
 from .precision import policy
 from .reshard import Step
 from .rules.base import OpSpec, Strategy
 from .rules.window import halo_step, halos, windows_of
-from .runtime.algorithms import check as check_algorithm
 from .search import TARGET_GAP, Pruned, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
 from .search.problem import lower_bound, reduce
 from .tiling import R, fmt
@@ -339,7 +339,7 @@ def plan(
     capture's own.
     ``collectives``: ``auto`` (default): each collective runs the algorithm modelled cheapest for its group
     and message (``cost.collectives.choose``: the backend's, or soybean's ``lp``, ``ring``, ``tree``); or one of
-    ``runtime.algorithms.ALGORITHMS`` forced wherever it applies.  ``plan.reshards`` lists each choice.
+    ``ir.algorithms.ALGORITHMS`` forced wherever it applies.  ``plan.reshards`` lists each choice.
     ``progress``: called with a short line at each stage (capture, each mesh shape with its optimum and
     gap, the baselines).
     """
@@ -525,7 +525,7 @@ def reshard_records(g: PlanGraph, choice: Sequence[int]) -> list[dict[str, Any]]
 
 def with_collectives(profile: Profile, collectives: str) -> Profile:
     """``profile`` restricted to the collective algorithms ``collectives`` allows: ``auto`` every one (or the
-    profile's own list), else the one named (``runtime.algorithms.ALGORITHMS``)."""
+    profile's own list), else the one named (``ir.algorithms.ALGORITHMS``)."""
     if collectives == "auto":
         return profile
     return replace(profile, algorithms=(check_algorithm(collectives),))

@@ -3,7 +3,7 @@
 One function, ``plan_reshard``, decides the steps; the cost model prices them and
 codegen emits them, so what is priced is what runs.  Steps act on one mesh axis; their
 kinds (placement change, collective, adjoint, runtime call) are the entries of
-``runtime.kinds.KINDS``.
+``ir.kinds.KINDS``.
 
 Nesting rule: with DTensor chunking, axis ``i`` cuts the chunk left by axes
 ``< i``.  So an axis may gather or slice dim ``d`` only when no later axis
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from .runtime.kinds import Step, apply_step
+from .ir.kinds import Step, apply_step
 from .tiling import Partial, Placement, R, Replicate, Shard
 
 __all__ = ["Route", "Step", "apply_step", "plan_reshard"]

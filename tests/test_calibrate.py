@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from soybean.cost.calibrate import ALGO_KINDS, MIN_BANDWIDTH_SHARE, _terms, beta_curve, fit, split_kind
+from soybean.bench.calibrate import ALGO_KINDS, MIN_BANDWIDTH_SHARE, _terms, beta_curve, fit, split_kind
 from soybean.cost.collectives import RING_FACTOR
 from soybean.cost.profiles import Profile, load_profile
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 
 def test_fit_recovers_alpha_beta() -> None:
     """The backend's calls (each collective's name) by their own rounds and bytes, the all-to-all by the ring."""
-    from soybean.runtime.algorithms import terms
+    from soybean.ir.algorithms import terms
 
     alpha, beta, world = 2e-4, 1e-9, 4
     rows = []
@@ -31,8 +31,8 @@ def test_fit_recovers_alpha_beta() -> None:
 
 
 def test_fit_recovers_each_algorithms_alpha_beta() -> None:
-    """An algorithm's rows are fitted to its own rounds and bytes (``runtime.algorithms.terms``)."""
-    from soybean.runtime.algorithms import terms
+    """An algorithm's rows are fitted to its own rounds and bytes (``ir.algorithms.terms``)."""
+    from soybean.ir.algorithms import terms
 
     alpha, beta, world = 3e-4, 2e-9, 4
     for key in ALGO_KINDS:
@@ -88,7 +88,7 @@ def test_profile_json_roundtrip_ignores_measurements(tmp_path) -> None:
 def test_calibrate_measures_every_field() -> None:
     """One short run on 2 gloo processes: every rate positive, the overlap a share, and on a CPU
     the large-allocation rate measured (the caching allocator of a GPU has no page faults)."""
-    from soybean.cost.calibrate import calibrate
+    from soybean.bench.calibrate import calibrate
 
     prof, raw = calibrate(devices=2, reps=2, show=False)
     assert prof.alpha > 0 and prof.beta > 0 and prof.flops > 0 and prof.conv_flops > 0 and prof.mem_bw > 0

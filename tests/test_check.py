@@ -15,7 +15,7 @@ from examples.models import llama3, mlp
 from soybean import cli
 from soybean.check import check_model
 from soybean.rules.base import REGISTRY, RuleEntry, Strategy, Strategy1D
-from soybean.rules.validate import check_op
+from soybean.validate import check_op
 from soybean.tiling import Partial, Replicate, Shard
 
 pytestmark = pytest.mark.unit

@@ -36,7 +36,14 @@ CORE = ["soybean.capture", "soybean.functionalize", "soybean.graph", "soybean.re
         "soybean.tiling", "soybean.plan", "soybean.planner", "soybean.rules", "soybean.cost", "soybean.search",
         "soybean.codegen", "soybean.runtime"]
 TOOLING = ["soybean.bench", "soybean.testing", "soybean.models", "soybean.cli", "soybean.report", "soybean.api",
-           "soybean.explain", "soybean.draw", "soybean.plandiff", "soybean.compile", "soybean.check", "soybean.sweep"]
+           "soybean.explain", "soybean.draw", "soybean.plandiff", "soybean.compile", "soybean.check", "soybean.sweep",
+           "soybean.validate"]
+# Planning works on data (a mesh is data): it never reaches the code that runs the plan, not even through a
+# module of neither list.  Codegen and the runtime read planning's vocabulary from ``soybean.ir``.
+PLANNING = ["soybean.capture", "soybean.functionalize", "soybean.graph", "soybean.reshard", "soybean.mesh",
+            "soybean.tiling", "soybean.plan", "soybean.planner", "soybean.rules", "soybean.cost", "soybean.search",
+            "soybean.ir"]
+RUNNING = ["soybean.runtime", "soybean.codegen"]
 
 
 def in_layer(module: str, prefixes: list[str]) -> bool:
@@ -88,14 +95,22 @@ def import_graph(root: Path = ROOT) -> nx.DiGraph:
     return g
 
 
-def core_to_tooling(g: nx.DiGraph) -> list[list[str]]:
-    """One import path from a core module to a tooling module, for each pair that has one."""
+def reaching(g: nx.DiGraph, sources: list[str], targets: list[str]) -> list[list[str]]:
+    """One import path from a module of layer ``sources`` to one of ``targets``, for each pair that has one."""
     paths = []
-    for src in sorted(n for n in g if in_layer(n, CORE)):
+    for src in sorted(n for n in g if in_layer(n, sources)):
         for dst in sorted(nx.descendants(g, src)):
-            if in_layer(dst, TOOLING):
+            if in_layer(dst, targets):
                 paths.append(nx.shortest_path(g, src, dst))
     return paths
+
+
+def core_to_tooling(g: nx.DiGraph) -> list[list[str]]:
+    return reaching(g, CORE, TOOLING)
+
+
+def planning_to_running(g: nx.DiGraph) -> list[list[str]]:
+    return reaching(g, PLANNING, RUNNING)
 
 
 def cycles(g: nx.DiGraph) -> list[list[str]]:
@@ -142,6 +157,15 @@ def test_checks_fail_on_a_synthetic_cycle_and_a_core_to_tooling_path(tmp_path: P
     g = nx.DiGraph([("soybean.runtime.comm", "soybean.module"), ("soybean.module", "soybean"),
                     ("soybean", "soybean.api"), ("soybean.api", "soybean.planner")])
     assert core_to_tooling(g) == [["soybean.runtime.comm", "soybean.module", "soybean", "soybean.api"]]
+    # Planning reaching the runtime through a module of neither layer, and through codegen.
+    g = nx.DiGraph([("soybean.cost.collectives", "soybean.ir.kinds"), ("soybean.ir.kinds", "soybean.outputs"),
+                    ("soybean.outputs", "soybean.runtime.context"), ("soybean.rules.norm", "soybean.codegen.lower")])
+    assert planning_to_running(g) == [["soybean.cost.collectives", "soybean.ir.kinds", "soybean.outputs",
+                                       "soybean.runtime.context"],
+                                      ["soybean.ir.kinds", "soybean.outputs", "soybean.runtime.context"],
+                                      ["soybean.rules.norm", "soybean.codegen.lower"]]
+    assert not planning_to_running(nx.DiGraph([("soybean.runtime.context", "soybean.ir.kinds"),
+                                               ("soybean.codegen.lower", "soybean.planner")]))
     # End to end, from source files: a cycle closed by a function-level import is found.
     pkg = tmp_path / "soybean"
     (pkg / "codegen").mkdir(parents=True)
@@ -169,6 +193,24 @@ def test_core_never_imports_tooling() -> None:
     assert not bad, "core modules reach tooling:\n" + fmt(bad)
 
 
+def test_planning_never_reaches_the_runtime() -> None:
+    """What planning needs of collectives (kinds, algorithms' costs, statistics bytes) is in ``soybean.ir``."""
+    bad = planning_to_running(import_graph())
+    assert not bad, "planning modules reach the runtime or codegen:\n" + fmt(bad)
+
+
 def test_no_import_cycle() -> None:
     found = cycles(import_graph())
     assert not found, "import cycles:\n" + fmt([c + [c[0]] for c in found])
+
+
+def test_the_runtime_has_a_call_for_every_kind_and_synchronised_op() -> None:
+    """Codegen joins planning's vocabulary to the runtime's calls by name: every name has its call."""
+    from soybean import rules
+    from soybean.ir.kinds import KINDS
+    from soybean.runtime.kinds import CALLS
+    from soybean.runtime.syncnorm import SYNC_CALLS
+
+    assert set(CALLS) == set(KINDS)
+    named = {e.sync_call for e in rules.REGISTRY.values() if e.sync_call is not None}
+    assert named and named <= set(SYNC_CALLS)

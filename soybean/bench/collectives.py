@@ -9,7 +9,7 @@ backend's own, and soybean's ``lp``, ``ring`` and ``tree``), for each message si
 message: the buffer; the full result of an all-gather; the full input of a reduce-scatter), every call as
 ``soybean calibrate`` times it (the median of ``--reps`` runs on rank 0, each started right after a barrier;
 ``lp`` with the chunk count the planner would use).  Beside each it prints the profile's prediction
-(``rounds alpha + bytes beta`` with the algorithm's own figures, ``runtime.algorithms.terms``) and marks the
+(``rounds alpha + bytes beta`` with the algorithm's own figures, ``ir.algorithms.terms``) and marks the
 algorithm the planner picks for that collective and size (``cost.collectives.choose``) and the one measured
 fastest.  ``--json`` prints ``{"rows": [{"collective", "algorithm", "bytes", "group_size", "measured_s",
 "predicted_s", "chosen", "chunks"}], ...}``; ``chosen`` is true on the planner's pick.
@@ -32,12 +32,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..cost.calibrate import algorithm_call, calibrate, fastest_medians, message_bytes
 from ..cost.collectives import choose
 from ..cost.profiles import Profile, load_profile
 from ..runtime import algorithms as A
 from ..runtime.comm import TorchGroup
 from ..runtime.launch import spawn
+from .calibrate import algorithm_call, calibrate, fastest_medians, message_bytes
 
 __all__ = ["run", "main", "modelled", "parse_size", "rows_table", "summary"]
 

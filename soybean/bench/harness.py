@@ -666,7 +666,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     cfg.validate()
     prof = None
     if cfg.profile == CALIBRATE:
-        from ..cost.calibrate import calibrate
+        from .calibrate import calibrate
 
         prof, _ = calibrate(cfg.devices, show=False, name="calibrated just before")
     serial_threads = torch.get_num_threads()

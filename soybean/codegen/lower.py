@@ -40,18 +40,20 @@ from ..capture import Captured
 from ..cost.collectives import route_calls
 from ..cost.profiles import load_profile
 from ..graph import SCALINGS, Edge, PlanGraph, build, node_module, value_source
+from ..ir.algorithms import BACKEND
+from ..ir.kinds import KINDS, Step, apply_step
 from ..mesh import Mesh
 from ..plan import Plan
 from ..reshard import Route
 from ..rules.window import crops, halo_step, halos, local_rows, windows_of
 from ..runtime import context as rt
-from ..runtime.algorithms import BACKEND
-from ..runtime.kinds import KINDS, Step, apply_step
+from ..runtime.kinds import CALLS
+from ..runtime.syncnorm import SYNC_CALLS
 from ..tiling import Partial, Placement, R, Shard, local_shape
 from .recompute import checkpoint_layers
 
 Tiling = tuple[Placement, ...]
-ALL_REDUCE = KINDS["all_reduce"].call
+ALL_REDUCE = CALLS["all_reduce"]
 HALO = KINDS["halo"]
 
 
@@ -89,7 +91,7 @@ def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], route: Route, 
         for back, key in ((False, "algo"), (True, "back")):
             if (step, back) in chosen:
                 kwargs[key] = chosen[(step, back)]
-        x = g.call_function(kind.call, (x, step.axis, *kind.args(step, after)), kwargs)
+        x = g.call_function(CALLS[step.kind], (x, step.axis, *kind.args(step, after)), kwargs)
         cur = nxt
     return x
 
@@ -289,7 +291,7 @@ class Lowering:
             for axis, w in split:
                 if w.slot == len(reads) - 1:
                     step = halo_step(w, axis, self.mesh)
-                    x = self.g.call_function(HALO.call, (x, axis, *HALO.args(step, ())))
+                    x = self.g.call_function(CALLS["halo"], (x, axis, *HALO.args(step, ())))
             return x
 
         args, kwargs = tree_map(arg, (tuple(node.args), dict(node.kwargs)))
@@ -303,7 +305,7 @@ class Lowering:
         target = node.target
         sync = entry.sync_args(op, st) if entry is not None and entry.sync_args is not None else {}
         if sync and entry is not None and entry.sync_call is not None:  # statistics summed across tiles
-            target, kwargs = entry.sync_call, {**kwargs, **sync}
+            target, kwargs = SYNC_CALLS[entry.sync_call], {**kwargs, **sync}
         assert callable(target)  # a call_function node's target is the function
         if split:  # it saves its halo windows as their halo rows (the tile is kept anyway)
             fn: Any = target  # an OpOverload or a function: passed to the runtime call as a constant

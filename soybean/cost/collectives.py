@@ -27,7 +27,7 @@ takes ``n alpha + h r beta`` (+ ``blocking_s``); its adjoint (the halo gradients
 owners, ``h`` and ``n`` counted for the busiest receiver alike) is priced too when the input needs a
 gradient.  Batch norm split along batch or space sums its statistics: one all-reduce each way.
 
-Each forward step has a backward (its adjoint, see ``runtime.kinds``) that is priced
+Each forward step has a backward (its adjoint, see ``ir.kinds``) that is priced
 too when the tensor needs a gradient: training comm per step = forward + backward.
 A blocking collective (every one but the asynchronous gradient all-reduce) also costs the
 profile's ``blocking_s``: inside a program the ranks reach it after compute rather than
@@ -46,13 +46,13 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..ir import algorithms as A
+from ..ir.kinds import KINDS, RING_FACTOR, Step, apply_step
+from ..ir.syncnorm import stats_bytes
 from ..mesh import Mesh
 from ..reshard import Route
 from ..rules.base import OpSpec, Strategy, lookup
 from ..rules.window import halos, windows_of
-from ..runtime import algorithms as A
-from ..runtime.kinds import KINDS, RING_FACTOR, Step, apply_step
-from ..runtime.syncnorm import stats_bytes
 from ..tiling import R, Shard, max_local_numel
 from .profiles import Profile
 
@@ -103,7 +103,7 @@ def allowed(profile: Profile, kind: str, sync: bool = False) -> tuple[str, ...]:
 
 def choose(kind: str, m: float, p: int, axis: int, profile: Profile, sync: bool = False) -> Choice:
     """The cheapest allowed algorithm for a ``kind`` collective of ``m`` bytes on mesh ``axis`` (``p`` members):
-    ``rounds alpha + bytes beta`` (``runtime.algorithms.terms``) with the algorithm's own ``alpha``, ``beta``;
+    ``rounds alpha + bytes beta`` (``ir.algorithms.terms``) with the algorithm's own ``alpha``, ``beta``;
     ties go to the earlier of ``ALGORITHMS`` (the backend first)."""
     if p <= 1 or kind not in RING_FACTOR and kind not in A.COLLECTIVES:
         return Choice()
@@ -193,7 +193,7 @@ def op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh) -
       needs a gradient) the rows' gradients go back.  The exchanges run one after another, each on the
       rows the ones before it grew (the longest window along their dims);
     * for an op that sums statistics across tiles (its rule's ``sync_args``), one all-reduce of them per axis
-      (``runtime.syncnorm.stats_bytes`` of my channels) forward, and one backward.
+      (``ir.syncnorm.stats_bytes`` of my channels) forward, and one backward.
     """
     out: list[tuple[str, int, float, int]] = []
     grown: dict[int, tuple[list[int], list]] = {}  # input slot -> (shape, tiling) as the halos grow it

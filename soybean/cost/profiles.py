@@ -55,7 +55,7 @@ class Profile:
     node_alpha: float = 0.0                              # seconds per ring step across nodes; 0: no second level
     node_beta: float = 0.0                               # seconds per byte per device across nodes
     inter_node: tuple[bool, ...] = field(default=())     # per mesh axis: do its groups cross nodes (``on_mesh``)
-    # the collective algorithms the planner may pick from (``runtime.algorithms.ALGORITHMS``); empty: every one
+    # the collective algorithms the planner may pick from (``ir.algorithms.ALGORITHMS``); empty: every one
     algorithms: tuple[str, ...] = field(default=())
     # measured beta against message size for a ``collectives`` key: (key, ((m, beta), ...)), m ascending (the kinds
     # table's message).  One alpha-beta line cannot follow a bandwidth that changes with the message (caches,

@@ -9,7 +9,7 @@ all-``R`` strategy (redundant compute): it is always legal and added here.
 On an N-D mesh a strategy is one one-axis strategy per axis (the product), kept
 when every tiling is valid for its shape and every dim the rule marks ``even``
 divides by its total split factor.  Each rule is validated against the serial op
-by ``soybean.rules.validate``.
+by ``soybean.validate``.
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ class RuleEntry:
     windows: WindowsFn | None = None        # spatial dims split with a halo (``rules.window``)
     window_args: WindowArgsFn | None = None
     sync_args: SyncArgsFn | None = None     # ops whose statistics are summed across tiles (batch norm)
-    sync_call: Callable[..., Any] | None = None
+    sync_call: str | None = None            # the synchronised call's name, a key of ``runtime.syncnorm.SYNC_CALLS``
 
 
 REGISTRY: dict[str, RuleEntry] = {}
@@ -167,11 +167,11 @@ def op_name(target: Any) -> str:
 
 def register(*names: str, cost: OpCost | None = None, localize: LocalizeFn | None = None,
              family: str = "", windows: WindowsFn | None = None, window_args: WindowArgsFn | None = None,
-             sync_args: SyncArgsFn | None = None, sync_call: Callable[..., Any] | None = None,
+             sync_args: SyncArgsFn | None = None, sync_call: str | None = None,
              ) -> Callable[[RuleFn], RuleFn]:
     """Register ``fn`` as the rule of every op in ``names`` (``"aten.mm.default"`` form), with the
     ops' cost facts ``cost``; for windowed ops their spatial windows (``rules.window``); for ops that sum
-    statistics across tiles, the axes that need it and the runtime call that does it."""
+    statistics across tiles, the axes that need it and the name of the runtime call that does it."""
 
     def deco(fn: RuleFn) -> RuleFn:
         for n in names:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..runtime.syncnorm import sb_batch_norm
+from ..ir.syncnorm import SYNC_BATCH_NORM
 from ._common import Args, R, Shard
 from .base import ELEMENTWISE, OpSpec, Strategy, Strategy1D, register
 
@@ -69,7 +69,7 @@ def batch_norm_sync_args(op: OpSpec, st: Strategy) -> dict[str, Any]:
 
 
 @register("aten.batch_norm.default", family="norm", cost=ELEMENTWISE, sync_args=batch_norm_sync_args,
-          sync_call=sb_batch_norm)
+          sync_call=SYNC_BATCH_NORM)
 def batch_norm(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.spec("input")

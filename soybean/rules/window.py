@@ -4,7 +4,7 @@ A convolution, pool, pad or upsample computes output row ``o`` of a spatial dim 
 input rows.  When that dim is split (``S(d)`` on input and output along one mesh axis), member
 ``k`` owns output rows ``[a, b) = chunk_range(n_out, p, k)`` and reads input rows ``[s, e)``,
 which may reach past its own input chunk into its neighbours' (the *halo*, fetched by the
-``halo`` kind of ``runtime.kinds``; rows outside ``[0, n_in)`` hold the op's padding value
+``halo`` kind of ``ir.kinds``; rows outside ``[0, n_in)`` hold the op's padding value
 ``fill``).  Running the op on those rows with its padding along ``d`` set to 0 yields global
 output rows ``c, c + 1, ...``; the member keeps ``[a, b)`` (a crop when ``c != a``).  Per kind,
 with stride ``t``, padding before ``q`` and extent ``x = dilation (kernel - 1) + 1``:
@@ -29,8 +29,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..ir.kinds import Step
 from ..mesh import Mesh
-from ..runtime.kinds import Step
 from ..tiling import Shard, chunk_range
 from . import base
 from .base import OpSpec, Strategy, lookup

@@ -13,7 +13,7 @@ split the input.  Backward, with ``g`` the output gradient and ``d = sum g (x - 
 
 where ``dx`` needs the whole sums (all-reduced again), while ``dw`` and ``db`` stay the member's own
 sums: the weight and bias are replicated and read by split work, so their gradients are partial and
-the gradient sync adds them (``runtime.kinds``' ``grad_all_reduce``).  Each tile's statistics come
+the gradient sync adds them (``ir.kinds``' ``grad_all_reduce``).  Each tile's statistics come
 from ``torch.var_mean`` and are combined across tiles in float64 for float32 inputs (float32 for half
 types), so results agree with serial batch norm to rounding.  Only the input, mean and ``r`` are kept
 for backward.
@@ -26,21 +26,11 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
+from ..ir.syncnorm import SYNC_BATCH_NORM, acc_dtype as _acc
 from .comm import Group
 from .context import current_groups
 
-__all__ = ["sb_batch_norm", "stats_bytes"]
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float32 else (torch.float32 if dtype in (torch.float16, torch.bfloat16)
-                                                         else dtype)
-
-
-def stats_bytes(channels: int, dtype: torch.dtype) -> int:
-    """Bytes of one statistics all-reduce (forward: the sums of x and x^2; backward: of g and g (x - mean)):
-    two values per channel in the accumulation type."""
-    return 2 * channels * torch.empty((), dtype=_acc(dtype)).element_size()
+__all__ = ["sb_batch_norm", "SYNC_CALLS"]
 
 
 def _sum(t: torch.Tensor, groups: Sequence[Group]) -> torch.Tensor:
@@ -107,3 +97,8 @@ def sb_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.
             unbiased = var * (count / max(count - 1, 1))
             running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
     return y
+
+
+# The synchronised calls a rule may name (``RuleEntry.sync_call``): what a generated program and the rule
+# checker run in the op's place.
+SYNC_CALLS = {SYNC_BATCH_NORM: sb_batch_norm}

@@ -9,7 +9,7 @@ elementwise op, first-touching a large fresh allocation and an AdamW step (one t
 processes at once, as training runs), how much of an asynchronous gradient all-reduce hides behind compute,
 and what a blocking collective costs amid compute beyond its barrier-aligned time.
 
-Each (collective, algorithm) row is fitted to its own rounds and bytes (``runtime.algorithms.terms``;
+Each (collective, algorithm) row is fitted to its own rounds and bytes (``ir.algorithms.terms``;
 the all-to-all to the ring model): ``t = rounds alpha + bytes beta``, least squares in relative error (so
 small messages count).  The profile's ``collectives`` get one entry per collective for the backend's call
 (``all_reduce``) and one per soybean algorithm (``all_reduce:lp``), a ``p2p`` entry fitted over all of
@@ -31,10 +31,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..cost.profiles import BUILTIN, LARGE_ALLOC, Profile
+from ..ir.kinds import RING_FACTOR
 from ..runtime import algorithms as A
 from ..runtime.comm import TorchGroup
-from .collectives import RING_FACTOR
-from .profiles import BUILTIN, LARGE_ALLOC, Profile
 
 # Every 4x: bandwidth changes with the message (``Profile.beta_curves``), so the curve needs its points close.
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -332,7 +332,7 @@ def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
 
 def _terms(r: dict[str, Any], world: int) -> tuple[float, float, float]:
     """(rounds, bytes sent, message) of a measurement row: a row of one of ``ALGO_KINDS`` by its algorithm's own
-    rounds and bytes (``runtime.algorithms.terms``; the message is the kinds table's: an all-gather's full
+    rounds and bytes (``ir.algorithms.terms``; the message is the kinds table's: an all-gather's full
     result), an all-to-all by the ring model."""
     kind, m = r["kind"], r["bytes"]
     if kind in ALGO_KINDS:

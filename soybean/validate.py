@@ -16,11 +16,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..mesh import Mesh, all_coords
-from ..runtime.launch import run_threads
-from ..tiling import Partial, Placement, R, Replicate, Shard, assemble, local_shape, shard
-from .base import OpSpec, Strategy, expand, lookup, make_opspec
-from .window import Window, crops, halos, local_rows, windows_of
+from .mesh import Mesh, all_coords
+from .rules.base import OpSpec, Strategy, expand, lookup, make_opspec
+from .rules.window import Window, crops, halos, local_rows, windows_of
+from .runtime.launch import run_threads
+from .runtime.syncnorm import SYNC_CALLS
+from .tiling import Partial, Placement, R, Replicate, Shard, assemble, local_shape, shard
 
 
 def cut_window(x: torch.Tensor, split: list[tuple[int, Window]], mesh: Mesh, coords: tuple[int, ...]) -> torch.Tensor:
@@ -138,7 +139,7 @@ def run_local(
             a, k = entry.window_args(op, a, k, local_rows(split, mesh, coords))
         fn = target
         if sync and entry is not None and entry.sync_call is not None:
-            fn, k = entry.sync_call, {**k, **sync}
+            fn, k = SYNC_CALLS[entry.sync_call], {**k, **sync}
         with torch.set_grad_enabled(cotangents is not None):
             out, _ = tree_flatten(fn(*a, **k))
         outs = [o for o in out if isinstance(o, torch.Tensor)]
