@@ -146,6 +146,19 @@ def mlp(batch: int = 32, hidden: int = 4096, layers: int = 2,
     return model, (x, y)
 
 
+def sequential_mlp(batch: int = 2048, hidden: int = 512, layers: int = 2, in_features: int = 256,
+                   out_features: int = 64, seed: int = 0):
+    """A plain ``nn.Sequential`` of Linear + ReLU returning logits, with no target (the exception to the
+    module's rule): what a user's model often is.  Inputs ``(x,)``; a loop computes its loss outside."""
+    torch.manual_seed(seed)
+    dims = [in_features] + [hidden] * (layers + 1)
+    body: list[nn.Module] = []
+    for a, b in zip(dims, dims[1:]):
+        body += [nn.Linear(a, b), nn.ReLU()]
+    model = nn.Sequential(*body, nn.Linear(hidden, out_features))
+    return model, (torch.randn(batch, in_features),)
+
+
 # --------------------------------------------------------------------------
 # AlexNet
 # --------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import torch
 
 from .capture import Captured
-from .cost.memory import budget_needed
+from .cost.memory import GIB, budget_needed
 from .cost.profiles import Profile
 from .graph import PINNED, PlanGraph, attention_units, build, recomputable_layers
 from .mesh import Mesh
@@ -242,7 +242,7 @@ def record(lay: Layout, r: Priced, budget: float | None) -> dict[str, Any]:
     if r.comm_bytes >= PINNED or r.step_time_s >= PINNED:
         return infeasible(lay.cannot)
     if budget is not None and r.memory > budget:
-        return infeasible(f"needs {budget_needed(r.memory) / 2**30:.4g} GB per device (--memory-gb), over the budget")
+        return infeasible(f"needs {budget_needed(r.memory) / GIB:.4g} GiB per device (--memory-gb), over the budget")
     mesh = list(lay.mesh.shape) if lay.mesh is not None else []
     return {"comm_bytes": float(r.comm_bytes), "step_time_s": float(r.step_time_s), "mesh": mesh}
 

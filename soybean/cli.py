@@ -184,7 +184,8 @@ def _add_explained_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="cpu-gloo (default), h100-nvlink, h100-nvlink-ib or a JSON file from `soybean calibrate`; "
                         "with --plan, default the plan's")
-    p.add_argument("--memory-gb", type=float, default=None, help="per-device memory budget")
+    p.add_argument("--memory-gb", type=float, default=None, metavar="GIB",
+                   help="per-device memory budget in GiB (2^30 bytes); the modelled peak stays within 95%% of it")
     p.add_argument("--recompute", choices=["none", "layers", "attention", "auto"], default="none")
     _add_collectives_arg(p)
     p.add_argument("--precision", choices=list(POLICIES), default="fp32")
@@ -277,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", choices=["comm", "time"], default="time")
     p.add_argument("--profile", default="cpu-gloo",
                    help="cpu-gloo, h100-nvlink, h100-nvlink-ib or a JSON file from `soybean calibrate`")
-    p.add_argument("--memory-gb", type=float, default=None, help="per-device memory budget")
+    p.add_argument("--memory-gb", type=float, default=None, metavar="GIB",
+                   help="per-device memory budget in GiB (2^30 bytes); the modelled peak stays within 95%% of it")
     p.add_argument("--solver", choices=["ilp", "dp"], default="ilp")
     from .precision import POLICIES
 

@@ -21,6 +21,7 @@ import html
 from dataclasses import dataclass, field
 from xml.sax.saxutils import escape
 
+from .cost.memory import fmt_memory
 from .explain import INPUTS, MODEL, OUTPUTS, Explanation, Row, by_module, format_text, short_op
 from .graph import layer_of
 from .tiling import Partial, Placement, Shard
@@ -157,7 +158,7 @@ def _box(out: _Svg, ex: Explanation, b: _Box, band: _Band, scale: float) -> None
     stroke = COMM if comm else "#777"
     memory = sum(r.memory for r in b.rows)
     out.rect(b.x, b.y, BOX_W, BOX_H, "#fbfbfb", stroke, rx=5,
-             tip=f"{b.module}: {_ms(b.total_s)} (communication {_ms(b.comm_s)}), memory {memory / 1e6:.3f} MB",
+             tip=f"{b.module}: {_ms(b.total_s)} (communication {_ms(b.comm_s)}), memory {fmt_memory(memory)}",
              extra=' stroke-width="1.5"' if comm else "")
     short = b.module[len(band.name) + 1:] if b.module.startswith(band.name + ".") else b.module
     out.text(b.x + 6, b.y + 15, _fit(short, BOX_W - 10, 11.5), 11.5, weight="bold", tip=b.module)

@@ -40,6 +40,7 @@ import numpy as np
 from .baselines import batch_split
 from .capture import Captured
 from .cost.collectives import Cost, backend_call, choose, op_comm_calls, route_calls
+from .cost.memory import fmt_memory
 from .cost.profiles import Profile, load_profile
 from .graph import (
     Edge,
@@ -471,9 +472,10 @@ def format_text(ex: Explanation, node: str | None = None) -> str:
         "  = the plan's comm_s + compute_s (planner.evaluate), each edge counted in its consumer's row;",
         f"  step time {_ms(ex.step_time_s)} = that total - {_ms(res.hidden_s)} of gradient sync hidden behind "
         "backward (hidden_s)",
-        f"  communication {_bytes(res.comm_bytes)}/device/step; memory {_bytes(res.memory)}/device (peak, modelled)",
-        f"  = the rows' memory in the {ex.memory_phase} phase, {_bytes(sum(r.memory for r in ex.rows))}"
-        + (f", less {_bytes(ex.memory_freed)} freed before the last recomputed unit reruns" if ex.memory_freed
+        f"  communication {_bytes(res.comm_bytes)}/device/step; memory {fmt_memory(res.memory)}/device "
+        "(peak, modelled)",
+        f"  = the rows' memory in the {ex.memory_phase} phase, {fmt_memory(sum(r.memory for r in ex.rows))}"
+        + (f", less {fmt_memory(ex.memory_freed)} freed before the last recomputed unit reruns" if ex.memory_freed
            else ""),
     ]
     recorded = p.cost.get("step_time_s")
@@ -493,7 +495,7 @@ def _block(r: Row, objective: str) -> list[str]:
         sync = " (gradient sync, may overlap backward)" if c.sync else ""
         how = f" by {c.algorithm}" if c.algorithm != "backend" else ""
         lines.append(f"  {c.phase:<10} {c.step}{of}{how}: {_bytes(c.bytes)}, {_ms(c.seconds)}{sync}")
-    lines.append(f"  memory     {_bytes(r.memory)}")
+    lines.append(f"  memory     {fmt_memory(r.memory)}")
     lines.append(f"  total      {_ms(r.total_s)}" + (f" (communication {_ms(r.comm_s)})" if r.comm_s else ""))
     a = r.alternative
     if a is None:
@@ -501,6 +503,7 @@ def _block(r: Row, objective: str) -> list[str]:
     else:
         change = _signed_ms(a.step_time_s) + " step time" if objective == "time" else \
             f"{_signed_bytes(a.comm_bytes)} communication, {_signed_ms(a.step_time_s)} step time"
-        lines.append(f"  next best  {a.strategy}: {change}, {_signed_bytes(a.memory)} memory")
+        sign = "+" if a.memory >= 0 else "-"
+        lines.append(f"  next best  {a.strategy}: {change}, {sign}{fmt_memory(abs(a.memory))} memory")
     lines.append("")
     return lines

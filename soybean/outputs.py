@@ -19,6 +19,11 @@ the loss.  So a split output is returned as a ``LazyFull``: this rank's tile, wi
   contract every rank computes the same thing from it, so the gradient is replicated and its adjoint is the
   slice) and proceeds on that, once per output: the whole output, as before, paid only when read.
   ``shape``, ``dtype``, ``device``, ``ndim``, ``dim()``, ``size()`` and ``numel()`` need no gather.
+* The whole output's ``sum()`` and ``mean()`` (``torch.sum``/``torch.mean`` too, over every element) are the
+  tile's sum all-reduced over the axes that split it, divided by the element count for a mean: one scalar
+  moves, and the all-reduce's adjoint hands every tile the gradient 1 (or ``1 / numel``), the serial one.
+  A cast before them (``float()``, ``double()``, ``half()``, ``bfloat16()``, ``to(dtype)``) casts the tile and
+  stays lazy, so a loop's ``out.float().sum()`` never gathers.
 
 A ``LazyFull`` is not a ``torch.Tensor`` (``isinstance`` is False); ``.full()`` gives the tensor, ``.local``
 the tile.  ``parallelize(..., outputs="full")`` returns full tensors as before.
@@ -30,6 +35,7 @@ product of the sizes of the mesh axes that split it), so the summed gradient syn
 """
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -149,6 +155,8 @@ class LazyFull:
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in (torch.sum, torch.mean) and len(args) == 1 and isinstance(args[0], LazyFull):
+            return getattr(args[0], func.__name__)(**kwargs)
         if func in LOSSES and args and isinstance(args[0], LazyFull):
             out = args[0]._loss(func, args[1:], kwargs)
             if out is not None:
@@ -158,6 +166,55 @@ class LazyFull:
             return a.full() if isinstance(a, LazyFull) else a
 
         return func(*tree_map(whole, args), **tree_map(whole, kwargs))
+
+    # ---- casts and whole reductions, tile by tile ----
+    def _cast(self, dtype: torch.dtype) -> LazyFull:
+        """The same split output in ``dtype`` (elementwise: the tile's cast, tiled the same way)."""
+        out = LazyFull(self.local.to(dtype), self.tiling, tuple(self._shape), self._mesh, self._coords, self._groups)
+        if self._full is not None:
+            out._full = self._full.to(dtype)
+        return out
+
+    def float(self) -> LazyFull:
+        return self._cast(torch.float32)
+
+    def double(self) -> LazyFull:
+        return self._cast(torch.float64)
+
+    def half(self) -> LazyFull:
+        return self._cast(torch.float16)
+
+    def bfloat16(self) -> LazyFull:
+        return self._cast(torch.bfloat16)
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """``to(dtype)`` stays lazy; a device or anything else is the full tensor's ``to``."""
+        if len(args) == 1 and not kwargs and isinstance(args[0], torch.dtype):
+            return self._cast(args[0])
+        if not args and set(kwargs) == {"dtype"}:
+            return self._cast(kwargs["dtype"])
+        return self.full().to(*args, **kwargs)
+
+    def sum(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The sum of every element (``dtype=`` allowed): the tiles' sums summed; with a dim, the full tensor's."""
+        if args or set(kwargs) - {"dtype"}:
+            return self.full().sum(*args, **kwargs)
+        part = self.local.sum(**kwargs)
+        axes = [a for a, p in enumerate(self.tiling) if isinstance(p, Shard) and self._mesh.shape[a] > 1]
+        for a in axes[:-1]:
+            part = all_reduce(part, self._groups[a])
+        # The last sum arrives while backward runs, as a returned loss's does (``runtime.pending``).
+        return all_reduce_lazy(part, self._groups[axes[-1]]) if axes else part
+
+    def mean(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The mean of every element: the whole sum over the element count; with a dim, the full tensor's."""
+        if args or set(kwargs) - {"dtype"}:
+            return self.full().mean(*args, **kwargs)
+        # Scaled first, so the sum is the last step (the pending sum stays the value returned).
+        return self._cast(kwargs.get("dtype", self.dtype))._scaled(1.0 / self.numel()).sum()
+
+    def _scaled(self, factor: builtins.float) -> LazyFull:
+        return LazyFull(self.local * factor, self.tiling, tuple(self._shape), self._mesh, self._coords, self._groups)
 
     # ---- a loss, tile by tile ----
     def _batch_split(self) -> bool:

@@ -22,7 +22,7 @@ from . import rules
 from .baselines import batch_split, model_parallel_domains, price as price_baselines
 from .capture import Captured, CaptureError, capture, split_example
 from .cost.collectives import choose, route_calls
-from .cost.memory import PARAM_COPIES, budget_bytes, budget_needed, stored_bytes, sync_bucket_bytes
+from .cost.memory import GIB, PARAM_COPIES, budget_bytes, budget_needed, stored_bytes, sync_bucket_bytes
 from .cost.profiles import Profile, load_profile
 from .graph import (
     Edge,
@@ -251,11 +251,11 @@ class MemoryBudgetError(SearchError):
     def __init__(self, modelled: float, mesh: Mesh) -> None:
         self.modelled, self.mesh = modelled, mesh
         self.least = least = budget_needed(modelled)
-        gb = least / 2**30
+        gb = least / GIB
         step = 10 ** (math.floor(math.log10(gb)) - 3) if gb > 0 else 1.0
         enough = math.ceil(gb / step) * step  # 4 significant digits, rounded up: a budget that fits
         super().__init__(f"no plan fits the memory budget on mesh {mesh}: the smallest any plan reaches is "
-                         f"{gb:.4g} GB per device; give --memory-gb {enough:.4g} or more")
+                         f"{gb:.4g} GiB per device; give --memory-gb {enough:.4g} (GiB) or more")
 
 
 # Re-solve without the overlap credit only when the capped credit exceeds this share of the step.

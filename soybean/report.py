@@ -5,6 +5,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from .cost.memory import fmt_memory
 from .plan import Plan
 
 
@@ -48,15 +49,15 @@ def table(plan: Plan) -> str:
                      f" - gradient sync hidden behind backward {c.get('hidden_s', 0) * 1e3:.3f} ms")
     m = plan.memory
     if m and "activation_phase" in m:
-        both = (f"parameters {_bytes(m['parameters'])} + optimizer states {_bytes(m['optimizer_states'])}"
-                f" + inputs and buffers {_bytes(m['inputs_and_buffers'])}")
-        lines.append(f"{'memory':<16} {_bytes(m['peak']):>10}/device (modelled peak: the larger phase)")
-        lines.append(f"{'':<16} end of forward {_bytes(m['activation_phase'])} = {both} + activations kept "
-                     f"{_bytes(m['activations'])} + backward transient {_bytes(m['backward_transient'])}"
-                     f" + recompute buffers {_bytes(m['recompute_buffers'])}")
-        lines.append(f"{'':<16} after backward {_bytes(m['gradient_phase'])} = {both} + gradients "
-                     f"{_bytes(m['gradients'])} + step temporaries {_bytes(m['optimizer_temporaries'])}"
-                     f" + gradient-sync buckets {_bytes(m['collective_buffers'])}")
+        both = (f"parameters {fmt_memory(m['parameters'])} + optimizer states {fmt_memory(m['optimizer_states'])}"
+                f" + inputs and buffers {fmt_memory(m['inputs_and_buffers'])}")
+        lines.append(f"{'memory':<16} {fmt_memory(m['peak']):>10}/device (modelled peak: the larger phase)")
+        lines.append(f"{'':<16} end of forward {fmt_memory(m['activation_phase'])} = {both} + activations kept "
+                     f"{fmt_memory(m['activations'])} + backward transient {fmt_memory(m['backward_transient'])}"
+                     f" + recompute buffers {fmt_memory(m['recompute_buffers'])}")
+        lines.append(f"{'':<16} after backward {fmt_memory(m['gradient_phase'])} = {both} + gradients "
+                     f"{fmt_memory(m['gradients'])} + step temporaries {fmt_memory(m['optimizer_temporaries'])}"
+                     f" + gradient-sync buckets {fmt_memory(m['collective_buffers'])}")
     if plan.reshards:
         used = Counter((r["collective"], r["algorithm"]) for r in plan.reshards)
         own = [f"{n} {c} by {a}" for (c, a), n in sorted(used.items()) if a != "backend"]

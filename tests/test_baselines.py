@@ -175,7 +175,7 @@ def test_a_baseline_over_the_memory_budget_is_infeasible_not_a_number() -> None:
     # The message names the --memory-gb the layout needs: its modelled peak plus the planner's headroom.
     need = 2.0 / (1 - MEMORY_HEADROOM)
     assert baselines.record(lay, over, budget=1.0 * 2**30) == {
-        "infeasible": f"needs {need:.4g} GB per device (--memory-gb), over the budget"}
+        "infeasible": f"needs {need:.4g} GiB per device (--memory-gb), over the budget"}
     assert baselines.record(lay, over, budget=None)["comm_bytes"] == 1.0
     pinned = SimpleNamespace(comm_bytes=1e30, step_time_s=1e30, memory=0.0)
     assert "infeasible" in baselines.record(lay, pinned, None)

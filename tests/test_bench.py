@@ -135,6 +135,19 @@ def test_bench_takes_what_a_hugging_face_causal_lm_returns() -> None:
 
 
 @pytest.mark.dist
+def test_bench_takes_a_plain_model_returning_logits() -> None:
+    """An ``nn.Sequential`` that returns logits: soybean's split output (a ``LazyFull``) is summed on its tiles,
+    under the plan that splits the batch and the one that splits the weights, and starts from the serial loss."""
+    cfg = BenchConfig(model="examples.models:sequential_mlp", devices=2,
+                      args={"batch": 16, "hidden": 16, "in_features": 8, "out_features": 4}, steps=2, warmup=1,
+                      timeout_s=120, variants=("serial", "soybean", "soybean_mp"), rounds=1)
+    report = run_bench(cfg)
+    for v in ("soybean", "soybean_mp"):
+        assert report["step_s"][v], (v, report["reasons"].get(v))
+        assert report["first_loss"][v] == pytest.approx(report["first_loss"]["serial"], rel=1e-5), v
+
+
+@pytest.mark.dist
 def test_bench_computes_the_loss_outside_the_model_in_both_contracts() -> None:
     """``--loss outside``: the step is ``loss = model.loss_fn(model(x), y)`` for every variant; soybean under the
     full-batch contract (a lazily gathered output) and the local-batch one (DDP's) both start from the serial

@@ -100,6 +100,36 @@ def test_loss_outside_reduces_only_the_scalar_and_equals_serial(mesh, loss_fn, k
     assert calls == []
 
 
+REDUCTIONS = [  # a loop's whole-output reductions, each on the tiles: (name, fn)
+    ("sum", lambda o, y: o.sum()), ("float-sum", lambda o, y: o.float().sum()), ("mean", lambda o, y: o.mean()),
+    ("torch.sum", lambda o, y: torch.sum(o)), ("torch.mean", lambda o, y: torch.mean(o)),
+    ("to-double-mean", lambda o, y: o.to(torch.float64).mean()), ("sum-dtype", lambda o, y: o.sum(dtype=torch.float64)),
+]
+
+
+@pytest.mark.parametrize("mesh", [(2,), (4,), (2, 2)], ids=lambda m: "x".join(map(str, m)))
+@pytest.mark.parametrize("name,fn", REDUCTIONS, ids=[n for n, _ in REDUCTIONS])
+def test_a_whole_sum_or_mean_of_a_split_output_moves_one_scalar(mesh, name, fn, monkeypatch) -> None:
+    """``out.sum()``, ``out.mean()`` and a cast before them (what a loop or a benchmark does with a model that
+    returns logits) are the tiles' sums all-reduced: serial value and gradients, no gather.  Batch 10: uneven
+    over 4; the 2x2 mesh splits the batch over both axes under ``dp``."""
+    calls = _gathers(monkeypatch)
+    model, (x, y) = mlp(batch=10, hidden=8, layers=1)
+    model, x, y = model.double(), x.double(), y.double()
+    want, grads = _serial(model, x, y, fn)
+    _, ranks = _run(model, x, y, mesh, fn)
+    for loss, got, kind in ranks:
+        assert kind is LazyFull
+        assert loss == pytest.approx(want, rel=1e-6 if name == "float-sum" else 1e-12)  # float32 sums round
+        _close(got, grads)
+    assert calls == []
+    # with a dim it is the full tensor's reduction: gathered, and still serial
+    calls.clear()
+    want, grads = _serial(model, x, y, lambda o, t: o.sum(0).pow(2).sum())
+    _, ranks = _run(model, x, y, mesh, lambda o, t: o.sum(0).pow(2).sum())
+    assert all(loss == pytest.approx(want, rel=1e-12) for loss, _, _ in ranks) and calls.count(True) == len(ranks)
+
+
 def test_a_loss_on_the_tile_gathers_nothing_but_any_other_use_gathers_once(monkeypatch) -> None:
     """The fast path sends one scalar per split axis; ``.argmax``, indexing and arithmetic gather once."""
     calls = _gathers(monkeypatch)

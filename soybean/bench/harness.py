@@ -60,6 +60,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import models
+from ..outputs import LazyFull
 from ..plan import Plan
 from .stats import fastest_verdict, spearman
 
@@ -173,11 +174,14 @@ class Prepared:
 
 def _as_loss(out: Any) -> torch.Tensor:
     """The scalar to call ``backward`` on: the loss itself, or the sum of the (first) output.  A Hugging Face
-    ``ModelOutput`` (or any dict) gives its ``loss`` when the model computed one, else its ``logits``."""
+    ``ModelOutput`` (or any dict) gives its ``loss`` when the model computed one, else its ``logits``; a
+    ``LazyFull`` (a split output) its sum, computed on the tiles."""
     if isinstance(out, Mapping):
         out = out["loss"] if out.get("loss") is not None else out.get("logits", next(iter(out.values()), None))
     if isinstance(out, (tuple, list)):
         out = out[0]
+    if isinstance(out, LazyFull):  # a split output (soybean's full-batch contract): summed tile by tile, no gather
+        return out.float().sum()
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"the model returned {type(out).__name__}, not a tensor or a ModelOutput with a loss or logits")
     return out if out.dim() == 0 else out.float().sum()
@@ -605,15 +609,16 @@ def _speedup(base: float | None, t: float | None) -> float | None:
 
 
 def _check_losses(ms: dict[str, Measurement], notes: dict[str, str]) -> None:
-    """A full-batch variant must reproduce the serial first loss: TP's heuristic plan is nulled, soybean noted."""
-    ref = ms[SERIAL].loss
-    if ref is None:
-        return
+    """A full-batch variant must reproduce the serial first loss: TP's heuristic plan is nulled, soybean noted.
+    A local-batch variant computes DDP's loss (each rank's on its own rows), so DDP's first loss is its
+    reference: the serial one for a mean, 1 / ranks of it for a sum."""
     for v in FULL_BATCH - {SERIAL}:
+        local = v in LOCAL_BATCH
+        ref = (ms["ddp"] if local and "ddp" in ms else ms[SERIAL]).loss
         m = ms[v]
-        if m.loss is None or math.isclose(m.loss, ref, rel_tol=LOSS_RTOL, abs_tol=1e-6):
+        if ref is None or m.loss is None or math.isclose(m.loss, ref, rel_tol=LOSS_RTOL, abs_tol=1e-6):
             continue
-        msg = f"first loss {m.loss:.6g} differs from the serial {ref:.6g}"
+        msg = f"first loss {m.loss:.6g} differs from {'DDP' if local and 'ddp' in ms else 'serial'}'s {ref:.6g}"
         if v == "tp":
             ms[v] = Measurement(reason=f"the column/row plan does not compute this model: {msg}", loss=m.loss)
         else:

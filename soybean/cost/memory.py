@@ -66,9 +66,22 @@ from ..tiling import Replicate, max_local_numel
 MEMORY_HEADROOM = 0.05
 
 
+# ``--memory-gb`` / ``memory_gb`` count GiB, 2^30 bytes (device memory is sized in powers of two), and every
+# memory figure soybean prints is in binary units (``fmt_memory``): the budget and the peak read alike.
+GIB = 2**30
+
+
 def budget_bytes(memory_gb: float | None) -> float | None:
-    """The modelled bytes per device a plan may reach under ``--memory-gb memory_gb`` (``MEMORY_HEADROOM``)."""
-    return memory_gb * 2**30 * (1 - MEMORY_HEADROOM) if memory_gb else None
+    """The modelled bytes per device a plan may reach under ``--memory-gb memory_gb`` GiB (``MEMORY_HEADROOM``)."""
+    return memory_gb * GIB * (1 - MEMORY_HEADROOM) if memory_gb else None
+
+
+def fmt_memory(b: float) -> str:
+    """Bytes of memory in binary units: ``1.31 GiB``, ``512.00 MiB``."""
+    for unit, f in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= f:
+            return f"{b / f:.2f} {unit}"
+    return f"{b:.0f} B"
 
 
 def budget_needed(modelled: float) -> float:
