@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from .capture import Captured, capture, split_example
 from .mesh import Mesh
 from .module import ParallelModule
+from .options import PlanOptions, options as merge_options
 from .outputs import OUTPUTS
 from .plan import Plan
 from .planner import plan as make_plan
@@ -51,20 +53,20 @@ def check_plan(p: Plan, fingerprint: str, world: int, precision: str | None = No
                          f"{p.fingerprint} != {fingerprint}): re-run `soybean plan` for this model and batch")
 
 
-def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, *, devices: int | None = None,
-                mesh: tuple | Mesh | None = None, plan: Plan | str | Path | None = None, objective: str = "time",
-                profile: str | None = None, mode: str = "auto", rank: int | None = None,
-                groups: Sequence[Group] | None = None, captured: Captured | None = None,
-                local_batch: bool = False, gpus_per_node: int | None = None,
-                precision: str | None = None, recompute: str = "none",
-                memory_gb: float | None = None, outputs: str = "lazy", share_params: bool = False,
-                collectives: str = "auto", example_kwargs: dict | None = None,
-                timeout_s: float | None = None) -> ParallelModule:
+def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, *,
+                options: PlanOptions | None = None, plan: Plan | str | Path | None = None, rank: int | None = None,
+                groups: Sequence[Group] | None = None, captured: Captured | None = None, outputs: str = "lazy",
+                share_params: bool = False, example_kwargs: dict | None = None, timeout_s: float | None = None,
+                **option_fields: Any) -> ParallelModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
 
     ``example_inputs``: forward's positional arguments (a tuple, or one tensor), or a dict of its keyword
     arguments; ``example_kwargs``: more keywords.  The returned module is called the same way
     (``pm(input_ids, labels=labels)``), keywords in any order.
+
+    How to plan is ``options`` (``soybean.options.PlanOptions``) with any of its fields as keywords on top
+    (``devices=``, ``mesh=``, ``objective=``, ``profile=``, ``mode=``, ``memory_gb=``, ...), as
+    ``soybean.plan`` takes them; the ones that matter here:
 
     ``precision``: ``fp32`` or ``bf16-mixed`` (``soybean.precision``: bf16 compute from fp32 master weights,
     which are the module's parameters, so the optimizer updates fp32); default: the plan's, else fp32.
@@ -102,13 +104,10 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     """
     if outputs not in OUTPUTS:
         raise ValueError(f"unknown outputs {outputs!r}: use one of {', '.join(OUTPUTS)}")
+    opts = merge_options(options, **option_fields)
+    devices, precision = opts.devices, opts.precision
+    mesh_obj = Mesh(opts.mesh) if opts.mesh else None
     example_inputs, example_kwargs = split_example(example_inputs, example_kwargs)
-    if isinstance(mesh, Mesh):
-        mesh_obj: Mesh | None = mesh
-    elif mesh is not None:
-        mesh_obj = Mesh(tuple(getattr(mesh, "shape", mesh)))
-    else:
-        mesh_obj = None
     if groups is None and devices == 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
         # One device and no launcher: run in this process, with no process group at all.
         from .runtime.comm import ThreadWorld
@@ -137,9 +136,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     cap = captured or capture(model, example_inputs, example_kwargs, precision=prec)
     if p is None:
         def make() -> Plan:
-            return make_plan(None, (), world, mesh=mesh_obj, objective=objective, profile=profile, mode=mode,
-                             baselines=False, captured=cap, local_batch=local_batch, gpus_per_node=gpus_per_node,
-                             recompute=recompute, memory_gb=memory_gb, collectives=collectives)
+            return make_plan(None, (), world, options=opts, baselines=False, captured=cap)
 
         if simulated or world == 1:
             p = make()

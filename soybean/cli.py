@@ -68,28 +68,12 @@ def _planned(progress: bool, *args: Any, **kwargs: Any) -> Plan:
 
 def _cmd_plan(a: argparse.Namespace) -> int:
     from . import models
-    from .cost.profiles import load_profile
-    from .mesh import Mesh
+    from .options import plan_options
     from .report import table
 
-    if a.devices < 1:
-        raise ValueError(f"--devices must be >= 1, got {a.devices}")
-    from .search import TARGET_GAP
-
-    gap = TARGET_GAP if a.gap is None else a.gap
-    if not 0 <= gap < 1:
-        raise ValueError(f"--gap must be in [0, 1), got {a.gap:g}")
-    if a.time_limit <= 0:
-        raise ValueError(f"--time-limit must be positive, got {a.time_limit:g}")
-    mesh = Mesh.parse(a.mesh) if a.mesh else None
-    if mesh is not None and mesh.size != a.devices:
-        raise ValueError(f"--mesh {a.mesh} has {mesh.size} devices but --devices is {a.devices}: make them agree")
-    profile = load_profile(a.profile)
+    opts = plan_options(a)  # every option checked here, before the model is built
     model, inputs = models.load(a.model, models.parse_args(a.arg))
-    p = _planned(not a.quiet, model, inputs, a.devices, mesh=mesh, objective=a.objective, profile=profile,
-                 solver=a.solver, memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node,
-                 tie_layers=not a.no_tie, gap=gap, precision=a.precision, recompute=a.recompute,
-                 collectives=a.collectives)
+    p = _planned(not a.quiet, model, inputs, options=opts)
     text = p.to_json() if a.format == "json" else table(p)
     if a.out:
         with open(a.out, "w") as f:
@@ -111,8 +95,9 @@ def _explained(a: argparse.Namespace) -> Explanation:
     from .capture import capture
     from .cost.profiles import load_profile
     from .explain import explain
-    from .mesh import Mesh
+    from .options import plan_options
     from .plan import Plan
+    from .precision import policy
 
     model, inputs = models.load(a.model, models.parse_args(a.arg))
     if a.plan:
@@ -126,11 +111,9 @@ def _explained(a: argparse.Namespace) -> Explanation:
     else:
         if a.devices is None:
             raise ValueError("give --devices P to plan the model, or a saved plan with --plan")
-        mesh = Mesh.parse(a.mesh) if a.mesh else None
-        cap = capture(model, inputs, precision=a.precision)
-        p = _planned(True, None, (), a.devices, mesh=mesh, objective=a.objective, profile=a.profile, captured=cap,
-                     memory_gb=a.memory_gb, time_limit_s=a.time_limit, gpus_per_node=a.gpus_per_node,
-                     recompute=a.recompute, baselines=False, collectives=a.collectives)
+        opts = plan_options(a)
+        cap = capture(model, inputs, precision=policy(opts.precision).name)
+        p = _planned(True, None, (), options=opts, captured=cap, baselines=False)
     return explain(cap, p, load_profile(a.profile) if a.profile else None)
 
 
@@ -162,35 +145,15 @@ def _cmd_diff(a: argparse.Namespace) -> int:
     return 1 if lines else 0
 
 
-def _add_collectives_arg(p: argparse.ArgumentParser) -> None:
-    from .ir.algorithms import ALGORITHMS
-
-    p.add_argument("--collectives", choices=["auto", *ALGORITHMS], default="auto",
-                   help="the algorithm each collective runs: auto (default: the cheapest modelled for its group and "
-                        "message), or force the backend's own call or soybean's lp (chain pipelining), ring or tree")
-
-
 def _add_explained_args(p: argparse.ArgumentParser) -> None:
     """The arguments ``explain`` and ``draw`` share: the model, and its plan saved or planned now."""
-    from .precision import POLICIES
+    from .options import add_plan_options
 
     _add_model_args(p)
     p.add_argument("--plan", metavar="PLAN.json",
                    help="a plan saved by `soybean plan --out`: its tilings are read, not planned again (the "
                         "planning options below are then unused, but --profile)")
-    p.add_argument("--devices", type=int, default=None, help="number of devices P (required without --plan)")
-    p.add_argument("--mesh", help="mesh shape such as 8 or 2x4 (default: try every factorisation into 1-3 axes)")
-    p.add_argument("--objective", choices=["comm", "time"], default="time")
-    p.add_argument("--profile", default=None,
-                   help="cpu-gloo (default), h100-nvlink, h100-nvlink-ib or a JSON file from `soybean calibrate`; "
-                        "with --plan, default the plan's")
-    p.add_argument("--memory-gb", type=float, default=None, metavar="GIB",
-                   help="per-device memory budget in GiB (2^30 bytes); the modelled peak stays within 95%% of it")
-    p.add_argument("--recompute", choices=["none", "layers", "attention", "auto"], default="none")
-    _add_collectives_arg(p)
-    p.add_argument("--precision", choices=list(POLICIES), default="fp32")
-    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G")
-    p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="seconds per ILP solve")
+    add_plan_options(p, profile_help="; with --plan, default the plan's")
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
@@ -269,37 +232,14 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .options import add_plan_options
+
     ap = argparse.ArgumentParser(prog="soybean", description="Automatic tensor-tiling parallelizer for PyTorch")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", help="find the optimal tiling of every tensor and show it")
     _add_model_args(p)
-    p.add_argument("--devices", type=int, required=True, help="number of devices P")
-    p.add_argument("--mesh", help="mesh shape such as 8 or 2x4 (default: try every factorisation into 1-3 axes)")
-    p.add_argument("--objective", choices=["comm", "time"], default="time")
-    p.add_argument("--profile", default="cpu-gloo",
-                   help="cpu-gloo, h100-nvlink, h100-nvlink-ib or a JSON file from `soybean calibrate`")
-    p.add_argument("--memory-gb", type=float, default=None, metavar="GIB",
-                   help="per-device memory budget in GiB (2^30 bytes); the modelled peak stays within 95%% of it")
-    p.add_argument("--solver", choices=["ilp", "dp"], default="ilp")
-    from .precision import POLICIES
-
-    _add_collectives_arg(p)
-    p.add_argument("--recompute", choices=["none", "layers", "attention", "auto"], default="none",
-                   help="rerun every layer's forward in backward instead of keeping its activations (layers), "
-                        "only each layer's attention (attention), or decide which layers with the tilings: "
-                        "the fastest plan within --memory-gb (auto)")
-    p.add_argument("--precision", choices=list(POLICIES), default="fp32",
-                   help="fp32, or bf16-mixed: bf16 compute from fp32 master weights and AdamW states, "
-                        "gradients reduced in bf16")
+    add_plan_options(p, devices_required=True)
     p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
-    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
-                   help="devices per node: axes crossing nodes are priced at the profile's inter-node link")
-    p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
-                   help="seconds per ILP solve; then the best plan found, with its gap (default 60)")
-    p.add_argument("--gap", type=float, default=None, metavar="G",
-                   help="stop each solve once its plan is proven within this relative gap (default 1e-4)")
-    p.add_argument("--no-tie", action="store_true",
-                   help="solve every layer's choice separately (default: repeated layers share one)")
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--out", help="write the plan here (JSON when the name ends in .json)")
     p.add_argument("--emit-code", metavar="DIR", help="write each rank's generated program to DIR")

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from .options import PlanOptions, options as merge_options
+
 
 class _Piece(nn.Module):
     """One captured graph as a module: its parameter inputs registered as the user's own objects."""
@@ -52,14 +54,22 @@ class _Piece(nn.Module):
         return tuple(x for x, s in zip(example_inputs, self.slots) if s is None)
 
 
-def compile_backend(devices: int | None = None, mesh: tuple | None = None, objective: str = "time",
-                    profile: str | None = None) -> Callable[[fx.GraphModule, list], Callable[..., Any]]:
+def compile_backend(options: PlanOptions | None = None, **option_fields: Any
+                    ) -> Callable[[fx.GraphModule, list], Callable[..., Any]]:
     """A ``torch.compile`` backend that plans and runs every captured graph on the current process group
     (module docstring).  Call ``torch.compile(model, backend=soybean.compile_backend())`` on every rank, after
-    ``torch.distributed.init_process_group`` (or under ``torchrun``).  The backend's ``plans`` lists every
-    piece's plan, in the order dynamo captured them."""
+    ``torch.distributed.init_process_group`` (or under ``torchrun``).  ``options`` and the keywords
+    (``devices=``, ``mesh=``, ``objective=``, ``profile=``, ...) are ``soybean.options.PlanOptions``; the mode is
+    ``replicated`` (the user's optimizer holds the parameters).  The backend's ``plans`` lists every piece's
+    plan, in the order dynamo captured them."""
     from .api import parallelize
     from .plan import Plan
+
+    opts = merge_options(options, **option_fields)
+    if opts.mode not in ("auto", "replicated"):
+        raise ValueError(f"compile_backend plans in mode replicated (parameters stored whole, the user's optimizer "
+                         f"updates them), not {opts.mode!r}")
+    opts = opts.merged(mode="replicated")
 
     plans: list[Plan] = []
 
@@ -68,8 +78,7 @@ def compile_backend(devices: int | None = None, mesh: tuple | None = None, objec
         users = piece.user_inputs(example_inputs)
         if not any(isinstance(x, torch.Tensor) for x in users):
             return gm.forward  # nothing to split: a piece of parameter-only work runs as is
-        pm = parallelize(piece, users, devices=devices, mesh=mesh, objective=objective, profile=profile,
-                         mode="replicated", outputs="full", share_params=True)
+        pm = parallelize(piece, users, options=opts, outputs="full", share_params=True)
         plans.append(pm.plan)
 
         def run(*args: Any) -> Any:

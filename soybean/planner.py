@@ -39,6 +39,7 @@ from .graph import (
 )
 from .ir.algorithms import check as check_algorithm
 from .mesh import Mesh, factorizations
+from .options import MODES, PlanOptions, options as merge_options
 from .plan import Plan
 from .precision import policy
 from .reshard import Step
@@ -50,7 +51,6 @@ from .tiling import R, fmt
 
 # ``replicated``: the optimum with every parameter stored whole on every device (its use still split where that
 # pays), as the torch.compile backend runs plans on the user's own parameters (``soybean.compile``).
-MODES = ("auto", "dp", "mp", "replicated")
 
 
 @dataclass
@@ -161,7 +161,6 @@ def solve_table_on(g: PlanGraph, objective: str, solver: str, memory_bytes: floa
     return r
 
 
-RECOMPUTE = ("none", "layers", "attention", "auto")
 
 
 def recompute_units(cap: Captured, recompute: str) -> frozenset[str]:
@@ -294,26 +293,17 @@ def plan(
     example_inputs: tuple | dict | torch.Tensor = (),
     devices: int | None = None,
     *,
-    mesh: Mesh | tuple | None = None,
-    objective: str = "time",
-    profile: str | Profile | None = None,
-    solver: str = "ilp",
-    memory_gb: float | None = None,
-    mode: str = "auto",
+    options: PlanOptions | None = None,
     baselines: bool = True,
     captured: Captured | None = None,
-    local_batch: bool = False,
-    time_limit_s: float = 60.0,
-    gpus_per_node: int | None = None,
     progress: Callable[[str], None] | None = None,
-    tie_layers: bool = True,
-    gap: float = TARGET_GAP,
-    precision: str | None = None,
-    recompute: str = "none",
-    collectives: str = "auto",
     example_kwargs: dict[str, Any] | None = None,
+    **option_fields: Any,
 ) -> Plan:
     """The best plan for ``model`` on ``devices`` (or on ``mesh``).
+
+    How to plan is ``options`` (``soybean.options.PlanOptions``), with any of its fields given as keywords
+    on top (``mesh=``, ``objective=``, ``profile=``, ``memory_gb=``, ...; ``None`` leaves a field as it is):
 
     ``example_inputs`` are forward's positional arguments and ``example_kwargs`` its keyword arguments (a dict
     given as ``example_inputs`` is taken as the keywords): ``model(*example_inputs, **example_kwargs)``.
@@ -344,18 +334,13 @@ def plan(
     gap, the baselines).
     """
     say = progress or (lambda line: None)
-    if gpus_per_node is not None and gpus_per_node < 1:
-        raise ValueError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
-    if mesh is not None and not isinstance(mesh, Mesh):
-        mesh = Mesh(tuple(mesh))
-    if devices is None:
-        devices = mesh.size if mesh is not None else 1
-    if devices < 1:
-        raise ValueError(f"--devices must be >= 1, got {devices}")
-    if mesh is not None and mesh.size != devices:
-        raise ValueError(
-            f"mesh {mesh} has {mesh.size} devices, not {devices}: give a mesh whose sizes multiply to {devices}"
-        )
+    opts = merge_options(options, devices=devices, **option_fields)  # every option checked there
+    mesh = Mesh(opts.mesh) if opts.mesh else None
+    devices = opts.world
+    objective, profile, solver, memory_gb, mode = opts.objective, opts.profile, opts.solver, opts.memory_gb, opts.mode
+    local_batch, time_limit_s, gpus_per_node, tie_layers = opts.local_batch, opts.time_limit_s, opts.gpus_per_node, \
+        opts.tie_layers
+    gap, precision, recompute, collectives = opts.gap, opts.precision, opts.recompute, opts.collectives
     prof = with_collectives(profile if isinstance(profile, Profile) else load_profile(profile), collectives)
     if captured is not None:
         cap = captured
@@ -368,8 +353,6 @@ def plan(
         cap = capture(model, args, kwargs, precision=policy(precision).name)
     else:
         raise CaptureError("could not capture: plan() was given neither a model nor captured=")
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"unknown recompute {recompute!r}: use one of {', '.join(RECOMPUTE)}")
     budget = budget_bytes(memory_gb)
     if recompute == "auto" and budget is None:
         recompute = "none"  # recomputation only adds time: without a budget there is nothing to buy with it
