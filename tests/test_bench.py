@@ -163,3 +163,21 @@ def test_bench_computes_the_loss_outside_the_model_in_both_contracts() -> None:
     assert not report["notes"]
     with pytest.raises(ValueError, match="--loss"):
         BenchConfig(model="m:f", devices=2, loss="sideways").validate()
+
+
+@pytest.mark.unit
+def test_every_variant_is_one_row() -> None:
+    """The variants table is the only list: every view the harness reads is derived from it, every row wraps the
+    model a known way, soybean's rows are valid planning options, and every loss reference is a variant."""
+    from soybean.bench import harness
+    from soybean.bench.variants import TABLE
+    from soybean.options import PlanOptions
+
+    assert VARIANTS == tuple(v.name for v in TABLE) and set(harness._DIST_PREPARE) == set(VARIANTS) - {"serial"}
+    for row in TABLE:
+        assert row.contract in ("full", "local") and (row.loss_reference is None or row.loss_reference in VARIANTS)
+        if row.soybean:
+            PlanOptions(**row.plan)  # raises on a misspelt or invalid option
+            assert SOYBEAN_MODES[row.name] == row.plan["mode"]
+        else:
+            assert not row.plan

@@ -21,6 +21,8 @@ factory call with the same seed.  The reported time is the median of ``--steps``
 * ``soybean_backend``: the optimal plan's tilings with every collective the backend's own call
   (``collectives="backend"``), against which ``soybean``'s choice of algorithms is paired.
 
+Each variant is one row of ``variants.TABLE``.
+
 The N ranks are spawned once and run every distributed variant in one process group, one
 thread per rank.  By default the variants take turns after every timed step, so drift of a
 shared machine favours none and step ``i`` of every variant ran in the same round; only when all
@@ -63,21 +65,11 @@ from .. import models
 from ..outputs import LazyFull
 from ..plan import Plan
 from .stats import fastest_verdict, spearman
+from .variants import BY_NAME, DIST_VARIANTS, LOCAL_BATCH, REPLICATING, SERIAL, SOYBEAN_MODES, TABLE, VARIANTS
 
 __all__ = ["BenchConfig", "VARIANTS", "auto_rounds", "training_state_bytes", "run_bench", "format_table", "spearman",
            "candidates", "tp_layout", "add_parser", "cmd_bench", "main"]
 
-SERIAL = "serial"
-DIST_VARIANTS: tuple[str, ...] = ("ddp", "tp", "fsdp", "soybean", "soybean_dp", "soybean_mp", "soybean_local",
-                                  "soybean_backend")
-VARIANTS: tuple[str, ...] = (SERIAL, *DIST_VARIANTS)
-SOYBEAN_MODES: dict[str, str] = {"soybean": "auto", "soybean_dp": "dp", "soybean_mp": "mp", "soybean_local": "auto",
-                                  "soybean_backend": "auto"}
-# Variants whose collectives all run the backend's own calls (``runtime.algorithms``): the optimal plan's
-# tilings with ``collectives="backend"``, paired against ``soybean``'s own choice of algorithms.
-BACKEND_COLLECTIVES: frozenset[str] = frozenset({"soybean_backend"})
-# Variants under the local-batch contract (DDP's): each rank passes its own slice of every input.
-LOCAL_BATCH: frozenset[str] = frozenset({"soybean_local"})
 # Where the training step computes its loss: in the model (the target among the inputs), or outside it from the
 # model's output, ``loss = model.loss_fn(model(*inputs[:-1]), inputs[-1])``, as DDP-style loops do.
 LOSS_STYLES = ("inside", "outside")
@@ -85,8 +77,6 @@ NOT_SELECTED = "not selected (--variants)"
 # ``--profile calibrate``: run ``soybean calibrate`` just before timing and plan with its profile
 # (a shared machine's speed drifts over minutes: a profile from earlier mispredicts by as much).
 CALIBRATE = "calibrate"
-# Variants whose every rank sees the whole batch: their loss must equal the serial loss.
-FULL_BATCH: frozenset[str] = frozenset({SERIAL, "tp", *SOYBEAN_MODES})
 LOSS_RTOL = 1e-3
 _SHARDED_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -344,18 +334,18 @@ def _prepare_soybean(variant: str, ctx: _Context, model: nn.Module, inputs: tupl
     if not isinstance(plan, Plan):
         raise Unavailable(plan)
     example = inputs[:-1] if ctx.cfg.loss == "outside" else inputs  # the target is the loss's, outside the model
-    pmodel = soybean.parallelize(model, example, devices=ctx.world, mode=SOYBEAN_MODES[variant], plan=plan)
+    pmodel = soybean.parallelize(model, example, devices=ctx.world, plan=plan)  # the plan carries its options
     if variant in LOCAL_BATCH:  # each rank passes its slice (the target: as the first input is split)
         inputs = tuple(pmodel.local_slice(x, i if i < len(example) else 0) if isinstance(x, torch.Tensor) else x
                        for i, x in enumerate(inputs))
     return Prepared(pmodel, inputs)
 
 
+# How each variant wraps the model, by its row's ``prepare`` (``variants.TABLE``).
+_PREPARE: dict[str, Callable[..., Prepared]] = {"ddp": _prepare_ddp, "tp": _prepare_tp, "fsdp": _prepare_fsdp}
 _DIST_PREPARE: dict[str, Callable[[_Context, nn.Module, tuple], Prepared]] = {
-    "ddp": _prepare_ddp,
-    "tp": _prepare_tp,
-    "fsdp": _prepare_fsdp,
-    **{v: functools.partial(_prepare_soybean, v) for v in SOYBEAN_MODES},
+    v.name: functools.partial(_prepare_soybean, v.name) if v.soybean else _PREPARE[v.prepare]
+    for v in TABLE if v.name != SERIAL
 }
 
 
@@ -512,14 +502,13 @@ def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any =
     except Exception as e:  # reported for every soybean variant
         return {v: Measurement.failed(e).reason or "capture failed" for v in SOYBEAN_MODES}
     plans: dict[str, Plan | str] = {}
-    for variant, mode in SOYBEAN_MODES.items():
+    for variant in SOYBEAN_MODES:
         if variant not in cfg.variants:
             plans[variant] = NOT_SELECTED
             continue
         try:
-            plans[variant] = plan(None, (), cfg.devices, objective="time", profile=profile or cfg.profile, mode=mode,
-                                  baselines=False, captured=cap, local_batch=variant in LOCAL_BATCH,
-                                  collectives="backend" if variant in BACKEND_COLLECTIVES else "auto")
+            plans[variant] = plan(None, (), cfg.devices, objective="time", profile=profile or cfg.profile,
+                                  baselines=False, captured=cap, **BY_NAME[variant].plan)
         except Exception as e:
             plans[variant] = Measurement.failed(e).reason or "planning failed"
     return plans
@@ -609,16 +598,17 @@ def _speedup(base: float | None, t: float | None) -> float | None:
 
 
 def _check_losses(ms: dict[str, Measurement], notes: dict[str, str]) -> None:
-    """A full-batch variant must reproduce the serial first loss: TP's heuristic plan is nulled, soybean noted.
-    A local-batch variant computes DDP's loss (each rank's on its own rows), so DDP's first loss is its
-    reference: the serial one for a mean, 1 / ranks of it for a sum."""
-    for v in FULL_BATCH - {SERIAL}:
-        local = v in LOCAL_BATCH
-        ref = (ms["ddp"] if local and "ddp" in ms else ms[SERIAL]).loss
-        m = ms[v]
+    """A variant must reproduce its row's reference first loss (``Variant.loss_reference``): serial's for a full
+    batch; for soybean's local contract DDP's (each rank's loss on its own rows: the serial one for a mean,
+    1 / ranks of it for a sum).  TP's heuristic plan is nulled, soybean noted."""
+    for row in TABLE:
+        v, against = row.name, row.loss_reference
+        if against is None or v not in ms or against not in ms:
+            continue
+        ref, m = ms[against].loss, ms[v]
         if ref is None or m.loss is None or math.isclose(m.loss, ref, rel_tol=LOSS_RTOL, abs_tol=1e-6):
             continue
-        msg = f"first loss {m.loss:.6g} differs from {'DDP' if local and 'ddp' in ms else 'serial'}'s {ref:.6g}"
+        msg = f"first loss {m.loss:.6g} differs from {against}'s {ref:.6g}"
         if v == "tp":
             ms[v] = Measurement(reason=f"the column/row plan does not compute this model: {msg}", loss=m.loss)
         else:
@@ -631,8 +621,6 @@ def _check_losses(ms: dict[str, Measurement], notes: dict[str, str]) -> None:
 # step), and it pairs the variants' steps in time, which a one-after-the-other run cannot.  The
 # only limit is memory: turns are taken while the estimate fits in this share of physical memory.
 ALTERNATE_MEMORY_SHARE = 0.5
-# Variants that may hold a full replica of the parameters on every rank (soybean's optimum may be DP).
-REPLICATING: frozenset[str] = frozenset({"ddp", "soybean", "soybean_dp", "soybean_local", "soybean_backend"})
 
 
 def training_state_bytes(param_bytes: int, variants: Sequence[str], devices: int) -> int:
