@@ -1,4 +1,4 @@
-"""A build shares repeated layers' work (``graph._Memo``): the shared table must equal the table
+"""A build shares repeated layers' work (``graph.build._Memo``): the shared table must equal the table
 priced variable by variable, on stacks whose layers repeat and on models with uneven shapes."""
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ CURVED = replace(BUILTIN["cpu-gloo"], name="curved",
 
 @pytest.mark.parametrize("profile", [BUILTIN["h100-nvlink"], CURVED], ids=lambda p: p.name)
 def test_tables_built_across_mesh_shapes_price_every_route_as_the_definition(profile: Profile) -> None:
-    """Route ids are kept across builds and mesh shapes (``graph._RouteIds``): after builds on other
+    """Route ids are kept across builds and mesh shapes (``graph.build._RouteIds``): after builds on other
     meshes, every entry of every edge table is still ``reshard_cost`` of that entry's route (with a profile
     whose beta depends on the message too)."""
     from soybean.cost.collectives import reshard_cost

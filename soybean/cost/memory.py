@@ -279,7 +279,7 @@ _MAY_COPY = frozenset({"aten.reshape.default", "aten.flatten.using_ints"})
 
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:
-    """``node``'s tensor arguments in the order of ``OpSpec.inputs`` (as ``graph._build`` lists them)."""
+    """``node``'s tensor arguments in the order of ``OpSpec.inputs`` (as ``graph.build._build`` lists them)."""
     args, _ = tree_flatten((node.args, node.kwargs))
     return [a for a in args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
 

@@ -68,8 +68,13 @@ def batch_norm_sync_args(op: OpSpec, st: Strategy) -> dict[str, Any]:
     return {"axes": axes, "count": math.prod(shape) // shape[1]} if axes else {}
 
 
+def batch_norm_writes(op: OpSpec) -> tuple[str, ...]:
+    """In training, batch norm updates its running statistics in place (its schema does not say so)."""
+    return ("running_mean", "running_var") if Args(op)["training"] else ()
+
+
 @register("aten.batch_norm.default", family="norm", cost=ELEMENTWISE, sync_args=batch_norm_sync_args,
-          sync_call=SYNC_BATCH_NORM)
+          sync_call=SYNC_BATCH_NORM, writes=batch_norm_writes)
 def batch_norm(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.spec("input")

@@ -1,39 +1,12 @@
-"""Annotate + enumerate: the planning graph of a captured model on one mesh.
-
-Every tensor-producing fx node becomes a *variable* whose domain is its list of
-N-D strategies (placeholders: the tilings a parameter, buffer or input may be
-stored in; ops: the rule's strategies; the output: all-``R``, the full-output
-contract).  Every (producer output -> consumer input) use becomes an *edge*
-whose cost matrix ``C[s, t]`` prices resharding producer strategy ``s``'s output
-into consumer strategy ``t``'s input, forward and backward.
-
-A value used more than once gets a *reshard point*: a variable between the
-producer and its consumers whose domain is (tiling ``T``, axes ``A`` whose
-gradient it collects partially).  Consumers that want the same tiling then
-share one collective, and partial gradients of replicated uses (Megatron's
-``f`` for q, k and v, or the gradient sync of a tied weight) are summed
-locally and all-reduced once, as the runtime does.
-
-Edge semantics are decided here, once: which values need a gradient (``Var.needs_grad``),
-where each use reads its value from (the producer, or the shared reshard point), on which axes
-a replicated use's gradient is partial (the consumer splits its work there), which axes a
-reshard point sums partial gradients over, and which gradient all-reduce is a parameter's own,
-deferred to the runtime's bucketed gradient sync (``Edge.deferred``), and which stored tensors an
-op updates in place through a resharded copy (a *write-back* edge: batch norm's running
-statistics, stored whole and updated channel-split, travel back to their stored tiling).  Each
-edge keeps, per pair of strategies, the ``reshard.Route`` these make; the cost model prices it and codegen
-emits it.  Built with ``fixed=plan``, every variable's domain is the one strategy the plan
-chose: the graph codegen lowers.
-"""
+"""Building the planning graph: ``build`` (the package docstring says what it decides)."""
 from __future__ import annotations
 
 import gc
 import itertools
-import math
 import operator
-from collections.abc import Callable, Collection, Hashable, Iterator
+from collections.abc import Collection, Hashable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
@@ -42,112 +15,26 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
-from . import rules
-from .capture import Captured
-from .cost.collectives import op_comm_costs, price_route_ids, route_ids
-from .cost.compute import op_seconds, optimizer_step_seconds
-from .cost.memory import (
-    activation_bytes,
-    activation_key,
+from .. import rules
+from ..capture import Captured
+from ..cost.collectives import op_comm_costs, price_route_ids, route_ids
+from ..cost.compute import op_seconds, optimizer_step_seconds
+from ..cost.memory import (
     grad_phase_bytes,
-    output_bytes,
     param_bytes,
     sync_bucket_bytes,
 )
-from .cost.profiles import Profile
-from .mesh import Mesh
-from .plan import Plan
-from .precision import policy
-from .reshard import Route
-from .rules._common import Args
-from .rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, strategies_1d
-from .tiling import Partial, R, Replicate, Shard, is_valid, max_local_numel
-
-
-@dataclass
-class Var:
-    name: str
-    kind: str                     # param | buffer | input | op | output
-    strategies: list[Strategy]
-    compute_s: np.ndarray         # seconds per strategy (training step)
-    memory: np.ndarray            # bytes per device per strategy
-    fqn: str = ""
-    op: OpSpec | None = None
-    module: str = ""              # innermost nn.Module path, for reports and tying
-    needs_grad: bool = False
-    grad_partial: list[tuple[int, ...]] = field(default_factory=list)  # reshard points: per strategy, axes A
-    pinned: bool = False          # stored tiling must be used as is (no resharding: model-parallel baseline)
-    gathered: tuple[int, ...] = ()  # pinned, except on these axes: used whole there (FSDP: gather for use)
-    # Per strategy, [bytes, seconds] of the communication inside the op (halo exchanges, summed statistics:
-    # ``cost.collectives.op_comm_costs``), counted in ``compute_s`` for the search, reported as communication.
-    op_comm: np.ndarray | None = None
-    # A recomputed op: per strategy, the share of ``memory`` that is its unit's activations while the unit
-    # reruns in backward (``_Rerun.memory``); None for any other variable.
-    rerun_buffer: np.ndarray | None = None
-    # A trainable parameter: per strategy, the share of ``memory`` that exists only after backward (its gradient,
-    # the step's temporaries: ``cost.memory.grad_phase_bytes``); None for any other variable.
-    grad_phase: np.ndarray | None = None
-    # The op whose output is the largest: per strategy, the gradient bytes its backward holds at once at the
-    # start of backward, while every activation is still kept (``backward_transient``), part of ``memory``.
-    transient: np.ndarray | None = None
-
-
-@dataclass
-class Edge:
-    """One use of a value: output ``src_out`` of var ``src`` read as input ``dst_in`` of var ``dst``."""
-
-    src: int
-    dst: int
-    src_out: int
-    dst_in: int
-    bytes: np.ndarray             # [len(src strategies), len(dst strategies)]
-    seconds: np.ndarray
-    shape: tuple[int, ...]
-    itemsize: int
-    needs_grad: bool
-    # A parameter's own edge: its gradient all-reduce is deferred to the runtime's bucketed,
-    # asynchronous gradient sync (``GradSync``), whose time ``sync`` gives (else None).
-    deferred: bool
-    sync: np.ndarray | None
-    # A write-back: ``dst`` (an op) updates stored tensor ``src`` (a parameter or buffer) in place
-    # through the copy it read in its own tiling, which travels back to the stored tiling.
-    write_back: bool
-    # The consumer's layer is recomputed: the read's forward collectives run again in backward (priced in).
-    rerun: bool = False
-    # The read ends in a returned sum that the generated program makes asynchronous (``returned_sum``): its
-    # all-reduce runs, and is priced as, the backend's call (``edge_profile``).
-    lazy: bool = False
-    # Distinct (tiling, collected partial-gradient axes) of the source's strategies, and
-    # (tiling, partial-gradient axes) of the consumer's, with each strategy's index into them.
-    src_keys: list[tuple[tuple, tuple[int, ...]]] = field(default_factory=list)
-    src_key_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    dst_keys: list[tuple[tuple, tuple[int, ...]]] = field(default_factory=list)
-    dst_key_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-
-    def route(self, s: int, t: int) -> Route:
-        """The route of this use when the source takes strategy ``s`` and the consumer ``t``."""
-        (src, spa), (dst, pga) = self.src_keys[self.src_key_of[s]], self.dst_keys[self.dst_key_of[t]]
-        return Route.of(dst, src) if self.write_back else Route.of(src, dst, pga, spa, self.needs_grad)
-
-
-@dataclass
-class PlanGraph:
-    mesh: Mesh
-    profile: Profile
-    vars: list[Var] = field(default_factory=list)
-    edges: list[Edge] = field(default_factory=list)
-    index: dict[str, int] = field(default_factory=dict)
-    fallback_ops: list[str] = field(default_factory=list)
-    shapes: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)  # placeholder outputs
-    dtypes: dict[tuple[int, int], torch.dtype] = field(default_factory=dict)
-    written: set[str] = field(default_factory=set)  # placeholders some op updates in place
-    master_itemsize: int = 0  # bytes of a parameter's master copy under a mixed policy (0: as in the graph)
-    # Bytes the rerun buffers' sum over-counts for sure (``rerun_credit``): the search bounds a plan's peak by
-    # the sum of its variables' memory minus this constant; ``rerun_freed`` is what one plan's sum over-counts.
-    rerun_credit: float = 0.0
-    rerun_after: int = 0  # the first variable after the last recomputed op (its ops are freed when units rerun)
-    # Trainable parameters read at or after ``rerun_after``: their gradients exist when the last unit reruns.
-    rerun_grads: list[int] = field(default_factory=list)
+from ..cost.phases import backward_transient, rerun_credit
+from ..cost.profiles import Profile
+from ..mesh import Mesh
+from ..plan import Plan
+from ..precision import policy
+from ..reshard import Route
+from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, strategies_1d
+from ..tiling import Partial, R, Replicate, Shard, is_valid
+from .types import Edge, PlanGraph, Var
+from .units import _module_path, _Rerun
+from .writes import written_inputs
 
 
 class _Memo:
@@ -212,163 +99,6 @@ def op_key(op: OpSpec) -> Hashable | None:
     except _Unhashable:
         return None
 
-
-def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    return list(stack.values())[-1][0]
-
-
-def layer_of(module_path: str) -> str:
-    """The layer a module path lies in: a block of a repeated stack, the path up to its first numeric part
-    (``transformer.h.3.attn.c_attn`` -> ``transformer.h.3``); ``""`` for none.  Recomputation's unit."""
-    parts = module_path.split(".")
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[:i + 1])
-    return ""
-
-
-def node_layer(node: fx.Node) -> str:
-    """The layer of a captured op (``layer_of`` its module path)."""
-    return layer_of(_module_path(node))
-
-
-def unit_of(module_path: str, units: Collection[str]) -> str:
-    """The recomputation unit of ``units`` (module paths: a layer, or a module inside one) that contains
-    ``module_path``, the innermost when they nest; ``""`` for none."""
-    parts = module_path.split(".")
-    for i in range(len(parts), 0, -1):
-        if (u := ".".join(parts[:i])) in units:
-            return u
-    return ""
-
-
-def node_module(node: fx.Node) -> str:
-    """The innermost ``nn.Module`` path of a captured op (``""`` for none)."""
-    return _module_path(node)
-
-
-# Ops whose module is a layer's attention (selective recomputation's unit, Korthikanti et al. 2022).
-ATTENTION_OPS = ("aten.scaled_dot_product_attention.default", "aten._softmax.default", "aten.softmax.int")
-
-
-def recomputable_layers(cap: Captured) -> list[str]:
-    """The layers whose forward may run twice, in graph order: none of their ops updates a tensor in place
-    (batch norm's running statistics would move twice) or is windowed (``rules.window``: halo windows pack
-    their own saved tensors)."""
-    layers: dict[str, bool] = {}
-    for n in cap.graph.nodes:
-        if n.op != "call_function" or n.target is operator.getitem or not node_layer(n):
-            continue  # not an op, or in no layer
-        op = make_opspec(n.target, n.args, n.kwargs, n.meta.get("val"))
-        entry = rules.lookup(n.target)
-        windowed = entry is not None and entry.windows is not None and bool(entry.windows(op))
-        layer = node_layer(n)
-        layers[layer] = layers.get(layer, True) and not windowed and not written_inputs(op)
-    return [k for k, ok in layers.items() if ok]
-
-
-def attention_units(cap: Captured) -> list[str]:
-    """Selective recomputation's units, in graph order: in each recomputable layer, the module directly
-    below the layer that holds its attention (``transformer.h.3.attn``, ``model.layers.3.self_attn``),
-    found by its op (``ATTENTION_OPS``); a layer whose attention is not in a submodule of its own has none."""
-    ok = set(recomputable_layers(cap))
-    out: dict[str, None] = {}
-    for n in cap.graph.nodes:
-        if n.op != "call_function" or str(n.target) not in ATTENTION_OPS:
-            continue
-        path, layer = _module_path(n), node_layer(n)
-        if layer in ok and path.startswith(layer + "."):
-            out[".".join(path.split(".")[:len(layer.split(".")) + 1])] = None
-    return list(out)
-
-
-class _Rerun:
-    """What recomputing the units ``layers`` changes (``codegen.recompute``; a unit is a layer or a module
-    inside one, ``unit_of``): which ops rerun, what stays live at the end of forward (``cost.memory.liveness``
-    with the units: a unit's checkpoint keeps what it reads from outside), and, per value used more than
-    once, the unit of its first reader (where lowering emits its shared reshard, so whether that reshard
-    reruns)."""
-
-    def __init__(self, graph: fx.Graph, layers: frozenset[str]) -> None:
-        self.layers = layers
-        self.layer: dict[str, str] = {}
-        self.units: dict[str, str] = {}             # a recomputed op -> its unit
-        self.first: dict[tuple[str, int], str] = {}
-        self.count: dict[str, int] = {}            # a recomputed unit -> the units of its role
-        if not layers:
-            return
-        for n in graph.nodes:
-            if n.op == "call_function" and n.target is not operator.getitem:
-                self.layer[n.name] = unit_of(_module_path(n), layers)
-            if n.op not in ("call_function", "output") or n.target is operator.getitem:
-                continue
-            reader = self.layer.get(n.name, "")
-            for a in tree_flatten((n.args, n.kwargs))[0]:
-                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
-                    src: tuple[str, int] = ((str(a.args[0].name), int(a.args[1]))  # type: ignore[union-attr, arg-type]
-                                            if a.target is operator.getitem else (a.name, 0))
-                    self.first.setdefault(src, reader)
-        self.units = {k: u for k, u in self.layer.items() if u}
-        # Units rerun one at a time: the buffer is the largest unit's activations, charged to each unit of a
-        # role (its path without the layer number: ``h.*`` or ``h.*.attn``) as 1 / (units of that role),
-        # exact for a stack of equal layers; roles add (an upper bound: one unit reruns at a time).
-        roles: dict[str, set[str]] = {}
-        for u in set(self.units.values()):
-            roles.setdefault(_role(u), set()).add(u)
-        self.count = {u: len(us) for us in roles.values() for u in us}
-
-    def op(self, name: str) -> bool:
-        return name in self.units
-
-    def key(self, node: fx.Node) -> Hashable:
-        """What an op's priced tables depend on here: what it keeps (``activation_key``), and when it reruns,
-        what it would keep otherwise and its role's unit count."""
-        if not self.layers:
-            return activation_key(node)
-        rerun = (activation_key(node), self.count[self.units[node.name]]) if self.op(node.name) else None
-        return activation_key(node, self.units), rerun
-
-    def memory(self, node: fx.Node, op: OpSpec, strategies: list[Strategy],
-               mesh: Mesh) -> tuple[np.ndarray, np.ndarray | None]:
-        """An op's bytes at the end of forward, and the share of them that is a rerun buffer.  What it keeps
-        is ``liveness`` with the units (a recomputed op: only what a checkpoint or an op outside its unit
-        keeps of its outputs); a recomputed op adds, for while its unit reruns in backward, its usual bytes:
-        one unit at a time, charged as ``1 / count`` of each recomputed op (exact for a stack of equal
-        layers; ``rerun_credit`` takes back what surely is freed by then)."""
-        if not self.layers:
-            return activation_bytes(node, op, strategies, mesh), None
-        kept = activation_bytes(node, op, strategies, mesh, self.units)
-        if not self.op(node.name):
-            return kept, None
-        buffer = activation_bytes(node, op, strategies, mesh) / self.count[self.units[node.name]]
-        return kept + buffer, buffer
-
-
-    def working_set(self, g: PlanGraph) -> None:
-        """Add to each recomputed unit's rerun buffer its backward's working set: the gradient of its largest
-        output (``Var.transient``'s argument, inside the unit: while the unit's backward runs, its activations are
-        all back and the gradient of its widest op is held), charged as the buffers are, ``1 / count``."""
-        largest: dict[str, tuple[int, int]] = {}  # unit -> (output size, var index)
-        for i, v in enumerate(g.vars):
-            if v.rerun_buffer is None or v.op is None or not v.needs_grad:
-                continue
-            size = sum(math.prod(o.shape) * o.dtype.itemsize for o in v.op.outputs)
-            unit = self.units[v.name]
-            if size > largest.get(unit, (-1, -1))[0]:
-                largest[unit] = (size, i)
-        for unit, (_, i) in largest.items():
-            v = g.vars[i]
-            assert v.op is not None and v.rerun_buffer is not None
-            extra = output_bytes(v.op, v.strategies, g.mesh) / self.count[unit]
-            v.memory, v.rerun_buffer = v.memory + extra, v.rerun_buffer + extra
-
-
-def _role(unit: str) -> str:
-    """A unit's role: its path with the layer number starred (``transformer.h.3.attn`` -> ``transformer.h.*.attn``)."""
-    return ".".join("*" if p.isdigit() else p for p in unit.split("."))
 
 
 def _placeholder_tilings(shape: tuple[int, ...], mesh: Mesh) -> list[tuple]:
@@ -483,24 +213,6 @@ def fallback_ops(cap: Captured) -> list[str]:
                 out.add(op.name)
     return sorted(out)
 
-
-def _batch_norm_writes(a: Args) -> tuple[str, ...]:
-    return ("running_mean", "running_var") if a["training"] else ()
-
-
-# Ops that write into arguments their schema does not mark as written (``Tensor(a!)``):
-# ``aten.batch_norm`` updates its running statistics in place in training mode.
-HIDDEN_WRITES: dict[str, Callable[[Args], tuple[str, ...]]] = {"aten.batch_norm.default": _batch_norm_writes}
-
-
-def written_inputs(op: OpSpec) -> list[int]:
-    """Indices into ``op.inputs`` of the tensors the op writes in place."""
-    schema = getattr(op.target, "_schema", None)
-    names = [x.name for x in schema.arguments if x.alias_info is not None and x.alias_info.is_write] if schema else []
-    a = Args(op)
-    if op.name in HIDDEN_WRITES:
-        names += HIDDEN_WRITES[op.name](a)
-    return [slot for n in names if isinstance(slot := a.slots.get(n), int)]
 
 
 PINNED = 1e30  # cost of a forbidden resharding
@@ -747,117 +459,6 @@ def edge_profile(g: PlanGraph, e: Edge) -> Profile:
     """The profile edge ``e`` is priced with (``read_profile``)."""
     return read_profile(g.profile, e.lazy)
 
-
-# Gradient tiles of its output size a backward op holds at once: the incoming gradient and the one it makes.
-TRANSIENT_COPIES = 2
-
-
-def backward_transient(g: PlanGraph) -> None:
-    """Charge the step's first large backward working set to the op with the largest output (a language
-    model's logits, whose loss backward starts while every activation is still kept): ``TRANSIENT_COPIES``
-    tiles of its output, and the gradient of each parameter it reads, as it reads it (a vocabulary head's
-    weight: made while the logits' gradients are held), added to its memory (``Var.transient``).  Later ops'
-    gradients meet activations already freed, and are not modelled."""
-    size = {i: sum(math.prod(o.shape) * o.dtype.itemsize for o in v.op.outputs)
-            for i, v in enumerate(g.vars) if v.kind == "op" and v.op is not None and v.needs_grad}
-    if not size:
-        return
-    vi = max(size, key=lambda i: size[i])
-    v = g.vars[vi]
-    assert v.op is not None
-    v.transient = TRANSIENT_COPIES * output_bytes(v.op, v.strategies, g.mesh)
-    params = param_reads(g)
-    for e in g.edges:
-        if e.dst != vi or not e.needs_grad or e.src not in params:
-            continue
-        spec = v.op.inputs[e.dst_in]
-        v.transient = v.transient + np.array([max_local_numel(spec.shape, st.inputs[e.dst_in], g.mesh)
-                                              * spec.dtype.itemsize for st in v.strategies], dtype=float)
-    v.memory = v.memory + v.transient
-
-
-def param_reads(g: PlanGraph) -> dict[int, int]:
-    """Every variable that carries a parameter's value -> that parameter: the parameter itself and the shared
-    uses (reshard points) it feeds, directly or through one another."""
-    out = {i: i for i, v in enumerate(g.vars) if v.kind == "param"}
-    feeds = [(e.src, e.dst) for e in g.edges if g.vars[e.dst].kind == "reshard"]
-    grown = True
-    while grown:  # a shared use of a shared use: until nothing more is reached
-        grown = False
-        for src, dst in feeds:
-            if src in out and dst not in out:
-                out[dst], grown = out[src], True
-    return out
-
-
-def rerun_credit(g: PlanGraph) -> float:
-    """What the rerun buffers' sum surely over-counts, subtracted from every plan's peak.
-
-    A unit reruns in backward only after backward has passed every op after it, so when the last
-    recomputed unit ``J`` reruns, the activations of the ops after it (the head, later layers kept whole)
-    are freed and the gradients of the parameters they read exist (``rerun_grads``): ``K`` = those
-    activations less those gradients (``freed_after``).  That peak is the forward's minus ``K`` plus
-    ``J``'s activations ``A``: the true extra over the forward's peak is ``max(0, A - K)``; the table charges
-    ``A`` (``_Rerun.memory``, as buffers).  With ``K_lo`` the least ``K`` (the ops' least bytes less the
-    gradients' most) and ``A_lo``, ``A_hi`` the least and most ``A`` any strategies reach: when ``A_hi <= K_lo``
-    no plan's rerun raises the peak, and the buffers are dropped (each recomputed op's memory loses its
-    buffer; no credit).  Otherwise ``A - min(K_lo, A_lo) >= max(0, A - K)`` for every plan, so the credit
-    ``max(0, min(K_lo, A_lo))`` keeps the modelled peak an upper bound."""
-    rec = [i for i, v in enumerate(g.vars) if v.rerun_buffer is not None]
-    if not rec:
-        return 0.0
-    g.rerun_after = max(rec) + 1
-    params = param_reads(g)  # read at or after rerun_after, directly or through a shared use
-    late = {params[e.src] for e in g.edges if e.src in params and e.dst >= g.rerun_after}
-    g.rerun_grads = [i for i in sorted(late) if g.vars[i].grad_phase is not None]
-    after = sum(float(v.memory.min()) for v in g.vars[g.rerun_after:] if v.kind == "op") \
-        - sum(float(gp.max()) for i in g.rerun_grads if (gp := g.vars[i].grad_phase) is not None)
-    buffers = [b for i in rec if (b := g.vars[i].rerun_buffer) is not None]
-    if sum(float(b.max()) for b in buffers) <= after:
-        for i in rec:
-            v = g.vars[i]
-            assert v.rerun_buffer is not None
-            v.memory, v.rerun_buffer = v.memory - v.rerun_buffer, np.zeros_like(v.rerun_buffer)
-        return 0.0
-    return max(0.0, min(after, sum(float(b.min()) for b in buffers)))
-
-
-def freed_after(g: PlanGraph, choice: list[int]) -> float:
-    """``K`` of ``rerun_credit`` for one plan: the activations of the ops after the last recomputed unit, less
-    the gradients of the parameters they read (live when that unit reruns)."""
-    ops = sum(float(v.memory[c]) for v, c in zip(g.vars[g.rerun_after:], choice[g.rerun_after:]) if v.kind == "op")
-    grads = sum(float(gp[choice[i]]) for i in g.rerun_grads if (gp := g.vars[i].grad_phase) is not None)
-    return ops - grads
-
-
-def phase_memory(v: Var, phase: str) -> np.ndarray:
-    """A variable's bytes per strategy in one phase of the step: ``activations`` (the end of forward, and
-    backward's reruns: everything but the gradients and the step's temporaries), ``gradients`` (after
-    backward: everything but what ops keep) or ``sum`` (both at once: an upper bound of the two)."""
-    if phase == "activations":
-        return v.memory - v.grad_phase if v.grad_phase is not None else v.memory
-    if phase == "gradients":
-        return np.zeros_like(v.memory) if v.kind == "op" else v.memory
-    assert phase == "sum", phase
-    return v.memory
-
-
-def phase_peaks(g: PlanGraph, choice: list[int]) -> tuple[float, float]:
-    """A plan's modelled peak in each phase (``phase_memory``): at the end of forward or while a unit reruns
-    (less ``rerun_freed``), and after backward.  The step's peak is the larger."""
-    act = sum(float(phase_memory(v, "activations")[c]) for v, c in zip(g.vars, choice)) - rerun_freed(g, choice)
-    grad = sum(float(phase_memory(v, "gradients")[c]) for v, c in zip(g.vars, choice))
-    return act, grad
-
-
-def rerun_freed(g: PlanGraph, choice: list[int]) -> float:
-    """What the sum of one plan's variables' memory over-counts: ``max(0, min(A, K))`` for its own buffers
-    ``A`` and ``K = freed_after`` (``rerun_credit``), so that its peak is ``sum - rerun_freed``, the larger of
-    the forward's peak and the reruns'.  At least ``g.rerun_credit``: the search's bound holds."""
-    if not g.rerun_after:
-        return 0.0
-    buffers = sum(float(v.rerun_buffer[c]) for v, c in zip(g.vars, choice) if v.rerun_buffer is not None)
-    return max(0.0, min(buffers, freed_after(g, choice)))
 
 
 def _add_var(g: PlanGraph, v: Var) -> int:

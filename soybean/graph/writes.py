@@ -1,0 +1,18 @@
+"""Which inputs an op writes in place: its schema's ``Tensor(a!)`` arguments and the hidden writes its rule
+declares (``register(..., writes=...)``: batch norm's running statistics in training)."""
+from __future__ import annotations
+
+from .. import rules
+from ..rules._common import Args
+from ..rules.base import OpSpec
+
+
+def written_inputs(op: OpSpec) -> list[int]:
+    """Indices into ``op.inputs`` of the tensors the op writes in place."""
+    schema = getattr(op.target, "_schema", None)
+    names = [x.name for x in schema.arguments if x.alias_info is not None and x.alias_info.is_write] if schema else []
+    entry = rules.lookup(op.target)
+    if entry is not None and entry.writes is not None:
+        names += entry.writes(op)
+    a = Args(op)
+    return [slot for n in names if isinstance(slot := a.slots.get(n), int)]
