@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from .ir.kinds import Step, apply_step
+from .ir.kinds import KINDS, Step, apply_step
 from .tiling import Partial, Placement, R, Replicate, Shard
 
 __all__ = ["Route", "Step", "apply_step", "plan_reshard"]
@@ -78,6 +78,51 @@ class Route:
     def steps(self) -> list[Step]:
         """The steps of this route, forward order."""
         return plan_reshard(self.src, self.dst, self.partial_grad_axes, self.src_partial_axes)
+
+    def walk(self) -> tuple[Walked, ...]:
+        """Every step with the tilings around it and the collectives it runs: the one walk of a route that
+        pricing (``cost.collectives.priced_steps``, ``route_calls``), the plan's records and code emission
+        (``codegen.lower.emit_reshard``) all read."""
+        return _walk(self)
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One collective a step runs: ``collective`` (a ``RING_FACTOR`` key), in backward or not, the tiling whose
+    local tile is its message, and whether it is the gradient sync (the kinds table's ``gradient_sync``)."""
+
+    collective: str
+    backward: bool
+    message: Tiling
+    sync: bool
+
+
+@dataclass(frozen=True)
+class Walked:
+    """A route's step, the tilings before and after it, and its collectives: the forward one, then (when the
+    value needs a gradient) its adjoint; a step with neither is local (a slice, ``to_partial``)."""
+
+    step: Step
+    before: Tiling
+    after: Tiling
+    calls: tuple[StepCall, ...]
+
+
+@lru_cache(maxsize=200_000)
+def _walk(route: Route) -> tuple[Walked, ...]:
+    out = []
+    cur = route.src
+    for step in route.steps():
+        kind = KINDS[step.kind]
+        nxt = apply_step(cur, step)
+        priced = [(kind.forward, False, False)]
+        if route.needs_grad:
+            priced.append((kind.adjoint(step), True, kind.gradient_sync))
+        calls = tuple(StepCall(c.collective, back, nxt if c.message == "after" else cur, sync)
+                      for c, back, sync in priced if c is not None)
+        out.append(Walked(step, cur, nxt, calls))
+        cur = nxt
+    return tuple(out)
 
 
 def plan_reshard(

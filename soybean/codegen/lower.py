@@ -41,7 +41,7 @@ from ..cost.collectives import route_calls
 from ..cost.profiles import load_profile
 from ..graph import SCALINGS, Edge, PlanGraph, build, node_module, value_source
 from ..ir.algorithms import BACKEND
-from ..ir.kinds import KINDS, Step, apply_step
+from ..ir.kinds import KINDS, Step
 from ..mesh import Mesh
 from ..plan import Plan
 from ..reshard import Route
@@ -78,21 +78,18 @@ def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], route: Route, 
             algo = algorithms.get((c.collective, c.step.axis, int(c.m)))
             if algo is not None and algo[0] != BACKEND:
                 chosen[(c.step, c.backward)] = algo
-    cur = route.src
-    for step in route.steps():
-        kind = KINDS[step.kind]
+    for w in route.walk():
+        step, kind = w.step, KINDS[w.step.kind]
         if defer is not None and kind.gradient_sync:
             if mesh.shape[step.axis] > 1:  # a group of one has nothing to sum
                 defer.add(step.axis)
             continue
-        nxt = apply_step(cur, step)
-        after = local_shape(shape, nxt, mesh, coords)
+        after = local_shape(shape, w.after, mesh, coords)
         kwargs: dict[str, Any] = {"view": True} if view and kind.viewable else {}
         for back, key in ((False, "algo"), (True, "back")):
             if (step, back) in chosen:
                 kwargs[key] = chosen[(step, back)]
         x = g.call_function(CALLS[step.kind], (x, step.axis, *kind.args(step, after)), kwargs)
-        cur = nxt
     return x
 
 

@@ -47,7 +47,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..ir import algorithms as A
-from ..ir.kinds import KINDS, RING_FACTOR, Step, apply_step
+from ..ir.kinds import RING_FACTOR, Step
 from ..ir.syncnorm import stats_bytes
 from ..mesh import Mesh
 from ..reshard import Route
@@ -135,39 +135,18 @@ class Call:
 
 def route_calls(route: Route, shape: tuple, itemsize: int, mesh: Mesh) -> list[Call]:
     """Every collective ``route``'s steps run on a group of more than one, forward and (when the value needs a
-    gradient) backward, in step order: what ``reshard_cost`` prices and a generated program calls."""
-    out = []
-    cur = route.src
-    for step in route.steps():
-        kind = KINDS[step.kind]
-        nxt = apply_step(cur, step)
-        priced = [(kind.forward, False, False)]
-        if route.needs_grad:
-            priced.append((kind.adjoint(step), True, kind.gradient_sync))
-        for pr, back, sync in priced:
-            if pr is not None and mesh.shape[step.axis] > 1:
-                m = float(max_local_numel(shape, nxt if pr.message == "after" else cur, mesh) * itemsize)
-                out.append(Call(step, pr.collective, back, m, sync))
-        cur = nxt
-    return out
+    gradient) backward, in step order (``Route.walk``): what ``reshard_cost`` prices and a generated program
+    calls."""
+    return [Call(w.step, c.collective, c.backward, float(max_local_numel(shape, c.message, mesh) * itemsize), c.sync)
+            for w in route.walk() for c in w.calls if mesh.shape[w.step.axis] > 1]
 
 
 @lru_cache(maxsize=200_000)
 def priced_steps(route: Route) -> tuple[tuple[str, int, tuple, bool], ...]:
     """Shape-free: the (collective, mesh axis, tiling whose local tile is the message ``m``, is the
-    gradient sync) of every forward and backward collective of ``route``, read from the kinds
-    table; one table serves every tensor shape."""
-    out: list[tuple[str, int, tuple, bool]] = []
-    cur = route.src
-    for step in route.steps():
-        kind = KINDS[step.kind]
-        nxt = apply_step(cur, step)
-        priced = [(kind.forward, False)] + ([(kind.adjoint(step), kind.gradient_sync)] if route.needs_grad else [])
-        for c, sync in priced:
-            if c is not None:
-                out.append((c.collective, step.axis, nxt if c.message == "after" else cur, sync))
-        cur = nxt
-    return tuple(out)
+    gradient sync) of every forward and backward collective of ``route`` (``Route.walk``); one table serves
+    every tensor shape."""
+    return tuple((c.collective, w.step.axis, c.message, c.sync) for w in route.walk() for c in w.calls)
 
 
 @lru_cache(maxsize=400_000)
