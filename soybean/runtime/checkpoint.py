@@ -143,13 +143,18 @@ def save(pm: Tiled, root: str | os.PathLike[str], optimizer: torch.optim.Optimiz
     base = Path(root)
     box: list[Any] = [None]
     if _rank0(distributed):
-        if store.is_checkpoint(base):
-            raise CheckpointError(f"{base} is one checkpoint, not a directory of them: save to its parent")
-        base.mkdir(parents=True, exist_ok=True)
-        box[0] = store.next_index(base)
-        (base / store.partial_name(box[0])).mkdir()
+        try:
+            if store.is_checkpoint(base):
+                raise CheckpointError(f"{base} is one checkpoint, not a directory of them: save to its parent")
+            base.mkdir(parents=True, exist_ok=True)
+            box[0] = store.next_index(base)
+            (base / store.partial_name(box[0])).mkdir()
+        except Exception as e:  # every rank raises it, rather than the others waiting for a save that never comes
+            box[0] = e
     if distributed:
         dist.broadcast_object_list(box, src=0)  # also: nobody writes before rank 0 made the directory
+    if isinstance(box[0], Exception):
+        raise box[0]
     partial = base / store.partial_name(box[0])
     state: dict[str, Any] = {"model": sharded_state_dict(pm)}
     if optimizer is not None:
