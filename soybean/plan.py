@@ -94,10 +94,13 @@ class Plan:
         """The stored tiling of a parameter or buffer (replicated when the plan does not list it)."""
         return self._tiling(self.params, fqn)
 
-    def algorithms(self) -> dict[tuple[str, int, int], tuple[str, int]]:
-        """(collective, mesh axis, message bytes) -> (algorithm, lp chunks), from ``reshards``: what a generated
-        program runs for each collective (one a plan does not list runs the backend's call)."""
-        return {(r["collective"], r["axis"], r["bytes"]): (r["algorithm"], r["chunks"]) for r in self.reshards}
+    def algorithms(self) -> dict[tuple[str, int, int, str], tuple[str, int]]:
+        """(collective, mesh axis, message bytes, phase) -> (algorithm, lp chunks), from ``reshards``: what a
+        generated program runs for each collective (one a plan does not list runs the backend's call).  The phase
+        tells a forward all-reduce (any algorithm) from a backward one of the same size, which is the gradient sync
+        and always the backend's."""
+        return {(r["collective"], r["axis"], r["bytes"], r["phase"]): (r["algorithm"], r["chunks"])
+                for r in self.reshards}
 
     def input_tiling(self, name: str) -> tuple[Placement, ...]:
         """The tiling of a user input (replicated when the plan does not list it)."""

@@ -77,8 +77,8 @@ def diff(a: Plan, b: Plan) -> list[str]:
     inputs = _tilings("input", a.inputs, b.inputs, _tiling)
     nodes = _tilings("node", a.nodes, b.nodes, _node)
     out += params + inputs + nodes
-    algos = {f"{c}[axis {ax}, {m} B]": f"{x[0]}" for (c, ax, m), x in a.algorithms().items()}
-    algos_b = {f"{c}[axis {ax}, {m} B]": f"{x[0]}" for (c, ax, m), x in b.algorithms().items()}
+    algos = {f"{c}[axis {ax}, {m} B, {ph}]": f"{x[0]}" for (c, ax, m, ph), x in a.algorithms().items()}
+    algos_b = {f"{c}[axis {ax}, {m} B, {ph}]": f"{x[0]}" for (c, ax, m, ph), x in b.algorithms().items()}
     out += [f"collective {k}: {algos.get(k, '(absent)')} -> {algos_b.get(k, '(absent)')}"
             for k in sorted(set(algos) | set(algos_b)) if algos.get(k) != algos_b.get(k)]
     out += _costs("cost", a.cost, b.cost) + _costs("memory", a.memory, b.memory)

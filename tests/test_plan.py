@@ -240,3 +240,19 @@ def test_memory_budget_shards_weights() -> None:
     assert all(v != ["R"] for k, v in tight.params.items() if k.endswith("weight"))
     with pytest.raises(MemoryBudgetError, match="memory budget"):
         plan(None, (), 4, mesh=(4,), objective="comm", baselines=False, memory_gb=1e-6, captured=cap)
+
+
+def test_algorithms_keep_a_forward_and_a_backward_collective_of_one_size_apart() -> None:
+    """A forward all-reduce (any algorithm) and the gradient sync of the same bytes on the same axis (always the
+    backend's) are two entries, not one that the later record overwrites (ResNet-18 on 2x2 under ``comm`` has
+    both: 256 bytes on axis 1, tree forward and backend backward)."""
+    import json
+    from pathlib import Path
+
+    from soybean.plan import Plan
+
+    golden = Plan.from_dict(json.loads((Path(__file__).parent / "golden" / "resnet18-4-objective=comm.json")
+                                       .read_text()))
+    algos = golden.algorithms()
+    assert algos[("all_reduce", 1, 256, "forward")][0] == "tree"
+    assert algos[("all_reduce", 1, 256, "backward")][0] == "backend"

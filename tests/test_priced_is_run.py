@@ -20,6 +20,7 @@ collective, and must run the algorithm the plan recorded for it.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -56,17 +57,19 @@ CASES = EQUIVALENCE_CASES + [("resnet", (2,), "auto"), ("resnet", (2, 2), "auto"
                              ("unet", (2, 2), "auto")]
 
 Call = tuple[str, int, int]  # (collective, mesh axis, message bytes)
+Run = tuple[str, int, int, str]  # a Call with its phase, forward or backward
+_PHASE = threading.local()  # the phase each rank's thread is in (CPU backward runs on the calling thread)
 
 
 class Recorder:
     """A group that logs every collective it runs (as ``Call``) and delegates it to ``inner``."""
 
-    def __init__(self, inner: Group, axis: int, log: list[Call]) -> None:
+    def __init__(self, inner: Group, axis: int, log: list[Run]) -> None:
         self.inner, self.axis, self.log = inner, axis, log
         self.size, self.index = inner.size, inner.index
 
     def _note(self, kind: str, t: torch.Tensor, numel: int | None = None) -> None:
-        self.log.append((kind, self.axis, (t.numel() if numel is None else numel) * t.element_size()))
+        self.log.append((kind, self.axis, (t.numel() if numel is None else numel) * t.element_size(), _PHASE.value))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         self._note("all_reduce", t)
@@ -93,7 +96,7 @@ class Recorder:
 
 
 @contextlib.contextmanager
-def algorithms_logged(ran: list[tuple[Call, str]]) -> Iterator[None]:
+def algorithms_logged(ran: list[tuple[Run, str]]) -> Iterator[None]:
     """Every collective run by one of soybean's own algorithms logged once (as the collective, on the
     Recorder's axis) with its algorithm; its point-to-point rounds run on the Recorder's inner group."""
     originals = {name: getattr(A, name) for name in ("all_reduce", "all_gather", "reduce_scatter")}
@@ -104,7 +107,7 @@ def algorithms_logged(ran: list[tuple[Call, str]]) -> Iterator[None]:
             if algo[0] == A.BACKEND or not isinstance(group, Recorder):
                 return originals[name](group, x, *args)
             out = originals[name](group.inner, x, *args)
-            call = (name, group.axis, (out if name == "all_gather" else x).numel() * x.element_size())
+            call = (name, group.axis, (out if name == "all_gather" else x).numel() * x.element_size(), _PHASE.value)
             group.log.append(call)
             ran.append((call, algo[0]))
             return out
@@ -123,13 +126,15 @@ def run_one_step(model: torch.nn.Module, inputs: tuple, plan: Plan, cap: Any) ->
     """One forward and backward on every rank; the calls aligned across ranks, each with its largest message.
     Each collective run by one of soybean's algorithms must run the one the plan recorded for it."""
     mesh = Mesh(tuple(plan.mesh))
-    logs: list[list[Call]] = [[] for _ in range(mesh.size)]
-    by_algorithm: list[tuple[Call, str]] = []
+    logs: list[list[Run]] = [[] for _ in range(mesh.size)]
+    by_algorithm: list[tuple[Run, str]] = []
 
     def rank_fn(rank: int, groups: list) -> None:
         rec = [Recorder(g, a, logs[rank]) for a, g in enumerate(groups)]
         pm = parallelize(model, inputs, plan=plan, rank=rank, groups=rec, captured=cap)
+        _PHASE.value = "forward"
         out = pm(*inputs)
+        _PHASE.value = "backward"
         out.backward()
         float(out)  # the loss sum may be pending until read
 
@@ -137,22 +142,24 @@ def run_one_step(model: torch.nn.Module, inputs: tuple, plan: Plan, cap: Any) ->
         run_threads(mesh, rank_fn)
     recorded = plan.algorithms()
 
-    def planned(call: Call) -> str:  # a smaller tile of an uneven split: the record of the largest one
-        fits = [(m, algo) for (c, a, m), (algo, _) in recorded.items() if (c, a) == call[:2] and m >= call[2]]
+    def planned(call: Run) -> str:  # a smaller tile of an uneven split: the record of the largest one
+        fits = [(m, algo) for (c, a, m, ph), (algo, _) in recorded.items()
+                if (c, a, ph) == (call[0], call[1], call[3]) and m >= call[2]]
         return min(fits)[1] if fits else A.BACKEND
 
     for call, algorithm in by_algorithm:
         assert planned(call) == algorithm, f"{call} ran {algorithm}, the plan says {planned(call)}"
-    calls: list[Call] = []
+    calls: list[Run] = []
     for axis in range(mesh.ndim):
         per_rank = [[c for c in log if c[1] == axis] for log in logs]
         assert len({len(p) for p in per_rank}) == 1, f"ranks ran different numbers of collectives on axis {axis}"
         for same in zip(*per_rank):
-            assert len({c[0] for c in same}) == 1, f"ranks ran different collectives together on axis {axis}: {same}"
-            calls.append((same[0][0], axis, max(c[2] for c in same)))
+            assert len({(c[0], c[3]) for c in same}) == 1, \
+                f"ranks ran different collectives together on axis {axis}: {same}"
+            calls.append((same[0][0], axis, max(c[2] for c in same), same[0][3]))
     # ... and every collective the plan says runs by one of soybean's algorithms did, on every rank.
     assert len(by_algorithm) == mesh.size * sum(recorded.get(c, (A.BACKEND, 1))[0] != A.BACKEND for c in calls)
-    return calls
+    return [(c, a, m) for c, a, m, _ in calls]
 
 
 def priced(cap: Any, plan: Plan) -> tuple[list[Call], Counter[int], float]:

@@ -63,7 +63,7 @@ def _val(n: Any) -> Any:
 
 def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], route: Route, mesh: Mesh, coords: tuple[int, ...],
                  defer: set[int] | None = None, view: bool = False, itemsize: int = 0,
-                 algorithms: Mapping[tuple[str, int, int], tuple[str, int]] | None = None) -> fx.Node:
+                 algorithms: Mapping[tuple[str, int, int, str], tuple[str, int]] | None = None) -> fx.Node:
     """Append the runtime calls of ``route``'s steps (the kinds table's ``call``) to ``x``.
 
     With ``defer`` (a parameter's own edge), the gradient-sync steps are not emitted but their axes
@@ -75,7 +75,7 @@ def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], route: Route, 
     chosen: dict[tuple[Step, bool], tuple[str, int]] = {}
     if algorithms and itemsize:
         for c in route_calls(route, shape, itemsize, mesh):
-            algo = algorithms.get((c.collective, c.step.axis, int(c.m)))
+            algo = algorithms.get((c.collective, c.step.axis, int(c.m), "backward" if c.backward else "forward"))
             if algo is not None and algo[0] != BACKEND:
                 chosen[(c.step, c.backward)] = algo
     for w in route.walk():
