@@ -106,3 +106,14 @@ def test_tables_built_across_mesh_shapes_price_every_route_as_the_definition(pro
                     assert (e.bytes[s, t], e.seconds[s, t]) == (c.bytes, c.seconds), (shape, e.src, e.dst, s, t)
                     checked += 1
         assert checked > 1000
+
+
+def test_a_variable_kind_is_one_of_the_six() -> None:
+    """``Var.kind`` is a ``VarKind``: the strings the planner compares still match, a misspelt kind is refused."""
+    from soybean.graph import Var, VarKind
+
+    v = Var("x", "reshard", [], np.zeros(0), np.zeros(0))
+    assert v.kind is VarKind.reshard and v.kind == "reshard" and f"{v.kind}" == "reshard"
+    assert {VarKind.op: 1}["op"] == 1  # hashes as its string
+    with pytest.raises(ValueError, match="'operation' is not a valid VarKind"):
+        Var("y", "operation", [], np.zeros(0), np.zeros(0))

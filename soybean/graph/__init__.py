@@ -45,11 +45,11 @@ from .build import (
     value_name,
     value_source,
 )
-from .types import Edge, PlanGraph, Var
+from .types import Edge, PlanGraph, Var, VarKind
 from .units import attention_units, layer_of, node_layer, node_module, recomputable_layers, unit_of
 from .writes import written_inputs
 
-__all__ = ["PINNED", "SCALINGS", "Edge", "PlanGraph", "Var", "attention_units", "backend_only", "build",
+__all__ = ["PINNED", "SCALINGS", "Edge", "PlanGraph", "Var", "VarKind", "attention_units", "backend_only", "build",
            "edge_profile", "fallback_ops", "freed_after", "layer_of", "node_layer", "node_module", "op_key",
            "phase_memory", "phase_peaks", "pinned_use", "read_profile", "recomputable_layers", "rerun_freed",
            "returned_sum", "unit_of", "use_tiling", "value_name", "value_source", "written_inputs"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 import torch
@@ -12,10 +13,25 @@ from ..reshard import Route
 from ..rules.base import OpSpec, Strategy
 
 
+class VarKind(str, Enum):
+    """What a variable stands for.  A ``str`` (members named as their values), so ``v.kind == "op"`` and string
+    keys keep working; a misspelt kind is an error when the variable is made."""
+
+    param = "param"
+    buffer = "buffer"
+    input = "input"
+    op = "op"
+    output = "output"
+    reshard = "reshard"    # a value's shared use: its tiling and partial-gradient axes (``build``)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class Var:
     name: str
-    kind: str                     # param | buffer | input | op | output | reshard (a shared use: ``build``)
+    kind: VarKind | str           # a ``VarKind``; given as its name or value
     strategies: list[Strategy]
     compute_s: np.ndarray         # seconds per strategy (training step)
     memory: np.ndarray            # bytes per device per strategy
@@ -38,6 +54,9 @@ class Var:
     # The op whose output is the largest: per strategy, the gradient bytes its backward holds at once at the
     # start of backward, while every activation is still kept (``backward_transient``), part of ``memory``.
     transient: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.kind = VarKind(self.kind)
 
 
 @dataclass
