@@ -20,7 +20,8 @@ collective, and must run the algorithm the plan recorded for it.
 from __future__ import annotations
 
 import contextlib
-import threading
+import os
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -58,7 +59,22 @@ CASES = EQUIVALENCE_CASES + [("resnet", (2,), "auto"), ("resnet", (2, 2), "auto"
 
 Call = tuple[str, int, int]  # (collective, mesh axis, message bytes)
 Run = tuple[str, int, int, str]  # a Call with its phase, forward or backward
-_PHASE = threading.local()  # the phase each rank's thread is in (CPU backward runs on the calling thread)
+
+
+def _phase() -> str:
+    """Whether the collective being run is a forward one or an adjoint, read from the autograd ``Function`` method
+    that called it (``runtime.collectives``: a recomputed layer's forward reruns during backward, as forward);
+    outside those, the gradient sync is backward and a returned loss's sum forward."""
+    f = sys._getframe(1)
+    while f is not None:
+        code = f.f_code
+        if code.co_filename.endswith(os.path.join("runtime", "collectives.py")) and code.co_name in ("forward",
+                                                                                                    "backward"):
+            return code.co_name
+        if code.co_filename.endswith(os.path.join("runtime", "gradsync.py")):
+            return "backward"
+        f = f.f_back
+    return "forward"
 
 
 class Recorder:
@@ -69,7 +85,7 @@ class Recorder:
         self.size, self.index = inner.size, inner.index
 
     def _note(self, kind: str, t: torch.Tensor, numel: int | None = None) -> None:
-        self.log.append((kind, self.axis, (t.numel() if numel is None else numel) * t.element_size(), _PHASE.value))
+        self.log.append((kind, self.axis, (t.numel() if numel is None else numel) * t.element_size(), _phase()))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         self._note("all_reduce", t)
@@ -107,7 +123,7 @@ def algorithms_logged(ran: list[tuple[Run, str]]) -> Iterator[None]:
             if algo[0] == A.BACKEND or not isinstance(group, Recorder):
                 return originals[name](group, x, *args)
             out = originals[name](group.inner, x, *args)
-            call = (name, group.axis, (out if name == "all_gather" else x).numel() * x.element_size(), _PHASE.value)
+            call = (name, group.axis, (out if name == "all_gather" else x).numel() * x.element_size(), _phase())
             group.log.append(call)
             ran.append((call, algo[0]))
             return out
@@ -132,9 +148,7 @@ def run_one_step(model: torch.nn.Module, inputs: tuple, plan: Plan, cap: Any) ->
     def rank_fn(rank: int, groups: list) -> None:
         rec = [Recorder(g, a, logs[rank]) for a, g in enumerate(groups)]
         pm = parallelize(model, inputs, plan=plan, rank=rank, groups=rec, captured=cap)
-        _PHASE.value = "forward"
         out = pm(*inputs)
-        _PHASE.value = "backward"
         out.backward()
         float(out)  # the loss sum may be pending until read
 
