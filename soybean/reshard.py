@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import NamedTuple
 
 from .ir.kinds import KINDS, Step, apply_step
 from .tiling import Partial, Placement, R, Replicate, Shard
@@ -86,8 +87,8 @@ class Route:
         return _walk(self)
 
 
-@dataclass(frozen=True)
-class StepCall:
+# Named tuples, not dataclasses: a large model's planning walks hundreds of thousands of routes once each.
+class StepCall(NamedTuple):
     """One collective a step runs: ``collective`` (a ``RING_FACTOR`` key), in backward or not, the tiling whose
     local tile is its message, and whether it is the gradient sync (the kinds table's ``gradient_sync``)."""
 
@@ -97,8 +98,7 @@ class StepCall:
     sync: bool
 
 
-@dataclass(frozen=True)
-class Walked:
+class Walked(NamedTuple):
     """A route's step, the tilings before and after it, and its collectives: the forward one, then (when the
     value needs a gradient) its adjoint; a step with neither is local (a slice, ``to_partial``)."""
 
@@ -108,19 +108,22 @@ class Walked:
     calls: tuple[StepCall, ...]
 
 
-@lru_cache(maxsize=200_000)
 def _walk(route: Route) -> tuple[Walked, ...]:
+    # ``tuple.__new__``: a named tuple made without its Python-level constructor (the walk is pricing's hot path).
+    new = tuple.__new__
     out = []
     cur = route.src
+    grad = route.needs_grad
     for step in route.steps():
         kind = KINDS[step.kind]
         nxt = apply_step(cur, step)
-        priced = [(kind.forward, False, False)]
-        if route.needs_grad:
-            priced.append((kind.adjoint(step), True, kind.gradient_sync))
-        calls = tuple(StepCall(c.collective, back, nxt if c.message == "after" else cur, sync)
-                      for c, back, sync in priced if c is not None)
-        out.append(Walked(step, cur, nxt, calls))
+        calls = []
+        f = kind.forward
+        if f is not None:
+            calls.append(new(StepCall, (f.collective, False, nxt if f.message == "after" else cur, False)))
+        if grad and (b := kind.adjoint(step)) is not None:
+            calls.append(new(StepCall, (b.collective, True, nxt if b.message == "after" else cur, kind.gradient_sync)))
+        out.append(new(Walked, (step, cur, nxt, tuple(calls))))
         cur = nxt
     return tuple(out)
 

@@ -242,18 +242,22 @@ class _StepStore:
     def _add(self, routes: list[Route]) -> None:
         starts, counts, cols = [], [], []
         row = self.rows
-        for route in routes:
-            steps = priced_steps(route)
+        kinds, tilings = self.kinds, self.tilings
+        for route in routes:  # ``priced_steps``' rows, read off the walk directly: each route is added once
             self.ids[route] = len(self.ids)
             starts.append(row)
-            counts.append(len(steps))
-            row += len(steps)
-            for kind, axis, tiling, is_sync in steps:
-                t = self.tilings.get(tiling)
-                if t is None:
-                    t = self.tilings[tiling] = len(self.tiling_list)
-                    self.tiling_list.append(tiling)
-                cols.append((self.kinds.setdefault(kind, len(self.kinds)), axis, t, int(is_sync)))
+            n = 0
+            for w in route.walk():
+                axis = w.step.axis
+                for c in w.calls:
+                    t = tilings.get(c.message)
+                    if t is None:
+                        t = tilings[c.message] = len(self.tiling_list)
+                        self.tiling_list.append(c.message)
+                    cols.append((kinds.setdefault(c.collective, len(kinds)), axis, t, int(c.sync)))
+                    n += 1
+            counts.append(n)
+            row += n
         self.start = np.concatenate([self.start, np.array(starts, dtype=np.int64)])
         self.count = np.concatenate([self.count, np.array(counts, dtype=np.int64)])
         if cols:
