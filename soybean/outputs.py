@@ -199,12 +199,7 @@ class LazyFull:
         """The sum of every element (``dtype=`` allowed): the tiles' sums summed; with a dim, the full tensor's."""
         if args or set(kwargs) - {"dtype"}:
             return self.full().sum(*args, **kwargs)
-        part = self.local.sum(**kwargs)
-        axes = [a for a, p in enumerate(self.tiling) if isinstance(p, Shard) and self._mesh.shape[a] > 1]
-        for a in axes[:-1]:
-            part = all_reduce(part, self._groups[a])
-        # The last sum arrives while backward runs, as a returned loss's does (``runtime.pending``).
-        return all_reduce_lazy(part, self._groups[axes[-1]]) if axes else part
+        return self._summed(self.local.sum(**kwargs))
 
     def mean(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The mean of every element: the whole sum over the element count; with a dim, the full tensor's."""
@@ -243,6 +238,10 @@ class LazyFull:
         part = func(self.local, mine, reduction="sum", **kw)
         if reduction == "mean":  # (sum_k s_k) / c = sum_k (s_k / c): scaled first, so the sum is the last step
             part = part / (self.numel() if kind == "numel" else _class_count(target, kw))
+        return self._summed(part)
+
+    def _summed(self, part: torch.Tensor) -> torch.Tensor:
+        """A scalar computed on this tile, summed over the mesh axes that split the output."""
         axes = [a for a, p in enumerate(self.tiling) if isinstance(p, Shard) and self._mesh.shape[a] > 1]
         for a in axes[:-1]:
             part = all_reduce(part, self._groups[a])
