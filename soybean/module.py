@@ -98,6 +98,7 @@ class ParallelModule(nn.Module):
         state.update(dict(model.named_buffers()))
         state.update(cap.constants)
         self._order: list[tuple[str, str]] = []  # (kind, fqn) in placeholder order; kind: param, buffer, constant
+        self._shapes: dict[str, tuple[int, ...]] = {}  # fqn -> the full (serial) shape of its tensor
         for node in cap.graph.nodes:
             if node.op != "placeholder":
                 continue
@@ -117,6 +118,7 @@ class ParallelModule(nn.Module):
                     tile = local_tile(state[fqn].detach(), tiling, mesh, self._coords)
                     _attach(self, fqn, tile if kind == "param" else pol.cast(tile), kind, trains=fqn not in cap.frozen)
             self._order.append((kind, fqn))
+            self._shapes[fqn] = tuple(node.meta["val"].shape)
         self._skeleton: nn.Module | None
         object.__setattr__(self, "_skeleton", _skeleton(model))  # not a submodule: its meta tensors are not ours
         # not a submodule: no params of its own
@@ -226,11 +228,7 @@ class ParallelModule(nn.Module):
             return {k: v.detach() for k, v in sk.state_dict().items()}
 
     def _full_shape(self, fqn: str) -> tuple[int, ...]:
-        cap = self._cap
-        for node in cap.graph.nodes:
-            if node.op == "placeholder" and (cap.params.get(node.name) == fqn or cap.buffers.get(node.name) == fqn):
-                return tuple(node.meta["val"].shape)
-        raise KeyError(fqn)
+        return self._shapes[fqn]
 
     def save_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
                      extra: Any = None, keep: int | None = None) -> Path:
