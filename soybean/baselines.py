@@ -41,6 +41,7 @@ import torch
 
 from .capture import Captured
 from .cost.memory import GIB, budget_needed
+from .cost.pricing import PricingCache
 from .cost.profiles import Profile
 from .graph import PINNED, PlanGraph, attention_units, build, recomputable_layers
 from .mesh import Mesh
@@ -67,12 +68,14 @@ class Layout:
     cannot: str = ""        # why the layout has only forbidden reshardings, when it has
     infeasible: str = ""    # why it cannot run at all, known before building its table
 
-    def table(self, cap: Captured, profile: Profile, objective: str, gpus_per_node: int | None) -> PlanGraph:
-        """The restricted candidate table, priced with the axes that cross nodes on the inter-node link."""
+    def table(self, cap: Captured, profile: Profile, objective: str, gpus_per_node: int | None,
+              pricing: PricingCache | None = None) -> PlanGraph:
+        """The restricted candidate table, priced with the axes that cross nodes on the inter-node link
+        (``pricing``: the planner run's cache, ``graph.build``)."""
         assert self.mesh is not None, self.infeasible
         return build(cap, self.mesh, profile.on_mesh(self.mesh, gpus_per_node), objective=objective,
                      domains=self.domains, pin_params=self.pin, gather_axes=self.gather,
-                     divide_work=self.divide_work, recompute=self.recompute)
+                     divide_work=self.divide_work, recompute=self.recompute, pricing=pricing)
 
     def same_table(self, other: Layout) -> bool:
         return (self.mesh, self.domains, self.pin, self.gather, self.divide_work, self.recompute) == (
@@ -255,9 +258,12 @@ def price(
     solve: Callable[[PlanGraph], Priced],
     budget: float | None = None,
     gpus_per_node: int | None = None,
+    pricing: PricingCache | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every baseline on ``devices``, each solved by ``solve`` on its restricted table (a layout whose
-    table equals one already solved, as both TP baselines on one node, reuses that record)."""
+    table equals one already solved, as both TP baselines on one node, reuses that record); ``pricing``: the
+    planner run's cache (one fresh cache for all of them when none is given)."""
+    pricing = pricing or PricingCache()
     out: dict[str, dict[str, Any]] = {}
     done: list[tuple[Layout, dict[str, Any]]] = []
     for name, lay in layouts(cap, devices, gpus_per_node).items():
@@ -267,7 +273,7 @@ def price(
         same = next((rec for other, rec in done if other.same_table(lay)), None)
         if same is None:
             try:
-                same = record(lay, solve(lay.table(cap, profile, objective, gpus_per_node)), budget)
+                same = record(lay, solve(lay.table(cap, profile, objective, gpus_per_node, pricing)), budget)
             except SearchError as e:
                 same = infeasible(str(e))
             done.append((lay, same))

@@ -1,15 +1,18 @@
 """Plan: the chosen tiling of every tensor, as versioned, deterministic JSON.
 
-The JSON is what users read and diff and what the runtime executes:
-``params`` (FQN -> one placement string per mesh axis), ``inputs``, ``nodes``
-(every op's input and output tilings), the modelled ``cost``, the
-``baselines``, and the ``solver`` record.  Keys are sorted and floats rounded,
-so the same model, inputs and options give the same bytes; the one wall-clock
-field, ``solver.seconds``, is rounded to 0.1 s.
+A plan is two things.  The **program**, what a generated program runs (``Program``, ``Plan.program``): the
+devices and mesh, ``params`` (FQN -> one placement string per mesh axis), ``inputs``, ``nodes`` (every op's input
+and output tilings), the input contract, precision, the recomputed units and the collective algorithm of every
+reshard step, keyed by the edge and step it belongs to.  The **record**, what the planner found out: the modelled
+``cost``, ``baselines``, ``solver``, ``meshes``, ``layers``, ``memory``, ``tying`` and the ``reshards`` rows.
+Codegen reads only the program.  The JSON keeps both flat (its keys are a contract); keys are sorted and floats
+rounded, so the same model, inputs and options give the same bytes; the one wall-clock field,
+``solver.seconds``, is rounded to 0.1 s.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,99 @@ from typing import Any
 from .tiling import Placement, R, parse_placement
 
 SCHEMA_VERSION = 1
+
+# (tensor, consumer, step, collective, phase): one collective of one edge's reshard, as ``reshards`` rows name it
+AlgoKey = tuple[str, str, str, str, str]
+Algo = tuple[str, int]  # (algorithm, lp chunk count): ``ir.algorithms.Algo``
+Tiling = tuple[Placement, ...]
+
+
+def _tiling(names: Mapping[str, list[str]], key: str, ndim: int) -> Tiling:
+    """The tiling ``names`` lists for ``key``; replicated when it lists none."""
+    return tuple(parse_placement(s) for s in names[key]) if key in names else (R,) * ndim
+
+
+def _renamer(mine: Sequence[Sequence[str]], keys: Mapping[str, str]) -> Callable[[str], str] | None:
+    """How a plan whose nodes have the [name, structural key] pairs ``mine`` names them in a graph whose node keys
+    are ``keys`` (``Captured.keys``); None when the names already agree.
+
+    A process captures a model's independent computations in the order its forward runs them, which Python's
+    ``set`` iteration can change from one process to the next; node names follow that order.  Nodes are matched
+    by structural key (two nodes with one key compute the same value, matched in order), and a reshard point
+    ``name:k`` follows its producer.  Raises ``ValueError`` when the graphs compute different things."""
+    if not mine or all(keys.get(n) == k for n, k in mine):
+        return None
+    by_key: dict[str, list[str]] = {}
+    for n, k in mine:
+        by_key.setdefault(k, []).append(n)
+    theirs: dict[str, list[str]] = {}
+    for n, k in keys.items():
+        theirs.setdefault(k, []).append(n)
+    rename: dict[str, str] = {}
+    for k, names in by_key.items():
+        there = theirs.get(k, [])
+        if len(there) < len(names):
+            raise ValueError(f"plan was made for another model: its node {names[0]} computes nothing this graph "
+                             "computes: re-run `soybean plan` for this model and batch")
+        rename.update(zip(names, there))
+
+    def local(name: str) -> str:
+        src, colon, k = name.rpartition(":")
+        return f"{rename.get(src, src)}:{k}" if colon else rename.get(name, name)
+
+    return local
+
+
+@dataclass(frozen=True)
+class Program:
+    """What a generated program runs (``Plan.program``): every placeholder's and op's tiling, the input contract,
+    precision, the recomputed units and each reshard collective's algorithm by the edge and step it belongs to.
+
+    ``algorithms``: (tensor, consumer, step, collective, phase) -> (algorithm, lp chunks); a collective it does not
+    list runs the backend's call.  Keyed by the edge and step, so two collectives of one size that the plan runs
+    differently (a returned sum's on the backend, another by ``ring``) keep their own choices."""
+
+    devices: int
+    mesh: tuple[int, ...]
+    params: Mapping[str, list[str]]
+    inputs: Mapping[str, list[str]]
+    nodes: Mapping[str, Mapping[str, list[list[Any]]]]
+    keys: tuple[tuple[str, str], ...] = ()
+    local_batch: bool = False
+    precision: str = "fp32"
+    recompute: tuple[str, ...] = ()
+    algorithms: Mapping[AlgoKey, Algo] = field(default_factory=dict)
+
+    def aligned(self, keys: Mapping[str, str]) -> Program:
+        """This program with its nodes named as in a graph whose node keys are ``keys`` (``_renamer``)."""
+        local = _renamer(self.keys, keys)
+        if local is None:
+            return self
+        return replace(self, nodes={local(n): rec for n, rec in self.nodes.items()},
+                       keys=tuple((local(n), k) for n, k in self.keys),
+                       algorithms={(local(t), local(to), st, c, ph): a
+                                   for (t, to, st, c, ph), a in self.algorithms.items()})
+
+    def param_tiling(self, fqn: str) -> Tiling:
+        """The stored tiling of a parameter or buffer (replicated when the plan does not list it)."""
+        return _tiling(self.params, fqn, len(self.mesh))
+
+    def input_tiling(self, name: str) -> Tiling:
+        """The tiling of a user input (replicated when the plan does not list it)."""
+        return _tiling(self.inputs, name, len(self.mesh))
+
+    def grad_partial_axes(self, name: str) -> tuple[int, ...]:
+        """The axes over which reshard point ``name`` sums partial gradients (empty if none)."""
+        return tuple(int(a) for a in self.nodes[name].get("grad_partial", [[]])[0])
+
+    def node_tilings(self, name: str) -> tuple[list[Tiling], list[Tiling]]:
+        """Op or reshard point ``name``'s input and output tilings."""
+        rec = self.nodes[name]
+
+        def conv(ts: list[list[str]]) -> list[Tiling]:
+            return [tuple(parse_placement(s) for s in t) for t in ts]
+
+        return conv(rec["in"]), conv(rec["out"])
 
 
 def _sig(x: float) -> float:
@@ -59,67 +155,47 @@ class Plan:
     keys: list[list[str]] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
-    def aligned(self, keys: dict[str, str]) -> Plan:
-        """This plan with its ``nodes`` named as in a graph whose node keys are ``keys`` (``Captured.keys``).
+    @property
+    def program(self) -> Program:
+        """What runs (``Program``), apart from the record; each collective's algorithm from the ``reshards`` rows."""
+        return Program(self.devices, tuple(self.mesh), self.params, self.inputs, self.nodes,
+                       tuple((n, k) for n, k in self.keys), self.local_batch, self.precision, tuple(self.recompute),
+                       {(r["tensor"], r["to"], r["step"], r["collective"], r["phase"]): (r["algorithm"], r["chunks"])
+                        for r in self.reshards})
 
-        A process captures a model's independent computations in the order its forward runs them, which Python's
-        ``set`` iteration can change from one process to the next; node names follow that order.  Nodes are matched
-        by structural key (two nodes with one key compute the same value, matched in order), and a reshard point
-        ``name:k`` follows its producer.  Raises ``ValueError`` when the graphs compute different things."""
-        if not self.keys or all(keys.get(n) == k for n, k in self.keys):
+    def aligned(self, keys: Mapping[str, str]) -> Plan:
+        """This plan with its nodes (and the ``reshards`` rows naming them) named as in a graph whose node keys are
+        ``keys`` (``Captured.keys``; see ``_renamer``)."""
+        local = _renamer(self.keys, keys)
+        if local is None:
             return self
-        mine: dict[str, list[str]] = {}
-        for n, k in self.keys:
-            mine.setdefault(k, []).append(n)
-        theirs: dict[str, list[str]] = {}
-        for n, k in keys.items():
-            theirs.setdefault(k, []).append(n)
-        rename: dict[str, str] = {}
-        for k, names in mine.items():
-            there = theirs.get(k, [])
-            if len(there) < len(names):
-                raise ValueError(f"plan was made for another model: its node {names[0]} computes nothing this graph "
-                                 "computes: re-run `soybean plan` for this model and batch")
-            rename.update(zip(names, there))
+        return replace(self, nodes={local(n): rec for n, rec in self.nodes.items()},
+                       keys=[[local(n), k] for n, k in self.keys],
+                       reshards=[{**r, "tensor": local(r["tensor"]), "to": local(r["to"])} for r in self.reshards])
 
-        def local(name: str) -> str:
-            src, colon, k = name.rpartition(":")
-            return f"{rename.get(src, src)}:{k}" if colon else rename.get(name, name)
-
-        nodes = {local(n): rec for n, rec in self.nodes.items()}
-        return replace(self, nodes=nodes, keys=[[rename.get(n, n), k] for n, k in self.keys])
-
-    # ---- placements as objects ----
-    def param_tiling(self, fqn: str) -> tuple[Placement, ...]:
+    def param_tiling(self, fqn: str) -> Tiling:
         """The stored tiling of a parameter or buffer (replicated when the plan does not list it)."""
-        return self._tiling(self.params, fqn)
+        return _tiling(self.params, fqn, len(self.mesh))
 
-    def algorithms(self) -> dict[tuple[str, int, int, str], tuple[str, int]]:
-        """(collective, mesh axis, message bytes, phase) -> (algorithm, lp chunks), from ``reshards``: what a
-        generated program runs for each collective (one a plan does not list runs the backend's call).  The phase
-        tells a forward all-reduce (any algorithm) from a backward one of the same size, which is the gradient sync
-        and always the backend's."""
-        return {(r["collective"], r["axis"], r["bytes"], r["phase"]): (r["algorithm"], r["chunks"])
-                for r in self.reshards}
-
-    def input_tiling(self, name: str) -> tuple[Placement, ...]:
+    def input_tiling(self, name: str) -> Tiling:
         """The tiling of a user input (replicated when the plan does not list it)."""
-        return self._tiling(self.inputs, name)
+        return _tiling(self.inputs, name, len(self.mesh))
 
-    def _tiling(self, names: dict[str, list[str]], key: str) -> tuple[Placement, ...]:
-        return tuple(parse_placement(s) for s in names[key]) if key in names else (R,) * len(self.mesh)
+    def node_tilings(self, name: str) -> tuple[list[Tiling], list[Tiling]]:
+        """Op or reshard point ``name``'s input and output tilings (``Program.node_tilings``)."""
+        return self.program.node_tilings(name)
 
     def grad_partial_axes(self, name: str) -> tuple[int, ...]:
-        """The axes over which reshard point ``name`` sums partial gradients (empty if none)."""
-        return tuple(int(a) for a in self.nodes[name].get("grad_partial", [[]])[0])
+        """The axes over which reshard point ``name`` sums partial gradients (``Program.grad_partial_axes``)."""
+        return self.program.grad_partial_axes(name)
 
-    def node_tilings(self, name: str) -> tuple[list[tuple[Placement, ...]], list[tuple[Placement, ...]]]:
-        rec = self.nodes[name]
-
-        def conv(ts: list[list[str]]) -> list[tuple[Placement, ...]]:
-            return [tuple(parse_placement(s) for s in t) for t in ts]
-
-        return conv(rec["in"]), conv(rec["out"])
+    def algorithms(self) -> dict[tuple[str, int, int, str], Algo]:
+        """The record's summary of the ``reshards`` rows: (collective, mesh axis, message bytes, phase) ->
+        (algorithm, lp chunks), as reports and comparisons read them.  What a generated program runs is
+        ``Program.algorithms`` (by edge and step): the two differ only where one size runs two ways (a returned
+        sum on the backend's asynchronous call, another all-reduce of its size by ``ring``)."""
+        return {(r["collective"], r["axis"], r["bytes"], r["phase"]): (r["algorithm"], r["chunks"])
+                for r in self.reshards}
 
     # ---- JSON ----
     def to_dict(self) -> dict[str, Any]:

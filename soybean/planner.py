@@ -23,6 +23,7 @@ from .baselines import batch_split, model_parallel_domains, price as price_basel
 from .capture import Captured, CaptureError, capture, split_example
 from .cost.collectives import choose, route_calls
 from .cost.memory import GIB, PARAM_COPIES, budget_bytes, budget_needed, stored_bytes, sync_bucket_bytes
+from .cost.pricing import PricingCache
 from .cost.profiles import Profile, load_profile
 from .graph import (
     Edge,
@@ -42,7 +43,7 @@ from .mesh import Mesh, factorizations
 from .options import MODES, PlanOptions, options as merge_options
 from .plan import Plan
 from .precision import policy
-from .reshard import Step
+from .reshard import Step, phase
 from .rules.base import OpSpec, Strategy
 from .rules.window import halo_step, halos, windows_of
 from .search import TARGET_GAP, Pruned, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
@@ -92,75 +93,80 @@ def _domains(cap: Captured, mesh: Mesh, mode: str, local_batch: bool = False) ->
     return doms
 
 
-def solve_on(
-    cap: Captured,
-    mesh: Mesh,
-    profile: Profile,
-    objective: str,
-    solver: str = "ilp",
-    memory_bytes: float | None = None,
-    mode: str = "auto",
-    local_batch: bool = False,
-    time_limit_s: float = 60.0,
-    gpus_per_node: int | None = None,
-    tie_layers: bool = True,
-    gap: float = TARGET_GAP,
-    incumbent: float | None = None,
-    recompute: frozenset[str] = frozenset(),
-) -> Result:
-    """Build the candidate table on ``mesh`` and solve it (``SearchError`` when no plan fits); with
-    ``gpus_per_node``, axes whose groups cross nodes are priced at the inter-node link; with
-    ``tie_layers``, repeated layers share their decision variables (``search.tying``).  ``incumbent``:
+@dataclass(frozen=True)
+class Search:
+    """How one planner run solves each mesh: the settings ``PlanOptions`` gave (the profile loaded and restricted
+    to the allowed collectives, the budget in bytes) and the run's ``cost.pricing.PricingCache``, shared by every
+    table the run builds (each mesh, each recomputation choice, the baselines) and dropped with it.
+
+    ``gpus_per_node``: axes whose groups cross nodes are priced at the inter-node link.  ``tie_layers``: repeated
+    layers share their decision variables (``search.tying``).  ``gap``: each solve stops once proven within it."""
+
+    profile: Profile
+    objective: str = "time"
+    solver: str = "ilp"
+    memory_bytes: float | None = None
+    mode: str = "auto"
+    local_batch: bool = False
+    time_limit_s: float = 60.0
+    gpus_per_node: int | None = None
+    tie_layers: bool = True
+    gap: float = TARGET_GAP
+    pricing: PricingCache = field(default_factory=PricingCache, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}: use one of {MODES}")
+
+    def table(self, cap: Captured, mesh: Mesh, recompute: frozenset[str] = frozenset()) -> PlanGraph:
+        """The candidate table of ``cap`` on ``mesh`` that ``solve_on`` solves."""
+        return build(cap, mesh, self.profile.on_mesh(mesh, self.gpus_per_node), objective=self.objective,
+                     domains=_domains(cap, mesh, self.mode, self.local_batch), pin_params=self.mode in ("dp", "mp"),
+                     local_outputs=self.local_batch, divide_work=True if self.mode in ("dp", "mp") else None,
+                     recompute=recompute, pricing=self.pricing)
+
+
+def solve_on(cap: Captured, mesh: Mesh, search: Search, incumbent: float | None = None,
+             recompute: frozenset[str] = frozenset()) -> Result:
+    """Build the candidate table on ``mesh`` and solve it (``SearchError`` when no plan fits).  ``incumbent``:
     the best step time another mesh reached: a mesh whose cheap lower bound (``search.lower_bound``) reaches it
     is not solved (``search.Pruned``), and one whose solve's bound reaches it is not refined."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
-    g = _table(cap, mesh, profile, objective, mode, local_batch, gpus_per_node, recompute)
-    return solve_table_on(g, objective, solver, memory_bytes, time_limit_s, tie_layers, gap, incumbent, recompute)
+    return solve_table_on(search.table(cap, mesh, recompute), search, incumbent, recompute)
 
 
-def _table(cap: Captured, mesh: Mesh, profile: Profile, objective: str, mode: str, local_batch: bool,
-           gpus_per_node: int | None, recompute: frozenset[str]) -> PlanGraph:
-    """The candidate table ``solve_on`` solves."""
-    return build(cap, mesh, profile.on_mesh(mesh, gpus_per_node), objective=objective,
-                 domains=_domains(cap, mesh, mode, local_batch), pin_params=mode in ("dp", "mp"),
-                 local_outputs=local_batch, divide_work=True if mode in ("dp", "mp") else None, recompute=recompute)
-
-
-def solve_table_on(g: PlanGraph, objective: str, solver: str, memory_bytes: float | None, time_limit_s: float,
-                   tie_layers: bool, gap: float, incumbent: float | None,
+def solve_table_on(g: PlanGraph, search: Search, incumbent: float | None = None,
                    recompute: frozenset[str] = frozenset()) -> Result:
     """``solve_on``'s solve of a table already built (``MemoryBudgetError`` when no plan of it fits)."""
-    profile = g.profile
+    objective, solver, memory_bytes = search.objective, search.solver, search.memory_bytes
     least = least_memory(g)
     if memory_bytes is not None and least > memory_bytes:
         raise MemoryBudgetError(least, g.mesh)
-    runs = find_repeats(g) if tie_layers and solver != "brute" else []
+    runs = find_repeats(g) if search.tie_layers and solver != "brute" else []
+
+    def solved(overlap: float | None = None, phase: str = "activations", cutoff: float | None = None) -> Result:
+        problem = to_problem(g, objective, memory_bytes, overlap=overlap, phase=phase)
+        r = evaluate(g, solve(problem, solver, search.time_limit_s, search.gap, runs, cutoff=cutoff))
+        r.runs, r.recompute = runs, recompute
+        return r
+
     # The budget binds the activations phase; a plan whose gradients phase breaks it is replaced by the best plan
     # with both phases summed (an upper bound of the larger).
     phase = "activations"
-    r = evaluate(g, solve(to_problem(g, objective, memory_bytes), solver, time_limit_s, gap, runs, cutoff=incumbent))
+    r = solved(cutoff=incumbent)
     if memory_bytes is not None and r.memory > memory_bytes:
         phase = "sum"
-        r = evaluate(g, solve(to_problem(g, objective, memory_bytes, phase=phase), solver, time_limit_s, gap, runs,
-                              cutoff=incumbent))
-    r.runs, r.recompute = runs, recompute
+        r = solved(phase=phase, cutoff=incumbent)
     # The search credits ``grad_overlap * sync`` as hidden; ``evaluate`` caps that at the backward
     # compute.  That credit is a lower bound of every plan's true cost and exact for this one when
     # uncapped, so the plan is optimal within ``capped``, the credit the cap took away.  Only when the
     # gap matters is the plan priced with no overlap at all tried too, and the better one kept; not
     # when the first solve's bound, a lower bound of every plan's true time on this mesh (the linear
     # credit is never below the capped one), shows this mesh cannot beat the incumbent.
-    capped = profile.grad_overlap * r.sync_s - r.hidden_s
+    capped = g.profile.grad_overlap * r.sync_s - r.hidden_s
     hopeless = incumbent is not None and r.solution.bound >= incumbent
     if objective == "time" and capped > RESOLVE_GAP * r.step_time_s and not hopeless:
-        no_overlap = evaluate(g, solve(to_problem(g, objective, memory_bytes, overlap=0.0, phase=phase), solver,
-                                       time_limit_s, gap, runs))
-        no_overlap.runs, no_overlap.recompute = runs, recompute
-        r = min(r, no_overlap, key=lambda x: x.step_time_s)
+        r = min(r, solved(overlap=0.0, phase=phase), key=lambda x: x.step_time_s)
     return r
-
-
 
 
 def recompute_units(cap: Captured, recompute: str) -> frozenset[str]:
@@ -183,11 +189,8 @@ def recompute_choices(cap: Captured) -> list[list[frozenset[str]]]:
     return chains
 
 
-def solve_recompute(
-    cap: Captured, mesh: Mesh, profile: Profile, objective: str, solver: str, memory_bytes: float | None,
-    mode: str, local_batch: bool, time_limit_s: float, gpus_per_node: int | None, tie_layers: bool, gap: float,
-    incumbent: float | None, say: Callable[[str], None] = lambda line: None,
-) -> Result:
+def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: float | None = None,
+                    say: Callable[[str], None] = lambda line: None) -> Result:
     """Recomputation decided with the tilings: the best plan on ``mesh`` over every choice of
     ``recompute_choices`` (each solved exactly with its tilings), within ``memory_bytes``.
 
@@ -196,24 +199,24 @@ def solve_recompute(
     bound of its unbudgeted problem (``search.lower_bound``) reaches the best plan found: no later
     choice of the chain can beat it.  Exact over the choices searched; for a stack of equal layers,
     which ``k`` layers are recomputed does not change the model, so ``A_k`` stands for any ``k``."""
+    objective = search.objective
     best: Result | None = None
     misfits: list[MemoryBudgetError] = []
     pruned: Pruned | None = None
     for chain in recompute_choices(cap):
         for units in chain:
-            g = _table(cap, mesh, profile, objective, mode, local_batch, gpus_per_node, units)
+            g = search.table(cap, mesh, units)
             cut = incumbent if objective == "time" else None
             if best is not None:
                 mine = best.step_time_s if objective == "time" else best.solution.objective
                 cut = mine if cut is None else min(cut, mine)
-            if cut is not None and least_memory(g) <= (memory_bytes or math.inf):
+            if cut is not None and least_memory(g) <= (search.memory_bytes or math.inf):
                 p = to_problem(g, objective)
                 if (bound := lower_bound(reduce(p), p)) >= cut:
                     pruned = Pruned(bound, cut)
                     break  # this chain's later choices cannot beat the best plan (or another mesh's)
             try:
-                r = solve_table_on(g, objective, solver, memory_bytes, time_limit_s, tie_layers, gap,
-                                   cut if objective == "time" else None, units)
+                r = solve_table_on(g, search, cut if objective == "time" else None, units)
             except MemoryBudgetError as e:
                 misfits.append(e)
                 continue
@@ -336,12 +339,11 @@ def plan(
     say = progress or (lambda line: None)
     opts = merge_options(options, devices=devices, **option_fields)  # every option checked there
     mesh = Mesh(opts.mesh) if opts.mesh else None
-    devices = opts.world
-    objective, profile, solver, memory_gb, mode = opts.objective, opts.profile, opts.solver, opts.memory_gb, opts.mode
-    local_batch, time_limit_s, gpus_per_node, tie_layers = opts.local_batch, opts.time_limit_s, opts.gpus_per_node, \
-        opts.tie_layers
-    gap, precision, recompute, collectives = opts.gap, opts.precision, opts.recompute, opts.collectives
-    prof = with_collectives(profile if isinstance(profile, Profile) else load_profile(profile), collectives)
+    devices, objective, precision, recompute = opts.world, opts.objective, opts.precision, opts.recompute
+    profile = opts.profile if isinstance(opts.profile, Profile) else load_profile(opts.profile)
+    search = Search(with_collectives(profile, opts.collectives), objective, opts.solver, budget_bytes(opts.memory_gb),
+                    opts.mode, opts.local_batch, opts.time_limit_s, opts.gpus_per_node, opts.tie_layers, opts.gap)
+    prof, budget = search.profile, search.memory_bytes
     if captured is not None:
         cap = captured
         if precision is not None and policy(precision).name != cap.precision:
@@ -353,7 +355,6 @@ def plan(
         cap = capture(model, args, kwargs, precision=policy(precision).name)
     else:
         raise CaptureError("could not capture: plan() was given neither a model nor captured=")
-    budget = budget_bytes(memory_gb)
     if recompute == "auto" and budget is None:
         recompute = "none"  # recomputation only adds time: without a budget there is nothing to buy with it
     rec = recompute_units(cap, recompute) if recompute != "auto" else frozenset()
@@ -372,11 +373,9 @@ def plan(
         try:
             incumbent = min((r.step_time_s for r in results), default=None) if objective == "time" else None
             if recompute == "auto":
-                results.append(solve_recompute(cap, m, prof, objective, solver, budget, mode, local_batch,
-                                               time_limit_s, gpus_per_node, tie_layers, gap, incumbent, say))
+                results.append(solve_recompute(cap, m, search, incumbent, say))
             else:
-                results.append(solve_on(cap, m, prof, objective, solver, budget, mode, local_batch, time_limit_s,
-                                        gpus_per_node, tie_layers, gap, incumbent, rec))
+                results.append(solve_on(cap, m, search, incumbent, rec))
         except MemoryBudgetError as e:
             misfits.append(e)
             say(f"mesh {m}: no plan fits the memory budget")
@@ -393,7 +392,7 @@ def plan(
         lead = min(results, key=rank)
         for r in results:  # only the best mesh's tables are read again: free the others' (GBs at 64 devices)
             if r is not lead and r.graph.vars:
-                r.graph = PlanGraph(r.graph.mesh, r.graph.profile)
+                r.graph = PlanGraph(r.graph.mesh, r.graph.profile, pricing=search.pricing)
         say(f"mesh {m}: {results[-1].value(objective):.4g} ({objective}), "
             f"gap {relative_gap(sol.objective, sol.bound):.2%}")
     if not results:
@@ -405,30 +404,26 @@ def plan(
     base: dict[str, dict[str, Any]] = {}
     if baselines:
         say("baselines")
-        base = price_baselines(cap, devices, prof, objective, lambda g: solve_table(g, objective, "ilp", time_limit_s),
-                               budget, gpus_per_node)
+        base = price_baselines(cap, devices, prof, objective,
+                               lambda g: solve_table(g, objective, "ilp", search.time_limit_s), budget,
+                               search.gpus_per_node, search.pricing)
     if best.graph.fallback_ops:
         warnings.warn(
             f"soybean: no sharding rule for {', '.join(best.graph.fallback_ops)}; these ops run replicated",
             stacklevel=2,
         )
-    out = to_plan(cap, best, objective, prof.name, devices, base, seconds, solver, results, best.recompute)
-    out.collectives = collectives
+    out = to_plan(cap, best, objective, prof.name, devices, base, seconds, search.solver, results, best.recompute)
+    out.collectives = opts.collectives
     out.meshes += pruned
-    out.local_batch = local_batch
-    out.gpus_per_node = gpus_per_node
+    out.local_batch = search.local_batch
+    out.gpus_per_node = search.gpus_per_node
     return out
 
 
 def solve_table(g: PlanGraph, objective: str, solver: str = "ilp", time_limit_s: float = 60.0) -> Result:
     """Solve a table already built (a baseline's restricted one) as ``solve_on`` solves its own, with
-    no memory budget: the plan priced with no overlap is tried too when the overlap cap binds."""
-    r = evaluate(g, solve(to_problem(g, objective), solver, time_limit_s))
-    capped = g.profile.grad_overlap * r.sync_s - r.hidden_s
-    if objective == "time" and capped > RESOLVE_GAP * r.step_time_s:
-        no_overlap = evaluate(g, solve(to_problem(g, objective, overlap=0.0), solver, time_limit_s))
-        r = min(r, no_overlap, key=lambda x: x.step_time_s)
-    return r
+    no memory budget and no layers tied."""
+    return solve_table_on(g, Search(g.profile, objective, solver, time_limit_s=time_limit_s, tie_layers=False))
 
 
 def to_plan(
@@ -496,7 +491,7 @@ def reshard_records(g: PlanGraph, choice: Sequence[int]) -> list[dict[str, Any]]
             p = g.mesh.shape[c.step.axis]
             pick = choose(c.collective, c.m, p, c.step.axis, edge_profile(g, e), c.sync)
             rec = {"tensor": tensor, "to": g.vars[e.dst].name, "step": str(c.step), "collective": c.collective,
-                   "phase": "backward" if c.backward else "forward", "axis": c.step.axis, "group_size": p,
+                   "phase": phase(c.backward), "axis": c.step.axis, "group_size": p,
                    "bytes": int(c.m), "algorithm": pick.algorithm, "chunks": pick.chunks,
                    "seconds": float(f"{pick.seconds:.6g}")}
             key = tuple(rec.values())

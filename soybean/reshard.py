@@ -97,6 +97,16 @@ class StepCall(NamedTuple):
     message: Tiling
     sync: bool
 
+    @property
+    def phase(self) -> str:
+        """``forward`` or ``backward``, as plans name a collective's phase (``Plan.reshards``)."""
+        return phase(self.backward)
+
+
+def phase(backward: bool) -> str:
+    """How plans name the phase a collective runs in."""
+    return "backward" if backward else "forward"
+
 
 class Walked(NamedTuple):
     """A route's step, the tilings before and after it, and its collectives: the forward one, then (when the

@@ -85,17 +85,23 @@ CURVED = replace(BUILTIN["cpu-gloo"], name="curved",
 
 @pytest.mark.parametrize("profile", [BUILTIN["h100-nvlink"], CURVED], ids=lambda p: p.name)
 def test_tables_built_across_mesh_shapes_price_every_route_as_the_definition(profile: Profile) -> None:
-    """Route ids are kept across builds and mesh shapes (``graph.build._RouteIds``): after builds on other
-    meshes, every entry of every edge table is still ``reshard_cost`` of that entry's route (with a profile
-    whose beta depends on the message too)."""
+    """One planner run's pricing cache is kept across builds and mesh shapes (``cost.pricing.PricingCache``): after
+    builds on other meshes, every entry of every edge table is still ``reshard_cost`` of that entry's route (with a
+    profile whose beta depends on the message too), and a second build on a mesh already seen prices no new
+    route."""
     from soybean.cost.collectives import reshard_cost
+    from soybean.cost.pricing import PricingCache
     from soybean.graph import PINNED
     ref, args, _ = CASES[1]
     model, inputs = models.load(ref, dict(args))
     cap = capture(model, inputs)
-    for shape in [(4,), (2, 2), (1, 4), (2, 2)]:
+    cache = PricingCache()
+    for i, shape in enumerate([(4,), (2, 2), (1, 4), (2, 2)]):
         mesh = Mesh(shape)
-        g = build(cap, mesh, profile)
+        known = len(cache.steps.ids)
+        g = build(cap, mesh, profile, pricing=cache)
+        assert g.pricing is cache
+        assert (len(cache.steps.ids) == known) == (i == 3)  # the second 2x2 build meets only routes priced before
         checked = 0
         for e in g.edges:
             for s in range(e.bytes.shape[0]):
@@ -117,3 +123,28 @@ def test_a_variable_kind_is_one_of_the_six() -> None:
     assert {VarKind.op: 1}["op"] == 1  # hashes as its string
     with pytest.raises(ValueError, match="'operation' is not a valid VarKind"):
         Var("y", "operation", [], np.zeros(0), np.zeros(0))
+
+
+def test_pricing_state_belongs_to_the_run_that_made_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No pricing state is kept by the process: a build given no cache starts an empty one; ``planner.plan`` hands
+    one cache to every table it builds (each mesh shape and each baseline), and the next ``plan`` a new one."""
+    from soybean import baselines, planner
+
+    model, inputs = EXAMPLES["mlp_uneven"]()
+    cap = capture(model, inputs)
+    a, b = (build(cap, Mesh((2,)), BUILTIN["h100-nvlink"]) for _ in range(2))
+    assert a.pricing is not b.pricing and len(a.pricing.steps.ids) == len(b.pricing.steps.ids) > 0
+    seen: list[list[int]] = []
+    real = planner.build
+
+    def spy(*args: object, **kw: object) -> PlanGraph:
+        g = real(*args, **kw)  # type: ignore[arg-type]
+        seen[-1].append(id(g.pricing))
+        return g
+
+    monkeypatch.setattr(planner, "build", spy)
+    monkeypatch.setattr(baselines, "build", spy)
+    for _ in range(2):
+        seen.append([])
+        planner.plan(None, (), 4, captured=cap)
+    assert all(len(run) > 3 and len(set(run)) == 1 for run in seen)  # meshes and baselines: one cache per run

@@ -19,7 +19,7 @@ from soybean.reshard import Route
 from soybean.cost.compute import compute_seconds
 from soybean.cost.compute import passes
 from soybean.mesh import Mesh
-from soybean.planner import BACKWARD_SHARE, solve_on
+from soybean.planner import BACKWARD_SHARE, Search, solve_on
 from soybean.cost.profiles import BUILTIN
 from soybean.rules.base import make_opspec
 from soybean.tiling import Partial, R, Shard
@@ -81,7 +81,7 @@ def test_hidden_sync_is_capped_by_backward_compute(overlap: float) -> None:
     net = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
     cap = capture(net, (torch.randn(64, 256),))
     prof = replace(PROFILE, grad_overlap=overlap)
-    r = solve_on(cap, Mesh((2,)), prof, "time", mode="dp")
+    r = solve_on(cap, Mesh((2,)), Search(prof, mode="dp"))
     op_compute = sum(float(v.compute_s[c]) for v, c in zip(r.graph.vars, r.solution.choice) if v.kind == "op")
     assert r.sync_s > 0  # data parallel: every weight's gradient is summed
     assert r.hidden_s == pytest.approx(min(overlap * r.sync_s, BACKWARD_SHARE * op_compute))
@@ -92,7 +92,7 @@ def test_overlap_makes_data_parallel_no_dearer() -> None:
     """Crediting the overlap can only lower a plan's modelled time, never raise the optimum."""
     net = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
     cap = capture(net, (torch.randn(512, 128),))
-    times = [solve_on(cap, Mesh((2,)), replace(PROFILE, grad_overlap=ov), "time").step_time_s for ov in (0.0, 0.5, 1.0)]
+    times = [solve_on(cap, Mesh((2,)), Search(replace(PROFILE, grad_overlap=ov))).step_time_s for ov in (0.0, 0.5, 1.0)]
     assert times[0] >= times[1] >= times[2]
 
 

@@ -256,3 +256,26 @@ def test_algorithms_keep_a_forward_and_a_backward_collective_of_one_size_apart()
     algos = golden.algorithms()
     assert algos[("all_reduce", 1, 256, "forward")][0] == "tree"
     assert algos[("all_reduce", 1, 256, "backward")][0] == "backend"
+
+
+def test_the_program_keys_each_collective_by_its_edge_and_step() -> None:
+    """``Plan.program`` holds what runs: two collectives of one kind, axis, size and phase that the plan runs by
+    different algorithms (a returned sum's backend call and another all-reduce by ``ring``) keep their own
+    choices, where the record's summary by size (``Plan.algorithms``) keeps one; renaming the nodes for another
+    capture renames the keys too."""
+    from soybean.plan import Plan
+
+    row = {"step": "all_reduce[axis 0]", "collective": "all_reduce", "phase": "forward", "axis": 0, "group_size": 2,
+           "bytes": 4, "chunks": 1, "seconds": 1e-5}
+    p = Plan(devices=2, mesh=[2], objective="time", profile="cpu-gloo", fingerprint="x", params={}, inputs={},
+             nodes={"sum_1": {"in": [["P"]], "out": [["R"]]}, "add": {"in": [["P"]], "out": [["R"]]}}, cost={},
+             reshards=[{**row, "tensor": "sum_1", "to": "output", "algorithm": "backend"},
+                       {**row, "tensor": "add", "to": "mul", "algorithm": "ring"}],
+             keys=[["sum_1", "k1"], ["add", "k2"]])
+    prog = p.program
+    assert prog.algorithms[("sum_1", "output", "all_reduce[axis 0]", "all_reduce", "forward")] == ("backend", 1)
+    assert prog.algorithms[("add", "mul", "all_reduce[axis 0]", "all_reduce", "forward")] == ("ring", 1)
+    assert len(p.algorithms()) == 1
+    moved = prog.aligned({"sum_7": "k1", "add_3": "k2"})
+    assert set(moved.nodes) == {"sum_7", "add_3"}
+    assert ("add_3", "mul", "all_reduce[axis 0]", "all_reduce", "forward") in moved.algorithms

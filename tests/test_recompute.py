@@ -22,7 +22,7 @@ from soybean.cost.memory import MEMORY_HEADROOM
 from soybean.cost.measure_memory import measure_step
 from soybean.graph import attention_units, recomputable_layers
 from soybean.mesh import Mesh
-from soybean.planner import MemoryBudgetError, recompute_choices, solve_on
+from soybean.planner import MemoryBudgetError, Search, recompute_choices, solve_on
 from soybean.planner import plan as make_plan
 from soybean.runtime.launch import run_threads
 from soybean.testing import compare, train_parallel_threads, train_serial
@@ -140,7 +140,7 @@ def test_auto_is_the_best_recomputation_choice() -> None:
     for chain in recompute_choices(cap):
         for units in chain:
             try:
-                r = solve_on(cap, Mesh((2,)), load_profile(None), "time", memory_bytes=budget, recompute=units)
+                r = solve_on(cap, Mesh((2,)), Search(load_profile(None), memory_bytes=budget), recompute=units)
             except MemoryBudgetError:
                 continue
             best = min(best, r.step_time_s)

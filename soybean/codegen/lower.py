@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +37,13 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import rules
 from ..capture import Captured
-from ..cost.collectives import route_calls
 from ..cost.profiles import load_profile
-from ..graph import SCALINGS, Edge, PlanGraph, build, node_module, value_source
-from ..ir.algorithms import BACKEND
+from ..graph import SCALINGS, Edge, PlanGraph, build, node_module, value_name, value_source
+from ..ir.algorithms import BACKEND, Algo
 from ..ir.kinds import KINDS, Step
 from ..mesh import Mesh
-from ..plan import Plan
-from ..reshard import Route
+from ..plan import Plan, Program
+from ..reshard import Route, StepCall
 from ..rules.window import crops, halo_step, halos, local_rows, windows_of
 from ..runtime import context as rt
 from ..runtime.kinds import CALLS
@@ -62,22 +61,17 @@ def _val(n: Any) -> Any:
 
 
 def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], route: Route, mesh: Mesh, coords: tuple[int, ...],
-                 defer: set[int] | None = None, view: bool = False, itemsize: int = 0,
-                 algorithms: Mapping[tuple[str, int, int, str], tuple[str, int]] | None = None) -> fx.Node:
-    """Append the runtime calls of ``route``'s steps (the kinds table's ``call``) to ``x``.
+                 defer: set[int] | None = None, view: bool = False,
+                 algorithms: Callable[[Step, StepCall], Algo | None] | None = None) -> fx.Node:
+    """Append the runtime calls of ``route``'s steps (the kinds table's ``call``) to ``x``: one walk of the route
+    (``Route.walk``), the one pricing and the plan's records read.
 
     With ``defer`` (a parameter's own edge), the gradient-sync steps are not emitted but their axes
     collected: the runtime sums those parameter gradients after backward, bucketed (``GradSync``).
     ``view``: ``x`` is never written in place, so slicing it may return views.
-    ``algorithms`` (``Plan.algorithms``) with the value's ``itemsize``: each collective runs the algorithm the
-    plan chose for it (``algo=`` forward, ``back=`` its adjoint); one it does not list runs the backend's.
+    ``algorithms``: the algorithm the program runs each collective of this route by (``Program.algorithms`` of its
+    edge: ``algo=`` forward, ``back=`` its adjoint); None, or one it does not give, runs the backend's.
     """
-    chosen: dict[tuple[Step, bool], tuple[str, int]] = {}
-    if algorithms and itemsize:
-        for c in route_calls(route, shape, itemsize, mesh):
-            algo = algorithms.get((c.collective, c.step.axis, int(c.m), "backward" if c.backward else "forward"))
-            if algo is not None and algo[0] != BACKEND:
-                chosen[(c.step, c.backward)] = algo
     for w in route.walk():
         step, kind = w.step, KINDS[w.step.kind]
         if defer is not None and kind.gradient_sync:
@@ -86,9 +80,10 @@ def emit_reshard(g: fx.Graph, x: fx.Node, shape: tuple[int, ...], route: Route, 
             continue
         after = local_shape(shape, w.after, mesh, coords)
         kwargs: dict[str, Any] = {"view": True} if view and kind.viewable else {}
-        for back, key in ((False, "algo"), (True, "back")):
-            if (step, back) in chosen:
-                kwargs[key] = chosen[(step, back)]
+        for c in w.calls if mesh.shape[step.axis] > 1 else ():
+            algo = algorithms(step, c) if algorithms is not None else None
+            if algo is not None and algo[0] != BACKEND:
+                kwargs["back" if c.backward else "algo"] = algo
         x = g.call_function(CALLS[step.kind], (x, step.axis, *kind.args(step, after)), kwargs)
     return x
 
@@ -135,7 +130,7 @@ def _lazy_output_sums(g: fx.Graph) -> None:
             g.erase_node(ar)
 
 
-def walk_order(cap: Captured, plan: Plan) -> list[fx.Node]:
+def walk_order(cap: Captured, program: Program) -> list[fx.Node]:
     """The captured graph's nodes in the order the plan's graph listed its ops (``Plan.keys``, matched by structural
     key: ``Plan.aligned``), so that every rank emits its collectives in one order.
 
@@ -145,7 +140,7 @@ def walk_order(cap: Captured, plan: Plan) -> list[fx.Node]:
     topological sort of the local graph by the plan's positions (a ``getitem`` right after its producer, local
     order between equals); placeholders stay first in local order (the program's signature), the output last."""
     nodes = list(cap.graph.nodes)
-    pos = {n: i for i, (n, _) in enumerate(plan.aligned(cap.keys).keys)}
+    pos = {n: i for i, (n, _) in enumerate(program.aligned(cap.keys).keys)}
     ops = [n for n in nodes if n.op == "call_function"]
     planned = [pos[n.name] for n in ops if n.name in pos]
     if planned == sorted(planned):
@@ -174,18 +169,19 @@ def walk_order(cap: Captured, plan: Plan) -> list[fx.Node]:
 class Lowering:
     """One rank's program for ``plan``: placeholders as in ``cap`` (params and buffers as local tiles)."""
 
-    def __init__(self, cap: Captured, plan: Plan, rank: int, tile_outputs: bool = False) -> None:
-        self.cap, self.plan, self.rank = cap, plan, rank
+    def __init__(self, cap: Captured, plan: Plan | Program, rank: int, tile_outputs: bool = False) -> None:
+        # What runs, named as this capture names its nodes: the record (cost, baselines, ...) is never read.
+        self.prog = prog = (plan.program if isinstance(plan, Plan) else plan).aligned(cap.keys)
+        self.cap, self.rank = cap, rank
         # Non-scalar outputs leave as produced (partial sums reduced, splits kept) under the local-batch
         # contract, and under the full-batch one when the module gathers them lazily (``soybean.outputs``).
-        self.tile_outputs = tile_outputs or plan.local_batch
+        self.tile_outputs = tile_outputs or prog.local_batch
         self.output_tilings: list[Tiling | None] = []  # per flat output: its tiling when left split
-        self.mesh = Mesh(tuple(plan.mesh))
+        self.mesh = Mesh(prog.mesh)
         self.coords = self.mesh.coords(rank)
         self.full: Tiling = (R,) * self.mesh.ndim
-        self.algorithms = plan.algorithms()
         # The plan's graph: one strategy per var, the edge semantics decided there (pricing unused).
-        self.pg: PlanGraph = build(cap, self.mesh, load_profile(None), fixed=plan)
+        self.pg: PlanGraph = build(cap, self.mesh, load_profile(None), fixed=prog)
         self.into: dict[int, list[Edge]] = {}        # the edges a var reads, by input index
         self.write_backs: dict[int, list[Edge]] = {}  # the stored tensors an op updates in place
         for e in self.pg.edges:
@@ -200,7 +196,7 @@ class Lowering:
         self.readonly: set[fx.Node] = set()                 # lowered values of placeholders nothing writes
 
     def run(self) -> fx.GraphModule:
-        for node in walk_order(self.cap, self.plan):
+        for node in walk_order(self.cap, self.prog):
             if node.op == "placeholder":
                 self.placeholder(node)
             elif node.op == "call_function" and node.target is operator.getitem:
@@ -214,7 +210,7 @@ class Lowering:
         gm = fx.GraphModule(torch.nn.Module(), self.g, class_name=f"Rank{self.rank}Program")
         gm.meta["grad_sync"] = {k: tuple(sorted(v)) for k, v in self.grad_sync.items() if v}
         gm.meta["output_tilings"] = self.output_tilings
-        return checkpoint_layers(gm, self.plan.recompute)
+        return checkpoint_layers(gm, self.prog.recompute)
 
     def _tag(self, module: str) -> None:
         """Mark the nodes just emitted (an op, the reshards of its inputs) with the module of the op they lower."""
@@ -224,6 +220,11 @@ class Lowering:
             n.meta["module"] = module
 
     # ---- reading values along edges ----
+
+    def chosen(self, e: Edge) -> Callable[[Step, StepCall], Algo | None]:
+        """The algorithm this program runs each collective of edge ``e``'s route by (``Program.algorithms``)."""
+        tensor, to, algos = value_name(self.pg, e.src), self.pg.vars[e.dst].name, self.prog.algorithms
+        return lambda step, c: algos.get((tensor, to, str(step), c.collective, c.phase))
 
     def value(self, u: int, k: int) -> fx.Node:
         """Output ``k`` of var ``u`` as the consumers of ``u`` read it (a reshard point's, emitted once)."""
@@ -241,7 +242,7 @@ class Lowering:
         # An op's slices of a placeholder's value that nothing writes may alias it.
         view = V.kind == "op" and x in self.readonly
         return emit_reshard(self.g, x, e.shape, e.route(0, 0), self.mesh, self.coords, defer=defer, view=view,
-                            itemsize=e.itemsize, algorithms=self.algorithms)
+                            algorithms=self.chosen(e))
 
     # ---- one method per node kind ----
 
@@ -254,7 +255,7 @@ class Lowering:
             return
         v = self.pg.vars[vi]
         tiling = v.strategies[0].outputs[0]
-        if v.kind == "input" and not self.plan.local_batch:  # full inputs arrive on every rank: keep my tile
+        if v.kind == "input" and not self.prog.local_batch:  # full inputs arrive on every rank: keep my tile
             x = emit_reshard(self.g, ph, tuple(_val(node).shape), Route.of(self.full, tiling), self.mesh, self.coords,
                              view=node.name not in self.pg.written)
             self.env[node.name] = x
@@ -317,7 +318,7 @@ class Lowering:
             if x is not tile:  # the op updated a resharded copy: copy it back into the stored tile
                 self.g.call_function(torch.ops.aten.copy_.default,
                                      (tile, emit_reshard(self.g, x, e.shape, e.route(0, 0), self.mesh, self.coords,
-                                                         itemsize=e.itemsize, algorithms=self.algorithms)))
+                                                         algorithms=self.chosen(e))))
         self.env[node.name] = out
         self.values[(vi, 0)] = out
 
@@ -325,11 +326,11 @@ class Lowering:
         """Under ``local_batch``, the tiling a batch output leaves in: the first input's (each rank passed its
         rows, ``ParallelModule.local_slice``), when the output has that batch (dim 0) and the input is split only
         along it; else None."""
-        if not self.plan.local_batch or not self.cap.inputs or self.cap.inputs[0] not in self.plan.inputs:
+        if not self.prog.local_batch or not self.cap.inputs or self.cap.inputs[0] not in self.prog.inputs:
             return None
         first = next(n for n in self.cap.graph.nodes if n.op == "placeholder" and n.name == self.cap.inputs[0])
         val = first.meta.get("val")
-        tiling = self.plan.input_tiling(self.cap.inputs[0])
+        tiling = self.prog.input_tiling(self.cap.inputs[0])
         if not isinstance(val, torch.Tensor) or not shape or val.dim() == 0 or shape[0] != val.shape[0] \
                 or any(isinstance(p, Shard) and p.dim != 0 for p in tiling):
             return None
@@ -349,7 +350,7 @@ class Lowering:
             elif not self.tile_outputs or v.dim() == 0:
                 res.append(self.read(next(edges)))
             else:  # returned as a tile: only pending sums are reduced
-                if not self.plan.local_batch:
+                if not self.prog.local_batch:
                     next(edges)  # the planned gather to the full output, left to the module (``soybean.outputs``)
                 u, k = value_source(self.pg, a)
                 U = self.pg.vars[u]
@@ -364,7 +365,7 @@ class Lowering:
         self.g.output(tree_unflatten(res, spec))
 
 
-def lower(cap: Captured, plan: Plan, rank: int, tile_outputs: bool = False) -> fx.GraphModule:
+def lower(cap: Captured, plan: Plan | Program, rank: int, tile_outputs: bool = False) -> fx.GraphModule:
     """Rank ``rank``'s program for ``plan`` (see ``Lowering``); ``tile_outputs``: split non-scalar outputs are
     returned as tiles, their tilings in ``meta["output_tilings"]``, not gathered (``soybean.outputs``)."""
     return Lowering(cap, plan, rank, tile_outputs).run()

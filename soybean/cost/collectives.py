@@ -216,10 +216,10 @@ def op_comm_costs(op: OpSpec, strategies: Sequence[Strategy], grads: Sequence[bo
     return out
 
 
-class _StepStore:
-    """Every route priced so far in this process, its collectives (``priced_steps``) flattened into
-    column arrays once: route ``r``'s are rows ``start[r]:start[r] + count[r]``.  Shape-, mesh- and
-    profile-free, so every table, build and mesh shape of the same rank reads the same rows."""
+class StepStore:
+    """Every route priced so far by one planner run (``cost.pricing.PricingCache``), its collectives
+    (``priced_steps``) flattened into column arrays once: route ``r``'s are rows ``start[r]:start[r] + count[r]``.
+    Shape-, mesh- and profile-free, so every table, build and mesh shape of the run reads the same rows."""
 
     def __init__(self) -> None:
         self.ids: dict[Route, int] = {}
@@ -270,42 +270,35 @@ class _StepStore:
         self.rows = row
 
 
-_STEPS = _StepStore()
-
-
-def price_routes(routes: Sequence[Route], shape: tuple, itemsize: int, mesh: Mesh,
-                 profile: Profile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def price_routes(routes: Sequence[Route], shape: tuple, itemsize: int, mesh: Mesh, profile: Profile,
+                 steps: StepStore | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``reshard_cost`` of many routes of one tensor at once: arrays of bytes, seconds and sync seconds.
 
     The same sums term by term, as numpy arithmetic over every collective of every route (a Llama
     layer's edge on a 2x2x2 mesh prices ~450 routes and ~1,600 collectives; a Python loop over them was
-    most of the build).  The routes' collectives come flattened from ``_StepStore``; the tile size is
-    computed once per distinct tiling, ``alpha`` and ``beta`` once per (axis, collective).  The figures
-    equal ``reshard_cost``'s bit for bit (the tests compare them).
+    most of the build).  The routes' collectives come flattened from ``steps`` (a fresh ``StepStore`` when
+    none is given); the tile size is computed once per distinct tiling, ``alpha`` and ``beta`` once per
+    (axis, collective).  The figures equal ``reshard_cost``'s bit for bit (the tests compare them).
     """
-    return price_route_ids(_STEPS.lookup(routes), shape, itemsize, mesh, profile)
+    steps = steps if steps is not None else StepStore()
+    return price_route_ids(steps.lookup(routes), shape, itemsize, mesh, profile, steps)
 
 
-def route_ids(routes: Sequence[Route]) -> np.ndarray:
-    """Ids of ``routes`` for ``price_route_ids``: a caller that prices the same routes for many shapes
-    or meshes keeps these and skips hashing every route again."""
-    return _STEPS.lookup(routes)
-
-
-def price_route_ids(ids: np.ndarray, shape: tuple, itemsize: int, mesh: Mesh,
-                    profile: Profile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``price_routes`` of the routes whose ids ``route_ids`` gave."""
+def price_route_ids(ids: np.ndarray, shape: tuple, itemsize: int, mesh: Mesh, profile: Profile,
+                    steps: StepStore) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``price_routes`` of the routes whose ids ``steps.lookup`` gave (a caller that prices the same routes for
+    many shapes or meshes keeps the ids and skips hashing every route again)."""
     n = len(ids)
-    cnt = _STEPS.count[ids]
+    cnt = steps.count[ids]
     total = int(cnt.sum())
     if total == 0:
         return np.zeros(n), np.zeros(n), np.zeros(n)
     own = np.repeat(np.arange(n), cnt)
-    first = np.repeat(_STEPS.start[ids] - (np.cumsum(cnt) - cnt), cnt)
-    kind, axis, tiling, is_sync = _STEPS.cols[:, first + np.arange(total)]
+    first = np.repeat(steps.start[ids] - (np.cumsum(cnt) - cnt), cnt)
+    kind, axis, tiling, is_sync = steps.cols[:, first + np.arange(total)]
     tiles, t_inv = np.unique(tiling, return_inverse=True)
-    m = np.array([float(max_local_numel(shape, _STEPS.tiling_list[t], mesh) * itemsize) for t in tiles])[t_inv]
-    kinds = list(_STEPS.kinds)
+    m = np.array([float(max_local_numel(shape, steps.tiling_list[t], mesh) * itemsize) for t in tiles])[t_inv]
+    kinds = list(steps.kinds)
     links, l_inv = np.unique(axis * len(kinds) + kind, return_inverse=True)
     ab = np.array([profile.ab(int(c) // len(kinds), kinds[int(c) % len(kinds)]) for c in links]).reshape(-1, 2)
     alpha, beta = ab[l_inv, 0], ab[l_inv, 1]

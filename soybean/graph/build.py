@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import rules
 from ..capture import Captured
-from ..cost.collectives import op_comm_costs, price_route_ids, route_ids
+from ..cost.collectives import op_comm_costs, price_route_ids
 from ..cost.compute import op_seconds, optimizer_step_seconds
 from ..cost.memory import (
     grad_phase_bytes,
@@ -25,11 +25,11 @@ from ..cost.memory import (
     sync_bucket_bytes,
 )
 from ..cost.phases import backward_transient, rerun_credit
+from ..cost.pricing import EdgeTables, PricingCache
 from ..cost.profiles import Profile
 from ..mesh import Mesh
-from ..plan import Plan
+from ..plan import Plan, Program
 from ..precision import policy
-from ..reshard import Route
 from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, strategies_1d
 from ..tiling import Partial, R, Replicate, Shard, is_valid
 from .types import Edge, PlanGraph, Var
@@ -166,7 +166,7 @@ def value_source(g: PlanGraph, a: fx.Node) -> tuple[int, int]:
 
 
 def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int], needs_grad: bool,
-                        fixed: Plan | None = None, memo: _Memo | None = None, rerun: _Rerun | None = None) -> None:
+                        fixed: Program | None = None, memo: _Memo | None = None, rerun: _Rerun | None = None) -> None:
     """After adding producer ``vi``: a reshard point for each of its outputs used more than once
     (with ``fixed``, the tiling and partial-gradient axes that plan chose for it)."""
     v = g.vars[vi]
@@ -241,10 +241,11 @@ def build(
     pin_params: bool = False,
     local_outputs: bool = False,
     divide_work: bool | None = None,
-    fixed: Plan | None = None,
+    fixed: Plan | Program | None = None,
     gather_axes: tuple[int, ...] = (),
     share: bool = True,
     recompute: Collection[str] = (),
+    pricing: PricingCache | None = None,
 ) -> PlanGraph:
     """Variables and edges of ``cap`` on ``mesh``.
 
@@ -262,12 +263,15 @@ def build(
     ``recompute``: the layers (``layer_of``) whose forward reruns in backward (with
     ``fixed``, the plan's): their ops keep only what leaves the layer, pay one more forward pass, and the
     forward collectives of the reads inside the layer run again (``_Rerun``).
+    ``pricing``: the planner run's ``cost.pricing.PricingCache``, shared by every table it builds (a fresh one
+    when none is given).
     """
-    if fixed is not None:  # named as this capture names its nodes
-        fixed = fixed.aligned(cap.keys)
+    if fixed is not None:  # what runs (a plan's record is not read), named as this capture names its nodes
+        fixed = (fixed.program if isinstance(fixed, Plan) else fixed).aligned(cap.keys)
     with _gc_paused():
-        return _build(cap, mesh, profile, objective, domains or {}, pin_params, local_outputs, divide_work, fixed,
-                      tuple(gather_axes), share, frozenset(fixed.recompute if fixed is not None else recompute))
+        return _build(PlanGraph(mesh, profile, pricing=pricing or PricingCache()), cap, objective, domains or {},
+                      pin_params, local_outputs, divide_work, fixed, tuple(gather_axes), share,
+                      frozenset(fixed.recompute if fixed is not None else recompute))
 
 
 @contextmanager
@@ -284,11 +288,11 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _build(cap: Captured, mesh: Mesh, profile: Profile, objective: str, domains: dict[str, list[tuple]],
-           pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Plan | None,
+def _build(g: PlanGraph, cap: Captured, objective: str, domains: dict[str, list[tuple]],
+           pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Program | None,
            gather_axes: tuple[int, ...] = (), share: bool = True,
            recompute: frozenset[str] = frozenset()) -> PlanGraph:
-    g = PlanGraph(mesh, profile)
+    mesh, profile = g.mesh, g.profile
     rerun = _Rerun(cap.graph, recompute)
     master_dtype = policy(cap.precision).master
     g.master_itemsize = master_dtype.itemsize if master_dtype is not None else 0
@@ -467,41 +471,6 @@ def _add_var(g: PlanGraph, v: Var) -> int:
     return len(g.vars) - 1
 
 
-_EDGE_MEMO: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-
-
-class _RouteIds:
-    """The ``price_route_ids`` id of every (source key, target key) pair's route met so far in this
-    process.  A table is the cross product of its sources' and targets' keys; its pairs are coded as
-    integers in numpy and only the pairs never met become ``Route`` objects.  Shape-, mesh- and
-    profile-free: the mesh shapes of one rank offer mostly the same tilings, and a 64-device search
-    prices ~10 million pairs (tables of up to ~1,000 x 1,000) that are ~200 thousand distinct routes.
-    """
-
-    def __init__(self) -> None:
-        self.ends: dict[tuple, int] = {}   # a (tiling, gradient axes) key -> its number
-        self.pairs: dict[int, int] = {}    # pair code -> route id
-
-    def __call__(self, us: tuple, ud: tuple, needs_grad: bool, write_back: bool) -> np.ndarray:
-        ends = self.ends
-        s = np.array([ends.setdefault(k, len(ends)) for k in us], dtype=np.int64)
-        d = np.array([ends.setdefault(k, len(ends)) for k in ud], dtype=np.int64)
-        codes = (((s[:, None] << 28) | d[None, :]) << 2 | (2 * needs_grad + write_back)).ravel().tolist()
-        get = self.pairs.get
-        ids = np.fromiter((get(c, -1) for c in codes), dtype=np.int64, count=len(codes))
-        miss = np.flatnonzero(ids < 0)
-        if miss.size:
-            pairs = [(us[i], ud[j]) for i, j in zip(*np.divmod(miss, len(ud)))]
-            routes = [Route.of(dst, src) if write_back else Route.of(src, dst, pga, spa, needs_grad)
-                      for (src, spa), (dst, pga) in pairs]
-            ids[miss] = new = route_ids(routes)
-            self.pairs.update(zip((codes[m] for m in miss.tolist()), new.tolist()))
-        return ids
-
-
-_route_ids = _RouteIds()
-
-
 def _unique(keys: list) -> tuple[list, np.ndarray]:
     pos: dict = {}
     idx = np.array([pos.setdefault(k, len(pos)) for k in keys], dtype=np.int64)
@@ -547,27 +516,28 @@ def _add_edge(
     us, si = _unique(src_keys)
     ud, di = _unique(dst_keys)
     profile = read_profile(g.profile, lazy)
-    # The mesh and the run's profile come last: a change of either clears the memo (a lazy read's
+    # The mesh and the run's profile come last: a change of either drops the cached tables (a lazy read's
     # backend-only profile must not, or every switch between lazy and plain reads would clear it).
     key = (tuple(us), tuple(ud), shape, itemsize, needs_grad, U.pinned, U.gathered, write_back, rerun, lazy,
            g.mesh, g.profile)
-    if key not in _EDGE_MEMO:
-        if _EDGE_MEMO and next(iter(_EDGE_MEMO))[-2:] != key[-2:]:
-            _EDGE_MEMO.clear()  # another mesh or profile: its tables would only hold memory
-        ids = _route_ids(key[0], key[1], needs_grad, write_back)
-        Bu, Tu, Su = (x.reshape(len(us), len(ud)) for x in price_route_ids(ids, shape, itemsize, g.mesh, profile))
+    cache = g.pricing
+
+    def price() -> EdgeTables:
+        ids = cache.route_ids(key[0], key[1], needs_grad, write_back)
+        Bu, Tu, Su = (x.reshape(len(us), len(ud))
+                      for x in price_route_ids(ids, shape, itemsize, g.mesh, profile, cache.steps))
         if rerun:  # the forward steps again (a route that needs no gradient is its forward)
-            fwd = _route_ids(key[0], key[1], False, write_back)
-            Bf, Tf, _ = (x.reshape(len(us), len(ud)) for x in price_route_ids(fwd, shape, itemsize, g.mesh, profile))
+            fwd = cache.route_ids(key[0], key[1], False, write_back)
+            Bf, Tf, _ = (x.reshape(len(us), len(ud))
+                         for x in price_route_ids(fwd, shape, itemsize, g.mesh, profile, cache.steps))
             Bu, Tu = Bu + Bf, Tu + Tf
         if U.pinned and not write_back:
             banned = np.array([[not pinned_use(src, dst, U.gathered) for dst, _ in ud] for src, _ in us])
             Bu[banned] = Tu[banned] = PINNED
             Su[banned] = 0.0
-        if len(_EDGE_MEMO) > 4096:
-            _EDGE_MEMO.clear()
-        _EDGE_MEMO[key] = (Bu, Tu, Su)
-    Bu, Tu, Su = _EDGE_MEMO[key]
+        return Bu, Tu, Su
+
+    Bu, Tu, Su = cache.edge_tables(key, price)
     B, T = Bu[np.ix_(si, di)], Tu[np.ix_(si, di)]
     deferred = U.kind == "param" and not write_back
     S = Su[np.ix_(si, di)] if deferred and Su.any() else None

@@ -7,6 +7,7 @@ from enum import Enum
 import numpy as np
 import torch
 
+from ..cost.pricing import PricingCache
 from ..cost.profiles import Profile
 from ..mesh import Mesh
 from ..reshard import Route
@@ -115,3 +116,6 @@ class PlanGraph:
     rerun_after: int = 0  # the first variable after the last recomputed op (its ops are freed when units rerun)
     # Trainable parameters read at or after ``rerun_after``: their gradients exist when the last unit reruns.
     rerun_grads: list[int] = field(default_factory=list)
+    # The planner run's pricing state (``cost.pricing``): the tables this graph was priced from, shared with the
+    # run's other builds.
+    pricing: PricingCache = field(default_factory=PricingCache, repr=False, compare=False)
