@@ -140,3 +140,37 @@ def test_leaving_out_a_pass_leaves_exactly_its_construct(left_out: str) -> None:
     g = captured(left_out).graph
     present = sorted(name for name, check in CONSTRUCT.items() if check(g))
     assert present == [left_out]
+
+
+class _Sums(nn.Module):
+    """Three returned values: a mean loss (a sum scaled by a constant, then returned), a sum also read again
+    (not a returned sum: something reads it), and a plain activation returned as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        s = h.sum()
+        return h.square().mean(), s * s, h
+
+
+def test_returned_sums_are_marked_once_by_capture() -> None:
+    """``mark_returned_sums``: exactly the values whose one reader is the output, or a constant scaling read only
+    by the output, carry the mark; the planning graph's lazy reads are those (``graph.Edge.lazy``)."""
+    from soybean.capture import RETURNED_SUM
+    from soybean.cost.profiles import load_profile
+    from soybean.graph import build
+    from soybean.mesh import Mesh
+
+    cap = capture(_Sums(), (torch.randn(BATCH, HIDDEN),))
+    marked = {n.name for n in cap.graph.nodes if n.meta.get(RETURNED_SUM)}
+    by_name = {n.name: n for n in cap.graph.nodes}
+    # the mean's sum (scaled by 1/count, then returned) and the two values the output reads directly
+    assert len(marked) == 3, marked
+    assert any(by_name[m].target is aten.sum.dim_IntList for m in marked)
+    assert not any(by_name[m].target is aten.sum.default for m in marked)  # ``s`` is read by the multiplication
+    g = build(cap, Mesh((2,)), load_profile(None))
+    lazy = {g.vars[e.src].name for e in g.edges if e.lazy}
+    assert lazy == marked

@@ -36,9 +36,9 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import rules
-from ..capture import Captured
+from ..capture import RETURNED_SUM, SCALINGS, Captured
 from ..cost.profiles import load_profile
-from ..graph import SCALINGS, Edge, PlanGraph, build, node_module, value_name, value_source
+from ..graph import Edge, PlanGraph, build, node_module, value_name, value_source
 from ..ir.algorithms import BACKEND, Algo
 from ..ir.kinds import KINDS, Step
 from ..mesh import Mesh
@@ -98,28 +98,22 @@ def gather_now(t: torch.Tensor, tiling: Tiling, shape: tuple[int, ...], mesh: Me
 
 
 def _lazy_output_sums(g: fx.Graph) -> None:
-    """Make the last all-reduce before an output asynchronous (``sb_all_reduce_lazy``).
+    """Make each returned sum asynchronous (``sb_all_reduce_lazy``): the all-reduces lowering tagged
+    ``RETURNED_SUM`` (the reads ``capture.mark_returned_sums`` marked), which nothing in the program reads.
 
-    Nothing downstream reads a returned value, so its sum (the loss, made whole at the end of
-    forward) can arrive while backward runs.  A division or multiplication by a constant after
-    the all-reduce (the mean's ``/ count``) is moved before it: ``(sum_k x_k) / c = sum_k (x_k / c)``,
-    so the all-reduce is the last step and its result the returned value.
-    The planning graph prices these sums as the backend's calls (``graph.returned_sum``), the only ones that
-    start asynchronously: one the plan runs by another algorithm (``algo=``) stays as it is.
+    A division or multiplication by a constant after the all-reduce (the mean's ``/ count``) is moved before it:
+    ``(sum_k x_k) / c = sum_k (x_k / c)``, so the all-reduce is the last step and its result the returned value.
+    The planning graph prices these sums as the backend's calls (``graph.Edge.lazy``), the only ones that start
+    asynchronously: one the plan runs by another algorithm (``algo=``) stays as it is.
     """
-    out = next(n for n in g.nodes if n.op == "output")
-    for a in tree_flatten(out.args)[0]:
-        if not isinstance(a, fx.Node) or len(a.users) != 1:
+    for ar in [n for n in g.nodes if n.meta.get(RETURNED_SUM)]:
+        if ar.target is not ALL_REDUCE or "algo" in ar.kwargs or len(ar.users) != 1:
             continue
-        if a.target is ALL_REDUCE and "algo" not in a.kwargs:
-            a.target = rt.sb_all_reduce_lazy
-            continue
-        scale = a.target
-        ar = a.args[0] if scale in SCALINGS and len(a.args) == 2 and not a.kwargs else None
-        if (
-            isinstance(ar, fx.Node) and ar.target is ALL_REDUCE and len(ar.users) == 1 and "algo" not in ar.kwargs
-            and isinstance(a.args[1], (int, float))
-        ):
+        (a,) = ar.users
+        if a.op == "output":
+            ar.target = rt.sb_all_reduce_lazy
+        elif a.target in SCALINGS and a.args[0] is ar and len(a.users) == 1 and next(iter(a.users)).op == "output":
+            scale = a.target
             assert callable(scale)  # one of SCALINGS
             x, axis = ar.args
             with g.inserting_before(a):
@@ -241,8 +235,11 @@ class Lowering:
         x = self.value(e.src, e.src_out)
         # An op's slices of a placeholder's value that nothing writes may alias it.
         view = V.kind == "op" and x in self.readonly
-        return emit_reshard(self.g, x, e.shape, e.route(0, 0), self.mesh, self.coords, defer=defer, view=view,
-                            algorithms=self.chosen(e))
+        out = emit_reshard(self.g, x, e.shape, e.route(0, 0), self.mesh, self.coords, defer=defer, view=view,
+                           algorithms=self.chosen(e))
+        if e.lazy and out is not x:
+            out.meta[RETURNED_SUM] = True
+        return out
 
     # ---- one method per node kind ----
 
@@ -359,7 +356,10 @@ class Lowering:
                 batch = self._batch_tiling(tuple(v.shape))
                 dst: Tiling = batch if batch is not None else tuple(R if isinstance(p, Partial) else p for p in src)
                 route = Route.of(src, dst, (), U.grad_partial[0] if U.kind == "reshard" else (), U.needs_grad)
-                res.append(emit_reshard(self.g, self.value(u, k), tuple(v.shape), route, self.mesh, self.coords))
+                x = self.value(u, k)
+                res.append(emit_reshard(self.g, x, tuple(v.shape), route, self.mesh, self.coords))
+                if a.meta.get(RETURNED_SUM) and res[-1] is not x:
+                    res[-1].meta[RETURNED_SUM] = True
                 tiling = dst if any(isinstance(p, Shard) and n > 1 for p, n in zip(dst, self.mesh.shape)) else None
             self.output_tilings.append(tiling)
         self.g.output(tree_unflatten(res, spec))

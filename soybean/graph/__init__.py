@@ -32,7 +32,6 @@ The package: ``types`` (``Var``, ``Edge``, ``PlanGraph``), ``build`` (``build`` 
 from ..cost.phases import freed_after, phase_memory, phase_peaks, rerun_freed
 from .build import (
     PINNED,
-    SCALINGS,
     backend_only,
     build,
     edge_profile,
@@ -49,7 +48,7 @@ from .types import Edge, PlanGraph, Var, VarKind
 from .units import attention_units, layer_of, node_layer, node_module, recomputable_layers, unit_of
 from .writes import written_inputs
 
-__all__ = ["PINNED", "SCALINGS", "Edge", "PlanGraph", "Var", "VarKind", "attention_units", "backend_only", "build",
+__all__ = ["PINNED", "Edge", "PlanGraph", "Var", "VarKind", "attention_units", "backend_only", "build",
            "edge_profile", "fallback_ops", "freed_after", "layer_of", "node_layer", "node_module", "op_key",
            "phase_memory", "phase_peaks", "pinned_use", "read_profile", "recomputable_layers", "rerun_freed",
            "returned_sum", "unit_of", "use_tiling", "value_name", "value_source", "written_inputs"]

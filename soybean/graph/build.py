@@ -16,7 +16,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from .. import rules
-from ..capture import Captured
+from ..capture import RETURNED_SUM, Captured
 from ..cost.collectives import op_comm_costs, price_route_ids
 from ..cost.compute import op_seconds, optimizer_step_seconds
 from ..cost.memory import (
@@ -398,7 +398,7 @@ def _build(g: PlanGraph, cap: Captured, objective: str, domains: dict[str, list[
                         memo.vars[kid] = (strategies, compute, mem, c, op_comm, buffer)
             for i, (a, (u, k)) in enumerate(zip(tensor_args, sources)):
                 _add_edge(g, u, v, k, i, needs_grad.get(a.name, False), memo=memo, rerun=rerun.op(node.name),
-                          lazy=i == 0 and returned_sum(a, node))
+                          lazy=returned_sum(a, node))
             for i in written_inputs(op):
                 a = tensor_args[i]
                 if a.op != "placeholder":
@@ -424,21 +424,10 @@ def _build(g: PlanGraph, cap: Captured, objective: str, domains: dict[str, list[
     return g
 
 
-# A returned sum divided or multiplied by a constant is summed after the scaling instead (``returned_sum``).
-SCALINGS = (torch.ops.aten.div.Tensor, torch.ops.aten.mul.Tensor)
-
-
 def returned_sum(value: fx.Node, consumer: fx.Node) -> bool:
     """Whether an all-reduce of ``value`` read by ``consumer`` is a returned sum, which the generated program
-    starts asynchronously (``codegen.lower._lazy_output_sums``): ``value`` has no other reader, and ``consumer``
-    is the output, or a scaling by a constant (the mean's ``/ count``) whose only reader is the output."""
-    if len(value.users) != 1:
-        return False
-    if consumer.op == "output":
-        return True
-    return (consumer.target in SCALINGS and len(consumer.args) == 2 and not consumer.kwargs
-            and consumer.args[0] is value and isinstance(consumer.args[1], (int, float))
-            and len(consumer.users) == 1 and next(iter(consumer.users)).op == "output")
+    starts asynchronously: ``capture.mark_returned_sums`` marked ``value``, whose one reader is ``consumer``."""
+    return bool(value.meta.get(RETURNED_SUM)) and consumer in value.users
 
 
 @lru_cache(maxsize=16)
