@@ -51,6 +51,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .functionalize import functionalize
+from .ir.losses import IGNORE_INDEX, class_count
 from .precision import compute_inputs, compute_model, policy
 
 
@@ -576,6 +577,20 @@ def _mse_mean_to_sum(g: fx.Graph, n: fx.Node) -> None:
     g.erase_node(n)
 
 
+class _GraphCount:
+    """``ir.losses.class_count``'s operations as aten nodes added to ``g`` before the node being rewritten
+    (with ``like``'s metadata)."""
+
+    def __init__(self, g: fx.Graph, like: fx.Node) -> None:
+        self.g, self.like = g, like
+
+    def ne(self, x: fx.Node, value: int) -> fx.Node:
+        return _call(self.g, aten.ne.Scalar, (x, value), like=self.like)
+
+    def sum(self, x: fx.Node) -> fx.Node:
+        return _call(self.g, aten.sum.default, (x,), like=self.like)
+
+
 def _cross_entropy_mean_to_sum(g: fx.Graph, n: fx.Node) -> None:
     """Unweighted, unsmoothed ``cross_entropy_loss(x, labels, reduction=mean)`` ->
     ``cross_entropy_loss(..., reduction=sum) / count of labels != ignore_index``."""
@@ -583,7 +598,7 @@ def _cross_entropy_mean_to_sum(g: fx.Graph, n: fx.Node) -> None:
     x, y, weight, reduction, ignore_index, smoothing = args[:6]
     weight = n.kwargs.get("weight", weight)
     reduction = n.kwargs.get("reduction", 1 if reduction is None else reduction)
-    ignore_index = n.kwargs.get("ignore_index", -100 if ignore_index is None else ignore_index)
+    ignore_index = n.kwargs.get("ignore_index", IGNORE_INDEX if ignore_index is None else ignore_index)
     smoothing = n.kwargs.get("label_smoothing", 0.0 if smoothing is None else smoothing)
     if reduction != 1 or weight is not None or smoothing:
         return
@@ -592,8 +607,8 @@ def _cross_entropy_mean_to_sum(g: fx.Graph, n: fx.Node) -> None:
         return  # probability targets: leave the mean
     with g.inserting_before(n):
         total = _call(g, aten.cross_entropy_loss.default, (x, y, None, 2, ignore_index), like=n)
-        valid = _call(g, aten.ne.Scalar, (y, ignore_index), like=n)
-        cnt = _call(g, aten.sum.default, (valid,), like=n)
+        assert isinstance(ignore_index, int)
+        cnt = class_count(y, ignore_index, _GraphCount(g, n))
         d = _call(g, aten.div.Tensor, (total, cnt), like=n)
     n.replace_all_uses_with(d)
     g.erase_node(n)

@@ -46,6 +46,7 @@ from torch.autograd import Function
 from torch.utils._pytree import tree_map
 
 from .codegen.lower import gather_now
+from .ir.losses import mean_count
 from .mesh import Mesh
 from .runtime.collectives import all_reduce
 from .runtime.comm import Group
@@ -237,7 +238,7 @@ class LazyFull:
         mine = local_tile(target, self.tiling, self._mesh, self._coords, copy=False)  # a target needs no copy
         part = func(self.local, mine, reduction="sum", **kw)
         if reduction == "mean":  # (sum_k s_k) / c = sum_k (s_k / c): scaled first, so the sum is the last step
-            part = part / (self.numel() if kind == "numel" else _class_count(target, kw))
+            part = part / mean_count(kind, self.numel(), target, kw)
         return self._summed(part)
 
     def _summed(self, part: torch.Tensor) -> torch.Tensor:
@@ -264,18 +265,6 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
               "__and__", "__or__", "__xor__", "__invert__", "__float__", "__int__", "__bool__", "__array__"):
     setattr(LazyFull, _name, _forward(_name))
 LazyFull.__hash__ = object.__hash__  # type: ignore[method-assign]  # ``__eq__`` compares values; identity hashes
-
-
-def _class_count(target: torch.Tensor, kw: dict) -> torch.Tensor | float:
-    """The denominator of ``cross_entropy``'s / ``nll_loss``'s mean over the full target: the targets not
-    ignored, or their classes' summed weight."""
-    if target.is_floating_point():  # class probabilities: a mean over the batch (and positions)
-        return float(target.numel() // target.shape[1]) if target.dim() > 1 else float(target.shape[0])
-    keep = target != kw.get("ignore_index", -100)
-    weight = kw.get("weight")
-    if weight is not None:
-        return weight[target.clamp(min=0)].masked_fill(~keep, 0).sum()
-    return keep.sum()
 
 
 def lazy_outputs(out: Any, tilings: Sequence[tuple | None], shapes: Sequence[tuple[int, ...]], mesh: Mesh,
