@@ -51,21 +51,28 @@ import os
 import platform
 import statistics
 import sys
-import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from .. import models
-from ..outputs import LazyFull
 from ..plan import Plan
 from .report import format_table
 from .stats import fastest_verdict, spearman
+from .timing import (
+    Measurement,
+    Prepared,
+    Step,
+    Unavailable,
+    interleaved,
+    measure,
+    sequential,
+    training_step,
+)
 from .variants import BY_NAME, DIST_VARIANTS, LOCAL_BATCH, REPLICATING, SERIAL, SOYBEAN_MODES, TABLE, VARIANTS
 
 __all__ = ["BenchConfig", "VARIANTS", "auto_rounds", "training_state_bytes", "run_bench", "format_table", "spearman",
@@ -80,10 +87,6 @@ NOT_SELECTED = "not selected (--variants)"
 CALIBRATE = "calibrate"
 LOSS_RTOL = 1e-3
 _SHARDED_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-
-class Unavailable(Exception):
-    """A variant that cannot run for this model; the message is the reason reported."""
 
 
 @dataclass(frozen=True)
@@ -134,87 +137,7 @@ class BenchConfig:
             load_profile(self.profile)
 
 
-@dataclass
-class Measurement:
-    """One variant's outcome: a median step time, or ``None`` and the reason."""
-
-    step_s: float | None = None
-    reason: str | None = None
-    loss: float | None = None                  # first step's loss over the global batch
-    times: list[float] = field(default_factory=list)  # every timed step, in order (rank 0's clock)
-
-    @staticmethod
-    def failed(err: BaseException) -> Measurement:
-        """A null measurement whose reason is ``err`` in one line."""
-        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        reason = text if isinstance(err, Unavailable) else f"{type(err).__name__}: {text}".rstrip(": ")
-        return Measurement(reason=reason[:400])
-
-
-@dataclass
-class Prepared:
-    """A variant ready to train: the module to call and the inputs this rank passes."""
-
-    model: nn.Module
-    inputs: tuple
-    loss_fn: Callable[..., torch.Tensor] | None = None  # the loss computed outside the model (``--loss outside``)
-
-
-# ---- one training step, timed ------------------------------------------------------
-
-
-def _as_loss(out: Any) -> torch.Tensor:
-    """The scalar to call ``backward`` on: the loss itself, or the sum of the (first) output.  A Hugging Face
-    ``ModelOutput`` (or any dict) gives its ``loss`` when the model computed one, else its ``logits``; a
-    ``LazyFull`` (a split output) its sum, computed on the tiles."""
-    if isinstance(out, Mapping):
-        out = out["loss"] if out.get("loss") is not None else out.get("logits", next(iter(out.values()), None))
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    if isinstance(out, LazyFull):  # a split output (soybean's full-batch contract): summed tile by tile, no gather
-        return out.float().sum()
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"the model returned {type(out).__name__}, not a tensor or a ModelOutput with a loss or logits")
-    return out if out.dim() == 0 else out.float().sum()
-
-
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple,
-                loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
-    """Forward, backward, AdamW step, zero_grad; returns the detached loss.  With ``loss_fn`` the last input is
-    the target and the loss is computed outside the model."""
-    loss = _as_loss(model(*inputs)) if loss_fn is None else loss_fn(model(*inputs[:-1]), inputs[-1])
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
-
-
-def _time_steps(step: Callable[[], torch.Tensor], steps: int, warmup: int,
-                sync: Callable[[], None]) -> tuple[list[float], float]:
-    """Seconds of each of ``steps`` steps after ``warmup`` untimed ones, and the first step's loss.
-
-    ``sync`` runs before and after every timed step (a barrier across ranks, or nothing).
-    """
-    first: torch.Tensor | None = None
-    for _ in range(warmup):
-        loss = step()
-        first = loss if first is None else first
-    times: list[float] = []
-    for _ in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        loss = step()
-        sync()
-        times.append(time.perf_counter() - t0)
-        first = loss if first is None else first
-    assert first is not None
-    return times, float(local_value(first))
-
-
-def local_value(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local value (a replicated loss), else the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+# ---- one training step -------------------------------------------------------------
 
 
 def _load(cfg: BenchConfig) -> tuple[nn.Module, tuple]:
@@ -238,16 +161,6 @@ def _prepared(prepare: Callable[[nn.Module, tuple], Prepared], cfg: BenchConfig)
     model, inputs = _load(cfg)
     loss_fn = outside_loss(cfg, model)  # taken before a wrapper hides the model's methods
     return replace(prepare(model, inputs), loss_fn=loss_fn)
-
-
-def _measure(prepare: Callable[[nn.Module, tuple], Prepared], cfg: BenchConfig,
-             sync: Callable[[], None]) -> Measurement:
-    """Build a fresh model, prepare it for the variant, train it and time it."""
-    prep = _prepared(prepare, cfg)
-    opt = torch.optim.AdamW(prep.model.parameters(), lr=cfg.lr)
-    times, loss = _time_steps(functools.partial(_train_step, prep.model, opt, prep.inputs, prep.loss_fn), cfg.steps,
-                              cfg.warmup, sync)
-    return Measurement(step_s=statistics.median(times), loss=loss, times=times)
 
 
 # ---- the variants ------------------------------------------------------------------
@@ -358,135 +271,23 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
 # ---- the spawned ranks -------------------------------------------------------------
 
 
-def _run_dist_variant(variant: str, ctx: _Context) -> Measurement:
-    """Run one variant on this rank, then agree with the other ranks on its outcome.
-
-    Every rank reports (time, loss, error); the outcome is a failure when any rank failed, the
-    time is rank 0's and the loss the mean over ranks (the global loss for an even batch split).
-    """
-    torch.manual_seed(ctx.cfg.seed)
-    err: BaseException | None = None
-    try:
-        m = _measure(functools.partial(_DIST_PREPARE[variant], ctx), ctx.cfg, dist.barrier)
-    except Exception as e:  # a failing variant is reported, the others still run
-        err = e
-    reason = _agree(ctx, variant, err)
-    if reason is not None:
-        return Measurement(reason=reason)
-    assert m.loss is not None  # _measure always records the first step's loss
-    m.loss = _mean_over_ranks(ctx, m.loss)
-    return m
-
-
 def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str]) -> dict[str, Measurement] | None:
-    """Body of every spawned rank: one thread, every distributed variant; rank 0 returns them.
-
-    With ``cfg.rounds == 1`` the variants run one after the other, twice: in order, then in
-    reverse order (half the steps each), and a variant's time is the mean of its two medians, so a
-    steady drift of the machine over the run cancels out.  Otherwise every variant is built and
-    warmed up first, then the variants take turns, one timed step each (``rounds == 0``: the finest
-    interleaving) or ``steps / rounds`` timed steps at a time, so drift of a shared machine between
-    turns favours no variant.
-    """
+    """Body of every spawned rank: one thread, every distributed variant timed by the protocol ``cfg.rounds``
+    picks (``timing``: 1 ``sequential``, else ``interleaved``); rank 0 returns them."""
     torch.set_num_threads(1)
     # torch's advice about views; nothing here is in place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    if cfg.rounds != 1:
-        return _interleaved(_Context(rank, world, cfg, plans))
-    ctx = _Context(rank, world, replace(cfg, steps=max(1, cfg.steps // 2)), plans)
-    passes: list[dict[str, Measurement]] = [{}, {}]
-    for p, order in enumerate((cfg.dist_variants, cfg.dist_variants[::-1])):
-        for variant in order:
-            passes[p][variant] = _run_dist_variant(variant, ctx)
-            _release_memory()
-            dist.barrier()
-    out: dict[str, Measurement] = {}
-    for variant in cfg.dist_variants:
-        a, b = passes[0][variant], passes[1][variant]
-        if a.step_s is None or b.step_s is None:
-            out[variant] = a if a.step_s is None else b
-        else:
-            out[variant] = replace(a, step_s=(a.step_s + b.step_s) / 2, times=a.times + b.times)
-    return out if rank == 0 else None
+    ctx = _Context(rank, world, cfg, plans)
 
-
-def _release_memory() -> None:
-    """Free the last variant's tensors and hand the freed heap back to the OS (glibc's
-    ``malloc_trim``), so every variant starts from the same allocator state instead of inheriting
-    the fragments of the one before."""
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
-
-
-def _agree(ctx: _Context, variant: str, err: BaseException | None) -> str | None:
-    """Every rank's error for ``variant`` (or None); the first one decides for all."""
-    reports: list[Any] = [None] * ctx.world
-    dist.all_gather_object(reports, None if err is None else asdict(Measurement.failed(err)))
-    bad = [(r, rep["reason"]) for r, rep in enumerate(reports) if rep is not None]
-    return None if not bad else (bad[0][1] if ctx.world == 1 else f"{bad[0][1]} (rank {bad[0][0]})")
-
-
-def _mean_over_ranks(ctx: _Context, value: float) -> float:
-    """The mean of ``value`` over the ranks (a first loss: the global one for an even batch split)."""
-    values: list[Any] = [None] * ctx.world
-    dist.all_gather_object(values, value)
-    return statistics.fmean(values)
-
-
-def _interleaved(ctx: _Context) -> dict[str, Measurement] | None:
-    cfg = ctx.cfg
-    steps: dict[str, Callable[[], torch.Tensor]] = {}
-    failed: dict[str, str] = {}
-    first: dict[str, float] = {}
-    for variant in cfg.dist_variants:
+    def build(variant: str) -> Step:
         torch.manual_seed(cfg.seed)
-        err: BaseException | None = None
-        try:
-            prep = _prepared(functools.partial(_DIST_PREPARE[variant], ctx), cfg)
-            opt = torch.optim.AdamW(prep.model.parameters(), lr=cfg.lr)
-            step = functools.partial(_train_step, prep.model, opt, prep.inputs, prep.loss_fn)
-            first[variant] = float(local_value(step()))
-            for _ in range(max(0, cfg.warmup - 1)):
-                step()
-            steps[variant] = step
-        except Exception as e:  # a failing variant is reported, the others still run
-            err = e
-        reason = _agree(ctx, variant, err)
-        if reason is not None:
-            failed[variant] = reason
-            steps.pop(variant, None)
-    times: dict[str, list[float]] = {v: [] for v in steps}
-    rounds = cfg.rounds or cfg.steps
-    per_round = max(1, cfg.steps // rounds)
-    for _ in range(rounds):
-        for variant in list(steps):
-            err = None
-            try:
-                for _ in range(per_round):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    steps[variant]()
-                    dist.barrier()
-                    times[variant].append(time.perf_counter() - t0)
-            except Exception as e:
-                err = e
-            reason = _agree(ctx, variant, err)
-            if reason is not None:
-                failed[variant] = reason
-                steps.pop(variant)
-    out = {}
-    for variant in cfg.dist_variants:
-        if variant in failed:
-            out[variant] = Measurement(reason=failed[variant])
-        else:
-            out[variant] = Measurement(step_s=statistics.median(times[variant]),
-                                       loss=_mean_over_ranks(ctx, first[variant]), times=times[variant])
-    return out if ctx.rank == 0 else None
+        return training_step(_prepared(functools.partial(_DIST_PREPARE[variant], ctx), cfg), cfg.lr)
+
+    if cfg.rounds == 1:
+        out = sequential(cfg.dist_variants, build, cfg.steps, cfg.warmup, world)
+    else:
+        out = interleaved(cfg.dist_variants, build, cfg.steps, cfg.warmup, cfg.rounds or 0, world)
+    return out if rank == 0 else None
 
 
 # ---- planning, serial, report --------------------------------------------------------
@@ -667,7 +468,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     machine = machine_info(serial_threads)
     ms: dict[str, Measurement] = {v: Measurement(reason=NOT_SELECTED) for v in VARIANTS if v not in cfg.variants}
     if SERIAL in cfg.variants:
-        ms[SERIAL] = _measure(_prepare_serial, cfg, lambda: None)
+        torch.manual_seed(cfg.seed)
+        ms[SERIAL] = measure(training_step(_prepared(_prepare_serial, cfg), cfg.lr), cfg.steps, cfg.warmup,
+                             lambda: None)
         gc.collect()
     model, inputs = _load(cfg)
     plans, layout = make_plans(cfg, model, inputs, prof), tp_layout(model)
