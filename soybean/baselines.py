@@ -43,8 +43,9 @@ from .capture import Captured
 from .cost.memory import GIB, budget_needed
 from .cost.pricing import PricingCache
 from .cost.profiles import Profile
-from .graph import PINNED, PlanGraph, attention_units, build, recomputable_layers
+from .graph import PlanGraph, attention_units, build, recomputable_layers
 from .mesh import Mesh
+from .pinning import PINNED
 from .rules.base import has_empty_tile
 from .search import SearchError
 from .tiling import R, Shard, is_valid

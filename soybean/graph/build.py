@@ -28,6 +28,7 @@ from ..cost.phases import backward_transient, rerun_credit
 from ..cost.pricing import EdgeTables, PricingCache
 from ..cost.profiles import Profile
 from ..mesh import Mesh
+from ..pinning import PINNED, pinned_use, use_tiling
 from ..plan import Plan, Program
 from ..precision import policy
 from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, strategies_1d
@@ -213,22 +214,6 @@ def fallback_ops(cap: Captured) -> list[str]:
                 out.add(op.name)
     return sorted(out)
 
-
-
-PINNED = 1e30  # cost of a forbidden resharding
-
-
-def use_tiling(stored: tuple, gathered: tuple[int, ...]) -> tuple:
-    """The tiling a pinned tensor stored as ``stored`` is used in: as stored, but whole (``R``) on the
-    ``gathered`` axes."""
-    return tuple(R if a in gathered else p for a, p in enumerate(stored))
-
-
-def pinned_use(stored: tuple, used: tuple, gathered: tuple[int, ...]) -> bool:
-    """May a pinned tensor stored as ``stored`` be used as ``used``?  Only in its use tiling, or as a
-    pending sum (``P``) where that is whole: ``to_partial`` is local (a row-parallel layer's bias)."""
-    return all(u == w or (isinstance(u, Partial) and isinstance(w, Replicate))
-               for u, w in zip(used, use_tiling(stored, gathered)))
 
 
 def build(
