@@ -141,12 +141,12 @@ class Plan:
     # repeated layers solved with shared decision variables: used, runs (prefix, [first, last] layer,
     # count), variables [untied, tied]
     tying: dict[str, Any] = field(default_factory=dict)
-    # the modelled per-device peak by what holds it (``planner.memory_breakdown``), bytes
+    # the modelled per-device peak by what holds it (``records.memory_breakdown``), bytes
     memory: dict[str, float] = field(default_factory=dict)
     precision: str = "fp32"  # the policy it computes under (``soybean.precision``)
     recompute: list[str] = field(default_factory=list)  # layers whose forward reruns in backward
     # the collective algorithms allowed (``auto``: the cheapest of every one; or one forced), and every reshard
-    # step's collectives with the algorithm each runs (``planner.reshard_records``)
+    # step's collectives with the algorithm each runs (``records.reshard_records``)
     collectives: str = "auto"
     reshards: list[dict[str, Any]] = field(default_factory=list)
     # every op node's [name, structural key] (``capture.structural_keys``), in the order of the graph it was planned

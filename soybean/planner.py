@@ -12,43 +12,35 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from . import rules
 from .baselines import batch_split, model_parallel_domains, price as price_baselines
 from .capture import Captured, CaptureError, capture, split_example
-from .cost.collectives import choose, route_calls
-from .cost.memory import GIB, PARAM_COPIES, budget_bytes, budget_needed, stored_bytes, sync_bucket_bytes
+from .cost.memory import GIB, budget_bytes, budget_needed
 from .cost.pricing import PricingCache
 from .cost.profiles import Profile, load_profile
 from .graph import (
-    Edge,
     PlanGraph,
     attention_units,
     build,
-    edge_profile,
     layer_of,
     phase_memory,
     phase_peaks,
     recomputable_layers,
-    rerun_freed,
-    value_name,
 )
 from .ir.algorithms import check as check_algorithm
 from .mesh import Mesh, factorizations
 from .options import MODES, PlanOptions, options as merge_options
 from .plan import Plan
 from .precision import policy
-from .reshard import Step, phase
-from .rules.base import OpSpec, Strategy
-from .rules.window import halo_step, halos, windows_of
+from .records import layer_rows, memory_breakdown, reshard_records
 from .search import TARGET_GAP, Pruned, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
 from .search.problem import lower_bound, reduce
-from .tiling import R, fmt
+from .tiling import R
 
 # ``replicated``: the optimum with every parameter stored whole on every device (its use still split where that
 # pays), as the torch.compile backend runs plans on the user's own parameters (``soybean.compile``).
@@ -476,31 +468,6 @@ def to_plan(
     )
 
 
-def reshard_records(g: PlanGraph, choice: Sequence[int]) -> list[dict[str, Any]]:
-    """Every collective the plan's reshard steps run, forward and backward, with the algorithm it runs
-    (``cost.collectives.choose`` under the graph's profile): ``tensor`` (the value), ``to`` (its consumer),
-    ``step``, ``collective``, ``phase``, mesh ``axis``, ``group_size``, message ``bytes``, ``algorithm``,
-    ``chunks`` (lp's) and modelled ``seconds``.  A generated program runs each (``Plan.algorithms``); the
-    deferred gradient sync is the backend's.  Deduplicated, in edge order."""
-    out: list[dict[str, Any]] = []
-    seen: set[tuple] = set()
-    for e in g.edges:
-        route = e.route(choice[e.src], choice[e.dst])
-        tensor = value_name(g, e.src)
-        for c in route_calls(route, e.shape, e.itemsize, g.mesh):
-            p = g.mesh.shape[c.step.axis]
-            pick = choose(c.collective, c.m, p, c.step.axis, edge_profile(g, e), c.sync)
-            rec = {"tensor": tensor, "to": g.vars[e.dst].name, "step": str(c.step), "collective": c.collective,
-                   "phase": phase(c.backward), "axis": c.step.axis, "group_size": p,
-                   "bytes": int(c.m), "algorithm": pick.algorithm, "chunks": pick.chunks,
-                   "seconds": float(f"{pick.seconds:.6g}")}
-            key = tuple(rec.values())
-            if key not in seen:
-                seen.add(key)
-                out.append(rec)
-    return out
-
-
 def with_collectives(profile: Profile, collectives: str) -> Profile:
     """``profile`` restricted to the collective algorithms ``collectives`` allows: ``auto`` every one (or the
     profile's own list), else the one named (``ir.algorithms.ALGORITHMS``)."""
@@ -509,93 +476,3 @@ def with_collectives(profile: Profile, collectives: str) -> Profile:
     return replace(profile, algorithms=(check_algorithm(collectives),))
 
 
-def memory_breakdown(g: PlanGraph, sol: Solution) -> dict[str, float]:
-    """The modelled per-device peak (``cost.memory``) by what holds it: a parameter's term is its tile
-    (``parameters``; under a mixed policy its master and its compute copy), its gradient's, AdamW's two
-    states (``PARAM_COPIES`` in all, of the master) and, on the largest
-    parameter, the step's temporaries; inputs and buffers their tiles; ops what they keep for backward.
-    A recomputed unit's activations while it reruns (one unit at a time), less what is freed by then
-    (``graph.rerun_freed``), are ``recompute_buffers``; ``collective_buffers`` are the gradient-sync buckets
-    (``cost.memory.sync_bucket_bytes``; a reshard's transient buffers are not modelled)."""
-    out = dict.fromkeys(("parameters", "gradients", "optimizer_states", "optimizer_temporaries", "activations",
-                         "backward_transient", "inputs_and_buffers", "recompute_buffers", "collective_buffers"), 0.0)
-    for vi, (v, c) in enumerate(zip(g.vars, sol.choice)):
-        mem = float(v.memory[c])
-        if v.kind == "param":
-            shape, tiling, itemsize = g.shapes[(vi, 0)], [v.strategies[c].outputs[0]], g.dtypes[(vi, 0)].itemsize
-            master = g.master_itemsize if v.needs_grad and g.master_itemsize else 0
-            tile = float(stored_bytes(shape, master or itemsize, tiling, g.mesh, 1)[0])
-            working = float(stored_bytes(shape, itemsize, tiling, g.mesh, 1)[0]) if master else 0.0
-            sync = float(sync_bucket_bytes(shape, itemsize, tiling, g.mesh)[0]) if v.needs_grad else 0.0
-            out["parameters"] += tile + working  # a mixed policy's master and its compute copy
-            out["gradients"] += tile
-            out["optimizer_states"] += (PARAM_COPIES - 2) * tile
-            out["collective_buffers"] += sync
-            out["optimizer_temporaries"] += mem - PARAM_COPIES * tile - working - sync
-        elif v.kind in ("buffer", "input"):
-            out["inputs_and_buffers"] += mem
-        else:
-            rerun = float(v.rerun_buffer[c]) if v.rerun_buffer is not None else 0.0
-            transient = float(v.transient[c]) if v.transient is not None else 0.0
-            out["activations"] += mem - rerun - transient
-            out["recompute_buffers"] += rerun
-            out["backward_transient"] += transient
-    out["recompute_buffers"] -= rerun_freed(g, sol.choice)
-    out["activation_phase"], out["gradient_phase"] = phase_peaks(g, sol.choice)
-    out["peak"] = max(out["activation_phase"], out["gradient_phase"])
-    return out
-
-
-def edge_steps(g: PlanGraph, e: Edge, sol: Solution) -> list[Step]:
-    """The collective steps one edge runs under the solution (as codegen emits them)."""
-    return e.route(sol.choice[e.src], sol.choice[e.dst]).steps()
-
-
-def layer_rows(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
-    """One row per module (innermost ``nn.Module`` path), in graph order: its weight's tiling, the
-    tilings entering and leaving it, and every collective on an edge into one of its ops or shared
-    reshard points, with the bytes they move per device per step (forward + backward)."""
-    rows: dict[str, dict[str, Any]] = {}
-    for e in g.edges:
-        V = g.vars[e.dst]
-        if V.kind not in ("op", "reshard"):
-            continue
-        key = V.module or V.name
-        row = rows.setdefault(key, {"layer": key, "op": "", "node": "", "weight": "-", "input": "", "output": "",
-                                    "collectives": [], "bytes": 0.0})
-        U = g.vars[e.src]
-        st = V.strategies[sol.choice[e.dst]]
-        if V.kind == "op":
-            if not row["op"]:
-                row["op"], row["node"] = V.op.name if V.op else "", V.name
-                row["input"] = fmt(st.inputs[e.dst_in])
-            row["output"] = fmt(st.outputs[0]) if st.outputs else ""
-        src = U
-        while src.kind == "reshard":  # the parameter behind a shared use
-            src = g.vars[next(x.src for x in g.edges if x.dst == g.index[src.name])]
-        if src.kind == "param" and row["weight"] == "-" and src.fqn.endswith("weight"):
-            row["weight"] = fmt(src.strategies[sol.choice[g.index[src.name]]].outputs[0])
-        row["collectives"].extend(str(x) for x in edge_steps(g, e, sol))
-        row["bytes"] += float(e.bytes[sol.choice[e.src], sol.choice[e.dst]])
-    for vi, V in enumerate(g.vars):  # communication inside ops: halo exchanges, summed statistics
-        c = sol.choice[vi]
-        if V.op is None or V.op_comm is None or not V.op_comm[c, 0]:
-            continue
-        key = V.module or V.name
-        row = rows.setdefault(key, {"layer": key, "op": V.op.name, "node": V.name, "weight": "-", "input": "",
-                                    "output": "", "collectives": [], "bytes": 0.0})
-        row["collectives"].extend(op_steps(V.op, V.strategies[c], g.mesh))
-        row["bytes"] += float(V.op_comm[c, 0])
-    out = [r for r in rows.values() if r["op"] or r["collectives"]]
-    for r in out:
-        r["bytes"] = float(f"{r['bytes']:.6g}")
-    return out
-
-
-def op_steps(op: OpSpec, st: Strategy, mesh: Mesh) -> list[str]:
-    """The communication an op runs inside under ``st``: its halo steps and the axes its statistics sum over."""
-    out = [str(halo_step(w, axis, mesh)) for axis, w in halos(windows_of(op), st)]
-    entry = rules.lookup(op.target)
-    if entry is not None and entry.sync_args is not None:
-        out += [f"sum_statistics[axis {a}]" for a in entry.sync_args(op, st).get("axes", ())]
-    return out

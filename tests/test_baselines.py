@@ -18,7 +18,8 @@ from soybean.cost.memory import MEMORY_HEADROOM
 from soybean.cost.profiles import load_profile
 from soybean.graph import pinned_use
 from soybean.mesh import Mesh
-from soybean.planner import edge_steps, plan, solve_table
+from soybean.planner import plan, solve_table
+from soybean.records import edge_steps
 from soybean.report import table
 from soybean.tiling import Partial, R, Replicate, Shard, fmt
 
