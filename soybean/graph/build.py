@@ -254,9 +254,9 @@ def build(
     if fixed is not None:  # what runs (a plan's record is not read), named as this capture names its nodes
         fixed = (fixed.program if isinstance(fixed, Plan) else fixed).aligned(cap.keys)
     with _gc_paused():
-        return _build(PlanGraph(mesh, profile, pricing=pricing or PricingCache()), cap, objective, domains or {},
-                      pin_params, local_outputs, divide_work, fixed, tuple(gather_axes), share,
-                      frozenset(fixed.recompute if fixed is not None else recompute))
+        return _Builder(PlanGraph(mesh, profile, pricing=pricing or PricingCache()), cap, objective, domains or {},
+                        pin_params, local_outputs, divide_work, fixed, tuple(gather_axes), share,
+                        frozenset(fixed.recompute if fixed is not None else recompute)).run()
 
 
 @contextmanager
@@ -273,140 +273,155 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _build(g: PlanGraph, cap: Captured, objective: str, domains: dict[str, list[tuple]],
-           pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Program | None,
-           gather_axes: tuple[int, ...] = (), share: bool = True,
-           recompute: frozenset[str] = frozenset()) -> PlanGraph:
-    mesh, profile = g.mesh, g.profile
-    rerun = _Rerun(cap.graph, recompute)
-    master_dtype = policy(cap.precision).master
-    g.master_itemsize = master_dtype.itemsize if master_dtype is not None else 0
-    needs_grad: dict[str, bool] = {}
-    fallback: set[str] = set()
-    uses = value_uses(cap.graph)
-    full = (R,) * mesh.ndim
-    if fixed is not None:
-        local_outputs = fixed.local_batch
-    memo = _Memo() if fixed is None and share else None  # a fixed graph has one strategy per variable: nothing to share
+class _Builder:
+    """One ``build``: the planning graph of ``cap``, one method per captured node kind (as ``codegen.Lowering``)."""
 
-    for node in cap.graph.nodes:
-        if node.op == "placeholder":
-            if not node.users:
-                continue
-            val = node.meta.get("val")
-            if not isinstance(val, torch.Tensor):
-                continue
-            shape = tuple(int(d) for d in val.shape)
-            kind = "param" if node.name in cap.params else "buffer" if node.name in cap.buffers else "input"
-            fqn = cap.params.get(node.name) or cap.buffers.get(node.name) or node.name
+    def __init__(self, g: PlanGraph, cap: Captured, objective: str, domains: dict[str, list[tuple]],
+                 pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Program | None,
+                 gather_axes: tuple[int, ...], share: bool, recompute: frozenset[str]) -> None:
+        self.g, self.cap, self.objective, self.domains = g, cap, objective, domains
+        self.pin_params, self.divide_work, self.fixed, self.gather_axes = pin_params, divide_work, fixed, gather_axes
+        self.mesh, self.profile = g.mesh, g.profile
+        self.local_outputs = fixed.local_batch if fixed is not None else local_outputs
+        self.rerun = _Rerun(cap.graph, recompute)
+        master_dtype = policy(cap.precision).master
+        g.master_itemsize = master_dtype.itemsize if master_dtype is not None else 0
+        self.needs_grad: dict[str, bool] = {}
+        self.fallback: set[str] = set()
+        self.uses = value_uses(cap.graph)
+        self.full = (R,) * g.mesh.ndim
+        # A fixed graph has one strategy per variable: nothing to share.
+        self.memo = _Memo() if fixed is None and share else None
+
+    def run(self) -> PlanGraph:
+        for node in self.cap.graph.nodes:
+            if node.op in ("placeholder", "call_function", "output"):
+                getattr(self, node.op)(node)
+        g = self.g
+        g.fallback_ops = sorted(self.fallback)
+        backward_transient(g)
+        self.rerun.working_set(g)
+        g.rerun_credit = rerun_credit(g)
+        return g
+
+    def placeholder(self, node: fx.Node) -> None:
+        """A parameter, buffer or input: its stored tilings, optimizer time, memory and its reshard points."""
+        if not node.users:
+            return
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return
+        g, cap, mesh = self.g, self.cap, self.mesh
+        shape = tuple(int(d) for d in val.shape)
+        kind = "param" if node.name in cap.params else "buffer" if node.name in cap.buffers else "input"
+        fqn = cap.params.get(node.name) or cap.buffers.get(node.name) or node.name
+        if self.fixed is not None:
+            tilings = [self.fixed.param_tiling(fqn) if kind != "input" else self.fixed.input_tiling(fqn)]
+        else:
+            tilings = self.domains.get(fqn) or _placeholder_tilings(shape, mesh)
+            tilings = [t for t in tilings if is_valid(t, shape, mesh)] or [self.full]
+        strategies = [Strategy((), (t,)) for t in tilings]
+        # A frozen parameter (``requires_grad=False``) gets no gradient, no sync and no optimizer state.
+        ng = self.needs_grad[node.name] = kind == "param" and val.dtype.is_floating_point and fqn not in cap.frozen
+        # Under a mixed policy a parameter is stored as its master (``g.master_itemsize``), frozen or not.
+        master_b = g.master_itemsize if kind == "param" and val.dtype.is_floating_point and g.master_itemsize else 0
+        mem = param_bytes(node, shape, val.dtype.itemsize, tilings, mesh, kind if ng or kind != "param" else "frozen",
+                          master_b)
+        gp = None
+        if ng:
+            # Its gradient and its share of the gradient-sync buckets (reduced in the compute dtype) exist
+            # only once backward has made them: the gradients phase (``phase_memory``).
+            sync = sync_bucket_bytes(shape, val.dtype.itemsize, tilings, mesh)
+            mem = mem + sync
+            gp = grad_phase_bytes(node, shape, val.dtype.itemsize, tilings, mesh, master_b) + sync
+        opt_s = optimizer_step_seconds(shape, master_b or val.dtype.itemsize, tilings, mesh, self.profile, ng)
+        vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=ng, grad_phase=gp))
+        g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
+        g.vars[vi].pinned = self.pin_params and kind == "param" and fqn in self.domains
+        g.vars[vi].gathered = self.gather_axes if g.vars[vi].pinned else ()
+        if self.memo is not None:
+            self.memo.classify(g, vi)
+        _add_reshard_points(g, vi, self.uses, ng, self.fixed, self.memo, self.rerun)
+
+    def call_function(self, node: fx.Node) -> None:
+        """An op: its strategies (shared with an equal op of a repeated layer), compute, memory and the edges it
+        reads, writes back and is read through."""
+        if node.target is operator.getitem:
+            src = node.args[0]
+            assert isinstance(src, fx.Node)  # a getitem of a multi-output op
+            self.needs_grad[node.name] = self.needs_grad.get(src.name, False)
+            return
+        g, mesh, profile, memo, rerun, fixed = self.g, self.mesh, self.profile, self.memo, self.rerun, self.fixed
+        op = make_opspec(node.target, node.args, node.kwargs, node.meta.get("val"))
+        if rules.lookup(node.target) is None and op.inputs:
+            self.fallback.add(op.name)
+        args, _ = tree_flatten((node.args, node.kwargs))
+        tensor_args = [a for a in args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        sources = [value_source(g, a) for a in tensor_args]
+        grads = [self.needs_grad.get(a.name, False) for a in tensor_args]
+        okey = op_key(op) if memo is not None else None
+        kid = None
+        if memo is not None and okey is not None:
+            kid = memo.key_id(("op", okey, tuple((memo.cls[u], k) for u, k in sources), tuple(grads), rerun.key(node)))
+        hit = memo.vars.get(kid) if memo is not None and kid is not None else None
+        if hit is not None:
+            strategies, compute, mem, _, op_comm, buffer = hit
+        else:
             if fixed is not None:
-                tilings = [fixed.param_tiling(fqn) if kind != "input" else fixed.input_tiling(fqn)]
+                ins, outs = fixed.node_tilings(node.name) if node.name in fixed.nodes else (
+                    [self.full] * len(op.inputs), [self.full] * len(op.outputs))
+                strategies = [Strategy(tuple(ins), tuple(outs))]
             else:
-                tilings = domains.get(fqn) or _placeholder_tilings(shape, mesh)
-                tilings = [t for t in tilings if is_valid(t, shape, mesh)] or [full]
-            strategies = [Strategy((), (t,)) for t in tilings]
-            # A frozen parameter (``requires_grad=False``) gets no gradient, no sync and no optimizer state.
-            needs_grad[node.name] = kind == "param" and val.dtype.is_floating_point and fqn not in cap.frozen
-            # Under a mixed policy a parameter is stored as its master (``g.master_itemsize``), frozen or not.
-            master_b = g.master_itemsize if kind == "param" and val.dtype.is_floating_point and g.master_itemsize \
-                else 0
-            mem = param_bytes(node, shape, val.dtype.itemsize, tilings, mesh,
-                              kind if needs_grad[node.name] or kind != "param" else "frozen", master_b)
-            gp = None
-            if needs_grad[node.name]:
-                # Its gradient and its share of the gradient-sync buckets (reduced in the compute dtype) exist
-                # only once backward has made them: the gradients phase (``phase_memory``).
-                sync = sync_bucket_bytes(shape, val.dtype.itemsize, tilings, mesh)
-                mem = mem + sync
-                gp = grad_phase_bytes(node, shape, val.dtype.itemsize, tilings, mesh, master_b) + sync
-            opt_s = optimizer_step_seconds(shape, master_b or val.dtype.itemsize, tilings, mesh, profile,
-                                           needs_grad[node.name])
-            vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=needs_grad[node.name],
-                                 grad_phase=gp))
-            g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
-            g.vars[vi].pinned = pin_params and kind == "param" and fqn in domains
-            g.vars[vi].gathered = gather_axes if g.vars[vi].pinned else ()
-            if memo is not None:
-                memo.classify(g, vi)
-            _add_reshard_points(g, vi, uses, needs_grad[node.name], fixed, memo, rerun)
-        elif node.op == "call_function":
-            if node.target is operator.getitem:
-                needs_grad[node.name] = needs_grad.get(node.args[0].name, False)
-                continue
-            op = make_opspec(node.target, node.args, node.kwargs, node.meta.get("val"))
-            if rules.lookup(node.target) is None and op.inputs:
-                fallback.add(op.name)
-            args, _ = tree_flatten((node.args, node.kwargs))
-            tensor_args = [a for a in args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-            sources = [value_source(g, a) for a in tensor_args]
-            grads = [needs_grad.get(a.name, False) for a in tensor_args]
-            okey = op_key(op) if memo is not None else None
-            kid = None
-            if memo is not None and okey is not None:
-                kid = memo.key_id(("op", okey, tuple((memo.cls[u], k) for u, k in sources), tuple(grads),
-                                   rerun.key(node)))
-            hit = memo.vars.get(kid) if memo is not None and kid is not None else None
+                strategies = expand(op, mesh, strategies_1d(op))
+                strategies = [s for s in strategies if not _needless_partial(g, s, sources)] or strategies
+                if self.divide_work if self.divide_work is not None else self.objective == "comm":
+                    # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
+                    whole = [s for s in strategies if all(s.divides_work())]
+                    strategies = whole or strategies
+            compute = op_seconds(op, strategies, grads, mesh, profile)
+            if rerun.op(node.name):  # its forward runs again in backward
+                compute = compute + op_seconds(op, strategies, [False] * len(grads), mesh, profile)
+            op_comm = op_comm_costs(op, strategies, grads, mesh, profile)
+            if op_comm is not None:
+                compute = compute + op_comm[:, 1]
+            mem, buffer = rerun.memory(node, op, strategies, mesh)
+        ng = any(grads) and any(o.dtype.is_floating_point for o in op.outputs)
+        self.needs_grad[node.name] = ng
+        v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node),
+                            needs_grad=ng, op_comm=op_comm, rerun_buffer=buffer))
+        if memo is not None:
+            if kid is not None:
+                memo.key[v] = kid
             if hit is not None:
-                strategies, compute, mem, _, op_comm, buffer = hit
+                memo.cls[v] = hit[3]
             else:
-                if fixed is not None:
-                    ins, outs = fixed.node_tilings(node.name) if node.name in fixed.nodes else (
-                        [full] * len(op.inputs), [full] * len(op.outputs))
-                    strategies = [Strategy(tuple(ins), tuple(outs))]
-                else:
-                    strategies = expand(op, mesh, strategies_1d(op))
-                    strategies = [s for s in strategies if not _needless_partial(g, s, sources)] or strategies
-                    if divide_work if divide_work is not None else objective == "comm":
-                        # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
-                        whole = [s for s in strategies if all(s.divides_work())]
-                        strategies = whole or strategies
-                compute = op_seconds(op, strategies, grads, mesh, profile)
-                if rerun.op(node.name):  # its forward runs again in backward
-                    compute = compute + op_seconds(op, strategies, [False] * len(grads), mesh, profile)
-                op_comm = op_comm_costs(op, strategies, grads, mesh, profile)
-                if op_comm is not None:
-                    compute = compute + op_comm[:, 1]
-                mem, buffer = rerun.memory(node, op, strategies, mesh)
-            ng = any(grads) and any(o.dtype.is_floating_point for o in op.outputs)
-            needs_grad[node.name] = ng
-            v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node),
-                                needs_grad=ng, op_comm=op_comm, rerun_buffer=buffer))
-            if memo is not None:
+                c = memo.classify(g, v)
                 if kid is not None:
-                    memo.key[v] = kid
-                if hit is not None:
-                    memo.cls[v] = hit[3]
-                else:
-                    c = memo.classify(g, v)
-                    if kid is not None:
-                        compute.flags.writeable = mem.flags.writeable = False
-                        memo.vars[kid] = (strategies, compute, mem, c, op_comm, buffer)
-            for i, (a, (u, k)) in enumerate(zip(tensor_args, sources)):
-                _add_edge(g, u, v, k, i, needs_grad.get(a.name, False), memo=memo, rerun=rerun.op(node.name),
-                          lazy=returned_sum(a, node))
-            for i in written_inputs(op):
-                a = tensor_args[i]
-                if a.op != "placeholder":
-                    continue
-                g.written.add(a.name)
-                if a.name in cap.params or a.name in cap.buffers:
-                    _add_edge(g, g.index[a.name], v, 0, i, False, write_back=True, memo=memo)
-            _add_reshard_points(g, v, uses, ng, fixed, memo, rerun)
-        elif node.op == "output":
-            leaves, _ = tree_flatten(node.args)
-            returned = [o for o in leaves if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
-            if local_outputs:  # only scalars (losses) must be whole; other outputs stay as tiled
-                returned = [o for o in returned if o.meta["val"].dim() == 0]
-            st = Strategy(tuple(full for _ in returned), ())
-            v = _add_var(g, Var("output", "output", [st], np.zeros(1), np.zeros(1)))
-            for i, a in enumerate(returned):
-                u, k = value_source(g, a)
-                _add_edge(g, u, v, k, i, needs_grad.get(a.name, False), lazy=returned_sum(a, node))
-    g.fallback_ops = sorted(fallback)
-    backward_transient(g)
-    rerun.working_set(g)
-    g.rerun_credit = rerun_credit(g)
-    return g
+                    compute.flags.writeable = mem.flags.writeable = False
+                    memo.vars[kid] = (strategies, compute, mem, c, op_comm, buffer)
+        for i, (a, (u, k)) in enumerate(zip(tensor_args, sources)):
+            _add_edge(g, u, v, k, i, self.needs_grad.get(a.name, False), memo=memo, rerun=rerun.op(node.name),
+                      lazy=returned_sum(a, node))
+        for i in written_inputs(op):
+            a = tensor_args[i]
+            if a.op != "placeholder":
+                continue
+            g.written.add(a.name)
+            if a.name in self.cap.params or a.name in self.cap.buffers:
+                _add_edge(g, g.index[a.name], v, 0, i, False, write_back=True, memo=memo)
+        _add_reshard_points(g, v, self.uses, ng, fixed, memo, rerun)
+
+    def output(self, node: fx.Node) -> None:
+        """The output: every returned tensor read whole (only scalars under the local-batch contract)."""
+        leaves, _ = tree_flatten(node.args)
+        returned = [o for o in leaves if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
+        if self.local_outputs:  # only scalars (losses) must be whole; other outputs stay as tiled
+            returned = [o for o in returned if o.meta["val"].dim() == 0]
+        st = Strategy(tuple(self.full for _ in returned), ())
+        v = _add_var(self.g, Var("output", "output", [st], np.zeros(1), np.zeros(1)))
+        for i, a in enumerate(returned):
+            u, k = value_source(self.g, a)
+            _add_edge(self.g, u, v, k, i, self.needs_grad.get(a.name, False), lazy=returned_sum(a, node))
 
 
 def returned_sum(value: fx.Node, consumer: fx.Node) -> bool:
