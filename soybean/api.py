@@ -71,8 +71,8 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     ``precision``: ``fp32`` or ``bf16-mixed`` (``soybean.precision``: bf16 compute from fp32 master weights,
     which are the module's parameters, so the optimizer updates fp32); default: the plan's, else fp32.
 
-    ``recompute``: ``none``, ``layers``, ``attention`` or ``auto`` (with ``memory_gb``), as
-    ``soybean plan --recompute``.
+    ``recompute``: ``auto`` (default: recomputation decided with the tilings within ``memory_gb``, none without a
+    budget), ``none``, ``layers`` or ``attention``, as ``soybean plan --recompute``.
 
     ``gpus_per_node``: devices per node; mesh axes whose groups cross nodes are priced at the profile's
     inter-node link (``h100-nvlink-ib``).

@@ -20,15 +20,25 @@ with the plan, and on a mesh the planner searched the plan is never worse than i
   split, used as stored) and FSDP across nodes (axis 0: every parameter also split on another dim,
   gathered for use); inputs split on dim 0 across nodes, replicated inside one;
 * ``megatron_tp_dp``: the same mesh, with plain data-parallel replicas across nodes (axis 0:
-  parameters replicated);
+  parameters replicated): DP x TP;
+* ``hsdp`` (2-D ``(nodes, gpus_per_node)``, more than one node): hybrid-sharded data parallelism, FSDP inside
+  a node (axis 1: every parameter split, gathered for use) and replicas across nodes (axis 0), the batch split
+  over both (torch's ``fully_shard`` on a 2-D mesh, torchtitan's ``data_parallel_replicate_degree``);
 * ``fsdp_recompute``: ``fsdp`` with every layer recomputed in backward (full activation checkpointing,
   ``graph.recomputable_layers``), as FSDP users train under a tight budget;
 * ``fsdp_selective_recompute``: ``fsdp`` with only each layer's attention module recomputed (selective
   recomputation, Korthikanti et al. 2022; ``graph.attention_units``).
 
+**Made to fit as experts make them fit.**  Under a memory budget, each of ``FITTED`` that does not fit is priced
+again with selective activation checkpointing, then with full (every layer), the way torchtitan's users turn on
+``activation_checkpoint.mode``; its record then says which (``"recompute": "selective" | "full"``) and is
+``infeasible`` only when even full checkpointing does not fit.  Every baseline computes in the plan's precision
+(the same capture).  torchtitan's published Llama-3 configurations are among them: 8B trains as ``fsdp`` (one
+node, selective checkpointing), 70B as ``tp_fsdp`` (TP 8 inside a node, FSDP across, full checkpointing).
+
 A layout that cannot run is recorded as ``{"infeasible": why}``: the batch does not split over the
 data-parallel devices, the devices do not fill whole nodes, the restricted table needs a forbidden
-resharding, or the plan does not fit the memory budget.  It is never priced at the penalty.
+resharding, or the plan does not fit the memory budget even checkpointed.  It is never priced at the penalty.
 """
 from __future__ import annotations
 
@@ -50,8 +60,11 @@ from .rules.base import has_empty_tile
 from .search import SearchError
 from .tiling import R, Shard, is_valid
 
-NAMES = ("data_parallel", "model_parallel", "fsdp", "tp_fsdp", "megatron_tp_dp", "fsdp_recompute",
+NAMES = ("data_parallel", "model_parallel", "fsdp", "tp_fsdp", "megatron_tp_dp", "hsdp", "fsdp_recompute",
          "fsdp_selective_recompute")
+# The baselines made to fit a budget by activation checkpointing (selective, then full), as experts do.
+FITTED = ("data_parallel", "fsdp", "tp_fsdp", "megatron_tp_dp", "hsdp")
+CHECKPOINTING = ("selective", "full")
 TP_MAX = 8  # tensor-parallel degree when the node size is not given: one 8-GPU node
 
 
@@ -151,12 +164,13 @@ def model_parallel_domains(cap: Captured, mesh: Mesh) -> dict[str, list[tuple]]:
     return doms
 
 
-def _param_tilings(shape: tuple[int, ...], mesh: Mesh, dp: int | None, tp: int | None, split_dp: bool) -> list[tuple]:
-    """A parameter's stored tilings under data-parallel axis ``dp`` and tensor-parallel axis ``tp``.
+def _param_tilings(shape: tuple[int, ...], mesh: Mesh, shard: tuple[int, ...], tp: int | None) -> list[tuple]:
+    """A parameter's stored tilings with FSDP on the ``shard`` axes and Megatron tensor parallelism on axis ``tp``
+    (every other axis replicated).
 
-    TP axis: a weight of 2+ dims is split on some dim (the solver picks which: column or row); a
-    smaller tensor may be split or replicated.  DP axis: replicated, or with ``split_dp`` (FSDP) split
-    on the first dim the TP axis leaves unsplit that splits without an empty tile (else replicated)."""
+    TP axis: a weight of 2+ dims is split on some dim (the solver picks which: column or row); a smaller tensor
+    may be split or replicated.  Each FSDP axis: split on the first dim that the TP axis and the FSDP axes before
+    it leave unsplit and that splits without an empty tile (else replicated)."""
     n = mesh.ndim
     tp_opts: list[Any] = [R]
     if tp is not None:
@@ -167,33 +181,34 @@ def _param_tilings(shape: tuple[int, ...], mesh: Mesh, dp: int | None, tp: int |
         t: list[Any] = [R] * n
         if tp is not None:
             t[tp] = q
-        if dp is not None and split_dp:
+        for axis in shard:
             for d in range(len(shape)):
-                if q != Shard(d) and _splits(tuple(Shard(d) if a == dp else t[a] for a in range(n)), shape, mesh):
-                    t[dp] = Shard(d)
+                if Shard(d) not in t and _splits(tuple(Shard(d) if a == axis else t[a] for a in range(n)), shape, mesh):
+                    t[axis] = Shard(d)
                     break
         if _splits(tuple(t), shape, mesh):
             out.append(tuple(t))
     return out or [(R,) * n]
 
 
-def _hybrid(name: str, cap: Captured, mesh: Mesh, dp: int | None, tp: int | None, split_dp: bool) -> Layout:
-    """Data parallel (``split_dp``: FSDP) on axis ``dp``, Megatron tensor parallel on axis ``tp``."""
+def _hybrid(name: str, cap: Captured, mesh: Mesh, replicate: tuple[int, ...] = (), shard: tuple[int, ...] = (),
+            tp: int | None = None) -> Layout:
+    """Data parallelism on the mesh axes ``replicate`` (replicas) and ``shard`` (FSDP), Megatron tensor
+    parallelism on axis ``tp``; the batch split over every data-parallel axis."""
     vals = _placeholders(cap)
-    doms = {fqn: _param_tilings(tuple(vals[n].shape), mesh, dp, tp, split_dp)
-            for n, fqn in cap.params.items() if n in vals}
-    dp_axes = () if dp is None else (dp,)
+    doms = {fqn: _param_tilings(tuple(vals[n].shape), mesh, shard, tp) for n, fqn in cap.params.items() if n in vals}
+    dp_axes = tuple(sorted(replicate + shard))
     doms.update(batch_split(cap, mesh, dp_axes))
     if tp is None:  # pure data parallelism: every op divides its work by the batch
-        why = ("FSDP gathers every weight whole for use" if split_dp else
+        why = ("FSDP gathers every weight whole for use" if shard else
                "data parallelism keeps every weight whole") + \
               " and divides every op's work by the batch, and some op cannot divide it so"
         divide: bool | None = True
     else:  # the solver places the activations as the objective's own table does
         why = "tensor parallelism uses every weight in the split it is stored in, and some op cannot use one so"
         divide = None
-    lay = Layout(name, mesh, doms, pin=True, gather=dp_axes if split_dp else (), divide_work=divide, cannot=why)
-    lay.infeasible = _unsplit_batch(cap, mesh, dp_axes) if dp is not None else ""
+    lay = Layout(name, mesh, doms, pin=True, gather=shard, divide_work=divide, cannot=why)
+    lay.infeasible = _unsplit_batch(cap, mesh, dp_axes) if dp_axes else ""
     return lay
 
 
@@ -215,14 +230,24 @@ def layouts(cap: Captured, devices: int, gpus_per_node: int | None = None) -> di
     """Every baseline's layout on ``devices`` (see the module docstring)."""
     flat = Mesh((devices,))
     out = {
-        "data_parallel": _hybrid("data_parallel", cap, flat, 0, None, split_dp=False),
+        "data_parallel": _hybrid("data_parallel", cap, flat, replicate=(0,)),
         "model_parallel": Layout("model_parallel", flat, model_parallel_domains(cap, flat), cannot=(
             "model parallelism uses every weight in the split it is stored in, and some op cannot use one so")),
-        "fsdp": _hybrid("fsdp", cap, flat, 0, None, split_dp=True),
+        "fsdp": _hybrid("fsdp", cap, flat, shard=(0,)),
     }
     mesh, dp, tp, why = tp_mesh(devices, gpus_per_node)
-    for name, split in (("tp_fsdp", True), ("megatron_tp_dp", False)):
-        out[name] = _hybrid(name, cap, mesh, dp, tp, split) if mesh is not None else Layout(name, None, infeasible=why)
+    for name, fsdp in (("tp_fsdp", True), ("megatron_tp_dp", False)):
+        dp_axes = () if dp is None else (dp,)
+        out[name] = _hybrid(name, cap, mesh, replicate=() if fsdp else dp_axes, shard=dp_axes if fsdp else (), tp=tp) \
+            if mesh is not None else Layout(name, None, infeasible=why)
+    g = gpus_per_node
+    if g is None or devices <= g:
+        out["hsdp"] = Layout("hsdp", None, infeasible="one node: HSDP replicates across nodes (--gpus-per-node), "
+                                                       "inside one it is fsdp")
+    elif devices % g:
+        out["hsdp"] = Layout("hsdp", None, infeasible=f"{devices} devices do not fill whole nodes of {g}")
+    else:
+        out["hsdp"] = _hybrid("hsdp", cap, Mesh((devices // g, g)), replicate=(0,), shard=(1,))
     for name, units, none in (
             ("fsdp_recompute", recomputable_layers(cap), "the model has no layer to recompute (a block of a repeated "
                                                           "stack without in-place updates)"),
@@ -232,11 +257,23 @@ def layouts(cap: Captured, devices: int, gpus_per_node: int | None = None) -> di
     return out
 
 
+def checkpointed(lay: Layout, cap: Captured, mode: str) -> Layout | None:
+    """``lay`` with ``mode`` activation checkpointing (``selective``: each layer's attention recomputed; ``full``:
+    every layer), or None when the model has no such unit."""
+    units = frozenset(attention_units(cap) if mode == "selective" else recomputable_layers(cap))
+    return replace(lay, recompute=units) if units else None
+
+
 # ---- pricing ----
 
 def infeasible(why: str) -> dict[str, Any]:
     """The record of a baseline that cannot run: why (the reason names the devices it needed)."""
     return {"infeasible": why}
+
+
+def over_budget(r: Priced, budget: float | None) -> bool:
+    """A plan that runs (no forbidden resharding) but misses the memory budget."""
+    return r.comm_bytes < PINNED and r.step_time_s < PINNED and budget is not None and r.memory > budget
 
 
 def record(lay: Layout, r: Priced, budget: float | None) -> dict[str, Any]:
@@ -245,7 +282,7 @@ def record(lay: Layout, r: Priced, budget: float | None) -> dict[str, Any]:
     the budget.  Never the penalty printed as bytes."""
     if r.comm_bytes >= PINNED or r.step_time_s >= PINNED:
         return infeasible(lay.cannot)
-    if budget is not None and r.memory > budget:
+    if over_budget(r, budget):
         return infeasible(f"needs {budget_needed(r.memory) / GIB:.4g} GiB per device (--memory-gb), over the budget")
     mesh = list(lay.mesh.shape) if lay.mesh is not None else []
     return {"comm_bytes": float(r.comm_bytes), "step_time_s": float(r.step_time_s), "mesh": mesh}
@@ -261,22 +298,39 @@ def price(
     gpus_per_node: int | None = None,
     pricing: PricingCache | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Every baseline on ``devices``, each solved by ``solve`` on its restricted table (a layout whose
-    table equals one already solved, as both TP baselines on one node, reuses that record); ``pricing``: the
-    planner run's cache (one fresh cache for all of them when none is given)."""
+    """Every baseline on ``devices``, each solved by ``solve`` on its restricted table, those of ``FITTED`` that miss
+    ``budget`` again with selective then full checkpointing (module docstring).  A layout whose table equals one
+    already solved (both TP baselines on one node; ``fsdp`` checkpointed and ``fsdp_recompute``) reuses that record.
+    ``pricing``: the planner run's cache (one fresh cache for all of them when none is given)."""
     pricing = pricing or PricingCache()
     out: dict[str, dict[str, Any]] = {}
-    done: list[tuple[Layout, dict[str, Any]]] = []
+    done: list[tuple[Layout, dict[str, Any], bool]] = []
+
+    def priced(lay: Layout) -> tuple[dict[str, Any], bool]:
+        """The layout's record, and whether it runs but misses the budget."""
+        same = next(((rec, over) for other, rec, over in done if other.same_table(lay)), None)
+        if same is None:
+            try:
+                r = solve(lay.table(cap, profile, objective, gpus_per_node, pricing))
+                same = record(lay, r, budget), over_budget(r, budget)
+            except SearchError as e:
+                same = infeasible(str(e)), False
+            done.append((lay, *same))
+        return dict(same[0]), same[1]
+
     for name, lay in layouts(cap, devices, gpus_per_node).items():
         if lay.infeasible:
             out[name] = infeasible(lay.infeasible)
             continue
-        same = next((rec for other, rec in done if other.same_table(lay)), None)
-        if same is None:
-            try:
-                same = record(lay, solve(lay.table(cap, profile, objective, gpus_per_node, pricing)), budget)
-            except SearchError as e:
-                same = infeasible(str(e))
-            done.append((lay, same))
-        out[name] = dict(same)
+        rec, over = priced(lay)
+        for mode in CHECKPOINTING if name in FITTED and over else ():
+            fitted = checkpointed(lay, cap, mode)
+            if fitted is None:
+                continue
+            tried, over = priced(fitted)
+            if not over:
+                rec = tried if "infeasible" in tried else {**tried, "recompute": mode}
+                break
+            rec = {"infeasible": f"{tried['infeasible']}, even with {mode} activation checkpointing"}
+        out[name] = rec
     return out

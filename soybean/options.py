@@ -47,7 +47,7 @@ class PlanOptions:
     tie_layers: bool = True
     gap: float = TARGET_GAP
     precision: str | None = None
-    recompute: str = "none"
+    recompute: str = "auto"
     collectives: str = "auto"
 
     def __post_init__(self) -> None:
@@ -119,11 +119,11 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("memory_gb", "--memory-gb", {"type": float, "metavar": "GIB",
                                   "help": "per-device memory budget in GiB (2^30 bytes); the modelled peak stays "
                                           "within 95%% of it"}),
-    ("recompute", "--recompute", {"choices": RECOMPUTE, "default": "none",
-                                  "help": "rerun every layer's forward in backward instead of keeping its "
-                                          "activations (layers), only each layer's attention (attention), or decide "
-                                          "which layers with the tilings: the fastest plan within --memory-gb "
-                                          "(auto)"}),
+    ("recompute", "--recompute", {"choices": RECOMPUTE, "default": "auto",
+                                  "help": "auto (default): decide which layers rerun their forward in backward with "
+                                          "the tilings, the fastest plan within --memory-gb (none without a budget); "
+                                          "or force it: none, every layer (layers), only each layer's attention "
+                                          "(attention)"}),
     ("collectives", "--collectives", {"choices": COLLECTIVES, "default": "auto",
                                       "help": "the algorithm each collective runs: auto (default: the cheapest "
                                               "modelled for its group and message), or force the backend's own "

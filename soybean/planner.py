@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -240,16 +240,51 @@ def least_memory(g: PlanGraph) -> float:
 
 class MemoryBudgetError(SearchError):
     """No plan fits the per-device memory budget; ``least`` is the smallest budget (bytes, as ``memory_gb``
-    gives it) any plan on ``mesh`` fits: its least modelled peak ``modelled`` plus the headroom."""
+    gives it) any plan on ``mesh`` fits: its least modelled peak ``modelled`` plus the headroom.  ``hints``: other
+    options under which some plan fits the budget (``budget_hints``)."""
 
-    def __init__(self, modelled: float, mesh: Mesh) -> None:
-        self.modelled, self.mesh = modelled, mesh
+    def __init__(self, modelled: float, mesh: Mesh, hints: Sequence[str] = ()) -> None:
+        self.modelled, self.mesh, self.hints = modelled, mesh, tuple(hints)
         self.least = least = budget_needed(modelled)
         gb = least / GIB
         step = 10 ** (math.floor(math.log10(gb)) - 3) if gb > 0 else 1.0
         enough = math.ceil(gb / step) * step  # 4 significant digits, rounded up: a budget that fits
+        fits = "".join(f"; it fits with {h}" for h in self.hints)
         super().__init__(f"no plan fits the memory budget on mesh {mesh}: the smallest any plan reaches is "
-                         f"{gb:.4g} GiB per device; give --memory-gb {enough:.4g} (GiB) or more")
+                         f"{gb:.4g} GiB per device; give --memory-gb {enough:.4g} (GiB) or more{fits}")
+
+    def with_hints(self, hints: Sequence[str]) -> MemoryBudgetError:
+        """This error naming the options ``hints`` under which a plan fits."""
+        return MemoryBudgetError(self.modelled, self.mesh, hints) if hints else self
+
+
+def budget_hints(cap: Captured, model: torch.nn.Module | None, example_inputs: Any, example_kwargs: Any,
+                 search: Search, meshes: Sequence[Mesh], recompute: str) -> list[str]:
+    """The options under which some plan on ``meshes`` fits ``search.memory_bytes`` where the given ones fit
+    none: ``--recompute auto`` (when recomputation was not already free to choose; every layer recomputed is
+    the least memory it reaches), ``--precision bf16-mixed`` (an fp32 model captured again under it, with
+    recomputation as given or free), each checked by the least modelled memory of the tables (``least_memory``),
+    never guessed.  Run only on the way to the error."""
+    budget = search.memory_bytes
+    if budget is None:
+        return []
+
+    def fits(c: Captured, units: frozenset[str]) -> bool:
+        return any(least_memory(search.table(c, m, units)) <= budget for m in meshes)
+
+    hints: list[str] = []
+    full = recompute_units(cap, "layers")
+    free = recompute in ("auto", "layers") or not full
+    if not free and fits(cap, full):
+        hints.append("--recompute auto")
+    if cap.precision == "fp32" and model is not None and not hints:
+        args, kwargs = split_example(example_inputs, example_kwargs)
+        half = capture(model, args, kwargs, precision="bf16-mixed")
+        if fits(half, recompute_units(half, "layers" if free else recompute)):
+            hints.append("--precision bf16-mixed")
+        elif not free and fits(half, recompute_units(half, "layers")):
+            hints.append("--precision bf16-mixed --recompute auto")
+    return hints
 
 
 # Re-solve without the overlap credit only when the capped credit exceeds this share of the step.
@@ -314,12 +349,14 @@ def plan(
     ``tie_layers``: repeated isomorphic layers share one set of decision variables (``search.tying``:
     exact pricing, the optimum over tied plans; ``plan.tying`` says which layers).
     ``gap``: each solve stops once its plan is proven within this relative gap of optimal.
-    ``recompute``: ``none`` (default); ``layers``: every layer (a block of a repeated stack without in-place
-    updates or halo windows, ``graph.recomputable_layers``) reruns its forward in backward instead of
-    keeping its activations (``codegen.recompute``), priced as such; ``attention``: only each layer's
-    attention module (``graph.attention_units``: selective recomputation); ``auto``: which layers to
-    recompute is decided with the tilings (``solve_recompute``), the fastest plan within ``memory_gb``
-    (none without a budget).  ``plan.recompute`` lists the recomputed units (module names).
+    ``recompute``: ``auto`` (default): which layers to recompute is decided with the tilings
+    (``solve_recompute``), the fastest plan within ``memory_gb`` (none without a budget); ``none``; ``layers``:
+    every layer (a block of a repeated stack without in-place updates or halo windows,
+    ``graph.recomputable_layers``) reruns its forward in backward instead of keeping its activations
+    (``codegen.recompute``), priced as such; ``attention``: only each layer's attention module
+    (``graph.attention_units``: selective recomputation).  ``plan.recompute`` lists the recomputed units.
+    When no mesh fits ``memory_gb``, the ``MemoryBudgetError`` names the options that would fit
+    (``budget_hints``).
     ``precision``: ``fp32`` (default) or ``bf16-mixed`` (``soybean.precision``); with ``captured=``, the
     capture's own.
     ``collectives``: ``auto`` (default): each collective runs the algorithm modelled cheapest for its group
@@ -389,7 +426,9 @@ def plan(
             f"gap {relative_gap(sol.objective, sol.bound):.2%}")
     if not results:
         if misfits and not failed:
-            raise min(misfits, key=lambda e: e.least)
+            least = min(misfits, key=lambda e: e.least)
+            raise least.with_hints(budget_hints(cap, model, example_inputs, example_kwargs, search,
+                                                [e.mesh for e in misfits], recompute))
         raise failed[0]
     best = min(results, key=rank)
     seconds = time.perf_counter() - t0

@@ -204,3 +204,58 @@ def test_json_and_cli_table_carry_every_baseline(capsys) -> None:
     assert set(d["baselines"]) == set(baselines.NAMES)
     for base in d["baselines"].values():
         assert {"comm_bytes", "step_time_s", "mesh"} <= set(base)
+
+
+def test_hsdp_shards_inside_a_node_and_replicates_across_nodes(tcap, gcap) -> None:
+    """HSDP on (nodes, gpus per node): every parameter split on the node's axis and gathered there for use,
+    whole across nodes; the batch split over both; one node has none."""
+    for cap in (tcap, gcap):
+        lay, r, params = solved(cap, "hsdp")
+        assert lay.mesh.shape == (2, 2) and lay.gather == (1,)
+        for fqn, (stored, uses, steps) in params.items():
+            assert isinstance(stored[0], Replicate) and isinstance(stored[1], Shard), (fqn, stored)
+            assert uses == {(R, R)}, (fqn, uses)
+            assert "all_gather" in steps, (fqn, steps)
+    assert "one node" in baselines.layouts(tcap, 4, None)["hsdp"].infeasible
+    assert "one node" in baselines.layouts(tcap, 4, 4)["hsdp"].infeasible
+
+
+def _least(cap, name: str, devices: int, gpus: int, mode: str | None) -> float:
+    """A baseline's modelled peak (bytes) with ``mode`` activation checkpointing (None: none)."""
+    lay = baselines.layouts(cap, devices, gpus)[name]
+    lay = baselines.checkpointed(lay, cap, mode) if mode else lay
+    return solve_table(lay.table(cap, load_profile(None), "time", gpus), "time").memory
+
+
+def test_baselines_are_made_to_fit_by_checkpointing_as_experts_do() -> None:
+    """Under a budget that tp_fsdp misses but fits with full activation checkpointing, its record says it
+    recomputed (and what); below even that, infeasible saying so.  Without a budget nothing is checkpointed."""
+    cap = capture(*transformer(batch=4, seq=64, hidden=64, layers=4, heads=4))
+    none, full = _least(cap, "tp_fsdp", 4, 2, None), _least(cap, "tp_fsdp", 4, 2, "full")
+    selective = _least(cap, "tp_fsdp", 4, 2, "selective")
+    assert full < selective < none
+    budget = (full + selective) / 2  # only full checkpointing fits
+    got = baselines.price(cap, 4, load_profile(None), "time", lambda g: solve_table(g, "time"), budget, 2)
+    assert got["tp_fsdp"]["recompute"] == "full" and "step_time_s" in got["tp_fsdp"], got["tp_fsdp"]
+    assert "recompute" not in got["model_parallel"]  # not one of FITTED
+    tight = baselines.price(cap, 4, load_profile(None), "time", lambda g: solve_table(g, "time"), full / 2, 2)
+    assert "even with full activation checkpointing" in tight["tp_fsdp"]["infeasible"]
+    free = baselines.price(cap, 4, load_profile(None), "time", lambda g: solve_table(g, "time"), None, 2)
+    assert not any("recompute" in rec for rec in free.values())
+
+
+@pytest.mark.parametrize("share", [None, 0.9, 0.6, 0.45])
+def test_plan_is_never_worse_than_a_feasible_baseline_under_a_budget(share: float | None) -> None:
+    """Every feasible baseline, checkpointed or not, is a point of the plan's search space (its mesh a
+    factorisation, its recomputation one of ``recompute_choices``): the plan (recompute auto, the default) is never
+    slower, at budgets from none down to where only checkpointed layouts fit."""
+    from soybean.cost.memory import budget_needed
+
+    cap = capture(*transformer(batch=4, seq=64, hidden=64, layers=4, heads=4))
+    none = _least(cap, "tp_fsdp", 4, 2, None)
+    gb = None if share is None else budget_needed(none) * share / 2**30
+    p = plan(None, (), 4, captured=cap, gpus_per_node=2, memory_gb=gb)
+    feasible = {k: v for k, v in p.baselines.items() if "step_time_s" in v}
+    assert feasible, p.baselines
+    for name, base in feasible.items():
+        assert p.cost["step_time_s"] <= base["step_time_s"] * (1 + 1e-6), (name, p.cost, base)

@@ -99,6 +99,28 @@ def test_auto_recomputes_only_when_nothing_fits() -> None:
     between = (least["layers"] + least["none"]) / 2 / 2**30
     assert make_plan(None, (), memory_gb=between, recompute="auto", **kw).recompute  # type: ignore[arg-type]
     assert not make_plan(None, (), memory_gb=10.0, recompute="auto", **kw).recompute  # type: ignore[arg-type]
+    # auto is the default; forcing none, the error names the option under which a plan fits (checked, not guessed)
+    assert make_plan(None, (), memory_gb=between, **kw).recompute  # type: ignore[arg-type]
+    with pytest.raises(MemoryBudgetError, match="it fits with --recompute auto"):
+        make_plan(None, (), memory_gb=between, recompute="none", **kw)  # type: ignore[arg-type]
+    with pytest.raises(MemoryBudgetError) as e:  # below what every layer recomputed reaches: no such hint
+        make_plan(None, (), memory_gb=least["layers"] / 2 / 2**30, recompute="none", **kw)  # type: ignore[arg-type]
+    assert "fits with" not in str(e.value)
+
+
+def test_a_budget_only_bf16_fits_names_the_precision() -> None:
+    """An fp32 model whose least memory fits the budget only under bf16-mixed: the error says so."""
+    model, inputs = transformer(batch=4, seq=64, hidden=64, layers=4, heads=4)
+    kw = dict(mesh=(2,), mode="mp", baselines=False)
+    with pytest.raises(MemoryBudgetError) as e:
+        make_plan(model, inputs, memory_gb=1e-6, precision="bf16-mixed", **kw)  # type: ignore[arg-type]
+    half = e.value.least
+    with pytest.raises(MemoryBudgetError) as e:
+        make_plan(model, inputs, memory_gb=1e-6, **kw)  # type: ignore[arg-type]
+    assert half < e.value.least
+    budget = (half + e.value.least) / 2 / 2**30
+    with pytest.raises(MemoryBudgetError, match="it fits with --precision bf16-mixed"):
+        make_plan(model, inputs, memory_gb=budget, **kw)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name,mesh,mode", [("transformer", (2,), "mp"), ("gpt2", (2,), "mp"),
