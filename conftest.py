@@ -10,10 +10,17 @@ module states its tier once, ``pytestmark = pytest.mark.unit``; a test of anothe
 carries its own mark, and its own mark replaces the module's rather than adding to it, so that
 ``-m unit`` never selects a ``dist`` test.  A test with no tier, or with two, fails: CI runs every
 tier, and a test nobody can select on its own is a mistake.
+
+The capture cache (``soybean.capture_cache``) is off for the tests (``SOYBEAN_NO_CACHE``): a test never reads a
+capture another test or an earlier run stored; ``tests/test_capture_cache.py`` turns it on in a directory of its own.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
+
+os.environ.setdefault("SOYBEAN_NO_CACHE", "1")
 
 TIERS = ("unit", "sim", "dist")
 

@@ -9,6 +9,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
+    from .capture import Captured
     from .explain import Explanation
     from .plan import Plan
 
@@ -66,14 +67,33 @@ def _planned(progress: bool, *args: Any, **kwargs: Any) -> Plan:
     return p
 
 
+def _captured(a: argparse.Namespace, precision: str | None) -> tuple[Any, tuple, Captured]:
+    """The model (None on a cache hit: it was not built), its inputs and its capture under ``precision``: from
+    the capture cache (``capture_cache``) unless ``--no-cache``, else built and captured now (and stored)."""
+    from . import capture_cache, models
+    from .capture import capture
+    from .precision import policy
+
+    name = policy(precision).name
+    args = models.parse_args(a.arg)
+    key = capture_cache.capture_key(a.model, args, name)
+    use = capture_cache.enabled() and not getattr(a, "no_cache", False)
+    if use and (cap := capture_cache.load(key)) is not None:
+        return None, (), cap
+    model, inputs = models.load(a.model, args)
+    cap = capture(model, inputs, precision=name)
+    if use:
+        capture_cache.store(key, cap)
+    return model, inputs, cap
+
+
 def _cmd_plan(a: argparse.Namespace) -> int:
-    from . import models
     from .options import plan_options
     from .report import table
 
     opts = plan_options(a)  # every option checked here, before the model is built
-    model, inputs = models.load(a.model, models.parse_args(a.arg))
-    p = _planned(not a.quiet, model, inputs, options=opts)
+    model, inputs, cap = _captured(a, opts.precision)
+    p = _planned(not a.quiet, model, inputs, options=opts, captured=cap)
     text = p.to_json() if a.format == "json" else table(p)
     if a.out:
         with open(a.out, "w") as f:
@@ -81,8 +101,11 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     if not a.out or a.format == "table":
         sys.stdout.write(text)
     if a.emit_code:
+        from . import models
         from .codegen import emit_files
 
+        if model is None:  # a cached capture: the program is generated from the model itself
+            model, inputs = models.load(a.model, models.parse_args(a.arg))
         for path in emit_files(model, inputs, p, a.emit_code):
             print(f"wrote {path}", file=sys.stderr)
     return 0
@@ -243,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--out", help="write the plan here (JSON when the name ends in .json)")
     p.add_argument("--emit-code", metavar="DIR", help="write each rank's generated program to DIR")
+    p.add_argument("--no-cache", action="store_true",
+                   help="capture the model afresh, neither reading nor writing the capture cache (~/.cache/soybean)")
     p.set_defaults(fn=_cmd_plan)
     e = sub.add_parser("explain", help="why each tiling: every op's cost split, and its next-best strategy")
     _add_explained_args(e)
