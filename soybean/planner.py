@@ -27,6 +27,7 @@ from .graph import (
     PlanGraph,
     attention_units,
     build,
+    gc_paused,
     layer_of,
     phase_memory,
     phase_peaks,
@@ -105,14 +106,22 @@ class Search:
     tie_layers: bool = True
     gap: float = TARGET_GAP
     pricing: PricingCache = field(default_factory=PricingCache, repr=False, compare=False)
+    # the profile on each mesh (``Profile.on_mesh``: which axes cross nodes), worked out once per mesh
+    placed: dict[Mesh, Profile] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}: use one of {MODES}")
 
+    def on_mesh(self, mesh: Mesh) -> Profile:
+        """The run's profile on ``mesh`` (``Profile.on_mesh`` with the run's ``gpus_per_node``)."""
+        if mesh not in self.placed:
+            self.placed[mesh] = self.profile.on_mesh(mesh, self.gpus_per_node)
+        return self.placed[mesh]
+
     def table(self, cap: Captured, mesh: Mesh, recompute: frozenset[str] = frozenset()) -> PlanGraph:
         """The candidate table of ``cap`` on ``mesh`` that ``solve_on`` solves."""
-        return build(cap, mesh, self.profile.on_mesh(mesh, self.gpus_per_node), objective=self.objective,
+        return build(cap, mesh, self.on_mesh(mesh), objective=self.objective,
                      domains=_domains(cap, mesh, self.mode, self.local_batch), pin_params=self.mode in ("dp", "mp"),
                      local_outputs=self.local_batch, divide_work=True if self.mode in ("dp", "mp") else None,
                      recompute=recompute, pricing=self.pricing)
@@ -186,29 +195,68 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: float 
     """Recomputation decided with the tilings: the best plan on ``mesh`` over every choice of
     ``recompute_choices`` (each solved exactly with its tilings), within ``memory_bytes``.
 
-    Along a chain, each step recomputes more ops, so every plan's modelled time only grows
-    (``T(tiling, A_k) <= T(tiling, A_k+1)``) while its memory shrinks.  A chain stops once the lower
-    bound of its unbudgeted problem (``search.lower_bound``) reaches the best plan found: no later
-    choice of the chain can beat it.  Exact over the choices searched; for a stack of equal layers,
-    which ``k`` layers are recomputed does not change the model, so ``A_k`` stands for any ``k``."""
-    objective = search.objective
+    Recomputation only adds time (``T(tiling, A) <= T(tiling, A')`` for ``A`` inside ``A'``), so the lower bound of
+    the table with nothing recomputed (``search.lower_bound``) bounds every choice: a mesh whose bound reaches
+    ``incumbent`` is pruned after one table.  Along a chain each step recomputes more ops, so the least memory any
+    plan reaches only shrinks: the first choice that can fit the budget is found by bisection on it (the choices
+    before it cannot fit), and from there the chain is solved in order until the lower bound of a choice's
+    unbudgeted problem reaches the best plan found (no later choice of the chain can beat it).  Exact over the
+    choices searched; for a stack of equal layers, which ``k`` layers are recomputed does not change the model,
+    so ``A_k`` stands for any ``k``."""
+    objective, budget = search.objective, search.memory_bytes
     best: Result | None = None
     misfits: list[MemoryBudgetError] = []
     pruned: Pruned | None = None
+    least: dict[frozenset[str], float] = {}
+    recent: dict[frozenset[str], PlanGraph] = {}  # the last tables built, for the solve that follows a probe
+
+    def table(units: frozenset[str]) -> PlanGraph:
+        if units not in recent:
+            if len(recent) >= 2:
+                recent.pop(next(iter(recent)))
+            recent[units] = search.table(cap, mesh, units)
+            least[units] = least_memory(recent[units])
+        return recent[units]
+
+    def fits(units: frozenset[str]) -> bool:
+        if units not in least:
+            table(units)
+        return budget is None or least[units] <= budget
+
+    def cut() -> float | None:
+        c = incumbent if objective == "time" else None
+        if best is not None:
+            mine = best.step_time_s if objective == "time" else best.solution.objective
+            c = mine if c is None else min(c, mine)
+        return c
+
+    def bounded(g: PlanGraph) -> Pruned | None:
+        """``Pruned`` when the lower bound of ``g``'s unbudgeted problem reaches the cut."""
+        if (c := cut()) is None:
+            return None
+        p = to_problem(g, objective)
+        return Pruned(bound, c) if (bound := lower_bound(reduce(p), p)) >= c else None
+
+    if (p := bounded(table(frozenset()))) is not None:
+        raise p  # recomputing anything only adds time to every plan of this mesh
     for chain in recompute_choices(cap):
-        for units in chain:
-            g = search.table(cap, mesh, units)
-            cut = incumbent if objective == "time" else None
-            if best is not None:
-                mine = best.step_time_s if objective == "time" else best.solution.objective
-                cut = mine if cut is None else min(cut, mine)
-            if cut is not None and least_memory(g) <= (search.memory_bytes or math.inf):
-                p = to_problem(g, objective)
-                if (bound := lower_bound(reduce(p), p)) >= cut:
-                    pruned = Pruned(bound, cut)
-                    break  # this chain's later choices cannot beat the best plan (or another mesh's)
+        if not fits(chain[-1]):
+            misfits.append(MemoryBudgetError(least[chain[-1]], mesh))
+            continue
+        lo, hi = 0, len(chain) - 1
+        while lo < hi:  # the first choice that can fit
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(chain[mid]) else (mid + 1, hi)
+        if lo > 0:
+            misfits.append(MemoryBudgetError(least[chain[lo - 1]], mesh))
+        for units in chain[lo:]:
+            g = table(units)
+            if (p := bounded(g)) is not None:
+                pruned = p
+                break  # this chain's later choices cannot beat the best plan (or another mesh's)
+            c = cut()
             try:
-                r = solve_table_on(g, search, cut if objective == "time" else None, units)
+                r = solve_table_on(g, search, c if objective == "time" else None, units)
             except MemoryBudgetError as e:
                 misfits.append(e)
                 continue
@@ -365,6 +413,15 @@ def plan(
     ``progress``: called with a short line at each stage (capture, each mesh shape with its optimum and
     gap, the baselines).
     """
+    with gc_paused():  # one cyclic collection at the end, not one per table built (seconds each at scale)
+        return _plan(model, example_inputs, devices, options, baselines, captured, progress, example_kwargs,
+                     option_fields)
+
+
+def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Tensor, devices: int | None,
+          options: PlanOptions | None, baselines: bool, captured: Captured | None,
+          progress: Callable[[str], None] | None, example_kwargs: dict[str, Any] | None,
+          option_fields: dict[str, Any]) -> Plan:
     say = progress or (lambda line: None)
     opts = merge_options(options, devices=devices, **option_fields)  # every option checked there
     mesh = Mesh(opts.mesh) if opts.mesh else None

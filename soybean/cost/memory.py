@@ -455,20 +455,21 @@ def grad_phase_bytes(node: fx.Node, shape: tuple[int, ...], itemsize: int, tilin
     return stored_bytes(shape, master_itemsize or itemsize, tilings, mesh, copies)
 
 
-def activation_key(node: fx.Node, units: Mapping[str, str] | None = None) -> Hashable:
+def activation_key(node: fx.Node, units: Mapping[str, str] | None = None, info: Liveness | None = None) -> Hashable:
     """What ``activation_bytes`` reads of ``node`` besides its op and strategies: two ops with equal
-    specs and keys keep equal bytes (``graph`` shares repeated layers' tables on this)."""
-    info = liveness(node.graph, units)
+    specs and keys keep equal bytes (``graph`` shares repeated layers' tables on this).  ``info``: the graph's
+    ``liveness`` with ``units``, when the caller holds it (a build asks once per op)."""
+    info = info or liveness(node.graph, units)
     return (info.live.get(node.name, frozenset()), info.read.get(node.name, frozenset()),
             info.saves.get(node.name, NOTHING).extra)
 
 
 def activation_bytes(node: fx.Node, op: OpSpec, strategies: Sequence[Strategy], mesh: Mesh,
-                     units: Mapping[str, str] | None = None) -> np.ndarray:
+                     units: Mapping[str, str] | None = None, info: Liveness | None = None) -> np.ndarray:
     """Bytes per device that op ``node`` keeps at the end of forward under each strategy: its outputs
     that are live then (saved for backward, kept by a recomputed unit's checkpoint, or returned; not
-    aliases) and the tensors it saves internally (``units``: as ``liveness``)."""
-    info = liveness(node.graph, units)
+    aliases) and the tensors it saves internally (``units``: as ``liveness``; ``info``: as ``activation_key``)."""
+    info = info or liveness(node.graph, units)
     live = info.live.get(node.name, frozenset())
     read = info.read.get(node.name, frozenset())
     extra = info.saves.get(node.name, NOTHING).extra

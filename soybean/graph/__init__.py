@@ -36,6 +36,7 @@ from .build import (
     build,
     edge_profile,
     fallback_ops,
+    gc_paused,
     op_key,
     pinned_use,
     read_profile,
@@ -49,6 +50,7 @@ from .units import attention_units, layer_of, node_layer, node_module, recomputa
 from .writes import written_inputs
 
 __all__ = ["PINNED", "Edge", "PlanGraph", "Var", "VarKind", "attention_units", "backend_only", "build",
-           "edge_profile", "fallback_ops", "freed_after", "layer_of", "node_layer", "node_module", "op_key",
+           "edge_profile", "fallback_ops", "gc_paused", "freed_after", "layer_of", "node_layer", "node_module",
+           "op_key",
            "phase_memory", "phase_peaks", "pinned_use", "read_profile", "recomputable_layers", "rerun_freed",
            "returned_sum", "unit_of", "use_tiling", "value_name", "value_source", "written_inputs"]

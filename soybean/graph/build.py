@@ -253,14 +253,14 @@ def build(
     """
     if fixed is not None:  # what runs (a plan's record is not read), named as this capture names its nodes
         fixed = (fixed.program if isinstance(fixed, Plan) else fixed).aligned(cap.keys)
-    with _gc_paused():
+    with gc_paused():
         return _Builder(PlanGraph(mesh, profile, pricing=pricing or PricingCache()), cap, objective, domains or {},
                         pin_params, local_outputs, divide_work, fixed, tuple(gather_axes), share,
                         frozenset(fixed.recompute if fixed is not None else recompute)).run()
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector: building a table allocates millions of small objects and
     frees few, and the collector's passes over them took ~40% of building GPT-2's table on a 2x2x2
     mesh (reference counting still frees everything that is not a cycle)."""

@@ -17,6 +17,7 @@ from ..capture import Captured
 from ..cost.memory import (
     activation_bytes,
     activation_key,
+    liveness,
     output_bytes,
 )
 from ..mesh import Mesh
@@ -110,6 +111,8 @@ class _Rerun:
         self.units: dict[str, str] = {}             # a recomputed op -> its unit
         self.first: dict[tuple[str, int], str] = {}
         self.count: dict[str, int] = {}            # a recomputed unit -> the units of its role
+        self.plain = liveness(graph)                # what forward keeps with nothing recomputed
+        self.kept = self.plain                      # ... and with these units recomputed
         if not layers:
             return
         for n in graph.nodes:
@@ -131,6 +134,7 @@ class _Rerun:
         for u in set(self.units.values()):
             roles.setdefault(_role(u), set()).add(u)
         self.count = {u: len(us) for us in roles.values() for u in us}
+        self.kept = liveness(graph, self.units)
 
     def op(self, name: str) -> bool:
         return name in self.units
@@ -139,9 +143,10 @@ class _Rerun:
         """What an op's priced tables depend on here: what it keeps (``activation_key``), and when it reruns,
         what it would keep otherwise and its role's unit count."""
         if not self.layers:
-            return activation_key(node)
-        rerun = (activation_key(node), self.count[self.units[node.name]]) if self.op(node.name) else None
-        return activation_key(node, self.units), rerun
+            return activation_key(node, info=self.plain)
+        rerun = (activation_key(node, info=self.plain), self.count[self.units[node.name]]) if self.op(node.name) \
+            else None
+        return activation_key(node, self.units, self.kept), rerun
 
     def memory(self, node: fx.Node, op: OpSpec, strategies: list[Strategy],
                mesh: Mesh) -> tuple[np.ndarray, np.ndarray | None]:
@@ -151,11 +156,11 @@ class _Rerun:
         one unit at a time, charged as ``1 / count`` of each recomputed op (exact for a stack of equal
         layers; ``rerun_credit`` takes back what surely is freed by then)."""
         if not self.layers:
-            return activation_bytes(node, op, strategies, mesh), None
-        kept = activation_bytes(node, op, strategies, mesh, self.units)
+            return activation_bytes(node, op, strategies, mesh, info=self.plain), None
+        kept = activation_bytes(node, op, strategies, mesh, self.units, self.kept)
         if not self.op(node.name):
             return kept, None
-        buffer = activation_bytes(node, op, strategies, mesh) / self.count[self.units[node.name]]
+        buffer = activation_bytes(node, op, strategies, mesh, info=self.plain) / self.count[self.units[node.name]]
         return kept + buffer, buffer
 
 
