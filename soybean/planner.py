@@ -25,6 +25,7 @@ from .cost.pricing import PricingCache
 from .cost.profiles import Profile, load_profile
 from .graph import (
     PlanGraph,
+    SharedWork,
     attention_units,
     build,
     gc_paused,
@@ -119,12 +120,14 @@ class Search:
             self.placed[mesh] = self.profile.on_mesh(mesh, self.gpus_per_node)
         return self.placed[mesh]
 
-    def table(self, cap: Captured, mesh: Mesh, recompute: frozenset[str] = frozenset()) -> PlanGraph:
-        """The candidate table of ``cap`` on ``mesh`` that ``solve_on`` solves."""
+    def table(self, cap: Captured, mesh: Mesh, recompute: frozenset[str] = frozenset(),
+              work: SharedWork | None = None) -> PlanGraph:
+        """The candidate table of ``cap`` on ``mesh`` that ``solve_on`` solves (``work``: ``graph.SharedWork`` of
+        the tables of other recomputation choices on ``mesh``)."""
         return build(cap, mesh, self.on_mesh(mesh), objective=self.objective,
                      domains=_domains(cap, mesh, self.mode, self.local_batch), pin_params=self.mode in ("dp", "mp"),
                      local_outputs=self.local_batch, divide_work=True if self.mode in ("dp", "mp") else None,
-                     recompute=recompute, pricing=self.pricing)
+                     recompute=recompute, pricing=self.pricing, work=work)
 
 
 def solve_on(cap: Captured, mesh: Mesh, search: Search, incumbent: float | None = None,
@@ -209,12 +212,13 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: float 
     pruned: Pruned | None = None
     least: dict[frozenset[str], float] = {}
     recent: dict[frozenset[str], PlanGraph] = {}  # the last tables built, for the solve that follows a probe
+    work = SharedWork()  # the layers two choices treat alike are built once
 
     def table(units: frozenset[str]) -> PlanGraph:
         if units not in recent:
             if len(recent) >= 2:
                 recent.pop(next(iter(recent)))
-            recent[units] = search.table(cap, mesh, units)
+            recent[units] = search.table(cap, mesh, units, work)
             least[units] = least_memory(recent[units])
         return recent[units]
 

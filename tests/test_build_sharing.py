@@ -148,3 +148,20 @@ def test_pricing_state_belongs_to_the_run_that_made_it(monkeypatch: pytest.Monke
         seen.append([])
         planner.plan(None, (), 4, captured=cap)
     assert all(len(run) > 3 and len(set(run)) == 1 for run in seen)  # meshes and baselines: one cache per run
+
+
+def test_builds_of_other_recomputation_choices_share_work_exactly() -> None:
+    """``SharedWork`` carried across the builds of one mesh (as ``planner.solve_recompute`` does) gives every
+    recomputation choice the table a build of its own gives."""
+    from soybean.graph import SharedWork
+    from soybean.planner import recompute_choices
+
+    ref, args, mesh = CASES[0]
+    model, inputs = models.load(ref, dict(args))
+    cap = capture(model, inputs)
+    work = SharedWork()
+    choices = [units for chain in recompute_choices(cap) for units in chain]
+    assert len(choices) > 4
+    for units in choices[::-1] + choices[:2]:
+        shared = build(cap, Mesh(mesh), BUILTIN["h100-nvlink"], recompute=units, work=work)
+        _same(shared, build(cap, Mesh(mesh), BUILTIN["h100-nvlink"], recompute=units))

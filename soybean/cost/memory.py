@@ -56,7 +56,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from ..mesh import Mesh
-from ..rules.base import OpSpec, Strategy, lookup, make_opspec, op_name
+from ..rules.base import OpSpec, Strategy, lookup, node_spec, op_name
 from ..tiling import Replicate, max_local_numel
 
 # The share of ``memory_gb`` the modelled peak may not use.  The memory model is not exact: against live-bytes
@@ -423,7 +423,7 @@ def liveness(graph: fx.Graph, units: Mapping[str, str] | None = None) -> Livenes
 
 
 def make_spec(node: fx.Node) -> OpSpec:
-    return make_opspec(node.target, node.args, node.kwargs, node.meta.get("val"))
+    return node_spec(node)
 
 
 def param_bytes(node: fx.Node, shape: tuple[int, ...], itemsize: int, tilings: Sequence[tuple], mesh: Mesh,

@@ -31,11 +31,25 @@ from ..mesh import Mesh
 from ..pinning import PINNED, pinned_use, use_tiling
 from ..plan import Plan, Program
 from ..precision import policy
-from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, strategies_1d
+from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, node_spec, strategies_1d
 from ..tiling import Partial, R, Replicate, Shard, is_valid
 from .types import Edge, PlanGraph, Var
 from .units import _module_path, _Rerun
 from .writes import written_inputs
+
+
+class SharedWork:
+    """The part of ``_Memo`` that outlives one build: classes and keys by content, and the work found under them.
+    Builds of one mesh with one set of settings (objective, domains, pinning) that differ only in what they
+    recompute share it (``planner.solve_recompute``): an op's key says what it keeps and whether it reruns, so the
+    layers two recomputation choices treat alike are built once for both."""
+
+    def __init__(self) -> None:
+        self.classes: dict[Hashable, int] = {}
+        self.keys: dict[Hashable, int] = {}
+        self.vars: dict[int, tuple[list[Strategy], np.ndarray, np.ndarray, int, np.ndarray | None,
+                                   np.ndarray | None]] = {}
+        self.edges: dict[tuple, Edge] = {}
 
 
 class _Memo:
@@ -53,12 +67,9 @@ class _Memo:
     one fails loudly instead of changing another variable's costs.
     """
 
-    def __init__(self) -> None:
-        self.classes: dict[Hashable, int] = {}
-        self.keys: dict[Hashable, int] = {}
-        self.vars: dict[int, tuple[list[Strategy], np.ndarray, np.ndarray, int, np.ndarray | None,
-                                   np.ndarray | None]] = {}
-        self.edges: dict[tuple, Edge] = {}
+    def __init__(self, work: SharedWork | None = None) -> None:
+        work = work or SharedWork()
+        self.classes, self.keys, self.vars, self.edges = work.classes, work.keys, work.vars, work.edges
         self.cls: dict[int, int] = {}     # var index -> content class
         self.key: dict[int, int] = {}     # var index -> key id (ops and reshard points)
 
@@ -231,6 +242,7 @@ def build(
     share: bool = True,
     recompute: Collection[str] = (),
     pricing: PricingCache | None = None,
+    work: SharedWork | None = None,
 ) -> PlanGraph:
     """Variables and edges of ``cap`` on ``mesh``.
 
@@ -249,14 +261,15 @@ def build(
     ``fixed``, the plan's): their ops keep only what leaves the layer, pay one more forward pass, and the
     forward collectives of the reads inside the layer run again (``_Rerun``).
     ``pricing``: the planner run's ``cost.pricing.PricingCache``, shared by every table it builds (a fresh one
-    when none is given).
+    when none is given).  ``work``: ``SharedWork`` of earlier builds with the same mesh, profile and settings
+    (only ``recompute`` may differ).
     """
     if fixed is not None:  # what runs (a plan's record is not read), named as this capture names its nodes
         fixed = (fixed.program if isinstance(fixed, Plan) else fixed).aligned(cap.keys)
     with gc_paused():
         return _Builder(PlanGraph(mesh, profile, pricing=pricing or PricingCache()), cap, objective, domains or {},
                         pin_params, local_outputs, divide_work, fixed, tuple(gather_axes), share,
-                        frozenset(fixed.recompute if fixed is not None else recompute)).run()
+                        frozenset(fixed.recompute if fixed is not None else recompute), work).run()
 
 
 @contextmanager
@@ -278,7 +291,8 @@ class _Builder:
 
     def __init__(self, g: PlanGraph, cap: Captured, objective: str, domains: dict[str, list[tuple]],
                  pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Program | None,
-                 gather_axes: tuple[int, ...], share: bool, recompute: frozenset[str]) -> None:
+                 gather_axes: tuple[int, ...], share: bool, recompute: frozenset[str],
+                 work: SharedWork | None = None) -> None:
         self.g, self.cap, self.objective, self.domains = g, cap, objective, domains
         self.pin_params, self.divide_work, self.fixed, self.gather_axes = pin_params, divide_work, fixed, gather_axes
         self.mesh, self.profile = g.mesh, g.profile
@@ -291,7 +305,7 @@ class _Builder:
         self.uses = value_uses(cap.graph)
         self.full = (R,) * g.mesh.ndim
         # A fixed graph has one strategy per variable: nothing to share.
-        self.memo = _Memo() if fixed is None and share else None
+        self.memo = _Memo(work) if fixed is None and share else None
 
     def run(self) -> PlanGraph:
         for node in self.cap.graph.nodes:
@@ -352,7 +366,7 @@ class _Builder:
             self.needs_grad[node.name] = self.needs_grad.get(src.name, False)
             return
         g, mesh, profile, memo, rerun, fixed = self.g, self.mesh, self.profile, self.memo, self.rerun, self.fixed
-        op = make_opspec(node.target, node.args, node.kwargs, node.meta.get("val"))
+        op = node_spec(node)
         if rules.lookup(node.target) is None and op.inputs:
             self.fallback.add(op.name)
         args, _ = tree_flatten((node.args, node.kwargs))
