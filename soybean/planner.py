@@ -41,7 +41,7 @@ from .plan import Plan
 from .precision import policy
 from .records import layer_rows, memory_breakdown, reshard_records
 from .search import TARGET_GAP, Pruned, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
-from .search.problem import lower_bound, reduce
+from .search.problem import Problem, lower_bound, reduce
 from .tiling import R
 
 # ``replicated``: the optimum with every parameter stored whole on every device (its use still split where that
@@ -241,9 +241,14 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: float 
         p = to_problem(g, objective)
         return Pruned(bound, c) if (bound := lower_bound(reduce(p), p)) >= c else None
 
-    if (p := bounded(table(frozenset()))) is not None:
+    chains = recompute_choices(cap)
+    plain = table(frozenset())
+    if (p := bounded(plain)) is not None:
         raise p  # recomputing anything only adds time to every plan of this mesh
-    for chain in recompute_choices(cap):
+    if budget is not None and (c := cut()) is not None and chains[0][-1]:
+        if (p := budget_bound(plain, table(chains[0][-1]), objective, budget, c)) is not None:
+            raise p  # no recomputation choice fits a plan of this mesh that beats the cut
+    for chain in chains:
         if not fits(chain[-1]):
             misfits.append(MemoryBudgetError(least[chain[-1]], mesh))
             continue
@@ -279,6 +284,43 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: float 
             raise min(misfits, key=lambda e: e.least)
         raise SearchError(f"no plan found on mesh {mesh} with any recomputation in the time limit")
     return best
+
+
+# Multipliers (as multiples of cut / budget: seconds per byte) at which ``budget_bound`` tries the Lagrangian bound.
+BOUND_MULTIPLIERS = (0.5, 2.0, 8.0)
+
+
+def budget_bound(plain: PlanGraph, least: PlanGraph, objective: str, budget: float, cut: float) -> Pruned | None:
+    """``Pruned`` when no recomputation choice on this mesh has a plan within ``budget`` that beats ``cut``.
+
+    Every choice ``A`` and tiling ``x`` cost at least what nothing recomputed costs (``plain``: recomputation only
+    adds time) and keep at least what every layer recomputed keeps (``least``, the last choice of the chains:
+    memory shrinks as the recomputed set grows).  So for any ``lam >= 0``, by weak duality,
+
+        min_{x, A: M(x, A) <= B} T(x, A)  >=  min_x T_plain(x) + lam * (M_least(x) - B),
+
+    an unbudgeted problem over the plain table's costs with ``lam`` times the other table's memory added, whose
+    ``search.lower_bound`` is a bound of every choice at once: one cheap bound per multiplier
+    (``BOUND_MULTIPLIERS``) instead of a search over the choices.  None when no multiplier reaches the cut (or
+    the two tables do not line up)."""
+    for f in BOUND_MULTIPLIERS:
+        bound = recompute_bound(plain, least, objective, budget, f * cut / budget)
+        if bound is None:
+            return None
+        if bound >= cut:
+            return Pruned(bound, cut)
+    return None
+
+
+def recompute_bound(plain: PlanGraph, least: PlanGraph, objective: str, budget: float, lam: float) -> float | None:
+    """``budget_bound``'s lower bound at multiplier ``lam`` (None when the two tables do not line up)."""
+    p = to_problem(plain, objective)
+    q = to_problem(least, objective, budget)
+    assert q.memory is not None and q.budget is not None
+    if [u.shape for u in p.unary] != [m.shape for m in q.memory]:
+        return None
+    r = Problem([u + lam * m for u, m in zip(p.unary, q.memory)], p.edges, None, None, p.names)
+    return lower_bound(reduce(r), r) - lam * q.budget
 
 
 def least_memory(g: PlanGraph) -> float:
@@ -450,6 +492,8 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     rec = recompute_units(cap, recompute) if recompute != "auto" else frozenset()
     t0 = time.perf_counter()
     meshes = [mesh] if mesh else factorizations(devices)
+    if search.gpus_per_node and not mesh:  # a node's devices on the last axis first: the experts' layouts
+        meshes.sort(key=lambda m: m.shape[-1] != search.gpus_per_node)
     results: list[Result] = []
     misfits: list[MemoryBudgetError] = []
     failed: list[SearchError] = []

@@ -10,6 +10,7 @@ choices it searches), recomputes nothing when everything fits, and is never slow
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -23,6 +24,7 @@ from soybean.cost.measure_memory import measure_step
 from soybean.graph import attention_units, recomputable_layers
 from soybean.mesh import Mesh
 from soybean.planner import MemoryBudgetError, Search, recompute_choices, solve_on
+from soybean.planner import least_memory as planner_least
 from soybean.planner import plan as make_plan
 from soybean.runtime.launch import run_threads
 from soybean.testing import compare, train_parallel_threads, train_serial
@@ -310,3 +312,29 @@ def test_dropout_draws_the_same_masks_when_a_layer_reruns() -> None:
     model, inputs = transformer(batch=4, seq=16, hidden=32, layers=3, heads=4, dropout=0.3)
     plan = make_plan(model, inputs, mesh=(2,), mode="mp", baselines=False)
     assert spawn(_dropout_ranks, 2, plan.to_json(), timeout_s=120) == [True, True]
+
+
+@pytest.mark.parametrize("mesh", [(2, 2)])
+def test_the_recomputation_bound_is_below_every_choice(mesh: tuple[int, ...]) -> None:
+    """``planner.recompute_bound`` (plain table's time, every-layer-recomputed table's memory, a multiplier) is
+    a lower bound of the best plan of every recomputation choice within the budget, at every multiplier."""
+    from soybean.cost.profiles import load_profile
+    from soybean.planner import recompute_bound
+
+    model, inputs = transformer(batch=4, seq=32, hidden=32, layers=3, heads=4)
+    cap = capture(model, inputs)
+    search = Search(load_profile(None))
+    chains = recompute_choices(cap)
+    plain, least = search.table(cap, Mesh(mesh)), search.table(cap, Mesh(mesh), chains[0][-1])
+    budget = (planner_least(plain) + planner_least(least)) / 2
+    best = math.inf
+    for units in (u for chain in chains for u in chain):
+        try:
+            best = min(best, solve_on(cap, Mesh(mesh), Search(load_profile(None), memory_bytes=budget),
+                                      recompute=units).step_time_s)
+        except MemoryBudgetError:
+            continue
+    assert best < math.inf
+    for lam in (0.0, 1e-12, 1e-10, 1e-8, 1e-6):
+        bound = recompute_bound(plain, least, "time", budget, lam)
+        assert bound is not None and bound <= best * (1 + 1e-9), (lam, bound, best)
