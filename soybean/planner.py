@@ -492,8 +492,6 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     rec = recompute_units(cap, recompute) if recompute != "auto" else frozenset()
     t0 = time.perf_counter()
     meshes = [mesh] if mesh else factorizations(devices)
-    if search.gpus_per_node and not mesh:  # a node's devices on the last axis first: the experts' layouts
-        meshes.sort(key=lambda m: m.shape[-1] != search.gpus_per_node)
     results: list[Result] = []
     misfits: list[MemoryBudgetError] = []
     failed: list[SearchError] = []
