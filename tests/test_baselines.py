@@ -244,16 +244,17 @@ def test_baselines_are_made_to_fit_by_checkpointing_as_experts_do() -> None:
     assert not any("recompute" in rec for rec in free.values())
 
 
-@pytest.mark.parametrize("share", [None, 0.9, 0.6, 0.45])
+@pytest.mark.parametrize("share", [0.9, 0.45])
 def test_plan_is_never_worse_than_a_feasible_baseline_under_a_budget(share: float | None) -> None:
     """Every feasible baseline, checkpointed or not, is a point of the plan's search space (its mesh a
     factorisation, its recomputation one of ``recompute_choices``): the plan (recompute auto, the default) is never
-    slower, at budgets from none down to where only checkpointed layouts fit."""
+    slower, at budgets where some layouts fit only checkpointed (0.9: ``tp_fsdp`` selective, ``megatron_tp_dp``
+    full) and where only checkpointed FSDP fits (0.45); without a budget see the test above."""
     from soybean.cost.memory import budget_needed
 
     cap = capture(*transformer(batch=4, seq=64, hidden=64, layers=4, heads=4))
     none = _least(cap, "tp_fsdp", 4, 2, None)
-    gb = None if share is None else budget_needed(none) * share / 2**30
+    gb = budget_needed(none) * share / 2**30
     p = plan(None, (), 4, captured=cap, gpus_per_node=2, memory_gb=gb)
     feasible = {k: v for k, v in p.baselines.items() if "step_time_s" in v}
     assert feasible, p.baselines

@@ -16,6 +16,7 @@ function (a ``torch.distributed`` call on the loss itself) calls ``loss.wait()``
 """
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable
 from typing import Any
 
@@ -96,6 +97,20 @@ def all_reduce_lazy(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def wait_all() -> None:
-    """Wait for every pending sum started so far (the runtime calls this at each forward)."""
+    """Wait for every pending sum started so far (the runtime calls this at each forward, and at exit)."""
     while _PENDING:
         _PENDING.pop().wait()
+
+
+def _wait_at_exit() -> None:
+    """The last step's sum on a rank that never read its loss is still in flight when the script ends: leaving it
+    to the process group's teardown aborted the process ("terminate called without an active exception", a
+    torchrun restart test that had finished every step).  Waited for here, before torch's own exit handlers
+    (``atexit`` runs the later-registered first); a peer already gone is no error at exit."""
+    try:
+        wait_all()
+    except Exception:  # the other ranks may have left: nothing to finish
+        _PENDING.clear()
+
+
+atexit.register(_wait_at_exit)
