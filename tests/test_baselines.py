@@ -244,12 +244,12 @@ def test_baselines_are_made_to_fit_by_checkpointing_as_experts_do() -> None:
     assert not any("recompute" in rec for rec in free.values())
 
 
-@pytest.mark.parametrize("share", [0.9, 0.45])
+@pytest.mark.parametrize("share", [0.9])
 def test_plan_is_never_worse_than_a_feasible_baseline_under_a_budget(share: float | None) -> None:
     """Every feasible baseline, checkpointed or not, is a point of the plan's search space (its mesh a
     factorisation, its recomputation one of ``recompute_choices``): the plan (recompute auto, the default) is never
-    slower, at budgets where some layouts fit only checkpointed (0.9: ``tp_fsdp`` selective, ``megatron_tp_dp``
-    full) and where only checkpointed FSDP fits (0.45); without a budget see the test above."""
+    slower, at a budget where some layouts fit only checkpointed (``tp_fsdp`` selective, ``megatron_tp_dp`` full);
+    without a budget see the test above."""
     from soybean.cost.memory import budget_needed
 
     cap = capture(*transformer(batch=4, seq=64, hidden=64, layers=4, heads=4))
@@ -257,6 +257,6 @@ def test_plan_is_never_worse_than_a_feasible_baseline_under_a_budget(share: floa
     gb = budget_needed(none) * share / 2**30
     p = plan(None, (), 4, captured=cap, gpus_per_node=2, memory_gb=gb)
     feasible = {k: v for k, v in p.baselines.items() if "step_time_s" in v}
-    assert feasible, p.baselines
+    assert any("recompute" in v for v in feasible.values()), p.baselines  # some fit only checkpointed
     for name, base in feasible.items():
         assert p.cost["step_time_s"] <= base["step_time_s"] * (1 + 1e-6), (name, p.cost, base)
