@@ -36,11 +36,11 @@ from .graph import (
 )
 from .ir.algorithms import check as check_algorithm
 from .mesh import Mesh, factorizations
-from .options import MODES, PlanOptions, options as merge_options
+from .options import PlanOptions, options as merge_options
 from .plan import Plan
 from .precision import policy
 from .records import layer_rows, memory_breakdown, reshard_records
-from .search import TARGET_GAP, Pruned, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
+from .search import Pruned, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
 from .search.problem import Problem, lower_bound, reduce
 from .tiling import R
 
@@ -89,44 +89,33 @@ def _domains(cap: Captured, mesh: Mesh, mode: str, local_batch: bool = False) ->
 
 @dataclass(frozen=True)
 class Search:
-    """How one planner run solves each mesh: the settings ``PlanOptions`` gave (the profile loaded and restricted
-    to the allowed collectives, the budget in bytes) and the run's ``cost.pricing.PricingCache``, shared by every
-    table the run builds (each mesh, each recomputation choice, the baselines) and dropped with it.
-
-    ``gpus_per_node``: axes whose groups cross nodes are priced at the inter-node link.  ``tie_layers``: repeated
-    layers share their decision variables (``search.tying``).  ``gap``: each solve stops once proven within it."""
+    """How one planner run solves each mesh: its ``PlanOptions`` (objective, solver, mode, contract, time limit,
+    topology, tying, gap: each read from there, never restated), the profile they name, loaded and restricted to
+    the allowed collectives, the budget in bytes (``cost.memory.budget_bytes`` of ``memory_gb``), and the run's
+    ``cost.pricing.PricingCache``, shared by every table the run builds (each mesh, each recomputation choice, the
+    baselines) and dropped with it."""
 
     profile: Profile
-    objective: str = "time"
-    solver: str = "ilp"
+    options: PlanOptions = PlanOptions()
     memory_bytes: float | None = None
-    mode: str = "auto"
-    local_batch: bool = False
-    time_limit_s: float = 60.0
-    gpus_per_node: int | None = None
-    tie_layers: bool = True
-    gap: float = TARGET_GAP
     pricing: PricingCache = field(default_factory=PricingCache, repr=False, compare=False)
     # the profile on each mesh (``Profile.on_mesh``: which axes cross nodes), worked out once per mesh
     placed: dict[Mesh, Profile] = field(default_factory=dict, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}: use one of {MODES}")
-
     def on_mesh(self, mesh: Mesh) -> Profile:
         """The run's profile on ``mesh`` (``Profile.on_mesh`` with the run's ``gpus_per_node``)."""
         if mesh not in self.placed:
-            self.placed[mesh] = self.profile.on_mesh(mesh, self.gpus_per_node)
+            self.placed[mesh] = self.profile.on_mesh(mesh, self.options.gpus_per_node)
         return self.placed[mesh]
 
     def table(self, cap: Captured, mesh: Mesh, recompute: frozenset[str] = frozenset(),
               work: SharedWork | None = None) -> PlanGraph:
         """The candidate table of ``cap`` on ``mesh`` that ``solve_on`` solves (``work``: ``graph.SharedWork`` of
         the tables of other recomputation choices on ``mesh``)."""
-        return build(cap, mesh, self.on_mesh(mesh), objective=self.objective,
-                     domains=_domains(cap, mesh, self.mode, self.local_batch), pin_params=self.mode in ("dp", "mp"),
-                     local_outputs=self.local_batch, divide_work=True if self.mode in ("dp", "mp") else None,
+        o = self.options
+        return build(cap, mesh, self.on_mesh(mesh), objective=o.objective,
+                     domains=_domains(cap, mesh, o.mode, o.local_batch), pin_params=o.mode in ("dp", "mp"),
+                     local_outputs=o.local_batch, divide_work=True if o.mode in ("dp", "mp") else None,
                      recompute=recompute, pricing=self.pricing, work=work)
 
 
@@ -141,15 +130,15 @@ def solve_on(cap: Captured, mesh: Mesh, search: Search, incumbent: float | None 
 def solve_table_on(g: PlanGraph, search: Search, incumbent: float | None = None,
                    recompute: frozenset[str] = frozenset()) -> Result:
     """``solve_on``'s solve of a table already built (``MemoryBudgetError`` when no plan of it fits)."""
-    objective, solver, memory_bytes = search.objective, search.solver, search.memory_bytes
+    objective, solver, memory_bytes = search.options.objective, search.options.solver, search.memory_bytes
     least = least_memory(g)
     if memory_bytes is not None and least > memory_bytes:
         raise MemoryBudgetError(least, g.mesh)
-    runs = find_repeats(g) if search.tie_layers and solver != "brute" else []
+    runs = find_repeats(g) if search.options.tie_layers and solver != "brute" else []
 
     def solved(overlap: float | None = None, phase: str = "activations", cutoff: float | None = None) -> Result:
         problem = to_problem(g, objective, memory_bytes, overlap=overlap, phase=phase)
-        r = evaluate(g, solve(problem, solver, search.time_limit_s, search.gap, runs, cutoff=cutoff))
+        r = evaluate(g, solve(problem, solver, search.options.time_limit_s, search.options.gap, runs, cutoff=cutoff))
         r.runs, r.recompute = runs, recompute
         return r
 
@@ -206,7 +195,7 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: float 
     unbudgeted problem reaches the best plan found (no later choice of the chain can beat it).  Exact over the
     choices searched; for a stack of equal layers, which ``k`` layers are recomputed does not change the model,
     so ``A_k`` stands for any ``k``."""
-    objective, budget = search.objective, search.memory_bytes
+    objective, budget = search.options.objective, search.memory_bytes
     best: Result | None = None
     misfits: list[MemoryBudgetError] = []
     pruned: Pruned | None = None
@@ -473,8 +462,7 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     mesh = Mesh(opts.mesh) if opts.mesh else None
     devices, objective, precision, recompute = opts.world, opts.objective, opts.precision, opts.recompute
     profile = opts.profile if isinstance(opts.profile, Profile) else load_profile(opts.profile)
-    search = Search(with_collectives(profile, opts.collectives), objective, opts.solver, budget_bytes(opts.memory_gb),
-                    opts.mode, opts.local_batch, opts.time_limit_s, opts.gpus_per_node, opts.tie_layers, opts.gap)
+    search = Search(with_collectives(profile, opts.collectives), opts, budget_bytes(opts.memory_gb))
     prof, budget = search.profile, search.memory_bytes
     if captured is not None:
         cap = captured
@@ -539,25 +527,26 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     if baselines:
         say("baselines")
         base = price_baselines(cap, devices, prof, objective,
-                               lambda g: solve_table(g, objective, "ilp", search.time_limit_s), budget,
-                               search.gpus_per_node, search.pricing)
+                               lambda g: solve_table(g, objective, "ilp", opts.time_limit_s), budget,
+                               opts.gpus_per_node, search.pricing)
     if best.graph.fallback_ops:
         warnings.warn(
             f"soybean: no sharding rule for {', '.join(best.graph.fallback_ops)}; these ops run replicated",
             stacklevel=2,
         )
-    out = to_plan(cap, best, objective, prof.name, devices, base, seconds, search.solver, results, best.recompute)
+    out = to_plan(cap, best, objective, prof.name, devices, base, seconds, opts.solver, results, best.recompute)
     out.collectives = opts.collectives
     out.meshes += pruned
-    out.local_batch = search.local_batch
-    out.gpus_per_node = search.gpus_per_node
+    out.local_batch = opts.local_batch
+    out.gpus_per_node = opts.gpus_per_node
     return out
 
 
 def solve_table(g: PlanGraph, objective: str, solver: str = "ilp", time_limit_s: float = 60.0) -> Result:
     """Solve a table already built (a baseline's restricted one) as ``solve_on`` solves its own, with
     no memory budget and no layers tied."""
-    return solve_table_on(g, Search(g.profile, objective, solver, time_limit_s=time_limit_s, tie_layers=False))
+    return solve_table_on(g, Search(g.profile, PlanOptions(objective=objective, solver=solver,
+                                                           time_limit_s=time_limit_s, tie_layers=False)))
 
 
 def to_plan(

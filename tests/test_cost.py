@@ -2,25 +2,23 @@
 sync's share of a reshard, the wait at blocking collectives, and the overlap the planner credits (capped by backward compute)."""
 from __future__ import annotations
 
+import itertools
+import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from soybean.capture import capture
-import itertools
-import random
-
-import numpy as np
-
 from soybean.cost.collectives import price_routes, reshard_cost
-from soybean.reshard import Route
-from soybean.cost.compute import compute_seconds
-from soybean.cost.compute import passes
-from soybean.mesh import Mesh
-from soybean.planner import BACKWARD_SHARE, Search, solve_on
+from soybean.cost.compute import compute_seconds, passes
 from soybean.cost.profiles import BUILTIN
+from soybean.mesh import Mesh
+from soybean.options import PlanOptions
+from soybean.planner import BACKWARD_SHARE, Search, solve_on
+from soybean.reshard import Route
 from soybean.rules.base import make_opspec
 from soybean.tiling import Partial, R, Shard
 
@@ -81,7 +79,7 @@ def test_hidden_sync_is_capped_by_backward_compute(overlap: float) -> None:
     net = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
     cap = capture(net, (torch.randn(64, 256),))
     prof = replace(PROFILE, grad_overlap=overlap)
-    r = solve_on(cap, Mesh((2,)), Search(prof, mode="dp"))
+    r = solve_on(cap, Mesh((2,)), Search(prof, PlanOptions(mode="dp")))
     op_compute = sum(float(v.compute_s[c]) for v, c in zip(r.graph.vars, r.solution.choice) if v.kind == "op")
     assert r.sync_s > 0  # data parallel: every weight's gradient is summed
     assert r.hidden_s == pytest.approx(min(overlap * r.sync_s, BACKWARD_SHARE * op_compute))
