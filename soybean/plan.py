@@ -32,6 +32,18 @@ def _tiling(names: Mapping[str, list[str]], key: str, ndim: int) -> Tiling:
     return tuple(parse_placement(s) for s in names[key]) if key in names else (R,) * ndim
 
 
+def _node_tilings(nodes: Mapping[str, Mapping[str, Any]], name: str) -> tuple[list[Tiling], list[Tiling]]:
+    """The input and output tilings ``nodes`` records for op or reshard point ``name``."""
+    rec = nodes[name]
+    return ([tuple(parse_placement(s) for s in t) for t in rec["in"]],
+            [tuple(parse_placement(s) for s in t) for t in rec["out"]])
+
+
+def _grad_partial(nodes: Mapping[str, Mapping[str, Any]], name: str) -> tuple[int, ...]:
+    """The axes over which reshard point ``name`` sums partial gradients (empty if none)."""
+    return tuple(int(a) for a in nodes[name].get("grad_partial", [[]])[0])
+
+
 def _renamer(mine: Sequence[Sequence[str]], keys: Mapping[str, str]) -> Callable[[str], str] | None:
     """How a plan whose nodes have the [name, structural key] pairs ``mine`` names them in a graph whose node keys
     are ``keys`` (``Captured.keys``); None when the names already agree.
@@ -103,16 +115,11 @@ class Program:
 
     def grad_partial_axes(self, name: str) -> tuple[int, ...]:
         """The axes over which reshard point ``name`` sums partial gradients (empty if none)."""
-        return tuple(int(a) for a in self.nodes[name].get("grad_partial", [[]])[0])
+        return _grad_partial(self.nodes, name)
 
     def node_tilings(self, name: str) -> tuple[list[Tiling], list[Tiling]]:
         """Op or reshard point ``name``'s input and output tilings."""
-        rec = self.nodes[name]
-
-        def conv(ts: list[list[str]]) -> list[Tiling]:
-            return [tuple(parse_placement(s) for s in t) for t in ts]
-
-        return conv(rec["in"]), conv(rec["out"])
+        return _node_tilings(self.nodes, name)
 
 
 def _sig(x: float) -> float:
@@ -182,12 +189,12 @@ class Plan:
         return _tiling(self.inputs, name, len(self.mesh))
 
     def node_tilings(self, name: str) -> tuple[list[Tiling], list[Tiling]]:
-        """Op or reshard point ``name``'s input and output tilings (``Program.node_tilings``)."""
-        return self.program.node_tilings(name)
+        """Op or reshard point ``name``'s input and output tilings."""
+        return _node_tilings(self.nodes, name)
 
     def grad_partial_axes(self, name: str) -> tuple[int, ...]:
-        """The axes over which reshard point ``name`` sums partial gradients (``Program.grad_partial_axes``)."""
-        return self.program.grad_partial_axes(name)
+        """The axes over which reshard point ``name`` sums partial gradients (empty if none)."""
+        return _grad_partial(self.nodes, name)
 
     def algorithms(self) -> dict[tuple[str, int, int, str], Algo]:
         """The record's summary of the ``reshards`` rows: (collective, mesh axis, message bytes, phase) ->
