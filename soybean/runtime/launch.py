@@ -7,6 +7,7 @@ dies silently is reported with its exit code, and a run that exceeds
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import multiprocessing as mp
 import os
@@ -114,7 +115,25 @@ def init_from_env(backend: str | None = None, timeout_s: float | None = None) ->
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _init_process_group(backend or default_backend(), rank, world, int(os.environ.get("LOCAL_RANK", rank)),
                         collective_timeout(timeout_s))
+    atexit.register(_teardown)
     return rank, world
+
+
+def _teardown() -> None:
+    """At exit, the process group this module made is destroyed, its pending sums first (``runtime.pending``).
+
+    A training script under torchrun seldom destroys it; left to the interpreter's finalisation, the group and
+    its store were torn down with a worker thread still joinable and the rank aborted after its last step
+    ("terminate called without an active exception"), failing a torchrun run that had finished.  A peer already
+    gone is no error at exit."""
+    from .pending import wait_all
+
+    try:
+        wait_all()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # the other ranks may have left: nothing to finish
+        pass
 
 
 # ---- local processes --------------------------------------------------------------
