@@ -60,6 +60,7 @@ class Result:
     sync_s: float = 0.0        # all gradient-sync time (part of comm_s)
     runs: list[Run] = field(default_factory=list)  # the repeated layers solved tied
     recompute: frozenset[str] = frozenset()  # the units whose forward reruns in backward
+    cap_s: float = 0.0         # the most gradient-sync time backward can hide: BACKWARD_SHARE * op compute
 
     @property
     def step_time_s(self) -> float:
@@ -136,8 +137,9 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: float | None = None,
         raise MemoryBudgetError(least, g.mesh)
     runs = find_repeats(g) if search.options.tie_layers and solver != "brute" else []
 
-    def solved(overlap: float | None = None, phase: str = "activations", cutoff: float | None = None) -> Result:
-        problem = to_problem(g, objective, memory_bytes, overlap=overlap, phase=phase)
+    def solved(mu: float = 0.0, phase: str = "activations", cutoff: float | None = None) -> Result:
+        ov = (1.0 - mu) * g.profile.grad_overlap
+        problem = to_problem(g, objective, memory_bytes, overlap=ov, phase=phase, compute_credit=mu * BACKWARD_SHARE)
         r = evaluate(g, solve(problem, solver, search.options.time_limit_s, search.options.gap, runs, cutoff=cutoff))
         r.runs, r.recompute = runs, recompute
         return r
@@ -149,17 +151,69 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: float | None = None,
     if memory_bytes is not None and r.memory > memory_bytes:
         phase = "sum"
         r = solved(phase=phase, cutoff=incumbent)
-    # The search credits ``grad_overlap * sync`` as hidden; ``evaluate`` caps that at the backward
-    # compute.  That credit is a lower bound of every plan's true cost and exact for this one when
-    # uncapped, so the plan is optimal within ``capped``, the credit the cap took away.  Only when the
-    # gap matters is the plan priced with no overlap at all tried too, and the better one kept; not
-    # when the first solve's bound, a lower bound of every plan's true time on this mesh (the linear
-    # credit is never below the capped one), shows this mesh cannot beat the incumbent.
-    capped = g.profile.grad_overlap * r.sync_s - r.hidden_s
-    hopeless = incumbent is not None and r.solution.bound >= incumbent
-    if objective == "time" and capped > RESOLVE_GAP * r.step_time_s and not hopeless:
-        r = min(r, solved(overlap=0.0, phase=phase), key=lambda x: x.step_time_s)
-    return r
+    if objective != "time":
+        return r
+    return capped_overlap(r, lambda mu, cut: solved(mu, phase, cut), search.options.gap, incumbent)
+
+
+# The most Lagrangian members ``capped_overlap`` solves after the first.
+OVERLAP_STEPS = 6
+
+
+def capped_overlap(first: Result, solved: Callable[[float, float | None], Result], gap: float,
+                   incumbent: float | None = None) -> Result:
+    """The best plan under the capped overlap, with a lower bound of it.
+
+    The step time is ``T(x) = L(x) - min(o S(x), b K(x))``: ``L`` the seconds with nothing hidden, ``S`` the
+    deferred gradient syncs, ``K`` the ops' compute, ``o`` the profile's ``grad_overlap``, ``b`` ``BACKWARD_SHARE``
+    (``evaluate``).  ``min`` is not linear, but for every ``mu`` in [0, 1], ``min(o S, b K) <= (1 - mu) o S + mu b K``,
+    so the linear problem ``T_mu(x) = L(x) - (1 - mu) o S(x) - mu b K(x)`` (``to_problem``'s ``overlap`` and
+    ``compute_credit``) is below ``T`` everywhere, and its solve's bound is a lower bound of ``min T`` (weak
+    duality): the dual ``D(mu) = min_x T_mu(x)`` is concave, each plan ``x`` a line of it.  ``first`` is member 0
+    (all of the sync credited); when its plan hides all it is credited with (``o S <= b K``) it is optimal as it
+    stands.  Otherwise member 1 follows, then the member where the lines of the last plan on either side of the
+    dual's peak (slope ``o S - b K`` above and below 0) cross (Kelley's cutting planes in one dimension: a plan
+    found again ends it), each plan priced exactly and the best kept, until the best plan is within ``gap`` of
+    the best bound or ``OVERLAP_STEPS`` members; ``Pruned`` once the bound reaches ``incumbent`` (another mesh is
+    better).  The result's ``solution`` carries ``T`` of its plan as objective and the best bound."""
+    o = first.graph.profile.grad_overlap
+
+    def line(r: Result) -> tuple[float, float]:  # T_mu of r's plan = a + mu * slope
+        a = r.comm_s + r.compute_s - o * r.sync_s
+        return a, o * r.sync_s - r.cap_s
+
+    best, bound = first, first.solution.bound
+    lo, hi = line(first), None
+    if lo[1] > 0:
+        seen = {tuple(first.solution.choice)}
+        mu = 1.0
+        for _ in range(OVERLAP_STEPS):
+            if incumbent is not None and bound >= incumbent:
+                raise Pruned(bound, incumbent)
+            if relative_gap(best.step_time_s, bound) <= gap:
+                break
+            try:
+                r = solved(mu, incumbent)
+            except Pruned as e:  # this member's bound already reaches the incumbent: so does T's
+                raise Pruned(max(bound, e.bound), incumbent if incumbent is not None else e.bound) from None
+            bound = max(bound, r.solution.bound)
+            best = min(best, r, key=lambda x: x.step_time_s)
+            key = tuple(r.solution.choice)
+            if key in seen:
+                break  # the envelope of the plans found is the dual at its peak
+            seen.add(key)
+            a, slope = line(r)
+            if slope > 0:
+                lo = (a, slope)
+            else:
+                hi = (a, slope)
+            if hi is None:
+                break  # the dual rises all the way to member 1: its bound is the dual's best
+            mu = min(1.0, max(0.0, (hi[0] - lo[0]) / (lo[1] - hi[1])))  # where the two lines cross
+    t, bound = best.step_time_s, min(bound, best.step_time_s)
+    status = best.solution.status if relative_gap(t, bound) <= gap else "feasible"
+    best.solution = replace(best.solution, objective=t, bound=bound, status=status)
+    return best
 
 
 def recompute_units(cap: Captured, recompute: str) -> frozenset[str]:
@@ -182,16 +236,26 @@ def recompute_choices(cap: Captured) -> list[list[frozenset[str]]]:
     return chains
 
 
+def solve_plain(cap: Captured, mesh: Mesh, search: Search, incumbent: float | None = None) -> Result:
+    """The fastest plan on ``mesh`` with nothing recomputed and no memory budget (``Pruned`` when its bound reaches
+    ``incumbent``).  Recomputation only adds time (``solve_recompute``), so its ``solution.bound`` bounds every
+    recomputation choice's plans under any budget, and when its plan fits the budget it is the best of them all."""
+    return solve_table_on(search.table(cap, mesh), replace(search, memory_bytes=None), incumbent)
+
+
 def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: float | None = None,
-                    say: Callable[[str], None] = lambda line: None) -> Result:
+                    say: Callable[[str], None] = lambda line: None, floor: float | None = None) -> Result:
     """Recomputation decided with the tilings: the best plan on ``mesh`` over every choice of
     ``recompute_choices`` (each solved exactly with its tilings), within ``memory_bytes``.
 
-    Recomputation only adds time (``T(tiling, A) <= T(tiling, A')`` for ``A`` inside ``A'``), so the lower bound of
-    the table with nothing recomputed (``search.lower_bound``) bounds every choice: a mesh whose bound reaches
-    ``incumbent`` is pruned after one table.  Along a chain each step recomputes more ops, so the least memory any
-    plan reaches only shrinks: the first choice that can fit the budget is found by bisection on it (the choices
-    before it cannot fit), and from there the chain is solved in order until the lower bound of a choice's
+    Recomputation only adds time (``T(tiling, A) <= T(tiling, A')`` for ``A`` inside ``A'``: a rerun adds its
+    compute ``d`` and its reshards, and lets backward hide at most ``BACKWARD_SHARE * d`` more), so the lower bound
+    of the table with nothing recomputed (``search.lower_bound``) bounds every choice: a mesh whose bound reaches
+    ``incumbent`` is pruned after one table; and when the fastest plan with nothing recomputed, found without the
+    budget (``solve_plain``), fits it, it is the answer of every choice, else its bound (``floor``, when the caller
+    solved it) bounds them all.  Along a chain each step recomputes more ops, so the least
+    memory any plan reaches only shrinks: the first choice that can fit the budget is found by bisection on it (the
+    choices before it cannot fit), and from there the chain is solved in order until the lower bound of a choice's
     unbudgeted problem reaches the best plan found (no later choice of the chain can beat it).  Exact over the
     choices searched; for a stack of equal layers, which ``k`` layers are recomputed does not change the model,
     so ``A_k`` stands for any ``k``."""
@@ -227,6 +291,8 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: float 
         """``Pruned`` when the lower bound of ``g``'s unbudgeted problem reaches the cut."""
         if (c := cut()) is None:
             return None
+        if floor is not None and floor >= c:
+            return Pruned(floor, c)
         p = to_problem(g, objective)
         return Pruned(bound, c) if (bound := lower_bound(reduce(p), p)) >= c else None
 
@@ -234,6 +300,11 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: float 
     plain = table(frozenset())
     if (p := bounded(plain)) is not None:
         raise p  # recomputing anything only adds time to every plan of this mesh
+    if budget is not None and floor is None:
+        free = solve_table_on(plain, replace(search, memory_bytes=None), cut())
+        if free.memory <= budget:
+            return free  # the fastest plan of every choice, and it fits
+        floor = free.solution.bound
     if budget is not None and (c := cut()) is not None and chains[0][-1]:
         if (p := budget_bound(plain, table(chains[0][-1]), objective, budget, c)) is not None:
             raise p  # no recomputation choice fits a plan of this mesh that beats the cut
@@ -370,10 +441,6 @@ def budget_hints(cap: Captured, model: torch.nn.Module | None, example_inputs: A
     return hints
 
 
-# Re-solve without the overlap credit only when the capped credit exceeds this share of the step.
-RESOLVE_GAP = 0.005
-
-
 # The share of the ops' training compute taken as backward, the work an asynchronous gradient
 # all-reduce can hide behind: 2 of a linear layer's 3 forward-equivalents (graph.passes).  A flat
 # share, not each op's own (passes - 1) / passes: an approximation of the cap.
@@ -398,7 +465,7 @@ def evaluate(g: PlanGraph, sol: Solution) -> Result:
         comp += float(v.compute_s[c]) - in_s
         op_comp += float(v.compute_s[c]) - in_s if v.kind == "op" else 0.0
     hidden = min(g.profile.grad_overlap * sync, BACKWARD_SHARE * op_comp)
-    return Result(g, sol, b, s, comp, max(phase_peaks(g, sol.choice)), hidden, sync)
+    return Result(g, sol, b, s, comp, max(phase_peaks(g, sol.choice)), hidden, sync, cap_s=BACKWARD_SHARE * op_comp)
 
 
 def plan(
@@ -484,30 +551,32 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     misfits: list[MemoryBudgetError] = []
     failed: list[SearchError] = []
     pruned: list[dict[str, Any]] = []
+    floors: dict[Mesh, float] = {}  # a mesh's plain plan's bound, where that plan does not fit the budget
 
     def rank(r: Result) -> tuple[float, int]:  # the best mesh: cheapest, then fewest axes
         return r.value(objective), r.graph.mesh.ndim
 
-    for m in meshes:
-        say(f"mesh {m}: build and solve")
+    def attempt(m: Mesh, solve_mesh: Callable[[Mesh, float | None], Result]) -> None:
+        """``solve_mesh(m, incumbent)``'s plan kept in ``results``, or why there is none recorded."""
+        incumbent = min((r.step_time_s for r in results), default=None) if objective == "time" else None
         try:
-            incumbent = min((r.step_time_s for r in results), default=None) if objective == "time" else None
-            if recompute == "auto":
-                results.append(solve_recompute(cap, m, search, incumbent, say))
-            else:
-                results.append(solve_on(cap, m, search, incumbent, rec))
+            results.append(solve_mesh(m, incumbent))
+        except _Floor as e:
+            floors[m] = e.bound
+            say(f"mesh {m}: its fastest plan needs recomputation or more memory: bound {e.bound:.4g}")
+            return
         except MemoryBudgetError as e:
             misfits.append(e)
             say(f"mesh {m}: no plan fits the memory budget")
-            continue
+            return
         except Pruned as e:  # proven no better than a mesh already solved
             pruned.append({"mesh": list(m.shape), "bound": e.bound, "pruned": True})
             say(f"mesh {m}: lower bound {e.bound:.4g} is no better than the best so far: not solved")
-            continue
+            return
         except SearchError as e:  # this mesh found no plan in its time: the others still count
             failed.append(e)
             say(f"mesh {m}: no plan found ({e})")
-            continue
+            return
         sol = results[-1].solution
         lead = min(results, key=rank)
         for r in results:  # only the best mesh's tables are read again: free the others' (GBs at 64 devices)
@@ -515,6 +584,33 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
                 r.graph = PlanGraph(r.graph.mesh, r.graph.profile, pricing=search.pricing)
         say(f"mesh {m}: {results[-1].value(objective):.4g} ({objective}), "
             f"gap {relative_gap(sol.objective, sol.bound):.2%}")
+
+    # Under a budget with recomputation free, every mesh's fastest plan with nothing recomputed and no budget
+    # (``solve_plain``) comes first: one table each; those that fit are their mesh's answer and set the
+    # incumbent, and the rest are searched cheapest bound first, each pruned at once when its bound reaches the
+    # incumbent (a mesh whose budget binds hard is slow to search and rarely wins).
+    def plain(m: Mesh, incumbent: float | None) -> Result:
+        free = solve_plain(cap, m, search, incumbent)
+        if budget is not None and free.memory > budget:
+            raise _Floor(free.solution.bound)
+        return free
+
+    if recompute == "auto" and budget is not None and objective == "time":
+        for m in meshes:
+            say(f"mesh {m}: nothing recomputed, no budget")
+            attempt(m, plain)
+        meshes = sorted(floors, key=floors.__getitem__)
+
+    def searched(m: Mesh, incumbent: float | None) -> Result:
+        if recompute != "auto":
+            return solve_on(cap, m, search, incumbent, rec)
+        if m in floors and incumbent is not None and floors[m] >= incumbent:
+            raise Pruned(floors[m], incumbent)
+        return solve_recompute(cap, m, search, incumbent, say, floors.get(m))
+
+    for m in meshes:
+        say(f"mesh {m}: build and solve")
+        attempt(m, searched)
     if not results:
         if misfits and not failed:
             least = min(misfits, key=lambda e: e.least)
@@ -540,6 +636,14 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     out.local_batch = opts.local_batch
     out.gpus_per_node = opts.gpus_per_node
     return out
+
+
+class _Floor(Exception):
+    """``_plan``'s first pass: this mesh's fastest plan does not fit; ``bound`` bounds every plan of it."""
+
+    def __init__(self, bound: float) -> None:
+        super().__init__(bound)
+        self.bound = bound
 
 
 def solve_table(g: PlanGraph, objective: str, solver: str = "ilp", time_limit_s: float = 60.0) -> Result:

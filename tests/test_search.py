@@ -352,3 +352,21 @@ def test_budget_multiplier_search_reaches_the_dual_optimum(seed: int) -> None:
     top = max(abs(opt), 1.0) / float(p.budget) * 64
     best_l = max(brute_force(relaxed(p, lam))[1] - lam * float(p.budget) for lam in np.linspace(0.0, top, 400))
     assert dual.bound >= best_l - 1e-7 * max(1.0, abs(best_l))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ilp_cutoff_prunes_at_its_lp_bound_and_only_what_cannot_win(seed: int) -> None:
+    """``solve_ilp``'s cutoff is checked against its LP relaxation: a cutoff at the LP optimum raises ``Pruned``,
+    one just above the exact optimum never does (the LP optimum is a lower bound of every plan)."""
+    from soybean.search import Pruned
+
+    rng = random.Random(1300 + seed)
+    p = reduce(random_problem(rng, 9, dag=seed % 2 == 0)).core
+    if p.n == 0:
+        return
+    _, opt = brute_force(p)
+    lp = solve_ilp(p, gap=1e9).bound  # returned at the LP: its plan's gap is within any target this loose
+    assert lp <= opt + 1e-9
+    with pytest.raises(Pruned):
+        solve_ilp(p, cutoff=lp)
+    assert solve_ilp(p, gap=0.0, cutoff=opt + 1e-6 * abs(opt) + 1e-9).objective == pytest.approx(opt, rel=1e-9)

@@ -56,7 +56,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from ..mesh import Mesh
-from ..rules.base import OpSpec, Strategy, lookup, node_spec, op_name
+from ..rules.base import OpSpec, Strategy, lookup, node_spec, op_name, tensor_args, tensor_outputs
 from ..tiling import Replicate, max_local_numel
 
 # The share of ``memory_gb`` the modelled peak may not use.  The memory model is not exact: against live-bytes
@@ -278,23 +278,12 @@ def saved(op: OpSpec, grads: Sequence[bool]) -> Saved:
 _MAY_COPY = frozenset({"aten.reshape.default", "aten.flatten.using_ints"})
 
 
-def _tensor_args(node: fx.Node) -> list[fx.Node]:
-    """``node``'s tensor arguments in the order of ``OpSpec.inputs`` (as ``graph.build._build`` lists them)."""
-    args, _ = tree_flatten((node.args, node.kwargs))
-    return [a for a in args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-
-
 def _source(a: fx.Node) -> tuple[fx.Node, int]:
     if a.op == "call_function" and a.target is operator.getitem:
         src, idx = a.args[0], a.args[1]
         assert isinstance(src, fx.Node) and isinstance(idx, int)
         return src, idx
     return a, 0
-
-
-def _tensor_outputs(node: fx.Node) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(node.meta.get("val"))
-    return [t for t in leaves if isinstance(t, torch.Tensor)]
 
 
 def _storage(t: torch.Tensor) -> object:
@@ -304,9 +293,9 @@ def _storage(t: torch.Tensor) -> object:
         return None
 
 
-def _aliased_input(node: fx.Node, j: int, args: list[fx.Node]) -> int | None:
+def _aliased_input(node: fx.Node, j: int, args: Sequence[fx.Node]) -> int | None:
     """The input whose storage output ``j`` of ``node`` shares, if any."""
-    outs = _tensor_outputs(node)
+    outs = tensor_outputs(node)
     if j < len(outs):
         sid = _storage(outs[j])
         if sid is not None:
@@ -359,12 +348,12 @@ def liveness(graph: fx.Graph, units: Mapping[str, str] | None = None) -> Livenes
 
     def mark(value: tuple[fx.Node, int], reader: tuple[str, int] | None) -> None:
         node, j = value
-        numel = _tensor_outputs(node)[j].numel() if j < len(_tensor_outputs(node)) else -1
+        numel = tensor_outputs(node)[j].numel() if j < len(tensor_outputs(node)) else -1
         while (node.name, j) in alias:
             node, j = alias[(node.name, j)]
         if node.op != "call_function":
             return  # parameters, inputs and buffers are counted where they are stored
-        base = _tensor_outputs(node)
+        base = tensor_outputs(node)
         if reader is not None and (j >= len(base) or base[j].numel() != numel):
             reader = None  # read through a view of another size (a slice, an expand): count the base
         key = (node.name, j)
@@ -380,12 +369,12 @@ def liveness(graph: fx.Graph, units: Mapping[str, str] | None = None) -> Livenes
             if grad[node.name] and (largest is None or val.numel() > largest[0]):
                 largest = (val.numel(), node.name)
         elif node.op == "call_function":
-            args = _tensor_args(node)
+            args = tensor_args(node)
             if node.target is operator.getitem:
                 grad[node.name] = grad.get(node.args[0].name, False) if isinstance(node.args[0], fx.Node) else False
                 continue
             grads = [grad.get(a.name, False) for a in args]
-            outs = _tensor_outputs(node)
+            outs = tensor_outputs(node)
             grad[node.name] = any(grads) and any(o.dtype.is_floating_point for o in outs)
             for j in range(len(outs)):
                 i = _aliased_input(node, j, args)

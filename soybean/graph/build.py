@@ -31,7 +31,7 @@ from ..mesh import Mesh
 from ..pinning import PINNED, pinned_use, use_tiling
 from ..plan import Plan, Program
 from ..precision import policy
-from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, node_spec, strategies_1d
+from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, node_spec, strategies_1d, tensor_args
 from ..tiling import Partial, R, Replicate, Shard, is_valid
 from .types import Edge, PlanGraph, Var
 from .units import _module_path, _Rerun
@@ -157,11 +157,9 @@ def value_uses(graph: fx.Graph) -> dict[tuple[str, int], int]:
             continue
         if node.op == "call_function" and node.target is operator.getitem:
             continue
-        leaves, _ = tree_flatten((node.args, node.kwargs))
-        for a in leaves:
-            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
-                src, k = _producer(a)
-                uses[(src.name, k)] = uses.get((src.name, k), 0) + 1
+        for a in tensor_args(node):
+            src, k = _producer(a)
+            uses[(src.name, k)] = uses.get((src.name, k), 0) + 1
     return uses
 
 
@@ -369,10 +367,9 @@ class _Builder:
         op = node_spec(node)
         if rules.lookup(node.target) is None and op.inputs:
             self.fallback.add(op.name)
-        args, _ = tree_flatten((node.args, node.kwargs))
-        tensor_args = [a for a in args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-        sources = [value_source(g, a) for a in tensor_args]
-        grads = [self.needs_grad.get(a.name, False) for a in tensor_args]
+        targs = tensor_args(node)
+        sources = [value_source(g, a) for a in targs]
+        grads = [self.needs_grad.get(a.name, False) for a in targs]
         okey = op_key(op) if memo is not None else None
         kid = None
         if memo is not None and okey is not None:
@@ -413,11 +410,11 @@ class _Builder:
                 if kid is not None:
                     compute.flags.writeable = mem.flags.writeable = False
                     memo.vars[kid] = (strategies, compute, mem, c, op_comm, buffer)
-        for i, (a, (u, k)) in enumerate(zip(tensor_args, sources)):
+        for i, (a, (u, k)) in enumerate(zip(targs, sources)):
             _add_edge(g, u, v, k, i, self.needs_grad.get(a.name, False), memo=memo, rerun=rerun.op(node.name),
                       lazy=returned_sum(a, node))
         for i in written_inputs(op):
-            a = tensor_args[i]
+            a = targs[i]
             if a.op != "placeholder":
                 continue
             g.written.add(a.name)

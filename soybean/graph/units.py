@@ -8,9 +8,7 @@ import operator
 from collections.abc import Collection, Hashable
 
 import numpy as np
-import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten
 
 from .. import rules
 from ..capture import Captured
@@ -21,7 +19,7 @@ from ..cost.memory import (
     output_bytes,
 )
 from ..mesh import Mesh
-from ..rules.base import OpSpec, Strategy, make_opspec
+from ..rules.base import OpSpec, Strategy, make_opspec, tensor_args
 from .types import PlanGraph
 from .writes import written_inputs
 
@@ -121,11 +119,10 @@ class _Rerun:
             if n.op not in ("call_function", "output") or n.target is operator.getitem:
                 continue
             reader = self.layer.get(n.name, "")
-            for a in tree_flatten((n.args, n.kwargs))[0]:
-                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
-                    src: tuple[str, int] = ((str(a.args[0].name), int(a.args[1]))  # type: ignore[union-attr, arg-type]
-                                            if a.target is operator.getitem else (a.name, 0))
-                    self.first.setdefault(src, reader)
+            for a in tensor_args(n):
+                src: tuple[str, int] = ((str(a.args[0].name), int(a.args[1]))  # type: ignore[union-attr, arg-type]
+                                        if a.target is operator.getitem else (a.name, 0))
+                self.first.setdefault(src, reader)
         self.units = {k: u for k, u in self.layer.items() if u}
         # Units rerun one at a time: the buffer is the largest unit's activations, charged to each unit of a
         # role (its path without the layer number: ``h.*`` or ``h.*.attn``) as 1 / (units of that role),

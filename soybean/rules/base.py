@@ -230,6 +230,46 @@ def node_spec(node: torch.fx.Node) -> OpSpec:
     return spec
 
 
+# node -> ((args, kwargs) it was flattened from, its tensor arguments): fx replaces a node's args tuple and kwargs
+# dict on every edit, so the same objects mean the same arguments.
+_TENSOR_ARGS: weakref.WeakKeyDictionary[torch.fx.Node, tuple[tuple, dict, tuple[torch.fx.Node, ...]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def tensor_args(node: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
+    """``node``'s tensor-valued arguments (fx nodes whose ``meta['val']`` is a tensor) in ``torch.utils._pytree``
+    flatten order of ``(args, kwargs)``: the order of ``OpSpec.inputs``.  Every table of a planner run walks every
+    node's arguments several times (flattening them was a sixth of building a Llama-3-8B table at 1,024 devices),
+    so it is kept per node while the node's arguments are the same objects."""
+    hit = _TENSOR_ARGS.get(node)
+    if hit is not None and hit[0] is node.args and hit[1] is node.kwargs:
+        return hit[2]
+    from torch.utils._pytree import tree_flatten
+
+    leaves, _ = tree_flatten((node.args, node.kwargs))
+    out = tuple(a for a in leaves if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor))
+    _TENSOR_ARGS[node] = (node.args, node.kwargs, out)
+    return out
+
+
+_TENSOR_OUTPUTS: weakref.WeakKeyDictionary[torch.fx.Node, tuple[Any, tuple[torch.Tensor, ...]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def tensor_outputs(node: torch.fx.Node) -> tuple[torch.Tensor, ...]:
+    """The tensors of ``node``'s traced value (``meta['val']``) in flatten order, kept per node while that value
+    is the same object."""
+    val = node.meta.get("val")
+    hit = _TENSOR_OUTPUTS.get(node)
+    if hit is not None and hit[0] is val:
+        return hit[1]
+    from torch.utils._pytree import tree_flatten
+
+    out = tuple(t for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor))
+    _TENSOR_OUTPUTS[node] = (val, out)
+    return out
+
+
 def replicate_1d(op: OpSpec) -> Strategy1D:
     return Strategy1D(tuple(R for _ in op.inputs), tuple(R for _ in op.outputs))
 

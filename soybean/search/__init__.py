@@ -14,14 +14,14 @@ from .brute import brute_force
 from .budget import lagrangian
 from .dp import solve_dp
 from .ilp import OPTIMAL_GAP, TARGET_GAP, Pruned, SearchError, Solution, relative_gap, solve_ilp
-from .problem import Problem, lower_bound, reduce
+from .problem import Problem, isolated, lower_bound, reduce
 from .tying import Run, find_repeats, tie
 
 OBJECTIVES = ("comm", "time")
 
 
 def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
-               overlap: float | None = None, phase: str = "activations") -> Problem:
+               overlap: float | None = None, phase: str = "activations", compute_credit: float = 0.0) -> Problem:
     """Unary and pairwise costs of ``g`` under ``objective``.
 
     ``comm``: bytes sent per device per training step; step seconds are added
@@ -30,13 +30,19 @@ def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
     ``overlap`` (default: the profile's ``grad_overlap``) of every deferred gradient
     all-reduce is taken as hidden behind backward: ``C = seconds - overlap * sync``.
     This linear discount is exact while the hidden time stays below the backward
-    compute, the cap ``planner.evaluate`` applies (see ``planner.solve_on``).
+    compute, the cap ``planner.evaluate`` applies; ``compute_credit`` ``c`` also takes ``c`` times each op's
+    compute (its ``compute_s`` less its communication inside) off its cost: with ``overlap = (1 - mu) o`` and
+    ``c = mu b`` this is the Lagrangian member ``mu`` of the capped objective (``planner.capped_overlap``).
     ``phase``: the memory the budget constrains (``graph.phase_memory``): the activations phase's, whose
     plan the caller checks against the gradients phase, or ``sum``, both at once.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}: use comm or time")
     unary = [v.compute_s.astype(float).copy() for v in g.vars]
+    if compute_credit and objective == "time":
+        for u, v in zip(unary, g.vars):
+            if v.kind == "op":
+                u -= compute_credit * (u - (v.op_comm[:, 1] if v.op_comm is not None else 0.0))
     memory = [phase_memory(v, phase) for v in g.vars] if memory_budget else None
     # A plan's peak is its variables' memory less ``g.rerun_credit``: the budget on the sum grows by it.
     budget = memory_budget + g.rerun_credit if memory_budget else None
@@ -59,7 +65,7 @@ def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: floa
     relaxation (``budget``), refined by the joint ILP on problems of at most ``REFINE_MAX`` pair costs.
     ``runs``: repeated layers solved tied (``tying``); the bound is then the tied problem's.
     ``cutoff``: raise ``Pruned`` once a lower bound reaches it: the reduction's cheap bound before the
-    solve, and under a budget also each Lagrangian bound (``budget.lagrangian``)."""
+    solve, the ILP's LP relaxation, and under a budget also each Lagrangian bound (``budget.lagrangian``)."""
     t0 = time.perf_counter()
     if runs:
         q, to = tie(p, list(runs))
@@ -84,7 +90,15 @@ def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: fl
     red = reduce(p)
     if cutoff is not None and (bound := lower_bound(red, p)) >= cutoff:
         raise Pruned(bound, cutoff)
-    core = solve_dp(red.core) if solver == "dp" else solve_ilp(red.core, time_limit_s=time_limit_s, gap=gap)
+    if solver == "dp":
+        core = solve_dp(red.core)
+    else:
+        shift = isolated(red, p)  # OPT(p) = OPT(core) + shift
+        try:
+            core = solve_ilp(red.core, time_limit_s=time_limit_s, gap=gap,
+                             cutoff=None if cutoff is None else cutoff - shift)
+        except Pruned as e:
+            raise Pruned(e.bound + shift, cutoff if cutoff is not None else e.bound + shift) from None
     choice = red.expand(core.choice, p.n)
     obj = p.evaluate(choice)
     return Solution(choice, obj, obj - (core.objective - core.bound), core.status, time.perf_counter() - t0,

@@ -235,10 +235,12 @@ OPTIMAL_GAP = 1e-6
 # default): a rounded LP plan that close skips branch and bound (a Llama-3-8B layer: 1.6 s, not 7 s).
 TARGET_GAP = 1e-4
 
-def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP) -> Solution:
+def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP,
+              cutoff: float | None = None) -> Solution:
     """The best choice for ``p`` proven within relative ``gap`` of optimal, or the best found within
     ``time_limit_s``, always with the bound proven so far (status ``optimal`` only when proven within
-    ``OPTIMAL_GAP``); ``SearchError`` when there is none.
+    ``OPTIMAL_GAP``); ``SearchError`` when there is none; ``Pruned`` when the LP relaxation's optimum (a lower
+    bound of every plan) already reaches ``cutoff``.
 
     LP relaxation first; an integral LP optimum is optimal.  A fractional one is rounded (each
     variable's largest ``x``); when the rounded plan is within ``gap`` of the LP bound it is returned,
@@ -256,6 +258,8 @@ def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP
     candidates = [f.choice(values)] if values is not None else []
     fits = [c for c in candidates if _fits(p, c)]
     lp_bound = bound if status == "optimal" else -float("inf")
+    if cutoff is not None and lp_bound >= cutoff:
+        raise Pruned(lp_bound, cutoff)
     if fits and status == "optimal" and relative_gap(p.evaluate(fits[0]), lp_bound) <= gap:
         return _best(p, fits, lp_bound, name, t0)
     left = time_limit_s - (time.perf_counter() - t0)

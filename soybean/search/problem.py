@@ -181,5 +181,9 @@ def lower_bound(red: Reduced, p: Problem) -> float:
     rows = [u.astype(float) for u in red.core.unary]
     for (u, _), C in red.core.edges.items():
         rows[u] = rows[u] + C.min(axis=1)
-    isolated = sum(float(p.unary[rec[1]][rec[2]]) for rec in red.trail if rec[0] == "isolated")
-    return isolated + sum(float(r.min()) for r in rows)
+    return isolated(red, p) + sum(float(r.min()) for r in rows)
+
+
+def isolated(red: Reduced, p: Problem) -> float:
+    """What the variables the reduction found isolated cost at their cheapest: ``OPT(p) - OPT(core)``."""
+    return sum(float(p.unary[rec[1]][rec[2]]) for rec in red.trail if rec[0] == "isolated")

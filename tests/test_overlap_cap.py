@@ -1,0 +1,98 @@
+"""The capped gradient-sync overlap, searched exactly: ``planner.capped_overlap``.
+
+A plan's step is ``T(x) = L(x) - min(o S(x), b K(x))`` (``planner.evaluate``).  The search solves linear members
+``T_mu = L - (1 - mu) o S - mu b K`` (each below ``T`` everywhere): every member's optimum is a lower bound of the
+best plan, the reported bound is one of them, and the plan found is never worse than member 0's or the plan with
+nothing credited (the two the planner solved before).  Recomputation then only adds time, so under a budget
+that the fastest plain plan meets, nothing is recomputed; and the two-pass mesh search (``planner._plan``) finds
+the best plan over meshes that each mesh searched alone finds.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from examples.models import transformer
+from soybean.capture import capture
+from soybean.cost.memory import MEMORY_HEADROOM
+from soybean.cost.profiles import load_profile
+from soybean.mesh import Mesh
+from soybean.options import PlanOptions
+from soybean.planner import (
+    BACKWARD_SHARE,
+    MemoryBudgetError,
+    Pruned,
+    Search,
+    evaluate,
+    solve_recompute,
+    solve_table_on,
+)
+from soybean.planner import plan as make_plan
+from soybean.search import solve, to_problem
+
+pytestmark = pytest.mark.unit
+
+# A machine on which backward is short beside the gradient syncs: crediting every sync as hidden (member 0)
+# picks a plan whose credit the cap then takes back.
+SLOW = replace(load_profile("cpu-gloo"), grad_overlap=1.0, flops=1.1e9, mem_bw=2e8, blocking_s=5e-3)
+
+
+@pytest.fixture(scope="module")
+def table():  # type: ignore[no-untyped-def]
+    model, inputs = transformer(batch=4, seq=16, hidden=32, layers=2, heads=4)
+    search = Search(SLOW, PlanOptions(devices=2))
+    return search.table(capture(model, inputs), Mesh((2,))), search
+
+
+def _member(g, mu: float):  # type: ignore[no-untyped-def]
+    p = to_problem(g, "time", overlap=(1 - mu) * g.profile.grad_overlap, compute_credit=mu * BACKWARD_SHARE)
+    s = solve(p, "ilp", gap=0.0)
+    return evaluate(g, s), s.bound
+
+
+def test_the_bound_is_below_every_plan_and_the_plan_beats_the_old_two(table) -> None:  # type: ignore[no-untyped-def]
+    g, search = table
+    r = solve_table_on(g, search)
+    first, _ = _member(g, 0.0)
+    assert g.profile.grad_overlap * first.sync_s > first.cap_s  # member 0 over-credits: the case under test
+    none = evaluate(g, solve(to_problem(g, "time", overlap=0.0), "ilp", gap=0.0))
+    assert r.solution.objective == r.step_time_s
+    assert r.step_time_s <= min(first.step_time_s, none.step_time_s) * (1 + 1e-12)
+    assert r.step_time_s < first.step_time_s  # the credit the cap took back was worth a different plan
+    for mu in (0.0, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0):
+        plan, dual = _member(g, mu)
+        assert dual <= r.step_time_s * (1 + 1e-9)            # weak duality: every member is below T
+        assert r.solution.bound <= plan.step_time_s * (1 + 1e-9)  # the bound is below every plan found
+    assert r.solution.bound >= _member(g, 0.0)[1] * (1 - 1e-9)  # never weaker than member 0's
+
+
+def test_a_cutoff_above_the_plan_keeps_it_and_one_below_the_bound_prunes(table) -> None:  # type: ignore[no-untyped-def]
+    g, search = table
+    r = solve_table_on(g, search)
+    assert solve_table_on(g, search, incumbent=r.step_time_s * 1.5).step_time_s == pytest.approx(r.step_time_s)
+    with pytest.raises(Pruned):
+        solve_table_on(g, search, incumbent=r.solution.bound * 0.5)
+
+
+def test_the_mesh_search_equals_each_mesh_searched_alone() -> None:
+    """Under a budget with recomputation free, ``plan``'s two passes (plain plans first, the rest cheapest bound
+    first) find the plan each mesh's own ``solve_recompute`` finds at its best."""
+    model, inputs = transformer(batch=4, seq=64, hidden=64, layers=4, heads=4)
+    cap = capture(model, inputs)
+    top = make_plan(None, (), captured=cap, devices=4, baselines=False).cost["memory_bytes"]
+    for share in (1.0, 0.7):
+        budget = share * top
+        p = make_plan(None, (), captured=cap, devices=4, memory_gb=budget / (1 - MEMORY_HEADROOM) / 2**30,
+                      recompute="auto", baselines=False)
+        best = float("inf")
+        for m in ((4,), (2, 2)):
+            try:
+                r = solve_recompute(cap, Mesh(m), Search(load_profile(None), PlanOptions(devices=4),
+                                                         memory_bytes=budget))
+            except MemoryBudgetError:
+                continue
+            best = min(best, r.step_time_s)
+        assert p.cost["step_time_s"] == pytest.approx(best, rel=1e-6), share
+        if share == 1.0:
+            assert p.recompute == []  # the fastest plan fits: recomputation would only add time
