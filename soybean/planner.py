@@ -129,8 +129,10 @@ def solve_on(cap: Captured, mesh: Mesh, search: Search, incumbent: float | None 
 
 
 def solve_table_on(g: PlanGraph, search: Search, incumbent: float | None = None,
-                   recompute: frozenset[str] = frozenset()) -> Result:
-    """``solve_on``'s solve of a table already built (``MemoryBudgetError`` when no plan of it fits)."""
+                   recompute: frozenset[str] = frozenset(), settle: Callable[[Result], bool] | None = None) -> Result:
+    """``solve_on``'s solve of a table already built (``MemoryBudgetError`` when no plan of it fits).  ``settle``:
+    when it holds for member 0's plan (``capped_overlap``), that plan is returned as it is, its bound still a lower
+    bound of every plan of ``g``."""
     objective, solver, memory_bytes = search.options.objective, search.options.solver, search.memory_bytes
     least = least_memory(g)
     if memory_bytes is not None and least > memory_bytes:
@@ -151,7 +153,7 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: float | None = None,
     if memory_bytes is not None and r.memory > memory_bytes:
         phase = "sum"
         r = solved(phase=phase, cutoff=incumbent)
-    if objective != "time":
+    if objective != "time" or (settle is not None and settle(r)):
         return r
     return capped_overlap(r, lambda mu, cut: solved(mu, phase, cut), search.options.gap, incumbent)
 
@@ -239,8 +241,12 @@ def recompute_choices(cap: Captured) -> list[list[frozenset[str]]]:
 def solve_plain(cap: Captured, mesh: Mesh, search: Search, incumbent: float | None = None) -> Result:
     """The fastest plan on ``mesh`` with nothing recomputed and no memory budget (``Pruned`` when its bound reaches
     ``incumbent``).  Recomputation only adds time (``solve_recompute``), so its ``solution.bound`` bounds every
-    recomputation choice's plans under any budget, and when its plan fits the budget it is the best of them all."""
-    return solve_table_on(search.table(cap, mesh), replace(search, memory_bytes=None), incumbent)
+    recomputation choice's plans under any budget, and when its plan fits the budget it is the best of them all.
+    When member 0's plan (``capped_overlap``) breaks the budget, that plan and its bound are returned without the
+    cap's search: the mesh needs the recomputation search anyway, which the bound already serves."""
+    budget = search.memory_bytes
+    return solve_table_on(search.table(cap, mesh), replace(search, memory_bytes=None), incumbent,
+                          settle=lambda r: budget is not None and r.memory > budget)
 
 
 def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: float | None = None,
@@ -301,7 +307,7 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: float 
     if (p := bounded(plain)) is not None:
         raise p  # recomputing anything only adds time to every plan of this mesh
     if budget is not None and floor is None:
-        free = solve_table_on(plain, replace(search, memory_bytes=None), cut())
+        free = solve_table_on(plain, replace(search, memory_bytes=None), cut(), settle=lambda r: r.memory > budget)
         if free.memory <= budget:
             return free  # the fastest plan of every choice, and it fits
         floor = free.solution.bound
@@ -590,7 +596,12 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     # incumbent, and the rest are searched cheapest bound first, each pruned at once when its bound reaches the
     # incumbent (a mesh whose budget binds hard is slow to search and rarely wins).
     def plain(m: Mesh, incumbent: float | None) -> Result:
-        free = solve_plain(cap, m, search, incumbent)
+        try:
+            free = solve_plain(cap, m, search, incumbent)
+        except (Pruned, MemoryBudgetError):
+            raise
+        except SearchError:  # no plain plan in the time limit: the recomputation search still tries the mesh
+            raise _Floor(-math.inf) from None
         if budget is not None and free.memory > budget:
             raise _Floor(free.solution.bound)
         return free
