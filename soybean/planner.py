@@ -244,8 +244,13 @@ def solve_plain(cap: Captured, mesh: Mesh, search: Search, incumbent: float | No
     recomputation choice's plans under any budget, and when its plan fits the budget it is the best of them all.
     When member 0's plan (``capped_overlap``) breaks the budget, that plan and its bound are returned without the
     cap's search: the mesh needs the recomputation search anyway, which the bound already serves."""
+    return _solve_free(search.table(cap, mesh), search, incumbent)
+
+
+def _solve_free(plain: PlanGraph, search: Search, incumbent: float | None) -> Result:
+    """``solve_plain``'s solve of the plain table already built."""
     budget = search.memory_bytes
-    return solve_table_on(search.table(cap, mesh), replace(search, memory_bytes=None), incumbent,
+    return solve_table_on(plain, replace(search, memory_bytes=None), incumbent,
                           settle=lambda r: budget is not None and r.memory > budget)
 
 
@@ -307,7 +312,7 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: float 
     if (p := bounded(plain)) is not None:
         raise p  # recomputing anything only adds time to every plan of this mesh
     if budget is not None and floor is None:
-        free = solve_table_on(plain, replace(search, memory_bytes=None), cut(), settle=lambda r: r.memory > budget)
+        free = _solve_free(plain, search, cut())
         if free.memory <= budget:
             return free  # the fastest plan of every choice, and it fits
         floor = free.solution.bound
@@ -598,7 +603,7 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     def plain(m: Mesh, incumbent: float | None) -> Result:
         try:
             free = solve_plain(cap, m, search, incumbent)
-        except (Pruned, MemoryBudgetError):
+        except Pruned:
             raise
         except SearchError:  # no plain plan in the time limit: the recomputation search still tries the mesh
             raise _Floor(-math.inf) from None

@@ -97,8 +97,9 @@ def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: fl
         try:
             core = solve_ilp(red.core, time_limit_s=time_limit_s, gap=gap,
                              cutoff=None if cutoff is None else cutoff - shift)
-        except Pruned as e:
-            raise Pruned(e.bound + shift, cutoff if cutoff is not None else e.bound + shift) from None
+        except Pruned as e:  # raised only under a cutoff
+            assert cutoff is not None
+            raise Pruned(e.bound + shift, cutoff) from None
     choice = red.expand(core.choice, p.n)
     obj = p.evaluate(choice)
     return Solution(choice, obj, obj - (core.objective - core.bound), core.status, time.perf_counter() - t0,
