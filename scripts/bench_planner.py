@@ -87,29 +87,56 @@ TORCHTITAN = {
 }
 
 
-def run(case: Case, time_limit: float, timeout: float, cache: str) -> dict:
+def run(case: Case, time_limit: float, timeout: float, cache: str, jobs: int | None = None) -> dict:
     """``soybean plan`` for ``case`` in a fresh process, twice (the second reading the capture cache the first
-    filled): both wall times, the first run's peak RSS (``wait4``) and its plan JSON."""
-    first = _run_once(case, time_limit, timeout, cache)
+    filled): both wall times, the first run's peak RSS (``wait4``: its largest process) and the peak of its
+    processes' RSS summed (sampled: the planner's workers, ``--jobs``), and its plan JSON."""
+    first = _run_once(case, time_limit, timeout, cache, jobs)
     if "error" not in first:
-        second = _run_once(case, time_limit, timeout, cache)
+        second = _run_once(case, time_limit, timeout, cache, jobs)
         first["second_wall_s"] = second["wall_s"]
     return first
 
 
-def _run_once(case: Case, time_limit: float, timeout: float, cache: str) -> dict:
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and every process below it, now (0 for any that has ended)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def _sample_rss(pid: int, peak: list[int], done: threading.Event) -> None:
+    while not done.wait(0.25):
+        peak[0] = max(peak[0], _tree_rss(pid))
+
+
+def _run_once(case: Case, time_limit: float, timeout: float, cache: str, jobs: int | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "plan.json"), os.path.join(tmp, "stderr")
         cmd = [sys.executable, "-m", "soybean.cli", "plan", *case.model, "--arg", f"batch={case.batch}",
                "--devices", str(case.devices), *case.extra, "--time-limit", str(time_limit),
-               "--format", "json", "--out", out, "--quiet"]
+               "--format", "json", "--out", out, "--quiet", *(["--jobs", str(jobs)] if jobs else [])]
         t0 = time.perf_counter()
         with open(err, "w") as ef:
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=ef,
                                     env={**os.environ, "SOYBEAN_CACHE_DIR": cache, "SOYBEAN_NO_CACHE": "0"})
             timer = threading.Timer(timeout, proc.kill)
             timer.start()
+            peak, done = [0], threading.Event()
+            sampler = threading.Thread(target=_sample_rss, args=(proc.pid, peak, done), daemon=True)
+            if os.path.exists("/proc"):
+                sampler.start()
             _, status, usage = os.wait4(proc.pid, 0)
+            done.set()
             timer.cancel()
         proc.returncode = code = os.waitstatus_to_exitcode(status)
         wall = time.perf_counter() - t0
@@ -122,7 +149,8 @@ def _run_once(case: Case, time_limit: float, timeout: float, cache: str) -> dict
     cost, solver = plan["cost"], plan["solver"]
     return {
         "case": case.name, "devices": case.devices, "global_batch": case.batch, "wall_s": round(wall, 1),
-        "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2), "mesh": "x".join(map(str, plan["mesh"])),
+        "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2), "peak_rss_sum_gb": round(peak[0] / 2**30, 2),
+        "mesh": "x".join(map(str, plan["mesh"])),
         "status": solver["status"], "gap": solver["gap"], "step_s": cost["step_time_s"],
         "memory_gb": round(cost["memory_bytes"] / 2**30, 1), "tied": plan.get("tying", {}).get("used", False),
         "baselines": {k: v.get("step_time_s", "infeasible") for k, v in sorted(plan["baselines"].items())},
@@ -136,7 +164,8 @@ def _ms(x: float | str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'case':<15} {'dev':>5} {'batch':>5} {'wall s':>7} {'again s':>7} {'RSS GB':>7} {'mesh':>9} "
+    head = (f"{'case':<15} {'dev':>5} {'batch':>5} {'wall s':>7} {'again s':>7} {'RSS GB':>7} {'sum GB':>7} "
+            f"{'mesh':>9} "
             f"{'status':>8} {'gap':>8} {'step ms':>8} {'mem GB':>7} {'recomp':>6}  baselines (step ms, modelled)")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -146,7 +175,8 @@ def table(rows: list[dict]) -> str:
         base = ", ".join(f"{k} {_ms(v)}" + (f" ({r['checkpointed'][k]} ckpt)" if k in r["checkpointed"] else "")
                          for k, v in r["baselines"].items())
         lines.append(f"{r['case']:<15} {r['devices']:>5} {r['global_batch']:>5} {r['wall_s']:>7.1f} "
-                     f"{r.get('second_wall_s', float('nan')):>7.1f} {r['peak_rss_gb']:>7.2f} {r['mesh']:>9} "
+                     f"{r.get('second_wall_s', float('nan')):>7.1f} {r['peak_rss_gb']:>7.2f} "
+                     f"{r['peak_rss_sum_gb']:>7.2f} {r['mesh']:>9} "
                      f"{r['status']:>8} {r['gap']:>8.2%} {_ms(r['step_s']):>8} {r['memory_gb']:>7.1f} "
                      f"{r['recomputed']:>6}  {base}")
     return "\n".join(lines)
@@ -177,6 +207,7 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0, help="soybean plan --time-limit per solve")
     ap.add_argument("--timeout", type=float, default=900.0, help="give up on a case after this many seconds")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--jobs", type=int, default=None, help="soybean plan --jobs (default: soybean's choice)")
     a = ap.parse_args()
     by_name = {c.name: c for c in CASES}
     unknown = [n for n in a.cases.split(",") if n not in by_name]
@@ -185,7 +216,7 @@ def main() -> None:
     rows = []
     cache = tempfile.mkdtemp(prefix="soybean-bench-cache-")
     for name in a.cases.split(","):
-        rows.append(run(by_name[name], a.time_limit, a.timeout, cache))
+        rows.append(run(by_name[name], a.time_limit, a.timeout, cache, a.jobs))
         if not a.json:
             print(f"{name}: {rows[-1].get('wall_s', '-')} s", file=sys.stderr)
     if a.json:

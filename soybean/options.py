@@ -49,6 +49,7 @@ class PlanOptions:
     precision: str | None = None
     recompute: str = "auto"
     collectives: str = "auto"
+    jobs: int | None = None
 
     def __post_init__(self) -> None:
         mesh = self.mesh
@@ -73,6 +74,8 @@ class PlanOptions:
             raise ValueError(f"--time-limit must be positive, got {self.time_limit_s:g}")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        if self.jobs is not None and self.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {self.jobs}")
         if self.memory_gb is not None and self.memory_gb <= 0:
             raise ValueError(f"--memory-gb must be positive GiB, got {self.memory_gb:g}")
 
@@ -140,6 +143,9 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("gap", "--gap", {"type": float, "metavar": "G",
                       "help": f"stop each solve once its plan is proven within this relative gap (default "
                               f"{TARGET_GAP:g})"}),
+    ("jobs", "--jobs", {"type": int, "metavar": "N",
+                        "help": "processes that search mesh shapes at once (default: this machine's cores for a "
+                                "graph of 400 nodes or more, else 1)"}),
     ("tie_layers", "--no-tie", {"action": "store_false",
                                 "help": "solve every layer's choice separately (default: repeated layers share one)"}),
 )

@@ -36,6 +36,7 @@ from .graph import (
 )
 from .ir.algorithms import check as check_algorithm
 from .mesh import Mesh, factorizations
+from .mesh_pool import default_jobs, each_mesh
 from .options import PlanOptions, options as merge_options
 from .plan import Plan
 from .precision import policy
@@ -61,6 +62,7 @@ class Result:
     runs: list[Run] = field(default_factory=list)  # the repeated layers solved tied
     recompute: frozenset[str] = frozenset()  # the units whose forward reruns in backward
     cap_s: float = 0.0         # the most gradient-sync time backward can hide: BACKWARD_SHARE * op compute
+    light: bool = False        # sent by a worker without its table (``mesh_pool``): ``graph`` is empty
 
     @property
     def step_time_s(self) -> float:
@@ -418,6 +420,9 @@ class MemoryBudgetError(SearchError):
         super().__init__(f"no plan fits the memory budget on mesh {mesh}: the smallest any plan reaches is "
                          f"{gb:.4g} GiB per device; give --memory-gb {enough:.4g} (GiB) or more{fits}")
 
+    def __reduce__(self) -> tuple:  # rebuilt from its fields, not its message (a planner worker sends it)
+        return (MemoryBudgetError, (self.modelled, self.mesh, self.hints))
+
     def with_hints(self, hints: Sequence[str]) -> MemoryBudgetError:
         """This error naming the options ``hints`` under which a plan fits."""
         return MemoryBudgetError(self.modelled, self.mesh, hints) if hints else self
@@ -567,40 +572,64 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     def rank(r: Result) -> tuple[float, int]:  # the best mesh: cheapest, then fewest axes
         return r.value(objective), r.graph.mesh.ndim
 
-    def attempt(m: Mesh, solve_mesh: Callable[[Mesh, float | None], Result]) -> None:
-        """``solve_mesh(m, incumbent)``'s plan kept in ``results``, or why there is none recorded."""
-        incumbent = min((r.step_time_s for r in results), default=None) if objective == "time" else None
-        try:
-            results.append(solve_mesh(m, incumbent))
-        except _Floor as e:
-            floors[m] = e.bound
-            say(f"mesh {m}: its fastest plan needs recomputation or more memory: bound {e.bound:.4g}")
-            return
-        except MemoryBudgetError as e:
-            misfits.append(e)
+    jobs = opts.jobs if opts.jobs is not None else default_jobs(len(cap.graph.nodes), len(meshes))
+
+    def record(m: Mesh, outcome: Result | BaseException) -> None:
+        """A mesh's plan kept in ``results``, or why there is none recorded."""
+        if isinstance(outcome, _Floor):
+            floors[m] = outcome.bound
+            say(f"mesh {m}: its fastest plan needs recomputation or more memory: bound {outcome.bound:.4g}")
+        elif isinstance(outcome, MemoryBudgetError):
+            misfits.append(outcome)
             say(f"mesh {m}: no plan fits the memory budget")
-            return
-        except Pruned as e:  # proven no better than a mesh already solved
-            pruned.append({"mesh": list(m.shape), "bound": e.bound, "pruned": True})
-            say(f"mesh {m}: lower bound {e.bound:.4g} is no better than the best so far: not solved")
-            return
-        except SearchError as e:  # this mesh found no plan in its time: the others still count
-            failed.append(e)
-            say(f"mesh {m}: no plan found ({e})")
-            return
-        sol = results[-1].solution
-        lead = min(results, key=rank)
-        for r in results:  # only the best mesh's tables are read again: free the others' (GBs at 64 devices)
-            if r is not lead and r.graph.vars:
-                r.graph = PlanGraph(r.graph.mesh, r.graph.profile, pricing=search.pricing)
-        say(f"mesh {m}: {results[-1].value(objective):.4g} ({objective}), "
-            f"gap {relative_gap(sol.objective, sol.bound):.2%}")
+        elif isinstance(outcome, Pruned):  # proven no better than a mesh already solved
+            pruned.append({"mesh": list(m.shape), "bound": outcome.bound, "pruned": True})
+            say(f"mesh {m}: lower bound {outcome.bound:.4g} is no better than the best so far: not solved")
+        elif isinstance(outcome, SearchError):  # this mesh found no plan in its time: the others still count
+            failed.append(outcome)
+            say(f"mesh {m}: no plan found ({outcome})")
+        elif isinstance(outcome, BaseException):
+            raise outcome
+        else:
+            if not outcome.light:
+                outcome.graph.pricing = search.pricing  # a worker's table, sent without it
+            results.append(outcome)
+            sol = outcome.solution
+            lead = min(results, key=rank)
+            for r in results:  # only the best mesh's tables are read again: free the others' (GBs at 64 devices)
+                if r is not lead and r.graph.vars:
+                    r.graph = PlanGraph(r.graph.mesh, r.graph.profile, pricing=search.pricing)
+            say(f"mesh {m}: {outcome.value(objective):.4g} ({objective}), "
+                f"gap {relative_gap(sol.objective, sol.bound):.2%}")
+
+    base: dict[str, dict[str, Any]] = {}
+    priced: list[bool] = []
+
+    def price_base(tell: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+        """The baselines (``soybean.baselines``): on a worker once it is out of meshes, else after the search."""
+        tell("baselines")
+        return price_baselines(cap, devices, prof, objective,
+                               lambda g: solve_table(g, objective, "ilp", opts.time_limit_s), budget,
+                               opts.gpus_per_node, search.pricing)
+
+    def got_base(records: dict[str, dict[str, Any]]) -> None:
+        base.update(records)
+        priced.append(True)
+
+    def each(ms: Sequence[Mesh], solve_mesh: Callable[[Mesh, float | None, Callable[[str], None]], Result]) -> None:
+        """``solve_mesh`` on every mesh of ``ms`` (on ``jobs`` processes, ``mesh_pool``), each outcome recorded."""
+        incumbent = min((r.step_time_s for r in results), default=None) if objective == "time" else None
+        for m, outcome in each_mesh(ms, solve_mesh, _light, lambda r: r.step_time_s if objective == "time" else None,
+                                    jobs, say, (SearchError, _Floor), incumbent,
+                                    (price_base, got_base) if baselines and not priced else None):
+            record(m, outcome)
 
     # Under a budget with recomputation free, every mesh's fastest plan with nothing recomputed and no budget
     # (``solve_plain``) comes first: one table each; those that fit are their mesh's answer and set the
     # incumbent, and the rest are searched cheapest bound first, each pruned at once when its bound reaches the
     # incumbent (a mesh whose budget binds hard is slow to search and rarely wins).
-    def plain(m: Mesh, incumbent: float | None) -> Result:
+    def plain(m: Mesh, incumbent: float | None, tell: Callable[[str], None]) -> Result:
+        tell(f"mesh {m}: nothing recomputed, no budget")
         try:
             free = solve_plain(cap, m, search, incumbent)
         except Pruned:
@@ -612,21 +641,18 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
         return free
 
     if recompute == "auto" and budget is not None and objective == "time":
-        for m in meshes:
-            say(f"mesh {m}: nothing recomputed, no budget")
-            attempt(m, plain)
+        each(meshes, plain)
         meshes = sorted(floors, key=floors.__getitem__)
 
-    def searched(m: Mesh, incumbent: float | None) -> Result:
+    def searched(m: Mesh, incumbent: float | None, tell: Callable[[str], None]) -> Result:
+        tell(f"mesh {m}: build and solve")
         if recompute != "auto":
             return solve_on(cap, m, search, incumbent, rec)
         if m in floors and incumbent is not None and floors[m] >= incumbent:
             raise Pruned(floors[m], incumbent)
-        return solve_recompute(cap, m, search, incumbent, say, floors.get(m))
+        return solve_recompute(cap, m, search, incumbent, tell, floors.get(m))
 
-    for m in meshes:
-        say(f"mesh {m}: build and solve")
-        attempt(m, searched)
+    each(meshes, searched)
     if not results:
         if misfits and not failed:
             least = min(misfits, key=lambda e: e.least)
@@ -634,13 +660,11 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
                                                 [e.mesh for e in misfits], recompute))
         raise failed[0]
     best = min(results, key=rank)
+    if best.light:
+        best = _rebuilt(cap, search, best)
     seconds = time.perf_counter() - t0
-    base: dict[str, dict[str, Any]] = {}
-    if baselines:
-        say("baselines")
-        base = price_baselines(cap, devices, prof, objective,
-                               lambda g: solve_table(g, objective, "ilp", opts.time_limit_s), budget,
-                               opts.gpus_per_node, search.pricing)
+    if baselines and not priced:
+        got_base(price_base(say))
     if best.graph.fallback_ops:
         warnings.warn(
             f"soybean: no sharding rule for {', '.join(best.graph.fallback_ops)}; these ops run replicated",
@@ -651,6 +675,23 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     out.meshes += pruned
     out.local_batch = opts.local_batch
     out.gpus_per_node = opts.gpus_per_node
+    return out
+
+
+def _light(r: Result) -> Result:
+    """``r`` without its table, as a worker sends it (``mesh_pool``): the plan's choice and figures."""
+    return replace(r, graph=PlanGraph(r.graph.mesh, r.graph.profile), light=True)
+
+
+def _rebuilt(cap: Captured, search: Search, r: Result) -> Result:
+    """A worker's plan (``_light``) with its table built again here and the plan's figures priced from it: the
+    same as the worker's, which is checked (a table is a function of the capture, the mesh and the options)."""
+    g = search.table(cap, r.graph.mesh, r.recompute)
+    out = evaluate(g, r.solution)
+    out.runs, out.recompute = r.runs, r.recompute
+    if not math.isclose(out.step_time_s, r.step_time_s, rel_tol=1e-9, abs_tol=1e-15):
+        raise RuntimeError(f"mesh {g.mesh}: the plan priced {out.step_time_s:.9g} s here and {r.step_time_s:.9g} s in "
+                           "its worker: report this; plan with --jobs 1 meanwhile")
     return out
 
 

@@ -94,6 +94,7 @@ def test_calibrate_measures_every_field() -> None:
     assert prof.alpha > 0 and prof.beta > 0 and prof.flops > 0 and prof.conv_flops > 0 and prof.mem_bw > 0
     assert prof.optimizer_bw > 0
     assert prof.optimizer_large_bw > 0 and prof.optimizer_tensor_s > 0
+    assert 0.0 < prof.op_s < 1e-3  # microseconds of dispatch per pass of an op
     assert {k for k, _, _ in prof.collectives} == set(RING_FACTOR) | set(ALGO_KINDS) | {"p2p"}
     assert 0.0 <= prof.grad_overlap <= 1.0
     assert 0.0 <= prof.blocking_s < 0.1  # a wait per blocking collective, never a gain

@@ -13,13 +13,13 @@ from torch import nn
 
 from soybean.capture import capture
 from soybean.cost.collectives import price_routes, reshard_cost
-from soybean.cost.compute import compute_seconds, passes
+from soybean.cost.compute import compute_seconds, op_seconds, passes
 from soybean.cost.profiles import BUILTIN
 from soybean.mesh import Mesh
 from soybean.options import PlanOptions
 from soybean.planner import BACKWARD_SHARE, Search, solve_on
 from soybean.reshard import Route
-from soybean.rules.base import make_opspec
+from soybean.rules.base import Strategy, make_opspec
 from soybean.tiling import Partial, R, Shard
 
 pytestmark = pytest.mark.unit
@@ -43,9 +43,26 @@ def test_backward_passes_follow_the_operands_that_need_gradients() -> None:
 
 
 def test_large_fresh_tensors_are_charged_their_page_faults() -> None:
-    prof = replace(PROFILE, alloc_bw=1e9)
+    prof = replace(PROFILE, alloc_bw=1e9, op_s=0.0)
     assert compute_seconds(0.0, 0.0, 1.0, prof, 1.0, fresh_bytes=2e9) == pytest.approx(2.0)
     assert compute_seconds(0.0, 0.0, 1.0, replace(prof, alloc_bw=0.0), 1.0, fresh_bytes=2e9) == 0.0
+
+
+def test_every_pass_of_an_op_pays_its_fixed_cost_whatever_the_split() -> None:
+    """``op_s`` per forward-equivalent pass, not divided by the devices that split the work; a view has no pass."""
+    prof = replace(PROFILE, op_s=1e-3)
+    x, w = torch.randn(64, 32), torch.randn(16, 32)
+    lin = _op(torch.ops.aten.linear.default, x, w)
+    mesh = Mesh((2,))
+    batch = Strategy(((Shard(0),), (R,)), ((Shard(0),),))  # each device: half the rows, every pass
+    whole = Strategy(((R,), (R,)), ((R,),))
+    fixed = op_seconds(lin, [batch, whole], [True, True], mesh, prof) - op_seconds(
+        lin, [batch, whole], [True, True], mesh, replace(prof, op_s=0.0))
+    assert fixed == pytest.approx([3e-3, 3e-3])  # forward and two gradients, on either tiling
+    assert op_seconds(lin, [whole], [False, False], mesh, prof)[0] == pytest.approx(
+        op_seconds(lin, [whole], [False, False], mesh, replace(prof, op_s=0.0))[0] + 1e-3)  # frozen: forward only
+    view = _op(torch.ops.aten.view.default, x, [2048])
+    assert op_seconds(view, [Strategy(((R,),), ((R,),))], [True], mesh, prof)[0] == 0.0
 
 
 def test_gradient_all_reduce_is_reported_as_sync() -> None:

@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent / "soybean"
 # A module is in a layer when its name is the prefix or starts with "prefix.".
 CORE = ["soybean.capture", "soybean.functionalize", "soybean.graph", "soybean.reshard", "soybean.mesh",
         "soybean.tiling", "soybean.plan", "soybean.planner", "soybean.rules", "soybean.cost", "soybean.search",
-        "soybean.codegen", "soybean.runtime", "soybean.pinning", "soybean.baselines", "soybean.records"]
+        "soybean.codegen", "soybean.runtime", "soybean.pinning", "soybean.baselines", "soybean.records",
+        "soybean.mesh_pool"]
 TOOLING = ["soybean.bench", "soybean.testing", "soybean.models", "soybean.cli", "soybean.report", "soybean.api",
            "soybean.explain", "soybean.draw", "soybean.plandiff", "soybean.compile", "soybean.check", "soybean.sweep",
            "soybean.validate"]
@@ -42,7 +43,7 @@ TOOLING = ["soybean.bench", "soybean.testing", "soybean.models", "soybean.cli", 
 # module of neither list.  Codegen and the runtime read planning's vocabulary from ``soybean.ir``.
 PLANNING = ["soybean.capture", "soybean.functionalize", "soybean.graph", "soybean.reshard", "soybean.mesh",
             "soybean.tiling", "soybean.plan", "soybean.planner", "soybean.rules", "soybean.cost", "soybean.search",
-            "soybean.ir", "soybean.pinning", "soybean.baselines", "soybean.records"]
+            "soybean.ir", "soybean.pinning", "soybean.baselines", "soybean.records", "soybean.mesh_pool"]
 RUNNING = ["soybean.runtime", "soybean.codegen"]
 
 

@@ -5,7 +5,8 @@ On ``N`` processes of the current backend (gloo on CPU, NCCL on GPUs) it times e
 backend's own call, soybean's ``lp``, ``ring`` and ``tree``, as the generated programs run them, packing copies
 included), the algorithms of one collective taking turns; the backend's all-to-all and point-to-point; for
 message sizes from 4 KB to 64 MB, every 4x.  It also times the compute rate of matmul, convolution, an
-elementwise op, first-touching a large fresh allocation and an AdamW step (one thread per process, all
+elementwise op, first-touching a large fresh allocation, an AdamW step and the fixed cost of an op's pass
+(a chain of tiny ops trained; one thread per process, all
 processes at once, as training runs), how much of an asynchronous gradient all-reduce hides behind compute,
 and what a blocking collective costs amid compute beyond its barrier-aligned time.
 
@@ -201,8 +202,28 @@ def _compute_rates(device: torch.device, sync: Callable[[], None] = lambda: None
     opt = torch.optim.AdamW(tiny, lr=1e-3)
     sync()
     rates["optimizer_tensor_s"] = _median_local(opt.step, 5) / len(tiny)
+    sync()
+    rates["op_s"] = _op_overhead(device)
     return {"matmul_flops": 2 * 1024**3 / t, "conv_flops": 2 * 16 * 64 * 32 * 32 * 64 * 9 / tc,
             "mem_bw": 2 * act.numel() * 4 / te, "alloc_bw": alloc_bw, **rates}
+
+
+OP_CHAIN = 64
+
+
+def _op_overhead(device: torch.device) -> float:
+    """Fixed seconds of one pass of an op (``Profile.op_s``): a chain of ``OP_CHAIN`` multiplications of a
+    16-element tensor trained, forward and backward (``2 OP_CHAIN`` passes, the sum and its backward besides),
+    whose arithmetic is nothing: dispatcher, autograd node, allocation and launch."""
+    x = torch.randn(16, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(OP_CHAIN):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return _median_local(chain, 15) / (2 * OP_CHAIN)
 
 
 def _median_local(fn, reps: int) -> float:
@@ -397,7 +418,7 @@ def calibrate(devices: int = 2, reps: int = 10, show: bool = True,
                    optimizer_large_bw=comp["optimizer_large_bw"], optimizer_tensor_s=comp["optimizer_tensor_s"],
                    grad_overlap=comp["grad_overlap"], alloc_bw=comp["alloc_bw"],
                    large_alloc=float(LARGE_ALLOC) if comp["alloc_bw"] else 0.0, blocking_s=comp["blocking_s"],
-                   beta_curves=curves)
+                   op_s=comp["op_s"], beta_curves=curves)
     return prof, {"devices": devices, "collectives": rows, "compute": comp}
 
 
@@ -413,7 +434,8 @@ def main_cli(devices: int, out: str | None, reps: int) -> int:
               f"memory-bound {prof.mem_bw / 1e9:.1f} GB/s, large allocations {prof.alloc_bw / 1e9:.1f} GB/s, "
               f"AdamW {prof.optimizer_bw / 1e9:.2f} GB/s ({prof.optimizer_large_bw / 1e9:.2f} on 32 MiB) "
               f"+ {prof.optimizer_tensor_s * 1e6:.0f} us a tensor, gradient sync hidden {prof.grad_overlap:.0%}, "
-              f"a blocking collective amid compute +{prof.blocking_s * 1e6:.0f} us",
+              f"a blocking collective amid compute +{prof.blocking_s * 1e6:.0f} us, "
+              f"an op's pass +{prof.op_s * 1e6:.1f} us",
               file=sys.stderr)
     else:
         sys.stdout.write(text)

@@ -296,10 +296,10 @@ def price_route_ids(ids: np.ndarray, shape: tuple, itemsize: int, mesh: Mesh, pr
     own = np.repeat(np.arange(n), cnt)
     first = np.repeat(steps.start[ids] - (np.cumsum(cnt) - cnt), cnt)
     kind, axis, tiling, is_sync = steps.cols[:, first + np.arange(total)]
-    tiles, t_inv = np.unique(tiling, return_inverse=True)
+    tiles, t_inv = _distinct(tiling)
     m = np.array([float(max_local_numel(shape, steps.tiling_list[t], mesh) * itemsize) for t in tiles])[t_inv]
     kinds = list(steps.kinds)
-    links, l_inv = np.unique(axis * len(kinds) + kind, return_inverse=True)
+    links, l_inv = _distinct(axis * len(kinds) + kind)
     ab = np.array([profile.ab(int(c) // len(kinds), kinds[int(c) % len(kinds)]) for c in links]).reshape(-1, 2)
     alpha, beta = ab[l_inv, 0], ab[l_inv, 1]
     if profile.beta_curves:  # beta at each message (``Profile.ab``)
@@ -319,12 +319,22 @@ def price_route_ids(ids: np.ndarray, shape: tuple, itemsize: int, mesh: Mesh, pr
             np.bincount(own, np.where(sync, seconds, 0.0), minlength=n))
 
 
+def _distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(ids, return_inverse=True)`` of small non-negative integers, by counting rather than sorting
+    (pricing calls it on every collective of every route of every table)."""
+    present = np.bincount(ids)
+    values = np.flatnonzero(present)
+    where = np.zeros(len(present), dtype=np.int64)
+    where[values] = np.arange(len(values))
+    return values, where[ids]
+
+
 def _cheapest(sent: np.ndarray, seconds: np.ndarray, kinds: list[str], kind: np.ndarray, sync: np.ndarray,
               m: np.ndarray, p: np.ndarray, l_inv: np.ndarray, links: np.ndarray,
               profile: Profile) -> tuple[np.ndarray, np.ndarray]:
     """``choose`` over arrays: each collective's bytes and seconds under its cheapest allowed algorithm (the
     backend's figures come in; the same arithmetic as ``choose``, so the figures agree bit for bit)."""
-    mine = np.isin(np.array(kinds, dtype=object)[kind], A.COLLECTIVES) & ~sync & (p > 1)
+    mine = np.array([k in A.COLLECTIVES for k in kinds])[kind] & ~sync & (p > 1)
     if not mine.any():
         return sent, seconds
     sent, seconds = sent.copy(), seconds.copy()

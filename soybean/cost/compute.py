@@ -9,7 +9,9 @@ by the product of the mesh axes the strategy splits.  Where a profile sets
 (its outputs, and in backward the gradients of its inputs) is also charged
 ``bytes / alloc_bw``: fresh large allocations are page-faulted in on a CPU
 (glibc maps blocks of 32 MiB and up afresh each time), which costs several
-times the arithmetic on them.
+times the arithmetic on them.  Each pass also costs the profile's fixed ``op_s`` whatever its size
+(dispatcher, autograd node, kernel launch: what decides the step of a deep model of small layers), not
+divided by the split: every device runs every pass of its tile.
 
 The optimizer (``optimizer_seconds``): an AdamW step on a local tile costs a fixed time per
 tensor plus its bytes at the optimizer's rate (see ``OPTIMIZER_PASSES``).
@@ -96,8 +98,8 @@ def compute_seconds(flops: float, bytes_moved: float, work_fraction: float, prof
                     fresh_bytes: float = 0.0) -> float:
     """Time of one training step of an op: ``passes`` forward-equivalents of its roofline time
     (see the module docstring) on ``work_fraction`` of the work, plus first-touching
-    ``fresh_bytes`` of large new allocations."""
-    t = passes * work_fraction * max(flops / profile.flops, bytes_moved / profile.mem_bw)
+    ``fresh_bytes`` of large new allocations, and ``passes`` fixed costs ``op_s``."""
+    t = passes * (work_fraction * max(flops / profile.flops, bytes_moved / profile.mem_bw) + profile.op_s)
     return t + (fresh_bytes / profile.alloc_bw if profile.alloc_bw and fresh_bytes else 0.0)
 
 

@@ -52,6 +52,7 @@ class Profile:
     large_alloc: float = 0.0                             # bytes from which a new tensor is page-faulted in; 0: never
     alloc_bw: float = 0.0                                # bytes/s of first-touching such a tensor
     blocking_s: float = 0.0                              # extra seconds of each blocking collective amid compute
+    op_s: float = 0.0                                    # fixed seconds of each pass of an op (dispatch, autograd)
     node_alpha: float = 0.0                              # seconds per ring step across nodes; 0: no second level
     node_beta: float = 0.0                               # seconds per byte per device across nodes
     inter_node: tuple[bool, ...] = field(default=())     # per mesh axis: do its groups cross nodes (``on_mesh``)
@@ -130,16 +131,20 @@ BUILTIN: dict[str, Profile] = {
     # two stretches of compute costs ~0.45-0.65 ms more than the same collective timed right after a
     # barrier.  One round of soybean's own collective algorithms (``runtime.algorithms``: batched isend/irecv
     # from Python) takes ~0.25 ms and moves ~1.6 GB/s per process (``p2p``, two calibrate runs, rounded).
+    # Each pass of an op, forward or backward, costs ~4 us before any arithmetic: the dispatcher, the autograd
+    # node, the allocation (a chain of tiny ops trained, ``calibrate``: 3.3 us forward with autograd, 7.7 us both).
     "cpu-gloo": Profile("cpu-gloo", alpha=2e-4, beta=1 / 1.8e9, flops=1.1e11, mem_bw=2e10, memory_gb=12.0,
                         conv_flops=1.0e11, optimizer_bw=1.0e9, optimizer_large_bw=0.45e9, optimizer_tensor_s=2e-4,
-                        grad_overlap=0.25, large_alloc=float(LARGE_ALLOC), alloc_bw=2.5e9, blocking_s=5e-4,
+                        grad_overlap=0.25, large_alloc=float(LARGE_ALLOC), alloc_bw=2.5e9, blocking_s=5e-4, op_s=4e-6,
                         collectives=(("p2p", 2.5e-4, 1 / 1.6e9),)),
     # 8x H100 SXM with NVLink 4 / NVSwitch: 450 GB/s per direction per GPU, NCCL reaches ~360 GB/s
     # bus bandwidth on large all-reduces; ~5 us per ring step. Compute: 989 TFLOP/s dense bf16 at
     # ~40% achieved; HBM3 3.35 TB/s; 80 GB. (NVIDIA H100 datasheet; NCCL tests.)  NCCL runs on its own
     # stream, so bucketed gradient all-reduces mostly hide behind backward (all but the last bucket).
     # A round of soybean's own algorithms is a Python-issued batch of NCCL send/recv: assumed 20 us (not measured:
-    # no GPU here; NCCL's sendrecv launch is ~5-10 us, nccl-tests) at NCCL's link bandwidth.
+    # no GPU here; NCCL's sendrecv launch is ~5-10 us, nccl-tests) at NCCL's link bandwidth.  No fixed cost per
+    # op (``op_s`` 0): kernels are queued asynchronously, so the host's few microseconds per op hide behind the
+    # device's work on the layers planned here (a model too small for that is launch-bound: CUDA graphs' case).
     "h100-nvlink": Profile("h100-nvlink", alpha=5e-6, beta=1 / 360e9, flops=400e12, mem_bw=3.35e12, memory_gb=80.0,
                            grad_overlap=0.8, collectives=(("p2p", 20e-6, 1 / 360e9),)),
     # Nodes of 8x H100 SXM as above (NVLink inside a node), joined by 400 Gb/s InfiniBand NDR per GPU: one

@@ -119,3 +119,12 @@ class PlanGraph:
     # The planner run's pricing state (``cost.pricing``): the tables this graph was priced from, shared with the
     # run's other builds.
     pricing: PricingCache = field(default_factory=PricingCache, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        # Pickled without the run's pricing state (a planner worker sends its table: ``mesh_pool``); the receiver
+        # gives it its own run's (``planner``), or it starts empty.
+        return {k: v for k, v in self.__dict__.items() if k != "pricing"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.pricing = PricingCache()

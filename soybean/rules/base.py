@@ -55,6 +55,21 @@ class OpSpec:
     def name(self) -> str:
         return op_name(self.target)
 
+    def __reduce__(self) -> tuple:
+        # A torch op does not pickle; its qualified name does, and names the same op in any process that has it
+        # registered (a planner worker sends its tables to the main process: ``mesh_pool``).
+        t = self.target
+        named = isinstance(t, torch._ops.OpOverload)
+        return (_opspec, (str(t) if named else t, named, self.args, self.kwargs, self.inputs, self.outputs))
+
+
+def _opspec(target: Any, named: bool, args: tuple, kwargs: dict, inputs: tuple, outputs: tuple) -> OpSpec:
+    """``OpSpec.__reduce__``'s inverse: a named torch op (``aten.mm.default``) looked up in ``torch.ops``."""
+    if named:
+        ns, op, overload = target.split(".")
+        target = getattr(getattr(getattr(torch.ops, ns), op), overload)
+    return OpSpec(target, args, kwargs, inputs, outputs)
+
 
 @dataclass(frozen=True)
 class Strategy1D:

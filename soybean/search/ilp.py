@@ -62,8 +62,11 @@ class Pruned(SearchError):
     cutoff: no plan of it can beat the plan the cutoff came from, so it was not solved."""
 
     def __init__(self, bound: float, cutoff: float) -> None:
-        self.bound = bound
+        self.bound, self.cutoff = bound, cutoff
         super().__init__(f"lower bound {bound:.6g} >= cutoff {cutoff:.6g}: not solved")
+
+    def __reduce__(self) -> tuple:  # rebuilt from its fields, not its message (a planner worker sends it)
+        return (Pruned, (self.bound, self.cutoff))
 
 
 @contextmanager

@@ -1,0 +1,170 @@
+"""The mesh shapes of one planner run searched on several processes at once (``PlanOptions.jobs``).
+
+Each mesh shape's table is built and solved on its own (``planner.solve_plain``, ``solve_on``,
+``solve_recompute``): work that shares nothing but the *incumbent*, the best step time found so far, which
+prunes a mesh whose lower bound reaches it.  ``each_mesh`` forks ``jobs`` workers, which inherit the capture,
+the options and the run's pricing state (nothing is pickled in), hands them the meshes in order, shares the
+incumbent through one shared double, and yields each mesh's outcome as it arrives: its ``planner.Result``
+(pickled with its table when it leads when found; else ``light``, without it: it cannot be the answer), or the
+``SearchError`` its search raised.  One job, or a platform without ``fork``, runs the meshes here, in order.
+
+Exact as the sequential search: a mesh is pruned only by a bound at or above a plan some mesh has found, so the
+best plan is the same; which meshes are pruned rather than solved can differ (a worker may start a mesh before
+another's better plan arrives).
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import queue
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from .mesh import Mesh
+
+R = TypeVar("R")
+
+# Below this many graph nodes a mesh's search takes well under a second and a worker's start (fork, its own
+# pricing caches) is not repaid: ``jobs`` left to choose runs such models in-process.
+PARALLEL_MIN_NODES = 400
+
+
+def default_jobs(nodes: int, meshes: int) -> int:
+    """The workers ``jobs=None`` means: this process's cores (``os.sched_getaffinity``), at most one per mesh, for a
+    graph of at least ``PARALLEL_MIN_NODES`` nodes on a platform that can fork; else 1."""
+    if nodes < PARALLEL_MIN_NODES or "fork" not in mp.get_all_start_methods():
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, meshes))
+
+
+class WorkerError(RuntimeError):
+    """A worker failed outside the search (a bug, or killed for memory): its traceback or exit code, and the
+    fix."""
+
+
+def each_mesh(meshes: Sequence[Mesh], solve: Callable[[Mesh, float | None, Callable[[str], None]], R],
+              light: Callable[[R], R], value: Callable[[R], float | None], jobs: int,
+              say: Callable[[str], None], outcomes: tuple[type[BaseException], ...],
+              incumbent: float | None = None,
+              after: tuple[Callable[[Callable[[str], None]], Any], Callable[[Any], None]] | None = None,
+              ) -> Iterator[tuple[Mesh, R | BaseException]]:
+    """``solve(mesh, incumbent, say)`` for every mesh, yielding ``(mesh, outcome)``: the result (``light`` of it
+    from a worker) or the exception it raised, when one of ``outcomes`` (a pruned or unfit mesh is an outcome,
+    not a failure).  ``value(result)``: the step time a result sets the incumbent to (None: it sets none);
+    ``incumbent``: the best found before these meshes; ``say``: progress lines, a worker's passed on here;
+    ``after``: ``(work, receive)``: on workers, the first worker out of meshes runs ``work(say)`` and this process
+    gets ``receive(its result)`` (the baselines: they fill a core the last meshes leave idle); in-process, neither
+    is called (the caller runs it).  Any other exception propagates (from a worker, as a ``WorkerError`` carrying
+    its traceback)."""
+    if jobs <= 1 or len(meshes) <= 1 or "fork" not in mp.get_all_start_methods():
+        best = incumbent
+        for m in meshes:
+            try:
+                r = solve(m, best, say)
+            except outcomes as e:
+                yield m, e
+                continue
+            v = value(r)
+            best = v if best is None or (v is not None and v < best) else best
+            yield m, r
+        return
+    yield from _forked(meshes, solve, light, value, min(jobs, len(meshes)), say, outcomes, incumbent, after)
+
+
+def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, float | None, Callable[[str], None]], R],
+            light: Callable[[R], R], value: Callable[[R], float | None], jobs: int, say: Callable[[str], None],
+            outcomes: tuple[type[BaseException], ...], incumbent: float | None,
+            after: tuple[Callable[[Callable[[str], None]], Any], Callable[[Any], None]] | None,
+            ) -> Iterator[tuple[Mesh, Any]]:
+    ctx = mp.get_context("fork")
+    best = ctx.Value("d", math.inf if incumbent is None else incumbent)  # shared; inf: none yet
+    tasks: Any = ctx.SimpleQueue()
+    out: Any = ctx.Queue()
+    for i in range(len(meshes)):
+        tasks.put(i)
+    if after is not None:
+        tasks.put(-1)  # the work after the meshes
+    for _ in range(jobs):
+        tasks.put(None)
+
+    def work() -> None:
+        while (i := tasks.get()) is not None:
+            def tell(line: str, i: int = i) -> None:
+                out.put((i, "say", line))
+
+            try:
+                if i < 0:
+                    assert after is not None
+                    out.put((i, "after", after[0](tell)))
+                    continue
+                with best.get_lock():
+                    inc = None if math.isinf(best.value) else best.value
+                r = solve(meshes[i], inc, tell)
+            except outcomes as e:
+                out.put((i, "raised", _portable(e)))
+                continue
+            except BaseException:  # a bug: the main process raises it with this traceback
+                out.put((i, "failed", traceback.format_exc()))
+                return
+            v, leads = value(r), True
+            if v is not None:
+                with best.get_lock():
+                    leads = v <= best.value
+                    best.value = min(best.value, v)
+            out.put((i, "done", r if leads else light(r)))  # only a plan that leads may be the answer
+
+    def run() -> None:
+        try:
+            work()
+        finally:
+            out.close()
+            out.join_thread()  # every message flushed before the process ends
+            os._exit(0)  # no atexit handlers or finalisers of the parent's objects: they are the parent's
+
+    procs = [ctx.Process(target=run, daemon=True) for _ in range(jobs)]
+    for p in procs:
+        p.start()
+    left = len(meshes) + (after is not None)
+    try:
+        while left:
+            try:
+                i, kind, payload = out.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead or all(p.exitcode is not None for p in procs):
+                    code = dead[0].exitcode if dead else 0
+                    raise WorkerError(f"a planner worker ended before its mesh was searched (exit code {code}; "
+                                      "-9: killed, most often for memory): plan with --jobs 1 (jobs=1)") from None
+                continue
+            if kind == "failed" or isinstance(payload, WorkerError):
+                raise payload if kind != "failed" else WorkerError(f"a planner worker failed on mesh {meshes[i]}:\n"
+                                                                   f"{payload}")
+            if kind == "say":
+                say(payload)
+                continue
+            left -= 1
+            if kind == "after":
+                assert after is not None
+                after[1](payload)
+                continue
+            yield meshes[i], payload
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+def _portable(e: BaseException) -> BaseException:
+    """``e`` if it survives pickling (the planner's outcomes define how), else a ``WorkerError`` with its
+    message: an outcome the main process cannot read back is a bug to report, not a mesh to skip."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return WorkerError(f"{type(e).__name__} could not be sent from a worker: {e}")

@@ -1,0 +1,133 @@
+"""Mesh shapes searched on several processes (``soybean.mesh_pool``, ``PlanOptions.jobs``).
+
+The plan is the one the in-process search finds, whichever worker found it; a plan that leads arrives with its
+table, one that cannot win without it; a mesh pruned or unfit in a worker is recorded as in-process; what a worker
+sends pickles (torch ops by name, a table without the run's pricing state); a worker that fails or dies is an
+error naming the fix, never a hang.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from examples.models import mlp, transformer
+from soybean.capture import capture
+from soybean.cost.profiles import load_profile
+from soybean.mesh import Mesh
+from soybean.mesh_pool import WorkerError, default_jobs, each_mesh
+from soybean.options import PlanOptions
+from soybean.planner import MemoryBudgetError, Pruned, Search, SearchError, plan as make_plan
+from soybean.rules.base import make_opspec
+
+pytestmark = pytest.mark.unit
+
+fork = pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(),
+                          reason="no fork on this platform: jobs run in-process")
+
+
+def _same(a, b) -> None:  # type: ignore[no-untyped-def]
+    assert a.cost["step_time_s"] == b.cost["step_time_s"]
+    if a.mesh != b.mesh:  # two meshes tied exactly: which a worker prunes at the tie depends on arrival order
+        return
+    assert a.params == b.params and a.nodes == b.nodes and a.inputs == b.inputs
+    assert a.cost == b.cost and a.reshards == b.reshards and a.memory == b.memory
+    assert {k: v for k, v in a.solver.items() if k != "seconds"} == {k: v for k, v in b.solver.items()
+                                                                    if k != "seconds"}
+    # ``meshes`` may differ: which meshes a worker prunes rather than solves depends on when plans arrive
+
+
+@fork
+@pytest.mark.parametrize("devices", [2, 4])
+def test_two_workers_find_the_plan_one_process_finds(devices: int) -> None:
+    model, inputs = transformer(batch=4, seq=16, hidden=32, layers=2, heads=4)
+    cap = capture(model, inputs)
+    one = make_plan(None, captured=cap, devices=devices, jobs=1, baselines=False)
+    two = make_plan(None, captured=cap, devices=devices, jobs=2, baselines=False)
+    _same(one, two)
+
+
+@fork
+def test_under_a_budget_both_passes_run_on_workers_with_the_same_answer() -> None:
+    """The two-pass search under a budget (``solve_plain`` on every mesh, then recomputation where needed)."""
+    model, inputs = transformer(batch=8, seq=32, hidden=64, layers=3, heads=4)
+    cap = capture(model, inputs)
+    free = make_plan(None, captured=cap, devices=4, jobs=1, baselines=False)
+    budget = 0.9 * free.cost["memory_bytes"] / 2**30 / 0.95
+    one = make_plan(None, captured=cap, devices=4, memory_gb=budget, jobs=1, baselines=False)
+    two = make_plan(None, captured=cap, devices=4, memory_gb=budget, jobs=2, baselines=False)
+    _same(one, two)
+    assert one.recompute == two.recompute
+
+
+def _solve(m: Mesh, incumbent: float | None, say) -> float:  # type: ignore[no-untyped-def]
+    say(f"start {m}")
+    if m.shape == (3,):
+        raise Pruned(9.0, 1.0)
+    if m.shape == (5,):
+        raise MemoryBudgetError(2e9, m)
+    return float(m.size)
+
+
+@fork
+@pytest.mark.parametrize("jobs", [1, 2, 3])
+def test_each_mesh_yields_every_outcome_and_passes_progress_on(jobs: int) -> None:
+    meshes = [Mesh((n,)) for n in (2, 3, 4, 5, 6)]
+    said: list[str] = []
+    got = dict(each_mesh(meshes, _solve, lambda r: r, lambda r: r, jobs, said.append, (SearchError,)))
+    assert set(got) == set(meshes)
+    assert got[Mesh((2,))] == 2.0 and got[Mesh((6,))] == 6.0
+    assert isinstance(got[Mesh((3,))], Pruned) and got[Mesh((3,))].bound == 9.0
+    e = got[Mesh((5,))]
+    assert isinstance(e, MemoryBudgetError) and e.mesh == Mesh((5,)) and "--memory-gb" in str(e)
+    assert sorted(said) == sorted(f"start {m}" for m in meshes)
+
+
+def _buggy(m: Mesh, incumbent: float | None, say) -> float:  # type: ignore[no-untyped-def]
+    if m.shape == (4,):
+        raise KeyError("a bug")
+    return 1.0
+
+
+def _killed(m: Mesh, incumbent: float | None, say) -> float:  # type: ignore[no-untyped-def]
+    if m.shape == (4,):
+        os._exit(9)  # as the kernel's OOM killer ends a process: no message sent
+    return 1.0
+
+
+@fork
+def test_a_worker_bug_is_raised_with_its_traceback() -> None:
+    with pytest.raises(WorkerError, match="KeyError: 'a bug'"):
+        list(each_mesh([Mesh((2,)), Mesh((4,))], _buggy, lambda r: r, lambda r: r, 2, lambda s: None,
+                       (SearchError,)))
+
+
+@fork
+def test_a_worker_that_dies_is_an_error_naming_the_fix_not_a_hang() -> None:
+    with pytest.raises(WorkerError, match="--jobs 1"):
+        list(each_mesh([Mesh((2,)), Mesh((4,)), Mesh((8,))], _killed, lambda r: r, lambda r: r, 2, lambda s: None,
+                       (SearchError,)))
+
+
+def test_what_a_worker_sends_pickles() -> None:
+    x, w = torch.randn(4, 3), torch.randn(5, 3)
+    op = make_opspec(torch.ops.aten.linear.default, (x, w), {}, torch.nn.functional.linear(x, w))
+    back = pickle.loads(pickle.dumps(op))
+    assert back.target is torch.ops.aten.linear.default and back == op
+    e = pickle.loads(pickle.dumps(Pruned(2.0, 1.0)))
+    assert isinstance(e, Pruned) and (e.bound, e.cutoff) == (2.0, 1.0)
+    model, inputs = mlp(batch=4, hidden=8, layers=2)
+    search = Search(load_profile("cpu-gloo"), PlanOptions(devices=2))
+    g = search.table(capture(model, inputs), Mesh((2,)))
+    h = pickle.loads(pickle.dumps(g))
+    assert h.pricing is not g.pricing and not h.pricing.edges  # the run's pricing state stays behind
+    assert [v.name for v in h.vars] == [v.name for v in g.vars] and len(h.edges) == len(g.edges)
+
+
+def test_jobs_left_to_choose_stay_in_process_for_small_graphs() -> None:
+    assert default_jobs(50, 10) == 1
+    assert 1 <= default_jobs(10_000, 3) <= 3
+    with pytest.raises(ValueError, match="--jobs"):
+        PlanOptions(jobs=0)
