@@ -13,6 +13,9 @@ tier, and a test nobody can select on its own is a mistake.
 
 The capture cache (``soybean.capture_cache``) is off for the tests (``SOYBEAN_NO_CACHE``): a test never reads a
 capture another test or an earlier run stored; ``tests/test_capture_cache.py`` turns it on in a directory of its own.
+The planner searches meshes in-process (``SOYBEAN_JOBS=1``, ``soybean.mesh_pool``): the suite already runs on
+every core (pytest-xdist), and workers forked beside it would only contend for them; ``tests/test_mesh_pool.py``
+asks for workers explicitly.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import os
 import pytest
 
 os.environ.setdefault("SOYBEAN_NO_CACHE", "1")
+os.environ.setdefault("SOYBEAN_JOBS", "1")
 
 TIERS = ("unit", "sim", "dist")
 

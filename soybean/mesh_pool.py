@@ -3,7 +3,8 @@
 Each mesh shape's table is built and solved on its own (``planner.solve_plain``, ``solve_on``,
 ``solve_recompute``): work that shares nothing but the *incumbent*, the best step time found so far, which
 prunes a mesh whose lower bound reaches it.  ``each_mesh`` forks ``jobs`` workers, which inherit the capture,
-the options and the run's pricing state (nothing is pickled in), hands them the meshes in order, shares the
+the options and the run's pricing state (nothing is pickled in), hands them the meshes (one worker from the
+end of the list, the largest, the others in order from the front), shares the
 incumbent through one shared double, and yields each mesh's outcome as it arrives: its ``planner.Result``
 (pickled with its table when it leads when found; else ``light``, without it: it cannot be the answer), or the
 ``SearchError`` its search raised.  One job, or a platform without ``fork``, runs the meshes here, in order.
@@ -32,8 +33,11 @@ PARALLEL_MIN_NODES = 400
 
 
 def default_jobs(nodes: int, meshes: int) -> int:
-    """The workers ``jobs=None`` means: this process's cores (``os.sched_getaffinity``), at most one per mesh, for a
-    graph of at least ``PARALLEL_MIN_NODES`` nodes on a platform that can fork; else 1."""
+    """The workers ``jobs=None`` means: ``SOYBEAN_JOBS`` when set; else this process's cores
+    (``os.sched_getaffinity``), at most one per mesh, for a graph of at least ``PARALLEL_MIN_NODES`` nodes on a
+    platform that can fork; else 1."""
+    if os.environ.get("SOYBEAN_JOBS", "").strip():
+        return max(1, int(os.environ["SOYBEAN_JOBS"]))
     if nodes < PARALLEL_MIN_NODES or "fork" not in mp.get_all_start_methods():
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -81,17 +85,29 @@ def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, float | None, Callabl
             ) -> Iterator[tuple[Mesh, Any]]:
     ctx = mp.get_context("fork")
     best = ctx.Value("d", math.inf if incumbent is None else incumbent)  # shared; inf: none yet
-    tasks: Any = ctx.SimpleQueue()
+    # The meshes not yet taken are meshes[lo..hi]; ``after`` is still to run while ``left_after``.
+    ends = ctx.Array("i", [0, len(meshes) - 1, int(after is not None)])
     out: Any = ctx.Queue()
-    for i in range(len(meshes)):
-        tasks.put(i)
-    if after is not None:
-        tasks.put(-1)  # the work after the meshes
-    for _ in range(jobs):
-        tasks.put(None)
 
-    def work() -> None:
-        while (i := tasks.get()) is not None:
+    def take(worker: int) -> int | None:
+        """The next task of ``worker``: worker 0 takes the meshes from the end of the list (the most axes, the
+        largest tables: started first, they do not finish last, while the others' small meshes set the
+        incumbent early), the others from the front; then ``after`` (-1), once; then None."""
+        with ends.get_lock():
+            lo, hi, left_after = ends[0], ends[1], ends[2]
+            if lo <= hi:
+                if worker == 0:
+                    ends[1] = hi - 1
+                    return hi
+                ends[0] = lo + 1
+                return lo
+            if left_after:
+                ends[2] = 0
+                return -1
+            return None
+
+    def work(worker: int) -> None:
+        while (i := take(worker)) is not None:
             def tell(line: str, i: int = i) -> None:
                 out.put((i, "say", line))
 
@@ -116,15 +132,15 @@ def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, float | None, Callabl
                     best.value = min(best.value, v)
             out.put((i, "done", r if leads else light(r)))  # only a plan that leads may be the answer
 
-    def run() -> None:
+    def run(worker: int) -> None:
         try:
-            work()
+            work(worker)
         finally:
             out.close()
             out.join_thread()  # every message flushed before the process ends
             os._exit(0)  # no atexit handlers or finalisers of the parent's objects: they are the parent's
 
-    procs = [ctx.Process(target=run, daemon=True) for _ in range(jobs)]
+    procs = [ctx.Process(target=run, args=(k,), daemon=True) for k in range(jobs)]
     for p in procs:
         p.start()
     left = len(meshes) + (after is not None)

@@ -126,8 +126,53 @@ def test_what_a_worker_sends_pickles() -> None:
     assert [v.name for v in h.vars] == [v.name for v in g.vars] and len(h.edges) == len(g.edges)
 
 
-def test_jobs_left_to_choose_stay_in_process_for_small_graphs() -> None:
+def test_jobs_left_to_choose_stay_in_process_for_small_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SOYBEAN_JOBS", raising=False)
     assert default_jobs(50, 10) == 1
     assert 1 <= default_jobs(10_000, 3) <= 3
+    monkeypatch.setenv("SOYBEAN_JOBS", "3")
+    assert default_jobs(50, 10) == 3
     with pytest.raises(ValueError, match="--jobs"):
         PlanOptions(jobs=0)
+
+
+def _mip(m: Mesh, incumbent: float | None, say) -> float:  # type: ignore[no-untyped-def]
+    from soybean.search.ilp import _run, formulate
+
+    status, _, bound = _run(formulate(_knapsack()), True, 30.0, 0.0)
+    assert status == "optimal"
+    return bound
+
+
+def _knapsack():  # type: ignore[no-untyped-def]
+    """A budgeted problem whose LP relaxation is fractional: branch and bound runs (HiGHS's thread scheduler)."""
+    import numpy as np
+
+    from soybean.search.problem import Problem
+
+    rng = np.random.default_rng(0)
+    n = 40
+    unary = [np.array([0.0, float(c)]) for c in rng.random(n) * 10]
+    memory = [np.array([float(w), 0.0]) for w in rng.random(n) * 7 + 1]
+    return Problem(unary, {}, memory, float(n), [f"v{i}" for i in range(n)])
+
+
+@fork
+def test_branch_and_bound_runs_in_a_worker_forked_after_the_parent_ran_it() -> None:
+    """A fork copies HiGHS's thread scheduler but not its threads: without a fresh scheduler in the worker, its
+    branch and bound waited forever for them."""
+    import signal
+
+    def hung(*_: object) -> None:
+        raise TimeoutError("a worker's branch and bound hung (HiGHS's scheduler copied by the fork)")
+
+    here = _mip(Mesh((1,)), None, None)
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)  # a hang fails the test (the workers are killed on the way out), never the suite
+    try:
+        got = dict(each_mesh([Mesh((2,)), Mesh((4,))], _mip, lambda r: r, lambda r: None, 2, lambda s: None,
+                             (SearchError,)))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert got == {Mesh((2,)): here, Mesh((4,)): here}

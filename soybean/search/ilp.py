@@ -1,4 +1,4 @@
-"""Exact search as an integer linear programme, solved by HiGHS through OR-Tools.
+"""Exact search as an integer linear programme, solved by HiGHS.
 
 Variables: ``x[v,s] in {0,1}`` (variable ``v`` takes strategy ``s``) and, per edge
 ``(u,v)``, ``y[e,s,t] >= 0`` (the pair is chosen).
@@ -16,8 +16,9 @@ fractional one goes on to branch and bound, within the time limit, starting from
 without a budget every choice is a plan, so the rounded LP solution is the fallback when branch and
 bound finds none in time.
 
-The formulation is built once as arrays (``Formulation``, a sparse matrix) and handed to OR-Tools'
-model builder whole (a Python loop over 239k columns through ``pywraplp`` took 6 s).
+The formulation is built once as arrays (``Formulation``, a sparse matrix) and handed to HiGHS whole
+through ``highspy`` (a Python loop over 239k columns through ``pywraplp`` took 6 s; OR-Tools' model builder,
+which also takes arrays, hid HiGHS's status for a solve stopped at a cutoff).
 """
 from __future__ import annotations
 
@@ -200,36 +201,72 @@ def formulate(p: Problem) -> Formulation:
                        np.concatenate(rows_v), np.concatenate(lo), np.concatenate(hi), x_start)
 
 
-def _run(f: Formulation, integer: bool, time_limit_s: float, gap: float) -> tuple[str, np.ndarray | None, float]:
-    """Solve ``f`` (as an LP, or with integral ``x``) with HiGHS through OR-Tools' model builder, which
-    takes the arrays whole: (status, column values, proven bound)."""
+def _run(f: Formulation, integer: bool, time_limit_s: float, gap: float,
+         cutoff: float | None = None) -> tuple[str, np.ndarray | None, float]:
+    """Solve ``f`` (as an LP, or with integral ``x``) with HiGHS (``highspy``, which takes the arrays whole):
+    (status, column values, proven bound).  ``cutoff`` (the LP only): the dual simplex stops as soon as its
+    objective, a lower bound at every iteration, reaches it (HiGHS's ``objective_bound``), status ``cutoff``
+    with the cutoff as the bound: the problem cannot beat the plan the cutoff came from (half an LP solve on a
+    Llama-3-8B 3-D core that the incumbent prunes)."""
+    import highspy
     import scipy.sparse as sp
-    from ortools.linear_solver.python import model_builder_helper as mbh
 
-    model: Any = mbh.ModelBuilderHelper()  # its stubs mistype numpy arrays
-    A = sp.csr_matrix((f.val, (f.row, f.col)), shape=(f.num_row, f.num_col))
-    model.fill_model_from_sparse_data(np.zeros(f.num_col), np.ones(f.num_col), f.cost, f.row_lo, f.row_hi, A)
-    model.set_objective_offset(f.offset)
+    A = sp.csc_matrix((f.val, (f.row, f.col)), shape=(f.num_row, f.num_col))
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = f.num_col, f.num_row
+    lp.col_cost_, lp.offset_ = f.cost, f.offset
+    lp.col_lower_, lp.col_upper_ = np.zeros(f.num_col), np.ones(f.num_col)
+    lp.row_lower_, lp.row_upper_ = f.row_lo, f.row_hi
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = A.indptr, A.indices, A.data
     if integer:
-        for j in range(int(f.x_start[-1])):
-            model.set_var_integrality(j, True)
-    solver = mbh.ModelSolverHelper("highs")
-    solver.set_time_limit_in_seconds(max(0.1, float(time_limit_s)))
-    # HiGHS's presolve costs the LP more than it saves on these tables (a Llama-3-8B 2x2x2 core of 739k
-    # columns: 4.5 s with it, 1.6 s without); branch and bound keeps it.
-    solver.set_solver_specific_parameters(f"mip_rel_gap = {float(gap)!r}" if integer else "presolve = off")
-    with native_stdout_silenced():
-        solver.solve(model)
-    st = solver.status()
-    values = np.asarray(solver.variable_values(), dtype=float) if solver.has_solution() else None
-    if st == mbh.SolveStatus.INFEASIBLE:
+        kinds = np.zeros(f.num_col, dtype=np.uint8)  # HighsVarType: 0 continuous, 1 integer
+        kinds[:int(f.x_start[-1])] = 1
+        lp.integrality_ = [highspy.HighsVarType(int(k)) for k in kinds]
+    with native_stdout_silenced():  # the banner is printed when the object is made
+        _fresh_scheduler(highspy)
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("threads", 1)  # one per process: the planner runs one process per core (``mesh_pool``)
+        h.setOptionValue("time_limit", max(0.1, float(time_limit_s)))
+        if integer:
+            h.setOptionValue("mip_rel_gap", float(gap))
+        else:
+            # HiGHS's presolve costs the LP more than it saves on these tables (a Llama-3-8B 2x2x2 core of 739k
+            # columns: 4.5 s with it, 1.6 s without); branch and bound keeps it.
+            h.setOptionValue("presolve", "off")
+            if cutoff is not None:
+                h.setOptionValue("objective_bound", float(cutoff))
+        h.passModel(lp)
+        h.run()
+    st = h.getModelStatus()
+    info = h.getInfo()
+    M = highspy.HighsModelStatus
+    has = info.primal_solution_status == 2  # a feasible point
+    values = np.asarray(h.getSolution().col_value, dtype=float) if has else None
+    if st == M.kInfeasible:
         return "infeasible", None, float("inf")
-    if st == mbh.SolveStatus.OPTIMAL:
-        return "optimal", values, float(solver.best_objective_bound() if integer else solver.objective_value())
-    if st == mbh.SolveStatus.FEASIBLE:
-        bound = solver.best_objective_bound() if integer else -float("inf")
-        return "time_limit", values, float(bound) if np.isfinite(bound) else -float("inf")
-    return f"error ({solver.status_string() or st})", None, -float("inf")
+    if st == M.kObjectiveBound:
+        return "cutoff", None, float(cutoff) if cutoff is not None else -float("inf")
+    bound = float(info.mip_dual_bound) if integer else float(info.objective_function_value)
+    if st == M.kOptimal:
+        return "optimal", values, bound
+    if has:
+        return "time_limit", values, bound if integer and np.isfinite(bound) else -float("inf")
+    return f"error ({h.modelStatusToString(st)})", None, -float("inf")
+
+
+_SCHEDULER_PID: list[int] = []  # the process whose HiGHS thread scheduler is set up
+
+
+def _fresh_scheduler(highspy: Any) -> None:
+    """HiGHS's thread scheduler made anew in a process forked from one that had set it up (a planner worker,
+    ``mesh_pool``): a fork copies the scheduler's state but not its threads, and branch and bound then waits
+    for threads that do not exist."""
+    pid = os.getpid()
+    if _SCHEDULER_PID and _SCHEDULER_PID[0] != pid:
+        highspy.Highs.resetGlobalScheduler(True)
+    _SCHEDULER_PID[:] = [pid]
 
 
 # A plan proven within this relative distance of the bound is reported "optimal".
@@ -255,9 +292,12 @@ def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP
         return Solution([], 0.0, 0.0, "optimal", 0.0, name)
     run = _run
     f = formulate(p)
-    status, values, bound = run(f, False, time_limit_s, gap)
+    status, values, bound = run(f, False, time_limit_s, gap, cutoff)
     if status == "infeasible":
         raise _infeasible(p, time_limit_s)
+    if status == "cutoff":
+        assert cutoff is not None
+        raise Pruned(bound, cutoff)
     candidates = [f.choice(values)] if values is not None else []
     fits = [c for c in candidates if _fits(p, c)]
     lp_bound = bound if status == "optimal" else -float("inf")
