@@ -6,7 +6,8 @@ prunes a mesh whose lower bound reaches it.  ``each_mesh`` forks ``jobs`` worker
 the options and the run's pricing state (nothing is pickled in), hands them the meshes in order (with few
 meshes per worker, one worker from the end of the list, the largest, first), shares the
 incumbent through one shared double, and yields each mesh's outcome as it arrives: its ``planner.Result``
-(pickled with its table when it leads when found; else ``light``, without it: it cannot be the answer), or the
+(pickled with its table when it leads when found; else ``light``, without it: a plan that did not lead when
+found is worse than one already sent whole, so it cannot be the answer), or the
 ``SearchError`` its search raised.  One job, or a platform without ``fork``, runs the meshes here, in order.
 
 Exact as the sequential search: a mesh is pruned only by a bound at or above a plan some mesh has found, so the
@@ -165,9 +166,10 @@ def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, float | None, Callabl
                     raise WorkerError(f"a planner worker ended before its mesh was searched (exit code {code}; "
                                       "-9: killed, most often for memory): plan with --jobs 1 (jobs=1)") from None
                 continue
-            if kind == "failed" or isinstance(payload, WorkerError):
-                raise payload if kind != "failed" else WorkerError(f"a planner worker failed on mesh {meshes[i]}:\n"
-                                                                   f"{payload}")
+            if kind == "failed":
+                raise WorkerError(f"a planner worker failed on mesh {meshes[i]}:\n{payload}")
+            if isinstance(payload, WorkerError):  # an outcome that could not be sent (``_portable``)
+                raise payload
             if kind == "say":
                 say(payload)
                 continue

@@ -220,9 +220,8 @@ def _run(f: Formulation, integer: bool, time_limit_s: float, gap: float,
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
     lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = A.indptr, A.indices, A.data
     if integer:
-        kinds = np.zeros(f.num_col, dtype=np.uint8)  # HighsVarType: 0 continuous, 1 integer
-        kinds[:int(f.x_start[-1])] = 1
-        lp.integrality_ = [highspy.HighsVarType(int(k)) for k in kinds]
+        nx = int(f.x_start[-1])  # the x columns are integral, the pair columns continuous
+        lp.integrality_ = [highspy.HighsVarType.kInteger] * nx + [highspy.HighsVarType.kContinuous] * (f.num_col - nx)
     with native_stdout_silenced():  # the banner is printed when the object is made
         _fresh_scheduler(highspy)
         h = highspy.Highs()
