@@ -137,7 +137,8 @@ def test_jobs_left_to_choose_stay_in_process_for_small_graphs(monkeypatch: pytes
 
 
 def _mip(m: Mesh, incumbent: float | None, say) -> float:  # type: ignore[no-untyped-def]
-    from soybean.search.ilp import _run, formulate
+    from soybean.search.formulation import formulate
+    from soybean.search.highs import solve_formulation as _run
 
     status, _, bound = _run(formulate(_knapsack()), True, 30.0, 0.0)
     assert status == "optimal"

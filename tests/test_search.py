@@ -75,7 +75,7 @@ def classed_problem(rng: random.Random, n: int) -> Problem:
 def test_ilp_merges_strategy_classes_exactly(seed: int) -> None:
     """Equal rows/columns share pair variables and separable edges need none: fewer columns, same
     optimum as enumeration, LP and all."""
-    from soybean.search.ilp import formulate
+    from soybean.search.formulation import formulate
     rng = random.Random(300 + seed)
     p = classed_problem(rng, rng.randint(3, 7))
     _, best = brute_force(p)
@@ -327,7 +327,7 @@ def test_budgeted_search_with_a_cutoff_prunes_only_what_cannot_win(seed: int) ->
 def test_unique_rows_survive_a_hash_collision() -> None:
     """``_unique_rows`` tells rows apart by a weighted sum; two different rows crafted to the same sum
     are still two classes (the exact check falls back to sorting)."""
-    from soybean.search.ilp import _WEIGHTS, _unique_rows
+    from soybean.search.formulation import _WEIGHTS, _unique_rows
 
     C = np.zeros((3, 4))
     C[0, 1], C[1, 2], C[2, 1] = _WEIGHTS[2], _WEIGHTS[1], _WEIGHTS[2]  # rows 0 and 1: equal sums, different rows

@@ -16,22 +16,19 @@ fractional one goes on to branch and bound, within the time limit, starting from
 without a budget every choice is a plan, so the rounded LP solution is the fallback when branch and
 bound finds none in time.
 
-The formulation is built once as arrays (``Formulation``, a sparse matrix) and handed to HiGHS whole
-through ``highspy`` (a Python loop over 239k columns through ``pywraplp`` took 6 s; OR-Tools' model builder,
-which also takes arrays, hid HiGHS's status for a solve stopped at a cutoff).
+The formulation is built once as arrays (``formulation``, a sparse matrix) and handed to HiGHS
+through ``highspy`` (``highs``; a Python loop over 239k columns through ``pywraplp`` took 6 s; OR-Tools' model
+builder, which also takes arrays, hid HiGHS's status for a solve stopped at a cutoff).  A core of at least
+``columns.COLUMNS_MIN`` pair columns has its LP solved by column generation (``columns``), to a proven bound.
 """
 from __future__ import annotations
 
-import os
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
-
+from . import columns
+from .formulation import formulate
+from .highs import solve_formulation
 from .problem import Problem
 
 
@@ -70,204 +67,6 @@ class Pruned(SearchError):
         return (Pruned, (self.bound, self.cutoff))
 
 
-@contextmanager
-def native_stdout_silenced() -> Iterator[None]:
-    """Discard whatever native code writes to file descriptor 1 meanwhile: HiGHS prints its banner
-    there even with output suppressed, which would corrupt ``soybean plan --format json`` (and on
-    stderr would break ``--quiet``).  The solver's outcome reaches the caller through its status."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    null = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(null)
-
-
-@dataclass
-class Formulation:
-    """The LP in column-wise arrays: ``x`` columns first (``x_start[v]``, one per strategy), then ``y``.
-
-    ``rows`` lower/upper bounds; the constraint matrix in coordinate form (``row``, ``col``, ``val``).
-    """
-
-    cost: np.ndarray
-    offset: float
-    row: np.ndarray
-    col: np.ndarray
-    val: np.ndarray
-    row_lo: np.ndarray
-    row_hi: np.ndarray
-    x_start: np.ndarray        # first x column of each variable; x_start[n] = number of x columns
-
-    @property
-    def num_col(self) -> int:
-        return len(self.cost)
-
-    @property
-    def num_row(self) -> int:
-        return len(self.row_lo)
-
-    def choice(self, values: np.ndarray) -> list[int]:
-        """The strategy each variable takes in a solution vector (its largest ``x``)."""
-        return [int(np.argmax(values[self.x_start[v]:self.x_start[v + 1]])) for v in range(len(self.x_start) - 1)]
-
-    def integral(self, values: np.ndarray, tol: float = 1e-6) -> bool:
-        x = values[:self.x_start[-1]]
-        return bool(np.all((x < tol) | (x > 1 - tol)))
-
-
-def _classes(C: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``C`` with equal rows and equal columns merged: ``(K, ri, ci)`` with ``C[s, t] = K[ri[s], ci[t]]``.
-
-    Strategies of one side that price the edge alike (a matmul's many strategies with one output
-    tiling) share its pair variables: ``y`` ranges over classes, and a class's marginal is the sum of
-    its members' ``x``.  Exact: an integral ``x`` fixes one class per side and so ``y``; and any
-    fractional solution of either form maps to one of the other with the same ``x`` and cost
-    (aggregate ``y``, or split it in proportion to the members' ``x``), so the LP bound is unchanged.
-    A Llama-3-8B 3-D core has ~1.9 million pair columns before merging."""
-    K, ri = _unique_rows(C)
-    Kt, ci = _unique_rows(np.ascontiguousarray(K.T))
-    return Kt.T, ri, ci
-
-
-_WEIGHTS = np.random.default_rng(0).random(1 << 16) + 0.5
-
-
-def _unique_rows(C: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct rows of ``C`` and each row's index into them.  Rows are told apart by a random
-    weighted sum (equal rows sum alike), checked exactly; a collision falls back to sorting the rows,
-    ten times slower."""
-    if C.shape[1] <= len(_WEIGHTS):
-        h = (C * _WEIGHTS[:C.shape[1]]).sum(axis=1)
-        _, first, inv = np.unique(h, return_index=True, return_inverse=True)
-        K = C[first]
-        if np.array_equal(K[inv], C):
-            return K, inv.reshape(-1)
-    K, inv = np.unique(C, axis=0, return_inverse=True)
-    return K, inv.reshape(-1)
-
-
-def _separable(C: np.ndarray) -> bool:
-    """``C[s, t] = f(s) + g(t)`` exactly: the edge then needs no pair variables."""
-    return bool(np.array_equal(C, C[:, :1] + (C[:1, :] - C[0, 0])))
-
-
-def formulate(p: Problem) -> Formulation:
-    """The arrays of ``p``'s ILP (module docstring), vectorised per edge."""
-    sizes = np.array([len(c) for c in p.unary], dtype=np.int64)
-    x_start = np.concatenate([[0], np.cumsum(sizes)])
-    nx = int(x_start[-1])
-    cost_parts = [np.concatenate([np.asarray(c, dtype=float) for c in p.unary])] if p.n else [np.zeros(0)]
-    x_cost = cost_parts[0]
-    rows_r = [np.repeat(np.arange(p.n), sizes)]            # one-strategy rows: every x with coefficient 1
-    rows_c = [np.arange(nx)]
-    rows_v = [np.ones(nx)]
-    lo = [np.ones(p.n)]
-    hi = [np.ones(p.n)]
-    nrow, ncol, offset = p.n, nx, 0.0
-    for (u, v), C in p.edges.items():
-        C, ri, ci = _classes(C)
-        a, b = C.shape
-        if a == 1 or b == 1 or _separable(C):  # the edge is linear in the two sides' choices
-            x_cost[x_start[v]:x_start[v + 1]] += (C[0] - C[0, 0])[ci]
-            x_cost[x_start[u]:x_start[u + 1]] += C[:, 0][ri]
-            continue
-        base = float(C.min())  # constant offset keeps the LP well scaled
-        offset += base
-        y = ncol + np.arange(a * b)                        # y[r, c] at column ncol + r * b + c
-        cost_parts.append((C - base).ravel())
-        ru, rv = nrow + np.arange(a), nrow + a + np.arange(b)
-        r_idx, c_idx = np.divmod(np.arange(a * b), b)
-        # sum_c y[r,c] - sum_{s in r} x[u,s] = 0  and  sum_r y[r,c] - sum_{t in c} x[v,t] = 0
-        rows_r += [ru[r_idx], rv[c_idx], ru[ri], rv[ci]]
-        rows_c += [y, y, x_start[u] + np.arange(len(ri)), x_start[v] + np.arange(len(ci))]
-        rows_v += [np.ones(a * b), np.ones(a * b), -np.ones(len(ri)), -np.ones(len(ci))]
-        lo.append(np.zeros(a + b))
-        hi.append(np.zeros(a + b))
-        nrow += a + b
-        ncol += a * b
-    if p.budget is not None and p.memory is not None:
-        rows_r.append(np.full(nx, nrow))
-        rows_c.append(np.arange(nx))
-        rows_v.append(np.concatenate([np.asarray(m, dtype=float) for m in p.memory]))
-        lo.append(np.array([-np.inf]))
-        hi.append(np.array([float(p.budget)]))
-        nrow += 1
-    return Formulation(np.concatenate(cost_parts), offset, np.concatenate(rows_r), np.concatenate(rows_c),
-                       np.concatenate(rows_v), np.concatenate(lo), np.concatenate(hi), x_start)
-
-
-def _run(f: Formulation, integer: bool, time_limit_s: float, gap: float,
-         cutoff: float | None = None) -> tuple[str, np.ndarray | None, float]:
-    """Solve ``f`` (as an LP, or with integral ``x``) with HiGHS (``highspy``, which takes the arrays whole):
-    (status, column values, proven bound).  ``cutoff`` (the LP only): the dual simplex stops as soon as its
-    objective, a lower bound at every iteration, reaches it (HiGHS's ``objective_bound``), status ``cutoff``
-    with the cutoff as the bound: the problem cannot beat the plan the cutoff came from (half an LP solve on a
-    Llama-3-8B 3-D core that the incumbent prunes)."""
-    import highspy
-    import scipy.sparse as sp
-
-    A = sp.csc_matrix((f.val, (f.row, f.col)), shape=(f.num_row, f.num_col))
-    lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = f.num_col, f.num_row
-    lp.col_cost_, lp.offset_ = f.cost, f.offset
-    lp.col_lower_, lp.col_upper_ = np.zeros(f.num_col), np.ones(f.num_col)
-    lp.row_lower_, lp.row_upper_ = f.row_lo, f.row_hi
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = A.indptr, A.indices, A.data
-    if integer:
-        nx = int(f.x_start[-1])  # the x columns are integral, the pair columns continuous
-        lp.integrality_ = [highspy.HighsVarType.kInteger] * nx + [highspy.HighsVarType.kContinuous] * (f.num_col - nx)
-    with native_stdout_silenced():  # the banner is printed when the object is made
-        _fresh_scheduler(highspy)
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
-        h.setOptionValue("threads", 1)  # one per process: the planner runs one process per core (``mesh_pool``)
-        h.setOptionValue("time_limit", max(0.1, float(time_limit_s)))
-        if integer:
-            h.setOptionValue("mip_rel_gap", float(gap))
-        else:
-            # HiGHS's presolve costs the LP more than it saves on these tables (a Llama-3-8B 2x2x2 core of 739k
-            # columns: 4.5 s with it, 1.6 s without); branch and bound keeps it.
-            h.setOptionValue("presolve", "off")
-            if cutoff is not None:
-                h.setOptionValue("objective_bound", float(cutoff))
-        h.passModel(lp)
-        h.run()
-    st = h.getModelStatus()
-    info = h.getInfo()
-    M = highspy.HighsModelStatus
-    has = info.primal_solution_status == 2  # a feasible point
-    values = np.asarray(h.getSolution().col_value, dtype=float) if has else None
-    if st == M.kInfeasible:
-        return "infeasible", None, float("inf")
-    if st == M.kObjectiveBound:
-        return "cutoff", None, float(cutoff) if cutoff is not None else -float("inf")
-    bound = float(info.mip_dual_bound) if integer else float(info.objective_function_value)
-    if st == M.kOptimal:
-        return "optimal", values, bound
-    if has:
-        return "time_limit", values, bound if integer and np.isfinite(bound) else -float("inf")
-    return f"error ({h.modelStatusToString(st)})", None, -float("inf")
-
-
-_SCHEDULER_PID: list[int] = []  # the process whose HiGHS thread scheduler is set up
-
-
-def _fresh_scheduler(highspy: Any) -> None:
-    """HiGHS's thread scheduler made anew in a process forked from one that had set it up (a planner worker,
-    ``mesh_pool``): a fork copies the scheduler's state but not its threads, and branch and bound then waits
-    for threads that do not exist."""
-    pid = os.getpid()
-    if _SCHEDULER_PID and _SCHEDULER_PID[0] != pid:
-        highspy.Highs.resetGlobalScheduler(True)
-    _SCHEDULER_PID[:] = [pid]
-
-
 # A plan proven within this relative distance of the bound is reported "optimal".
 OPTIMAL_GAP = 1e-6
 # By default the search stops once its plan is proven within 0.01% of optimal (HiGHS's own MIP
@@ -289,9 +88,11 @@ def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP
     name = "ilp-highs"
     if p.n == 0:
         return Solution([], 0.0, 0.0, "optimal", 0.0, name)
-    run = _run
     f = formulate(p)
-    status, values, bound = run(f, False, time_limit_s, gap, cutoff)
+    lp = None
+    if f.num_col - int(f.x_start[-1]) >= columns.COLUMNS_MIN:  # a large core: the LP by columns
+        lp = columns.solve_by_columns(p, f, time_limit_s, gap / 10, cutoff)
+    status, values, bound = lp or solve_formulation(f, False, time_limit_s, gap, cutoff)
     if status == "infeasible":
         raise _infeasible(p, time_limit_s)
     if status == "cutoff":
@@ -306,7 +107,7 @@ def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP
         return _best(p, fits, lp_bound, name, t0)
     left = time_limit_s - (time.perf_counter() - t0)
     if left > 0.1:
-        status, values, bound = run(f, True, left, gap)
+        status, values, bound = solve_formulation(f, True, left, gap)
         if status == "infeasible":
             raise _infeasible(p, time_limit_s)
         if values is not None:
