@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Mesh:
@@ -76,12 +78,10 @@ class Mesh:
         return out
 
     def axis_groups(self, axis: int) -> list[list[int]]:
-        """All groups of one axis, in a fixed order (every rank must create them alike)."""
-        seen: dict[tuple[int, ...], list[int]] = {}
-        for r in range(self.size):
-            g = self.axis_group(r, axis)
-            seen.setdefault(tuple(g), g)
-        return list(seen.values())
+        """All groups of one axis, in a fixed order (every rank must create them alike): row-major in the other
+        axes' coordinates, the order in which increasing ranks first meet them."""
+        ranks = np.arange(self.size).reshape(self.shape)
+        return np.moveaxis(ranks, axis, -1).reshape(-1, self.shape[axis]).tolist()
 
     def __str__(self) -> str:
         return "x".join(str(p) for p in self.shape)

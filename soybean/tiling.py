@@ -136,6 +136,21 @@ def chunk_range(n: int, p: int, k: int) -> tuple[int, int]:
     return start, min(start + c, n)
 
 
+def chunk_lengths(n: int, p: int) -> set[int]:
+    """The lengths of the ``p`` chunks of a length-``n`` dimension (``chunk_range``), without walking them: the
+    first ``n // c`` are ``c = ceil(n / p)`` long, the next holds the rest, and any after it are empty."""
+    if n == 0:
+        return {0}
+    c = -(-n // p)
+    full, rest = divmod(n, c)
+    out = {c}
+    if rest:
+        out.add(rest)
+    if full + (1 if rest else 0) < p:
+        out.add(0)
+    return out
+
+
 def local_shape(shape: Sequence[int], tiling: Sequence[Placement], mesh: Mesh,
                 coords: Sequence[int]) -> tuple[int, ...]:
     """Shape of the tile held by the device at ``coords``."""

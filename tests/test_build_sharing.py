@@ -114,6 +114,35 @@ def test_tables_built_across_mesh_shapes_price_every_route_as_the_definition(pro
         assert checked > 1000
 
 
+def test_route_ids_are_the_same_whether_kept_sorted_or_recent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RouteIds`` keeps the pairs it met in a sorted array and the latest in a dict: merged after every batch or
+    never, every table's ids are the same, and pairs met again are found without new routes."""
+    from soybean.cost.pricing import PricingCache, RouteIds
+
+    ref, args, _ = CASES[1]
+    model, inputs = models.load(ref, dict(args))
+    cap = capture(model, inputs)
+    tables: dict[int, list[np.ndarray]] = {}
+    for merge_min in (1, 10**9):
+        monkeypatch.setattr(RouteIds, "MERGE_MIN", merge_min)
+        cache = PricingCache()
+        calls: list[np.ndarray] = []
+        real = cache.route_ids.__call__
+
+        def spy(*a: object, real=real, calls=calls) -> np.ndarray:  # type: ignore[no-untyped-def]
+            ids = real(*a)
+            calls.append(ids.copy())
+            return ids
+
+        monkeypatch.setattr(cache, "route_ids", spy)
+        for shape in [(4,), (2, 2), (4,)]:
+            build(cap, Mesh(shape), BUILTIN["h100-nvlink"], pricing=cache)
+        assert (len(real.__self__.codes) > 0) == (merge_min == 1)
+        tables[merge_min] = calls
+    assert len(tables[1]) == len(tables[10**9]) > 10
+    assert all(np.array_equal(a, b) for a, b in zip(tables[1], tables[10**9]))
+
+
 def test_a_variable_kind_is_one_of_the_six() -> None:
     """``Var.kind`` is a ``VarKind``: the strings the planner compares still match, a misspelt kind is refused."""
     from soybean.graph import Var, VarKind

@@ -428,6 +428,15 @@ SPLIT = [(i, c) for i, c in enumerate(CASES) if c.splits]
 UNSPLIT = [(i, c) for i, c in enumerate(CASES) if not c.splits]
 
 
+def test_chunk_lengths_are_the_lengths_of_the_chunks() -> None:
+    """``tiling.chunk_lengths`` (which ``has_empty_tile`` reads) is the set of ``chunk_range``'s lengths."""
+    from soybean.tiling import chunk_lengths, chunk_range
+
+    for n in range(0, 70):
+        for p in range(1, 40):
+            assert chunk_lengths(n, p) == {b - a for a, b in (chunk_range(n, p, k) for k in range(p))}, (n, p)
+
+
 @pytest.mark.parametrize("mesh", MESHES, ids=str)
 @pytest.mark.parametrize("c", [c for _, c in SPLIT], ids=[_id(c, i) for i, c in SPLIT])
 def test_rule_is_exact(c: Case, mesh: Mesh) -> None:

@@ -33,6 +33,20 @@ def test_axes_crossing_nodes(shape: tuple, gpus: int | None, crosses: tuple) -> 
     assert IB.on_mesh(Mesh(shape), gpus).inter_node == crosses
 
 
+@pytest.mark.parametrize("shape", [(8,), (2, 4), (4, 2), (2, 3, 4), (3, 1, 5), (4, 4, 8)])
+def test_axis_groups_follow_the_definition(shape: tuple) -> None:
+    """``Mesh.axis_groups``: the ranks that agree with a rank on every coordinate but the axis's, by coordinate,
+    each group once, in the order increasing ranks first meet them (every rank makes them alike)."""
+    mesh = Mesh(shape)
+    for axis in range(mesh.ndim):
+        want: dict[tuple, list[int]] = {}
+        for r in range(mesh.size):
+            c = list(mesh.coords(r))
+            group = [mesh.rank(tuple(c[:axis] + [k] + c[axis + 1:])) for k in range(shape[axis])]
+            want.setdefault(tuple(group), group)
+        assert mesh.axis_groups(axis) == list(want.values())
+
+
 def test_crossing_axes_use_the_inter_node_link() -> None:
     prof = IB.on_mesh(Mesh((2, 8)), 8)
     assert prof.ab(0, "all_reduce") == (IB.node_alpha, IB.node_beta)

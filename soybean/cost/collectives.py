@@ -218,17 +218,21 @@ def op_comm_costs(op: OpSpec, strategies: Sequence[Strategy], grads: Sequence[bo
 
 class StepStore:
     """Every route priced so far by one planner run (``cost.pricing.PricingCache``), its collectives
-    (``priced_steps``) flattened into column arrays once: route ``r``'s are rows ``start[r]:start[r] + count[r]``.
-    Shape-, mesh- and profile-free, so every table, build and mesh shape of the run reads the same rows."""
+    (``priced_steps``) flattened once: route ``r``'s are rows ``start[r]:start[r] + count[r]``, each row the id of
+    a distinct *call* (collective kind, mesh axis, message tiling, whether it is the gradient sync), whose columns
+    are ``calls[:, id]``.  Shape-, mesh- and profile-free, so every table, build and mesh shape of the run reads
+    the same rows; a table prices each distinct call once (``price_route_ids``)."""
 
     def __init__(self) -> None:
         self.ids: dict[Route, int] = {}
         self.kinds: dict[str, int] = {}
         self.tilings: dict[tuple, int] = {}
         self.tiling_list: list[tuple] = []
+        self.call_ids: dict[tuple[int, int, int, int], int] = {}
+        self.calls = np.zeros((4, 0), dtype=np.int64)   # kind, axis, tiling, is_sync of each call id
         self.start = np.zeros(0, dtype=np.int64)
         self.count = np.zeros(0, dtype=np.int64)
-        self.cols = np.zeros((4, 0), dtype=np.int64)   # kind, axis, tiling, is_sync
+        self.row_call = np.zeros(0, dtype=np.int64)
         self.rows = 0
 
     def lookup(self, routes: Sequence[Route]) -> np.ndarray:
@@ -240,9 +244,10 @@ class StepStore:
         return np.fromiter((ids[r] for r in routes), dtype=np.int64, count=len(routes))
 
     def _add(self, routes: list[Route]) -> None:
-        starts, counts, cols = [], [], []
+        starts, counts, rows = [], [], []
         row = self.rows
-        kinds, tilings = self.kinds, self.tilings
+        kinds, tilings, call_ids = self.kinds, self.tilings, self.call_ids
+        calls_before = len(call_ids)
         for route in routes:  # ``priced_steps``' rows, read off the walk directly: each route is added once
             self.ids[route] = len(self.ids)
             starts.append(row)
@@ -254,19 +259,22 @@ class StepStore:
                     if t is None:
                         t = tilings[c.message] = len(self.tiling_list)
                         self.tiling_list.append(c.message)
-                    cols.append((kinds.setdefault(c.collective, len(kinds)), axis, t, int(c.sync)))
+                    rows.append(call_ids.setdefault((kinds.setdefault(c.collective, len(kinds)), axis, t,
+                                                     int(c.sync)), len(call_ids)))
                     n += 1
             counts.append(n)
             row += n
         self.start = np.concatenate([self.start, np.array(starts, dtype=np.int64)])
         self.count = np.concatenate([self.count, np.array(counts, dtype=np.int64)])
-        if cols:
-            block = np.array(cols, dtype=np.int64).T
-            if row > self.cols.shape[1]:  # grow by doubling: appends stay linear overall
-                grown = np.zeros((4, max(row, 2 * self.cols.shape[1])), dtype=np.int64)
-                grown[:, :self.rows] = self.cols[:, :self.rows]
-                self.cols = grown
-            self.cols[:, self.rows:row] = block
+        if len(call_ids) > calls_before:
+            fresh = np.array(list(call_ids)[calls_before:], dtype=np.int64).reshape(-1, 4).T
+            self.calls = np.concatenate([self.calls, fresh], axis=1)
+        if rows:
+            if row > len(self.row_call):  # grow by doubling: appends stay linear overall
+                grown = np.zeros(max(row, 2 * len(self.row_call)), dtype=np.int64)
+                grown[:self.rows] = self.row_call[:self.rows]
+                self.row_call = grown
+            self.row_call[self.rows:row] = rows
         self.rows = row
 
 
@@ -277,8 +285,9 @@ def price_routes(routes: Sequence[Route], shape: tuple, itemsize: int, mesh: Mes
     The same sums term by term, as numpy arithmetic over every collective of every route (a Llama
     layer's edge on a 2x2x2 mesh prices ~450 routes and ~1,600 collectives; a Python loop over them was
     most of the build).  The routes' collectives come flattened from ``steps`` (a fresh ``StepStore`` when
-    none is given); the tile size is computed once per distinct tiling, ``alpha`` and ``beta`` once per
-    (axis, collective).  The figures equal ``reshard_cost``'s bit for bit (the tests compare them).
+    none is given); each distinct call (kind, axis, message tiling) is priced once, and the tile size computed
+    once per distinct tiling, ``alpha`` and ``beta`` once per (axis, collective).  The figures equal
+    ``reshard_cost``'s bit for bit (the tests compare them).
     """
     steps = steps if steps is not None else StepStore()
     return price_route_ids(steps.lookup(routes), shape, itemsize, mesh, profile, steps)
@@ -295,7 +304,17 @@ def price_route_ids(ids: np.ndarray, shape: tuple, itemsize: int, mesh: Mesh, pr
         return np.zeros(n), np.zeros(n), np.zeros(n)
     own = np.repeat(np.arange(n), cnt)
     first = np.repeat(steps.start[ids] - (np.cumsum(cnt) - cnt), cnt)
-    kind, axis, tiling, is_sync = steps.cols[:, first + np.arange(total)]
+    used, c_inv = _distinct(steps.row_call[first + np.arange(total)])
+    sent, seconds, sync = _price_calls(steps, used, shape, itemsize, mesh, profile)
+    return (np.bincount(own, sent[c_inv], minlength=n), np.bincount(own, seconds[c_inv], minlength=n),
+            np.bincount(own, sync[c_inv], minlength=n))
+
+
+def _price_calls(steps: StepStore, used: np.ndarray, shape: tuple, itemsize: int, mesh: Mesh,
+                 profile: Profile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bytes sent, seconds (``blocking_s`` included) and gradient-sync seconds of the calls ``used`` of a tensor of
+    ``shape``."""
+    kind, axis, tiling, is_sync = steps.calls[:, used]
     tiles, t_inv = _distinct(tiling)
     m = np.array([float(max_local_numel(shape, steps.tiling_list[t], mesh) * itemsize) for t in tiles])[t_inv]
     kinds = list(steps.kinds)
@@ -315,8 +334,7 @@ def price_route_ids(ids: np.ndarray, shape: tuple, itemsize: int, mesh: Mesh, pr
     if profile.algorithms != (A.BACKEND,):
         sent, seconds = _cheapest(sent, seconds, kinds, kind, sync, m, p, l_inv, links, profile)
     blocking = np.where(~sync & on, profile.blocking_s, 0.0)
-    return (np.bincount(own, sent, minlength=n), np.bincount(own, seconds + blocking, minlength=n),
-            np.bincount(own, np.where(sync, seconds, 0.0), minlength=n))
+    return sent, seconds + blocking, np.where(sync, seconds, 0.0)
 
 
 def _distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -23,28 +23,53 @@ class RouteIds:
     """The ``StepStore`` id of every (source key, target key) pair's route met so far.  A table is the cross
     product of its sources' and targets' keys; its pairs are coded as integers in numpy and only the pairs never
     met become ``Route`` objects.  Shape-, mesh- and profile-free: a 64-device search prices ~10 million pairs
-    (tables of up to ~1,000 x 1,000) that are ~200 thousand distinct routes."""
+    (tables of up to ~1,000 x 1,000) that are ~200 thousand distinct routes.
+
+    The codes met are kept as one sorted array (looked up by ``np.searchsorted``, all of a table's pairs at once)
+    and the recent ones in a dict, merged into the array once they reach a quarter of it: a lookup per pair in
+    Python was a quarter of a 1,024-device build."""
+
+    MERGE_MIN = 1 << 16  # recent codes kept in the dict at least until this many
 
     def __init__(self, steps: StepStore) -> None:
         self.steps = steps
         self.ends: dict[tuple, int] = {}   # a (tiling, gradient axes) key -> its number
-        self.pairs: dict[int, int] = {}    # pair code -> route id
+        self.codes = np.zeros(0, dtype=np.int64)  # sorted pair codes ...
+        self.ids = np.zeros(0, dtype=np.int64)    # ... and their route ids
+        self.recent: dict[int, int] = {}   # pair code -> route id, not yet in ``codes``
 
     def __call__(self, us: tuple, ud: tuple, needs_grad: bool, write_back: bool) -> np.ndarray:
         ends = self.ends
         s = np.array([ends.setdefault(k, len(ends)) for k in us], dtype=np.int64)
         d = np.array([ends.setdefault(k, len(ends)) for k in ud], dtype=np.int64)
-        codes = (((s[:, None] << 28) | d[None, :]) << 2 | (2 * needs_grad + write_back)).ravel().tolist()
-        get = self.pairs.get
-        ids = np.fromiter((get(c, -1) for c in codes), dtype=np.int64, count=len(codes))
-        miss = np.flatnonzero(ids < 0)
+        codes = (((s[:, None] << 28) | d[None, :]) << 2 | (2 * needs_grad + write_back)).ravel()
+        at = np.minimum(np.searchsorted(self.codes, codes), max(len(self.codes) - 1, 0))
+        found = self.codes[at] == codes if len(self.codes) else np.zeros(len(codes), dtype=bool)
+        ids = np.where(found, self.ids[at] if len(self.ids) else 0, -1)
+        miss = np.flatnonzero(~found)
+        if miss.size:
+            get = self.recent.get
+            ids[miss] = [get(c, -1) for c in codes[miss].tolist()]
+            miss = miss[ids[miss] < 0]
         if miss.size:
             pairs = [(us[i], ud[j]) for i, j in zip(*np.divmod(miss, len(ud)))]
             routes = [Route.of(dst, src) if write_back else Route.of(src, dst, pga, spa, needs_grad)
                       for (src, spa), (dst, pga) in pairs]
             ids[miss] = new = self.steps.lookup(routes)
-            self.pairs.update(zip((codes[m] for m in miss.tolist()), new.tolist()))
+            self.recent.update(zip(codes[miss].tolist(), new.tolist()))
+            if len(self.recent) >= max(self.MERGE_MIN, len(self.codes) // 4):
+                self._merge()
         return ids
+
+    def _merge(self) -> None:
+        """The recent codes moved into the sorted array."""
+        k = np.fromiter(self.recent.keys(), dtype=np.int64, count=len(self.recent))
+        v = np.fromiter(self.recent.values(), dtype=np.int64, count=len(self.recent))
+        order = np.argsort(k)
+        k, v = k[order], v[order]
+        at = np.searchsorted(self.codes, k)
+        self.codes, self.ids = np.insert(self.codes, at, k), np.insert(self.ids, at, v)
+        self.recent = {}
 
 
 class PricingCache:

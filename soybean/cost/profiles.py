@@ -112,8 +112,8 @@ class Profile:
         """This profile with the axes of ``mesh`` whose groups cross nodes of ``gpus_per_node`` marked."""
         if not gpus_per_node or gpus_per_node >= mesh.size:
             return replace(self, inter_node=())
-        crosses = tuple(any(len({r // gpus_per_node for r in group}) > 1 for group in mesh.axis_groups(axis))
-                        for axis in range(mesh.ndim))
+        node = np.arange(mesh.size).reshape(mesh.shape) // gpus_per_node  # each rank's node
+        crosses = tuple(bool((node.max(axis=axis) != node.min(axis=axis)).any()) for axis in range(mesh.ndim))
         return replace(self, inter_node=crosses)
 
     def to_json(self) -> str:

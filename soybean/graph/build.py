@@ -50,6 +50,9 @@ class SharedWork:
         self.vars: dict[int, tuple[list[Strategy], np.ndarray, np.ndarray, int, np.ndarray | None,
                                    np.ndarray | None]] = {}
         self.edges: dict[tuple, Edge] = {}
+        # a reshard point's domain by (its producer's class, output, gradient flag), and its class by key id
+        self.points: dict[tuple[int, int, bool], tuple[list[Strategy], list[tuple[int, ...]]]] = {}
+        self.point_classes: dict[int, int] = {}
 
 
 class _Memo:
@@ -70,6 +73,7 @@ class _Memo:
     def __init__(self, work: SharedWork | None = None) -> None:
         work = work or SharedWork()
         self.classes, self.keys, self.vars, self.edges = work.classes, work.keys, work.vars, work.edges
+        self.points, self.point_classes = work.points, work.point_classes
         self.cls: dict[int, int] = {}     # var index -> content class
         self.key: dict[int, int] = {}     # var index -> key id (ops and reshard points)
 
@@ -130,8 +134,9 @@ def _producer(arg: fx.Node) -> tuple[fx.Node, int]:
     return arg, 0
 
 
-def _needless_partial(g: PlanGraph, s: Strategy, sources: list[tuple[int, int]]) -> bool:
-    """A strategy only P/R on some axis, taking a P input there that its producer can never emit.
+def _needless_partial(s: Strategy, emits: list[tuple[bool, ...]]) -> bool:
+    """A strategy only P/R on some axis, taking a P input there that its producer can never emit (``emits``: per
+    input, per mesh axis, whether some strategy of its producer outputs ``P`` there: ``partial_axes``).
 
     Such an input is made partial by zeroing (``to_partial``) and the op then does full-size work
     to produce a pending sum: the all-R choice on that axis does the same work with a replicated
@@ -141,12 +146,15 @@ def _needless_partial(g: PlanGraph, s: Strategy, sources: list[tuple[int, int]])
     for a, cut in enumerate(cuts):
         if cut:
             continue
-        for t, (u, k) in zip(s.inputs, sources):
-            if isinstance(t[a], Partial) and not any(
-                isinstance(st.outputs[k][a], Partial) for st in g.vars[u].strategies
-            ):
+        for t, can in zip(s.inputs, emits):
+            if isinstance(t[a], Partial) and not can[a]:
                 return True
     return False
+
+
+def partial_axes(v: Var, k: int, axes: int) -> tuple[bool, ...]:
+    """Per mesh axis: whether some strategy of ``v`` outputs ``P`` there on its output ``k``."""
+    return tuple(any(isinstance(st.outputs[k][a], Partial) for st in v.strategies) for a in range(axes))
 
 
 def value_uses(graph: fx.Graph) -> dict[tuple[str, int], int]:
@@ -185,32 +193,51 @@ def _add_reshard_points(g: PlanGraph, vi: int, uses: dict[tuple[str, int], int],
         if uses.get((v.name, k), 0) < 2:
             continue
         name = reshard_point_name(v.name, k)
-        strategies: list[Strategy] = []
-        flags: list[tuple[int, ...]] = []
-        if fixed is not None and name in fixed.nodes:
-            ins, outs = fixed.node_tilings(name)
-            strategies.append(Strategy(tuple(ins), tuple(outs)))
-            flags.append(fixed.grad_partial_axes(name) if needs_grad else ())
-        tilings = [] if strategies else sorted(
-            {tuple(s.outputs[k]) for s in v.strategies} | {(R,) * g.mesh.ndim}
-            | {use_tiling(tuple(s.outputs[k]), v.gathered) for s in v.strategies if v.pinned}, key=str
-        )
-        for t in tilings:
-            r_axes = [a for a in range(g.mesh.ndim) if isinstance(t[a], Replicate)] if needs_grad else []
-            for n in range(len(r_axes) + 1):
-                for A in itertools.combinations(r_axes, n):
-                    strategies.append(Strategy((t,), (t,)))
-                    flags.append(tuple(A))
+        domain = (memo.cls[vi], k, needs_grad) if memo is not None and fixed is None else None
+        known = memo.points.get(domain) if memo is not None and domain is not None else None
+        if known is not None:  # the domain follows from the producer's class: a repeated layer's is shared
+            strategies, flags = known
+        else:
+            strategies, flags = _point_domain(g, v, k, needs_grad, name, fixed)
+            if memo is not None and domain is not None:
+                memo.points[domain] = (strategies, flags)
         spec = specs[k] if specs is not None else TensorSpec(g.shapes[(vi, 0)], g.dtypes[(vi, 0)])
         r = _add_var(g, Var(name, "reshard", strategies, np.zeros(len(strategies)), np.zeros(len(strategies)),
                             op=OpSpec("reshard", (), {}, (spec,), (spec,)), module=v.module,
                             needs_grad=needs_grad, grad_partial=flags, fqn=v.fqn, pinned=v.pinned,
                             gathered=v.gathered))
         again = rerun is not None and rerun.first.get((v.name, k), "") in rerun.layers  # emitted in a rerun layer
-        if memo is not None:  # its domain follows from its producer's class and the output read
-            memo.key[r] = memo.key_id(("reshard", memo.cls[vi], k, needs_grad, again))
-            memo.classify(g, r)
+        if memo is not None:  # its domain, and so its class, follows from its producer's class and the output read
+            kid = memo.key[r] = memo.key_id(("reshard", memo.cls[vi], k, needs_grad, again))
+            if kid in memo.point_classes:
+                memo.cls[r] = memo.point_classes[kid]
+            else:
+                memo.point_classes[kid] = memo.classify(g, r)
         _add_edge(g, vi, r, k, 0, needs_grad, memo=memo, rerun=again)
+
+
+def _point_domain(g: PlanGraph, v: Var, k: int, needs_grad: bool, name: str,
+                  fixed: Program | None) -> tuple[list[Strategy], list[tuple[int, ...]]]:
+    """The strategies of the reshard point of ``v``'s output ``k`` and the axes each collects partial gradients
+    on: every tiling the producer emits (and all-R, and a pinned one's use tiling) with each subset of its
+    replicated axes; with ``fixed``, the plan's own."""
+    strategies: list[Strategy] = []
+    flags: list[tuple[int, ...]] = []
+    if fixed is not None and name in fixed.nodes:
+        ins, outs = fixed.node_tilings(name)
+        strategies.append(Strategy(tuple(ins), tuple(outs)))
+        flags.append(fixed.grad_partial_axes(name) if needs_grad else ())
+    tilings = [] if strategies else sorted(
+        {tuple(s.outputs[k]) for s in v.strategies} | {(R,) * g.mesh.ndim}
+        | {use_tiling(tuple(s.outputs[k]), v.gathered) for s in v.strategies if v.pinned}, key=str
+    )
+    for t in tilings:
+        r_axes = [a for a in range(g.mesh.ndim) if isinstance(t[a], Replicate)] if needs_grad else []
+        for n in range(len(r_axes) + 1):
+            for A in itertools.combinations(r_axes, n):
+                strategies.append(Strategy((t,), (t,)))
+                flags.append(tuple(A))
+    return strategies, flags
 
 
 def fallback_ops(cap: Captured) -> list[str]:
@@ -384,7 +411,8 @@ class _Builder:
                 strategies = [Strategy(tuple(ins), tuple(outs))]
             else:
                 strategies = expand(op, mesh, strategies_1d(op))
-                strategies = [s for s in strategies if not _needless_partial(g, s, sources)] or strategies
+                emits = [partial_axes(g.vars[u], k, mesh.ndim) for u, k in sources]
+                strategies = [s for s in strategies if not _needless_partial(s, emits)] or strategies
                 if self.divide_work if self.divide_work is not None else self.objective == "comm":
                     # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
                     whole = [s for s in strategies if all(s.divides_work())]

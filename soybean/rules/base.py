@@ -20,10 +20,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..mesh import Mesh
-from ..tiling import Partial, Placement, R, Replicate, Shard, chunk_range, is_valid, split_factor
+from ..tiling import Partial, Placement, R, Replicate, Shard, chunk_lengths, is_valid, split_factor
 
 
 @dataclass(frozen=True)
@@ -317,7 +318,7 @@ def has_empty_tile(tiling: tuple[Placement, ...], shape: tuple[int, ...], mesh: 
         for axis, pl in enumerate(tiling):
             if pl == Shard(d):
                 p = mesh.shape[axis]
-                lengths = {b - a for m in lengths for a, b in (chunk_range(m, p, k) for k in range(p))}
+                lengths = {x for m in lengths for x in chunk_lengths(m, p)}
         if n > 0 and 0 in lengths:
             return True
     return False
@@ -325,34 +326,47 @@ def has_empty_tile(tiling: tuple[Placement, ...], shape: tuple[int, ...], mesh: 
 
 def expand(op: OpSpec, mesh: Mesh, one_axis: list[Strategy1D] | None = None) -> list[Strategy]:
     """N-D strategies: the product of one-axis strategies, filtered for legality.  A windowed dim
-    (``rules.window``) is split by one mesh axis at most, on its input and on the output."""
+    (``rules.window``) is split by one mesh axis at most, on its input and on the output.
+
+    Legality of a tensor's tiling is looked up per tensor: each tensor's few distinct placements give at most
+    ``(ndim + 2) ** axes`` tilings, each checked once, and every combination's tilings are found by arithmetic
+    on their indices (numpy), in ``itertools.product``'s order."""
     one_axis = one_axis if one_axis is not None else strategies_1d(op)
     specs = op.inputs + op.outputs
+    nin, n = len(op.inputs), mesh.ndim
     entry = lookup(op.target)
     windowed = [(i, w.dim) for w in (entry.windows(op) if entry and entry.windows else [])
                 for i in (w.slot, len(op.inputs))]
+    combos = np.indices((len(one_axis),) * n).reshape(n, -1).T  # row k: the k-th combination of itertools.product
+    ok = np.ones(len(combos), dtype=bool)
+    for i, spec in enumerate(specs):
+        placed = [s.inputs[i] if i < nin else s.outputs[i - nin] for s in one_axis]
+        distinct = list(dict.fromkeys(placed))
+        code = np.array([distinct.index(p) for p in placed])
+        shape = tuple(spec.shape)
+        legal = np.array([is_valid(t, shape, mesh) and not has_empty_tile(t, shape, mesh)
+                          for t in itertools.product(distinct, repeat=n)])
+        ok &= legal[(code[combos] * len(distinct) ** np.arange(n - 1, -1, -1)).sum(axis=1)]
     out: list[Strategy] = []
-    for combo in itertools.product(one_axis, repeat=mesh.ndim):
+    for row in combos[ok].tolist():
+        combo = [one_axis[j] for j in row]
         tilings = [
-            tuple(s.inputs[i] if i < len(op.inputs) else s.outputs[i - len(op.inputs)] for s in combo)
+            tuple(s.inputs[i] if i < nin else s.outputs[i - nin] for s in combo)
             for i in range(len(specs))
         ]
-        ok = all(
-            is_valid(t, spec.shape, mesh) and not has_empty_tile(tuple(t), tuple(spec.shape), mesh)
-            for t, spec in zip(tilings, specs)
-        )
-        if ok and windowed:
+        good = True
+        if windowed:
             most = 1 if SPATIAL_SPLITS[0] else 0  # ``window.spatial_splits(False)``: none at all
-            ok = all(sum(1 for pl in tilings[i] if pl == Shard(d)) <= most for i, d in windowed)
-        if ok:
+            good = all(sum(1 for pl in tilings[i] if pl == Shard(d)) <= most for i, d in windowed)
+        if good:
             for s in combo:
                 for i, d, *unit in s.even:
                     f = split_factor(tilings[i], mesh, d)
-                    n, u = specs[i].shape[d], (unit[0] if unit else 1)
-                    if n % u or (n // u) % f:
-                        ok = False
-        if ok:
-            out.append(Strategy(tuple(tilings[: len(op.inputs)]), tuple(tilings[len(op.inputs):])))
+                    m, u = specs[i].shape[d], (unit[0] if unit else 1)
+                    if m % u or (m // u) % f:
+                        good = False
+        if good:
+            out.append(Strategy(tuple(tilings[:nin]), tuple(tilings[nin:])))
     return out
 
 

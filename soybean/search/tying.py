@@ -31,7 +31,9 @@ gap the solver reports is the tied problem's; ``plan(tie_layers=False)`` solves 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -65,17 +67,37 @@ def _block_of(g: PlanGraph) -> list[tuple[str, int] | None]:
     return out
 
 
-def _var_key(g: PlanGraph, i: int, prefix: str) -> tuple:
+class _Contents:
+    """Small ints naming the contents of the large parts of a signature (a variable's strategy list and cost
+    arrays, an edge's key lists): equal contents, equal ints, so the test stays exact; an object that repeated
+    layers share (``graph.build`` shares them) is read and hashed once, not once per layer."""
+
+    def __init__(self) -> None:
+        self.by_object: dict[int, tuple[int, object]] = {}  # id -> (content number, the object, kept alive)
+        self.numbers: dict[Hashable, int] = {}
+
+    def __call__(self, obj: object, content: Callable[[Any], Hashable]) -> int:
+        known = self.by_object.get(id(obj))
+        if known is None:
+            known = self.by_object[id(obj)] = (self.numbers.setdefault(content(obj), len(self.numbers)), obj)
+        return known[0]
+
+
+def _var_key(g: PlanGraph, i: int, prefix: str, c: _Contents) -> tuple:
     v = g.vars[i]
     role = re.sub(r"^" + re.escape(prefix) + r"\.\d+", "", v.module or v.fqn)
-    return (v.kind, v.op.name if v.op is not None else "", role, v.needs_grad, v.pinned, tuple(v.strategies),
-            v.compute_s.tobytes(), v.memory.tobytes(), tuple(v.grad_partial))
+    return (v.kind, v.op.name if v.op is not None else "", role, v.needs_grad, v.pinned, c(v.strategies, tuple),
+            c(v.compute_s, _bytes), c(v.memory, _bytes), c(v.grad_partial, tuple))
 
 
-def _edge_key(g: PlanGraph, k: int) -> tuple:
+def _edge_key(g: PlanGraph, k: int, c: _Contents) -> tuple:
     e = g.edges[k]
     return (e.src_out, e.dst_in, e.shape, e.itemsize, e.needs_grad, e.deferred, e.write_back,
-            tuple(e.src_keys), e.src_key_of.tobytes(), tuple(e.dst_keys), e.dst_key_of.tobytes())
+            c(e.src_keys, tuple), c(e.src_key_of, _bytes), c(e.dst_keys, tuple), c(e.dst_key_of, _bytes))
+
+
+def _bytes(a: np.ndarray) -> Hashable:
+    return a.dtype.str, a.shape, a.tobytes()
 
 
 def find_repeats(g: PlanGraph) -> list[Run]:
@@ -100,16 +122,18 @@ def find_repeats(g: PlanGraph) -> list[Run]:
             return ("prev", pos[i])
         return ("ext", i)
 
+    contents = _Contents()
+
     def signature(prefix: str, idx: int) -> tuple:
         vs = members[(prefix, idx)]
-        sig: list[tuple] = [tuple(_var_key(g, i, prefix) for i in vs)]
+        sig: list[tuple] = [tuple(_var_key(g, i, prefix, contents) for i in vs)]
         for i in vs:
             for k in into.get(i, []):
-                sig.append(("into", pos[i], ref(g.edges[k].src, prefix, idx), _edge_key(g, k)))
+                sig.append(("into", pos[i], ref(g.edges[k].src, prefix, idx), _edge_key(g, k, contents)))
             for k in out_of.get(i, []):
                 d = g.edges[k].dst
                 if block[d] not in ((prefix, idx), (prefix, idx + 1)):
-                    sig.append(("out", pos[i], ("ext", d), _edge_key(g, k)))
+                    sig.append(("out", pos[i], ("ext", d), _edge_key(g, k, contents)))
         return tuple(sig)
 
     runs: list[Run] = []
