@@ -5,7 +5,8 @@ Each mesh shape's table is built and solved on its own (``planner.solve_plain``,
 prunes a mesh whose lower bound reaches it.  ``each_mesh`` forks ``jobs`` workers, which inherit the capture,
 the options and the run's pricing state (nothing is pickled in), hands them the meshes in order (with few
 meshes per worker, one worker from the end of the list, the largest, first), shares the
-incumbent through one shared double, and yields each mesh's outcome as it arrives: its ``planner.Result``
+incumbent through one shared double that a search reads whenever it may prune (so a worker drops a mesh as soon
+as another's better plan proves it cannot win), and yields each mesh's outcome as it arrives: its ``planner.Result``
 (pickled with its table when it leads when found; else ``light``, without it: a plan that did not lead when
 found is worse than one already sent whole, so it cannot be the answer), or the
 ``SearchError`` its search raised.  One job, or a platform without ``fork``, runs the meshes here, in order.
@@ -56,25 +57,34 @@ class WorkerError(RuntimeError):
     fix."""
 
 
-def each_mesh(meshes: Sequence[Mesh], solve: Callable[[Mesh, float | None, Callable[[str], None]], R],
+Live = Callable[[], "float | None"]  # the incumbent now: the best step time found so far by any mesh, or None
+
+
+def each_mesh(meshes: Sequence[Mesh], solve: Callable[[Mesh, Live, Callable[[str], None]], R],
               light: Callable[[R], R], value: Callable[[R], float | None], jobs: int,
               say: Callable[[str], None], outcomes: tuple[type[BaseException], ...],
               incumbent: float | None = None,
               after: tuple[Callable[[Callable[[str], None]], Any], Callable[[Any], None]] | None = None,
               ) -> Iterator[tuple[Mesh, R | BaseException]]:
-    """``solve(mesh, incumbent, say)`` for every mesh, yielding ``(mesh, outcome)``: the result (``light`` of it
+    """``solve(mesh, incumbent, say)`` for every mesh, yielding ``(mesh, outcome)`` (``incumbent()``: the best
+    step time found so far, read whenever the search wants it, so a worker learns of another's better plan while it
+    searches): the result (``light`` of it
     from a worker) or the exception it raised, when one of ``outcomes`` (a pruned or unfit mesh is an outcome,
     not a failure).  ``value(result)``: the step time a result sets the incumbent to (None: it sets none);
     ``incumbent``: the best found before these meshes; ``say``: progress lines, a worker's passed on here;
-    ``after``: ``(work, receive)``: on workers, the first worker out of meshes runs ``work(say)`` and this process
-    gets ``receive(its result)`` (the baselines: they fill a core the last meshes leave idle); in-process, neither
-    is called (the caller runs it).  Any other exception propagates (from a worker, as a ``WorkerError`` carrying
-    its traceback)."""
+    ``after``: ``(work, receive)``: on workers, one worker runs ``work(say)`` (``_forked``'s ``take`` says which and
+    when) and this process gets ``receive(its result)`` (the baselines: they fill a core while the most promising
+    mesh is searched); in-process, neither is called (the caller runs it).  Any other exception propagates (from a
+    worker, as a ``WorkerError`` carrying its traceback)."""
     if jobs <= 1 or len(meshes) <= 1 or "fork" not in mp.get_all_start_methods():
         best = incumbent
+
+        def now() -> float | None:
+            return best
+
         for m in meshes:
             try:
-                r = solve(m, best, say)
+                r = solve(m, now, say)
             except outcomes as e:
                 yield m, e
                 continue
@@ -85,7 +95,7 @@ def each_mesh(meshes: Sequence[Mesh], solve: Callable[[Mesh, float | None, Calla
     yield from _forked(meshes, solve, light, value, min(jobs, len(meshes)), say, outcomes, incumbent, after)
 
 
-def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, float | None, Callable[[str], None]], R],
+def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, Live, Callable[[str], None]], R],
             light: Callable[[R], R], value: Callable[[R], float | None], jobs: int, say: Callable[[str], None],
             outcomes: tuple[type[BaseException], ...], incumbent: float | None,
             after: tuple[Callable[[Callable[[str], None]], Any], Callable[[Any], None]] | None,
@@ -102,10 +112,16 @@ def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, float | None, Callabl
 
     def take(worker: int) -> int | None:
         """The next task of ``worker``: with few meshes, worker 0 takes them from the end of the list (the most
-        axes, the largest tables) and the others from the front, else all from the front; then ``after`` (-1),
-        once; then None."""
+        axes, the largest tables) and the others from the front, else all from the front; ``after`` (-1), once:
+        with many meshes worker 1's first task (the list's first mesh, the most promising, decides what prunes the
+        rest, and a second mesh started before its plan is known is often searched in vain: the baselines fill
+        that time instead of the tail, where a long task leaves the other worker idle), else the first worker's
+        out of meshes; then None."""
         with ends.get_lock():
             lo, hi, left_after = ends[0], ends[1], ends[2]
+            if left_after and worker == 1 and not from_end:
+                ends[2] = 0
+                return -1
             if lo <= hi:
                 if worker == 0 and from_end:
                     ends[1] = hi - 1
@@ -117,6 +133,10 @@ def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, float | None, Callabl
                 return -1
             return None
 
+    def live() -> float | None:
+        with best.get_lock():
+            return None if math.isinf(best.value) else best.value
+
     def work(worker: int) -> None:
         while (i := take(worker)) is not None:
             def tell(line: str, i: int = i) -> None:
@@ -127,9 +147,7 @@ def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, float | None, Callabl
                     assert after is not None
                     out.put((i, "after", after[0](tell)))
                     continue
-                with best.get_lock():
-                    inc = None if math.isinf(best.value) else best.value
-                r = solve(meshes[i], inc, tell)
+                r = solve(meshes[i], live, tell)
             except outcomes as e:
                 out.put((i, "raised", _portable(e)))
                 continue

@@ -121,7 +121,17 @@ class Search:
                      recompute=recompute, pricing=self.pricing, work=work)
 
 
-def solve_on(cap: Captured, mesh: Mesh, search: Search, incumbent: float | None = None,
+# The best step time another mesh reached: a number, or read live when called (``mesh_pool``: another worker's
+# better plan prunes this mesh's search while it runs), or None.
+Incumbent = float | Callable[[], float | None] | None
+
+
+def now(incumbent: Incumbent) -> float | None:
+    """The incumbent's value at this moment."""
+    return incumbent() if callable(incumbent) else incumbent
+
+
+def solve_on(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent = None,
              recompute: frozenset[str] = frozenset()) -> Result:
     """Build the candidate table on ``mesh`` and solve it (``SearchError`` when no plan fits).  ``incumbent``:
     the best step time another mesh reached: a mesh whose cheap lower bound (``search.lower_bound``) reaches it
@@ -129,7 +139,7 @@ def solve_on(cap: Captured, mesh: Mesh, search: Search, incumbent: float | None 
     return solve_table_on(search.table(cap, mesh, recompute), search, incumbent, recompute)
 
 
-def solve_table_on(g: PlanGraph, search: Search, incumbent: float | None = None,
+def solve_table_on(g: PlanGraph, search: Search, incumbent: Incumbent = None,
                    recompute: frozenset[str] = frozenset(), settle: Callable[[Result], bool] | None = None) -> Result:
     """``solve_on``'s solve of a table already built (``MemoryBudgetError`` when no plan of it fits).  ``settle``:
     when it holds for member 0's plan (``capped_overlap``), that plan is returned as it is, its bound still a lower
@@ -150,10 +160,10 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: float | None = None,
     # The budget binds the activations phase; a plan whose gradients phase breaks it is replaced by the best plan
     # with both phases summed (an upper bound of the larger).
     phase = "activations"
-    r = solved(cutoff=incumbent)
+    r = solved(cutoff=now(incumbent))
     if memory_bytes is not None and r.memory > memory_bytes:
         phase = "sum"
-        r = solved(phase=phase, cutoff=incumbent)
+        r = solved(phase=phase, cutoff=now(incumbent))
     if objective != "time" or (settle is not None and settle(r)):
         return r
     return capped_overlap(r, lambda mu, cut: solved(mu, phase, cut), search.options.gap, incumbent)
@@ -164,7 +174,7 @@ OVERLAP_STEPS = 6
 
 
 def capped_overlap(first: Result, solved: Callable[[float, float | None], Result], gap: float,
-                   incumbent: float | None = None) -> Result:
+                   incumbent: Incumbent = None) -> Result:
     """The best plan under the capped overlap, with a lower bound of it.
 
     The step time is ``T(x) = L(x) - min(o S(x), b K(x))``: ``L`` the seconds with nothing hidden, ``S`` the
@@ -176,9 +186,10 @@ def capped_overlap(first: Result, solved: Callable[[float, float | None], Result
     (all of the sync credited); when its plan hides all it is credited with (``o S <= b K``) it is optimal as it
     stands.  Otherwise member 1 follows, then the member where the lines of the last plan on either side of the
     dual's peak (slope ``o S - b K`` above and below 0) cross (Kelley's cutting planes in one dimension: a plan
-    found again ends it), each plan priced exactly and the best kept, until the best plan is within ``gap`` of
-    the best bound or ``OVERLAP_STEPS`` members; ``Pruned`` once the bound reaches ``incumbent`` (another mesh is
-    better).  The result's ``solution`` carries ``T`` of its plan as objective and the best bound."""
+    found again, or a member met again, ends it), each plan priced exactly and the best kept, until the best plan
+    is within ``gap`` of the best bound or ``OVERLAP_STEPS`` members; ``Pruned`` once the bound reaches
+    ``incumbent`` (another mesh is better; read before each member).  The result's ``solution`` carries ``T`` of
+    its plan as objective and the best bound."""
     o = first.graph.profile.grad_overlap
 
     def line(r: Result) -> tuple[float, float]:  # T_mu of r's plan = a + mu * slope
@@ -189,16 +200,20 @@ def capped_overlap(first: Result, solved: Callable[[float, float | None], Result
     lo, hi = line(first), None
     if lo[1] > 0:
         seen = {tuple(first.solution.choice)}
-        mu = 1.0
+        mu, tried = 1.0, {0.0}
         for _ in range(OVERLAP_STEPS):
-            if incumbent is not None and bound >= incumbent:
-                raise Pruned(bound, incumbent)
+            if mu in tried:
+                break  # the same member again: the same problem, the same plan and bound
+            tried.add(mu)
+            cut = now(incumbent)
+            if cut is not None and bound >= cut:
+                raise Pruned(bound, cut)
             if relative_gap(best.step_time_s, bound) <= gap:
                 break
             try:
-                r = solved(mu, incumbent)
+                r = solved(mu, cut)
             except Pruned as e:  # this member's bound already reaches the incumbent: so does T's
-                raise Pruned(max(bound, e.bound), incumbent if incumbent is not None else e.bound) from None
+                raise Pruned(max(bound, e.bound), cut if cut is not None else e.bound) from None
             bound = max(bound, r.solution.bound)
             best = min(best, r, key=lambda x: x.step_time_s)
             key = tuple(r.solution.choice)
@@ -239,7 +254,7 @@ def recompute_choices(cap: Captured) -> list[list[frozenset[str]]]:
     return chains
 
 
-def solve_plain(cap: Captured, mesh: Mesh, search: Search, incumbent: float | None = None) -> Result:
+def solve_plain(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent = None) -> Result:
     """The fastest plan on ``mesh`` with nothing recomputed and no memory budget (``Pruned`` when its bound reaches
     ``incumbent``).  Recomputation only adds time (``solve_recompute``), so its ``solution.bound`` bounds every
     recomputation choice's plans under any budget, and when its plan fits the budget it is the best of them all.
@@ -248,14 +263,14 @@ def solve_plain(cap: Captured, mesh: Mesh, search: Search, incumbent: float | No
     return _solve_free(search.table(cap, mesh), search, incumbent)
 
 
-def _solve_free(plain: PlanGraph, search: Search, incumbent: float | None) -> Result:
+def _solve_free(plain: PlanGraph, search: Search, incumbent: Incumbent) -> Result:
     """``solve_plain``'s solve of the plain table already built."""
     budget = search.memory_bytes
     return solve_table_on(plain, replace(search, memory_bytes=None), incumbent,
                           settle=lambda r: budget is not None and r.memory > budget)
 
 
-def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: float | None = None,
+def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent = None,
                     say: Callable[[str], None] = lambda line: None, floor: float | None = None) -> Result:
     """Recomputation decided with the tilings: the best plan on ``mesh`` over every choice of
     ``recompute_choices`` (each solved exactly with its tilings), within ``memory_bytes``.
@@ -293,7 +308,7 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: float 
         return budget is None or least[units] <= budget
 
     def cut() -> float | None:
-        c = incumbent if objective == "time" else None
+        c = now(incumbent) if objective == "time" else None
         if best is not None:
             mine = best.step_time_s if objective == "time" else best.solution.objective
             c = mine if c is None else min(c, mine)
@@ -567,6 +582,7 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     failed: list[SearchError] = []
     pruned: list[dict[str, Any]] = []
     floors: dict[Mesh, float] = {}  # a mesh's plain plan's bound, where that plan does not fit the budget
+    estimate: dict[Mesh, float] = {}  # what each mesh searched reached (its plan's value, else its bound)
 
     def rank(r: Result) -> tuple[float, int]:  # the best mesh: cheapest, then fewest axes
         return r.value(objective), r.graph.mesh.ndim
@@ -575,6 +591,8 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
 
     def record(m: Mesh, outcome: Result | BaseException) -> None:
         """A mesh's plan kept in ``results``, or why there is none recorded."""
+        estimate[m] = (outcome.bound if isinstance(outcome, (_Floor, Pruned)) else
+                       outcome.value(objective) if isinstance(outcome, Result) else math.inf)
         if isinstance(outcome, _Floor):
             floors[m] = outcome.bound
             say(f"mesh {m}: its fastest plan needs recomputation or more memory: bound {outcome.bound:.4g}")
@@ -614,19 +632,26 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
         base.update(records)
         priced.append(True)
 
-    def each(ms: Sequence[Mesh], solve_mesh: Callable[[Mesh, float | None, Callable[[str], None]], Result]) -> None:
-        """``solve_mesh`` on every mesh of ``ms`` (on ``jobs`` processes, ``mesh_pool``), each outcome recorded."""
-        incumbent = min((r.step_time_s for r in results), default=None) if objective == "time" else None
-        for m, outcome in each_mesh(ms, solve_mesh, _light, lambda r: r.step_time_s if objective == "time" else None,
-                                    jobs, say, (SearchError, _Floor), incumbent,
-                                    (price_base, got_base) if baselines and not priced else None):
-            record(m, outcome)
+    def each(ms: Sequence[Mesh], solve_mesh: Callable[[Mesh, Incumbent, Callable[[str], None]], Result],
+             staged: bool = False) -> None:
+        """``solve_mesh`` on every mesh of ``ms`` (on ``jobs`` processes, ``mesh_pool``), each outcome recorded;
+        ``staged``: the meshes of at most two axes first, then the others in the order of ``by_promise``."""
+        stages = [[m for m in ms if m.ndim < 3], [m for m in ms if m.ndim >= 3]] if staged else [list(ms)]
+        stages = [x for x in stages if x]
+        for k, stage in enumerate(stages):
+            incumbent = min((r.step_time_s for r in results), default=None) if objective == "time" else None
+            last = k == len(stages) - 1
+            for m, outcome in each_mesh(by_promise(stage, estimate) if staged else stage, solve_mesh, _light,
+                                        lambda r: r.step_time_s if objective == "time" else None, jobs, say,
+                                        (SearchError, _Floor), incumbent,
+                                        (price_base, got_base) if baselines and not priced and last else None):
+                record(m, outcome)
 
     # Under a budget with recomputation free, every mesh's fastest plan with nothing recomputed and no budget
     # (``solve_plain``) comes first: one table each; those that fit are their mesh's answer and set the
     # incumbent, and the rest are searched cheapest bound first, each pruned at once when its bound reaches the
     # incumbent (a mesh whose budget binds hard is slow to search and rarely wins).
-    def plain(m: Mesh, incumbent: float | None, tell: Callable[[str], None]) -> Result:
+    def plain(m: Mesh, incumbent: Incumbent, tell: Callable[[str], None]) -> Result:
         tell(f"mesh {m}: nothing recomputed, no budget")
         try:
             free = solve_plain(cap, m, search, incumbent)
@@ -639,18 +664,18 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
         return free
 
     if recompute == "auto" and budget is not None and objective == "time":
-        each(meshes, plain)
+        each(meshes, plain, staged=True)
         meshes = sorted(floors, key=floors.__getitem__)
 
-    def searched(m: Mesh, incumbent: float | None, tell: Callable[[str], None]) -> Result:
+    def searched(m: Mesh, incumbent: Incumbent, tell: Callable[[str], None]) -> Result:
         tell(f"mesh {m}: build and solve")
         if recompute != "auto":
             return solve_on(cap, m, search, incumbent, rec)
-        if m in floors and incumbent is not None and floors[m] >= incumbent:
-            raise Pruned(floors[m], incumbent)
+        if m in floors and (cut := now(incumbent)) is not None and floors[m] >= cut:
+            raise Pruned(floors[m], cut)
         return solve_recompute(cap, m, search, incumbent, tell, floors.get(m))
 
-    each(meshes, searched)
+    each(meshes, searched, staged=not floors)
     if not results:
         if misfits and not failed:
             least = min(misfits, key=lambda e: e.least)
@@ -674,6 +699,22 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     out.local_batch = opts.local_batch
     out.gpus_per_node = opts.gpus_per_node
     return out
+
+
+def by_promise(meshes: Sequence[Mesh], estimate: dict[Mesh, float]) -> list[Mesh]:
+    """``meshes`` most promising first, by what their *parents* reached: the meshes of one axis fewer made by
+    merging two neighbouring axes (``(a, b, c)``: ``(a b, c)`` and ``(a, b c)``).  A tiling of a parent is one of
+    the mesh's own (``S(d)`` on the merged axis is ``S(d)`` on both, the outer one cutting first), so a parent's
+    plan is an estimate from above of the mesh's best; ordered by the better parent's ``estimate``, then the worse
+    one's, then as given.  An order only: every mesh is still searched or pruned by a bound, so the plan is the
+    same, but the best found early prunes the rest cheaply (Llama-3-8B on 1,024: 16x8x8 before 2x64x8)."""
+    def parents(m: Mesh) -> list[float]:
+        s = m.shape
+        merged = [Mesh(s[:i] + (s[i] * s[i + 1],) + s[i + 2:]) for i in range(len(s) - 1)]
+        return sorted(estimate.get(p, math.inf) for p in merged) or [math.inf]
+
+    order = {m: k for k, m in enumerate(meshes)}
+    return sorted(meshes, key=lambda m: (parents(m), order[m]))
 
 
 def _light(r: Result) -> Result:

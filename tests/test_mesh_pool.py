@@ -126,6 +126,50 @@ def test_what_a_worker_sends_pickles() -> None:
     assert [v.name for v in h.vars] == [v.name for v in g.vars] and len(h.edges) == len(g.edges)
 
 
+def _first(m: Mesh, incumbent, say) -> float:  # type: ignore[no-untyped-def]
+    import time
+
+    time.sleep(0.5)  # the other mesh starts before this plan is known
+    return 1.0
+
+
+def _waits(m: Mesh, incumbent, say) -> float:  # type: ignore[no-untyped-def]
+    import time
+
+    first = incumbent()
+    for _ in range(200):  # at most 10 s
+        if (now := incumbent()) is not None:
+            raise Pruned(5.0, now) if first is None else SearchError("the incumbent was known before the start")
+        time.sleep(0.05)
+    raise SearchError("never saw the other worker's plan")
+
+
+@fork
+def test_a_worker_sees_another_workers_plan_while_it_searches() -> None:
+    """The incumbent is read live (``incumbent()``): a mesh started before another worker's plan arrived is pruned
+    by that plan as soon as it reads it, not only the meshes started after."""
+    got = dict(each_mesh([Mesh((2,)), Mesh((4,))], lambda m, inc, say: (_first if m.shape == (2,) else _waits)(
+        m, inc, say), lambda r: r, lambda r: r, 2, lambda s: None, (SearchError,)))
+    assert got[Mesh((2,))] == 1.0
+    e = got[Mesh((4,))]
+    assert isinstance(e, Pruned) and e.cutoff == 1.0, e
+
+
+def test_meshes_are_tried_in_the_order_of_what_their_parents_reached() -> None:
+    """``planner.by_promise``: a 3-axis mesh ranks by the better, then the worse, of the two 2-axis meshes that
+    merge a pair of its neighbouring axes; ties and meshes with no parent searched keep their order."""
+    from soybean.planner import by_promise
+
+    m = lambda *s: Mesh(s)  # noqa: E731
+    estimate = {m(16, 8): 0.8, m(2, 64): 2.0, m(4, 32): 1.0, m(8, 16): 1.0, m(32, 4): 3.0}
+    meshes = [m(2, 8, 8), m(4, 4, 8), m(2, 4, 16), m(2, 2, 32), m(4, 8, 4), m(8, 2, 8)]
+    # parents: 2x8x8: 16x8 0.8, 2x64 2.0 | 4x4x8: 16x8 0.8, 4x32 1.0 | 2x4x16: 8x16 1.0, 2x64 2.0
+    # 2x2x32: 4x32 1.0, 2x64 2.0 | 4x8x4: 32x4 3.0, 4x32 1.0 | 8x2x8: 16x8 0.8, 8x16 1.0
+    assert by_promise(meshes, estimate) == [m(4, 4, 8), m(8, 2, 8), m(2, 8, 8), m(2, 4, 16), m(2, 2, 32),
+                                            m(4, 8, 4)]
+    assert by_promise(meshes, {}) == meshes
+
+
 def test_jobs_left_to_choose_stay_in_process_for_small_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SOYBEAN_JOBS", raising=False)
     assert default_jobs(50, 10) == 1
