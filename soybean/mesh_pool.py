@@ -111,15 +111,13 @@ def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, Live, Callable[[str],
     from_end = len(meshes) <= FEW_PER_WORKER * jobs
 
     def take(worker: int) -> int | None:
-        """The next task of ``worker``: with few meshes, worker 0 takes them from the end of the list (the most
-        axes, the largest tables) and the others from the front, else all from the front; ``after`` (-1), once:
-        with many meshes worker 1's first task (the list's first mesh, the most promising, decides what prunes the
-        rest, and a second mesh started before its plan is known is often searched in vain: the baselines fill
-        that time instead of the tail, where a long task leaves the other worker idle), else the first worker's
-        out of meshes; then None."""
+        """The next task of ``worker``: ``after`` (-1), once, first on worker 1 (a long task at the start, while
+        worker 0 searches the first meshes, rather than at the end, where it would leave the other worker idle);
+        with few meshes, worker 0 takes them from the end of the list (the most axes, the largest tables) and the
+        others from the front, else all from the front; then None."""
         with ends.get_lock():
             lo, hi, left_after = ends[0], ends[1], ends[2]
-            if left_after and worker == 1 and not from_end:
+            if left_after and worker == 1:
                 ends[2] = 0
                 return -1
             if lo <= hi:

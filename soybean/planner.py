@@ -36,7 +36,7 @@ from .graph import (
 )
 from .ir.algorithms import check as check_algorithm
 from .mesh import Mesh, factorizations
-from .mesh_pool import default_jobs, each_mesh
+from .mesh_pool import FEW_PER_WORKER, default_jobs, each_mesh
 from .options import PlanOptions, options as merge_options
 from .plan import Plan
 from .precision import policy
@@ -634,17 +634,18 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
 
     def each(ms: Sequence[Mesh], solve_mesh: Callable[[Mesh, Incumbent, Callable[[str], None]], Result],
              staged: bool = False) -> None:
-        """``solve_mesh`` on every mesh of ``ms`` (on ``jobs`` processes, ``mesh_pool``), each outcome recorded;
-        ``staged``: the meshes of at most two axes first, then the others in the order of ``by_promise``."""
-        stages = [[m for m in ms if m.ndim < 3], [m for m in ms if m.ndim >= 3]] if staged else [list(ms)]
-        stages = [x for x in stages if x]
-        for k, stage in enumerate(stages):
+        """``solve_mesh`` on every mesh of ``ms`` (on ``jobs`` processes, ``mesh_pool``), each outcome recorded.
+        ``staged``, with many meshes of three axes (more than ``mesh_pool.FEW_PER_WORKER`` per worker): the meshes
+        of at most two axes first, with the baselines beside them (``price_base``), then the others in the order of
+        ``by_promise``, on what the first stage found."""
+        low, high = [m for m in ms if m.ndim < 3], [m for m in ms if m.ndim >= 3]
+        stages = [low, high] if staged and low and len(high) > FEW_PER_WORKER * jobs else [list(ms)]
+        for stage in stages:
             incumbent = min((r.step_time_s for r in results), default=None) if objective == "time" else None
-            last = k == len(stages) - 1
             for m, outcome in each_mesh(by_promise(stage, estimate) if staged else stage, solve_mesh, _light,
                                         lambda r: r.step_time_s if objective == "time" else None, jobs, say,
                                         (SearchError, _Floor), incumbent,
-                                        (price_base, got_base) if baselines and not priced and last else None):
+                                        (price_base, got_base) if baselines and not priced else None):
                 record(m, outcome)
 
     # Under a budget with recomputation free, every mesh's fastest plan with nothing recomputed and no budget

@@ -23,7 +23,7 @@ the sum stays right.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -161,56 +161,70 @@ def _plan_cached(src: tuple, dst: tuple, partial_grad_axes: tuple, src_partial_a
         if a in pga and isinstance(dst[a], Replicate) and isinstance(src[a], Replicate):
             pga.discard(a)  # the consumer's partial gradient is reduced at the source, once
         else:
-            first.append(Step("grad_to_partial", a))
+            first.append(_step("grad_to_partial", a))
     return tuple(first + _plan(src, dst, sorted(pga)))
 
 
 def _plan(src: Sequence[Placement], dst: Sequence[Placement], partial_grad_axes: Sequence[int]) -> list[Step]:
+    # Placements are interned, so ``is`` compares them; each axis's sharded dim (-1: none) is read as an int (a
+    # cold mesh shape plans ~100 thousand routes here).
     n = len(src)
-    reset = {i for i in range(n) if src[i] != dst[i]}
+    sd = [p.dim if p.__class__ is Shard else -1 for p in src]
+    dd = [p.dim if p.__class__ is Shard else -1 for p in dst]
+    reset = [src[i] is not dst[i] for i in range(n)]
     changed = True
     while changed:  # axes inside a reset axis that shard the same dim must be reset too
         changed = False
-        for i in sorted(reset):
-            dims = {p for p in (src[i], dst[i]) if isinstance(p, Shard)}
+        for i in range(n):
+            if not reset[i] or (sd[i] < 0 and dd[i] < 0):
+                continue
+            dims = {d for d in (sd[i], dd[i]) if d >= 0}
             for j in range(i + 1, n):
-                if j not in reset and (src[j] in dims or dst[j] in dims):
-                    reset.add(j)
-                    changed = True
+                if not reset[j] and (sd[j] in dims or dd[j] in dims):
+                    reset[j] = changed = True
     cur = list(src)
     steps: list[Step] = []
 
     def sharded_elsewhere(d: int, axis: int) -> bool:
-        return any(k != axis and (src[k] == Shard(d) or dst[k] == Shard(d)) for k in range(n))
+        return any(k != axis and (sd[k] == d or dd[k] == d) for k in range(n))
 
-    for i in sorted(reset, reverse=True):  # phase 1: unshard, inner axes first
+    for i in range(n - 1, -1, -1):  # phase 1: unshard, inner axes first
+        if not reset[i]:
+            continue
         a, b = cur[i], dst[i]
-        if isinstance(a, Shard):
-            if isinstance(b, Shard) and not sharded_elsewhere(a.dim, i) and not sharded_elsewhere(b.dim, i):
-                steps.append(Step("all_to_all", i, a.dim, b.dim))
+        if a.__class__ is Shard:
+            if b.__class__ is Shard and not sharded_elsewhere(sd[i], i) and not sharded_elsewhere(dd[i], i):
+                steps.append(_step("all_to_all", i, sd[i], dd[i]))
                 cur[i] = b
             else:
-                steps.append(Step("all_gather", i, a.dim))
+                steps.append(_step("all_gather", i, sd[i]))
                 cur[i] = R
         elif isinstance(a, Partial):
-            if isinstance(b, Shard) and not sharded_elsewhere(b.dim, i):
-                steps.append(Step("reduce_scatter", i, b.dim))
+            if b.__class__ is Shard and not sharded_elsewhere(dd[i], i):
+                steps.append(_step("reduce_scatter", i, dd[i]))
                 cur[i] = b
             else:
-                steps.append(Step("all_reduce", i))
+                steps.append(_step("all_reduce", i))
                 cur[i] = R
-    for i in sorted(reset):  # phase 2: shard, outer axes first
+    for i in range(n):  # phase 2: shard, outer axes first
         want = dst[i]
-        if cur[i] != want:
+        if reset[i] and cur[i] is not want:
             assert isinstance(cur[i], Replicate)
-            steps.append(Step("shard", i, want.dim) if isinstance(want, Shard) else Step("to_partial", i))
+            steps.append(_step("shard", i, dd[i]) if want.__class__ is Shard else _step("to_partial", i))
             cur[i] = want
     for i in sorted(set(partial_grad_axes)):  # phase 3: partial gradients of replicated inputs
         if not isinstance(dst[i], Replicate):
             continue
         gathers = [k for k, s in enumerate(steps) if s.axis == i and s.kind == "all_gather"]
         if gathers:
-            steps[gathers[-1]] = replace(steps[gathers[-1]], grad_partial=True)
+            g = steps[gathers[-1]]
+            steps[gathers[-1]] = _step("all_gather", g.axis, g.dim, -1, True)
         else:
-            steps.append(Step("grad_all_reduce", i))
+            steps.append(_step("grad_all_reduce", i))
     return steps
+
+
+@lru_cache(maxsize=4096)
+def _step(kind: str, axis: int, dim: int = -1, dim2: int = -1, grad_partial: bool = False) -> Step:
+    """One ``Step`` object per distinct step (frozen, so shared): made once, not once per route planned."""
+    return Step(kind, axis, dim, dim2, grad_partial)

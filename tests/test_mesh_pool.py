@@ -126,10 +126,11 @@ def test_what_a_worker_sends_pickles() -> None:
     assert [v.name for v in h.vars] == [v.name for v in g.vars] and len(h.edges) == len(g.edges)
 
 
-def _first(m: Mesh, incumbent, say) -> float:  # type: ignore[no-untyped-def]
-    import time
+_STARTED: list = []  # a multiprocessing Event, made before the fork: the waiting mesh has read the incumbent
 
-    time.sleep(0.5)  # the other mesh starts before this plan is known
+
+def _first(m: Mesh, incumbent, say) -> float:  # type: ignore[no-untyped-def]
+    _STARTED[0].wait(30)  # the other mesh starts before this plan is known
     return 1.0
 
 
@@ -137,7 +138,8 @@ def _waits(m: Mesh, incumbent, say) -> float:  # type: ignore[no-untyped-def]
     import time
 
     first = incumbent()
-    for _ in range(200):  # at most 10 s
+    _STARTED[0].set()
+    for _ in range(600):  # at most 30 s
         if (now := incumbent()) is not None:
             raise Pruned(5.0, now) if first is None else SearchError("the incumbent was known before the start")
         time.sleep(0.05)
@@ -148,6 +150,9 @@ def _waits(m: Mesh, incumbent, say) -> float:  # type: ignore[no-untyped-def]
 def test_a_worker_sees_another_workers_plan_while_it_searches() -> None:
     """The incumbent is read live (``incumbent()``): a mesh started before another worker's plan arrived is pruned
     by that plan as soon as it reads it, not only the meshes started after."""
+    import multiprocessing
+
+    _STARTED[:] = [multiprocessing.get_context("fork").Event()]
     got = dict(each_mesh([Mesh((2,)), Mesh((4,))], lambda m, inc, say: (_first if m.shape == (2,) else _waits)(
         m, inc, say), lambda r: r, lambda r: r, 2, lambda s: None, (SearchError,)))
     assert got[Mesh((2,))] == 1.0
