@@ -39,7 +39,7 @@ adjoint test.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..tiling import Partial, Placement, R, Shard
 
@@ -59,6 +59,20 @@ class Step:
     full: int = 0               # halo only: length of ``dim``
     windows: tuple[tuple[int, int], ...] = ()  # halo only: every member's rows [s, e) of ``dim``
     fill: float = 0.0           # halo only: the value of rows outside [0, full)
+    # Steps key the walk's cache (``reshard``), hashed once per step met: computed once.
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.kind, self.axis, self.dim, self.dim2, self.grad_partial,
+                                                self.full, self.windows, self.fill)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt, not copied: the cached hash is this process's (string hashing is salted per process).
+        return (Step, (self.kind, self.axis, self.dim, self.dim2, self.grad_partial, self.full, self.windows,
+                       self.fill))
 
     def __str__(self) -> str:
         extra = KINDS[self.kind].describe(self)
