@@ -171,6 +171,9 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: Incumbent = None,
 
 # The most Lagrangian members ``capped_overlap`` solves after the first.
 OVERLAP_STEPS = 6
+# Members closer than this are met again: their problems differ by ``MU_MET * (o S - b K)`` per plan, below the
+# gaps searched (Llama-3-8B on 8x4x2: the crossing landed 1.5e-6 from the member before it, and solved it again).
+MU_MET = 1e-4
 
 
 def capped_overlap(first: Result, solved: Callable[[float, float | None], Result], gap: float,
@@ -186,10 +189,10 @@ def capped_overlap(first: Result, solved: Callable[[float, float | None], Result
     (all of the sync credited); when its plan hides all it is credited with (``o S <= b K``) it is optimal as it
     stands.  Otherwise member 1 follows, then the member where the lines of the last plan on either side of the
     dual's peak (slope ``o S - b K`` above and below 0) cross (Kelley's cutting planes in one dimension: a plan
-    found again, or a member met again, ends it), each plan priced exactly and the best kept, until the best plan
-    is within ``gap`` of the best bound or ``OVERLAP_STEPS`` members; ``Pruned`` once the bound reaches
-    ``incumbent`` (another mesh is better; read before each member).  The result's ``solution`` carries ``T`` of
-    its plan as objective and the best bound."""
+    found again, or a member met again (within ``MU_MET``), ends it), each plan priced exactly and the best kept,
+    until the best plan is within ``gap`` of the best bound or ``OVERLAP_STEPS`` members; ``Pruned`` once the
+    bound reaches ``incumbent`` (another mesh is better; read before each member).  The result's ``solution``
+    carries ``T`` of its plan as objective and the best bound."""
     o = first.graph.profile.grad_overlap
 
     def line(r: Result) -> tuple[float, float]:  # T_mu of r's plan = a + mu * slope
@@ -202,8 +205,8 @@ def capped_overlap(first: Result, solved: Callable[[float, float | None], Result
         seen = {tuple(first.solution.choice)}
         mu, tried = 1.0, {0.0}
         for _ in range(OVERLAP_STEPS):
-            if mu in tried:
-                break  # the same member again: the same problem, the same plan and bound
+            if any(abs(mu - t) <= MU_MET for t in tried):
+                break  # the same member again (up to rounding): the same problem, the same plan and bound
             tried.add(mu)
             cut = now(incumbent)
             if cut is not None and bound >= cut:

@@ -17,19 +17,23 @@ from examples.models import transformer
 from soybean.capture import capture
 from soybean.cost.memory import MEMORY_HEADROOM
 from soybean.cost.profiles import load_profile
+from soybean.graph import PlanGraph
 from soybean.mesh import Mesh
 from soybean.options import PlanOptions
 from soybean.planner import (
     BACKWARD_SHARE,
+    MU_MET,
     MemoryBudgetError,
     Pruned,
+    Result,
     Search,
+    capped_overlap,
     evaluate,
+    plan as make_plan,
     solve_recompute,
     solve_table_on,
 )
-from soybean.planner import plan as make_plan
-from soybean.search import solve, to_problem
+from soybean.search import Solution, solve, to_problem
 
 pytestmark = pytest.mark.unit
 
@@ -96,3 +100,31 @@ def test_the_mesh_search_equals_each_mesh_searched_alone() -> None:
         assert p.cost["step_time_s"] == pytest.approx(best, rel=1e-6), share
         if share == 1.0:
             assert p.recompute == []  # the fastest plan fits: recomputation would only add time
+
+
+def test_a_member_met_again_up_to_rounding_is_not_solved_again() -> None:
+    """The cap search's members, replayed from a Llama-3-8B mesh (8x4x2): two plans with nearly equal lines make
+    the next crossing land within rounding of the member before it, which would solve the same problem again."""
+    cap, o = 0.1, 1.0
+    g = PlanGraph(Mesh((2,)), replace(load_profile("cpu-gloo"), grad_overlap=o))
+    lines = [(0.31402, 0.0499), (0.42230847, -0.06279276), (0.38792931, -0.02818713), (0.32215331, 0.04102435),
+             (0.38792931 - 0.955e-6, -0.02818713 + 1e-6)]  # the last: below the one before only near mu 0.95
+
+    def plan(i: int, mu: float) -> Result:  # a plan whose line T_mu = a + mu * slope is lines[i]
+        a, slope = lines[i]
+        sync = (slope + cap) / o
+        value = a + mu * slope
+        return Result(g, Solution([i], value, value, "optimal", 0.0, "test"), 0.0, a + o * sync, 0.0, 0.0,
+                      min(o * sync, cap), sync, cap_s=cap)
+
+    mus: list[float] = []
+
+    def solved(mu: float, cut: float | None) -> Result:
+        mus.append(mu)
+        return plan(min(range(len(lines)), key=lambda j: lines[j][0] + mu * lines[j][1]), mu)
+
+    best = capped_overlap(plan(0, 0.0), solved, gap=1e-4)
+    assert len(mus) == 4  # 1, then three crossings; the fourth crossing is the third again, up to 1e-7
+    assert all(abs(x - y) > MU_MET for i, x in enumerate(mus) for y in mus[:i])
+    assert best.step_time_s == pytest.approx(min(plan(i, 0.0).step_time_s for i in range(len(lines))))
+    assert best.solution.bound <= best.step_time_s
