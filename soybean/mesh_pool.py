@@ -17,10 +17,15 @@ another's better plan arrives).
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -159,8 +164,11 @@ def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, Live, Callable[[str],
                     best.value = min(best.value, v)
             out.put((i, "done", r if leads else light(r)))  # only a plan that leads may be the answer
 
+    parent = os.getpid()
+
     def run(worker: int) -> None:
         try:
+            _die_with(parent)
             work(worker)
         finally:
             out.close()
@@ -200,6 +208,37 @@ def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, Live, Callable[[str],
             if p.is_alive():
                 p.kill()
             p.join()
+
+
+# Linux's ``prctl`` option: the signal a process gets when the thread that forked it ends.
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> None:
+    """End this worker when ``parent`` ends, however it ends: a parent killed (a timeout's SIGKILL, the kernel's
+    out-of-memory killer) never runs ``_forked``'s ``finally``, and its workers would search on, orphaned, holding a
+    core and gigabytes each until their meshes ran out (Llama-3-70B: 48 CPU-minutes after its bench's timeout).
+    On Linux the kernel sends SIGKILL at the parent's death (``prctl(PR_SET_PDEATHSIG)``; the forking thread is the
+    one that joins the workers, so it outlives them); elsewhere a daemon thread checks the parent every second.
+    A parent already gone before either was set ends the worker at once."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            _watch(parent)
+    else:
+        _watch(parent)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _watch(parent: int) -> None:
+    def check() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=check, daemon=True).start()
 
 
 def _portable(e: BaseException) -> BaseException:

@@ -226,3 +226,58 @@ def test_branch_and_bound_runs_in_a_worker_forked_after_the_parent_ran_it() -> N
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     assert got == {Mesh((2,)): here, Mesh((4,)): here}
+
+
+_ORPHAN_SCRIPT = """
+import os, sys, time
+from soybean.mesh import Mesh
+from soybean.mesh_pool import each_mesh
+
+def solve(m, live, say):
+    open(os.path.join(sys.argv[1], str(os.getpid())), "w").close()
+    time.sleep(120)
+
+list(each_mesh([Mesh((2,)), Mesh((4,))], solve, lambda r: r, lambda r: None, 2, lambda s: None, ()))
+"""
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` runs (a zombie, ended but not yet reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@fork
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
+def test_workers_end_when_the_planner_is_killed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A planner killed outright (a timeout's SIGKILL, the out-of-memory killer) runs no cleanup: its workers must
+    not search on, orphaned, holding the cores (``mesh_pool._die_with``)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT, str(tmp_path)], cwd=root)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            pids = [int(p) for p in os.listdir(tmp_path)]
+            time.sleep(0.1)
+        assert len(pids) == 2, "the workers never started"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), "a worker outlived the planner that forked it"
+    finally:
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
