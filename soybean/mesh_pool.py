@@ -221,15 +221,18 @@ def _die_with(parent: int) -> None:
     On Linux the kernel sends SIGKILL at the parent's death (``prctl(PR_SET_PDEATHSIG)``; the forking thread is the
     one that joins the workers, so it outlives them); elsewhere a daemon thread checks the parent every second.
     A parent already gone before either was set ends the worker at once."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            _watch(parent)
-    else:
+    if not (sys.platform.startswith("linux") and _death_signal()):
         _watch(parent)
     if os.getppid() != parent:
         os._exit(1)
+
+
+def _death_signal() -> bool:
+    """Ask the kernel for SIGKILL at the parent's death; False when it cannot be asked or refuses."""
+    try:
+        return int(ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _watch(parent: int) -> None:
