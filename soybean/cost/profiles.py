@@ -145,6 +145,9 @@ BUILTIN: dict[str, Profile] = {
     # no GPU here; NCCL's sendrecv launch is ~5-10 us, nccl-tests) at NCCL's link bandwidth.  No fixed cost per
     # op (``op_s`` 0): kernels are queued asynchronously, so the host's few microseconds per op hide behind the
     # device's work on the layers planned here (a model too small for that is launch-bound: CUDA graphs' case).
+    # Measured (``scripts/check_cuda.py``, one H200, torch 2.11, 2026-11-26): a GPT-2-shaped decoder in bf16, batch
+    # 8 x 1,024, 16.6 ms a step against 15.2 ms modelled here; the launch-bound small ones 1.7 and 7.3 ms against
+    # 0.09 and 0.76 ms, where the host's ~13 us per pass of an op (``_op_overhead`` there) is the step.
     "h100-nvlink": Profile("h100-nvlink", alpha=5e-6, beta=1 / 360e9, flops=400e12, mem_bw=3.35e12, memory_gb=80.0,
                            grad_overlap=0.8, collectives=(("p2p", 20e-6, 1 / 360e9),)),
     # Nodes of 8x H100 SXM as above (NVLink inside a node), joined by 400 Gb/s InfiniBand NDR per GPU: one

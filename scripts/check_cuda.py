@@ -1,0 +1,125 @@
+"""soybean's generated program on a CUDA device: training equal to the eager model, and its step time.
+
+    python scripts/check_cuda.py [--device cuda] [--steps 5] [--timed 20] [--small]
+
+One process per run (world size 1), started the way every soybean run starts (``runtime.launch.spawn``:
+``cpu:gloo,cuda:nccl`` when CUDA is there, so the process group is NCCL's for CUDA tensors).  For each model
+(the example MLP and transformer in float32, a GPT-2-shaped decoder with bfloat16 weights) it
+trains the eager model and soybean's program from the same seed on the device, prints the largest relative
+difference of their losses, then times both (median step, CUDA synchronised) and prints the plan's
+modelled step under the ``h100-nvlink`` profile beside them: a measured figure for the modelled one.
+
+A world of one exercises device placement, the backend choice and the generated program on the device, not
+a collective between GPUs (every collective of a one-device group is the identity); that needs two GPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from examples.models import mlp, transformer
+
+SMALL: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {  # a smoke test on a CPU (--small)
+    "mlp": lambda: mlp(batch=16, hidden=64, layers=2),
+    "transformer": lambda: transformer(batch=2, seq=16, hidden=32, layers=2, heads=4),
+    "gpt2-bf16": lambda: transformer(batch=2, seq=16, hidden=32, layers=2, heads=4),
+}
+MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
+    "mlp": lambda: mlp(batch=256, hidden=1024, layers=4),
+    "transformer": lambda: transformer(batch=8, seq=256, hidden=512, layers=4, heads=8),
+    "gpt2-bf16": lambda: transformer(batch=8, seq=1024, hidden=768, layers=12, heads=12),
+}
+
+
+def _to(model: torch.nn.Module, inputs: tuple, device: str, dtype: torch.dtype | None) -> tuple[torch.nn.Module,
+                                                                                                  tuple]:
+    model = model.to(device=device, dtype=dtype) if dtype else model.to(device)
+    inputs = tuple(x.to(device=device, dtype=dtype) if dtype and x.is_floating_point() else x.to(device)
+                   for x in inputs)
+    return model, inputs
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _train(model: torch.nn.Module, inputs: tuple, steps: int, timed: int, device: str) -> tuple[list[float], float]:
+    """The user's loop (AdamW, backward, step, zero_grad): the first ``steps`` losses, then the median of
+    ``timed`` more steps' wall seconds."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> torch.Tensor:
+        out = model(*inputs)
+        loss = out if out.dim() == 0 else out.float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    losses = [float(step().detach()) for _ in range(steps)]
+    times = []
+    for _ in range(timed):
+        _sync(device)
+        t = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return losses, statistics.median(times) if times else float("nan")
+
+
+def _rank(rank: int, world: int, device: str, steps: int, timed: int, small: bool) -> list[dict[str, Any]]:
+    import soybean
+
+    rows = []
+    for name, make in (SMALL if small else MODELS).items():
+        dtype = torch.bfloat16 if name.endswith("bf16") else None
+        row: dict[str, Any] = {"model": name}
+        for variant in ("eager", "soybean"):
+            torch.manual_seed(0)
+            model, inputs = _to(*make(), device, dtype)
+            if variant == "soybean":
+                model = soybean.parallelize(model, inputs, devices=world, profile="h100-nvlink")
+                row["modelled_ms"] = 1e3 * float(model.plan.cost["step_time_s"])
+                row["mesh"] = model.plan.mesh
+            losses, t = _train(model, inputs, steps, timed, device)
+            row[f"{variant}_losses"], row[f"{variant}_ms"] = losses, 1e3 * t
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--timed", type=int, default=20)
+    ap.add_argument("--small", action="store_true", help="tiny models: a smoke test of the script on a CPU")
+    a = ap.parse_args(argv)
+    from soybean.runtime.launch import default_backend, spawn
+
+    print(f"device {a.device} ({torch.cuda.get_device_name() if a.device.startswith('cuda') else 'cpu'}), "
+          f"torch {torch.__version__}, backend {default_backend()}")
+    rows = spawn(_rank, 1, a.device, a.steps, a.timed, a.small, timeout_s=1200)[0]
+    worst_all = 0.0
+    print(f"{'model':<12} {'mesh':<6} {'max rel. loss diff':>18} {'eager ms':>9} {'soybean ms':>10} {'ratio':>6} "
+          f"{'modelled ms (h100-nvlink)':>26}")
+    for r in rows:
+        worst = max(abs(p - s) / max(abs(s), 1e-12) for p, s in zip(r["soybean_losses"], r["eager_losses"]))
+        worst_all = max(worst_all, worst)
+        modelled = f"{r['modelled_ms']:.2f}" if r.get("modelled_ms") is not None else "-"
+        print(f"{r['model']:<12} {str(r['mesh']):<6} {worst:>18.2e} {r['eager_ms']:>9.2f} {r['soybean_ms']:>10.2f} "
+              f"{r['soybean_ms'] / r['eager_ms']:>6.2f} {modelled:>26}")
+    return 0 if worst_all < 1e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
