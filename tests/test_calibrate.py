@@ -86,11 +86,12 @@ def test_profile_json_roundtrip_ignores_measurements(tmp_path) -> None:
 
 @pytest.mark.dist
 def test_calibrate_measures_every_field() -> None:
-    """One short run on 2 gloo processes: every rate positive, the overlap a share, and on a CPU
-    the large-allocation rate measured (the caching allocator of a GPU has no page faults)."""
+    """One short run on 2 gloo processes (messages up to 1 MiB: the large ones cost minutes and test nothing
+    more): every rate positive, the overlap a share, and on a CPU the large-allocation rate measured (the caching
+    allocator of a GPU has no page faults)."""
     from soybean.bench.calibrate import calibrate
 
-    prof, raw = calibrate(devices=2, reps=2, show=False)
+    prof, raw = calibrate(devices=2, reps=2, show=False, sizes=(4 << 10, 64 << 10, 1 << 20))
     assert prof.alpha > 0 and prof.beta > 0 and prof.flops > 0 and prof.conv_flops > 0 and prof.mem_bw > 0
     assert prof.optimizer_bw > 0
     assert prof.optimizer_large_bw > 0 and prof.optimizer_tensor_s > 0
@@ -116,3 +117,10 @@ def test_calibrate_measures_every_field() -> None:
             a, b = prof.ab(0, kind, algo, m)
             t = r["seconds"]
             assert rounds * a + sent * b == pytest.approx(max(t, rounds * a + MIN_BANDWIDTH_SHARE * t), rel=1e-6), r
+
+
+def test_calibrate_needs_two_message_sizes() -> None:
+    from soybean.bench.calibrate import calibrate
+
+    with pytest.raises(ValueError, match="two message sizes"):
+        calibrate(devices=2, sizes=(4 << 10, 4 << 10))

@@ -303,13 +303,13 @@ def _blocking_cost(group: TorchGroup, device: torch.device, reps: int) -> float:
     return float(max(0.0, (ta - tb) / (n - 1) - tc))
 
 
-def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
+def _worker(rank: int, world: int, reps: int, show: bool, sizes: Sequence[int] = tuple(SIZES)) -> dict[str, Any]:
     torch.set_num_threads(1)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     group = TorchGroup(dist.group.WORLD)  # the runtime's own collectives, as the generated programs call them
     rows = []
-    total = len(KINDS) * len(SIZES)
-    for i, (kind, size) in enumerate((k, s) for k in KINDS for s in SIZES):
+    total = len(KINDS) * len(sizes)
+    for i, (kind, size) in enumerate((k, s) for k in KINDS for s in sizes):
         n = reps if size < (8 << 20) else max(2, reps // 3)
         t = _median_time(_collective(group, kind, size, world, rank, device), n)
         rows.append({"kind": kind, "bytes": size, "seconds": t})
@@ -322,9 +322,9 @@ def _worker(rank: int, world: int, reps: int, show: bool) -> dict[str, Any]:
     # scripts/bench_collectives.py times them: drift favours none.
     groups = [(c, [k for k in ALGO_KINDS if split_kind(k)[0] == c]) for c in dict.fromkeys(
         split_kind(k)[0] for k in ALGO_KINDS)]
-    total = len(ALGO_KINDS) * len(SIZES)  # calls: keys, lp's extra chunk count not counted
+    total = len(ALGO_KINDS) * len(sizes)  # calls: keys, lp's extra chunk count not counted
     done = 0
-    for (coll, keys), size in ((g, s) for g in groups for s in SIZES):
+    for (coll, keys), size in ((g, s) for g in groups for s in sizes):
         calls, meta = [], []
         for key in keys:
             kind, algo = split_kind(key)
@@ -398,13 +398,16 @@ def beta_curve(rows: list[dict[str, Any]], world: int, alpha: float) -> tuple[tu
 
 
 def calibrate(devices: int = 2, reps: int = 10, show: bool = True,
-              name: str = "calibrated") -> tuple[Profile, dict[str, Any]]:
-    """Measure on ``devices`` local processes; returns the profile and the raw measurements."""
+              name: str = "calibrated", sizes: Sequence[int] = tuple(SIZES)) -> tuple[Profile, dict[str, Any]]:
+    """Measure on ``devices`` local processes; returns the profile and the raw measurements.  ``sizes``: the
+    message bytes each collective is timed at (``SIZES``; two or more, for the fits)."""
     from ..runtime.launch import spawn
 
     if devices < 2:
         raise ValueError("calibrate needs --devices >= 2 to measure collectives")
-    res = spawn(_worker, devices, reps, show, timeout_s=900)
+    if len(set(sizes)) < 2:
+        raise ValueError(f"calibrate needs two message sizes or more to fit a latency and a bandwidth, got {sizes}")
+    res = spawn(_worker, devices, reps, show, tuple(sizes), timeout_s=900)
     rows, comp = res[0]["collectives"], res[0]["compute"]
     alpha, beta = fit(rows, devices)
     # the backend's calls (RING_FACTOR's names, also in ALGO_KINDS) and soybean's algorithms, one entry each
