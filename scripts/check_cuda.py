@@ -7,7 +7,8 @@ One process per run (world size 1), started the way every soybean run starts (``
 (the example MLP and transformer in float32, a GPT-2-shaped decoder with bfloat16 weights) it
 trains the eager model and soybean's program from the same seed on the device, prints the largest relative
 difference of their losses, then times both (median step, CUDA synchronised) and prints the plan's
-modelled step under the ``h100-nvlink`` profile beside them: a measured figure for the modelled one.
+modelled step under the ``h100-nvlink`` profile beside them, and on CUDA the step's peak of allocated bytes
+beside the modelled peak: measured figures for the modelled ones.
 
 A world of one exercises device placement, the backend choice and the generated program on the device, not
 a collective between GPUs (every collective of a one-device group is the identity); that needs two GPUs.
@@ -15,6 +16,7 @@ a collective between GPUs (every collective of a one-device group is the identit
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -53,9 +55,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _train(model: torch.nn.Module, inputs: tuple, steps: int, timed: int, device: str) -> tuple[list[float], float]:
+def _train(model: torch.nn.Module, inputs: tuple, steps: int, timed: int,
+           device: str) -> tuple[list[float], float, float | None]:
     """The user's loop (AdamW, backward, step, zero_grad): the first ``steps`` losses, then the median of
-    ``timed`` more steps' wall seconds."""
+    ``timed`` more steps' wall seconds and, on CUDA, the most bytes allocated at once during them (the step's
+    peak, which ``cost.memory`` models)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step() -> torch.Tensor:
@@ -67,6 +71,9 @@ def _train(model: torch.nn.Module, inputs: tuple, steps: int, timed: int, device
         return loss
 
     losses = [float(step().detach()) for _ in range(steps)]
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(timed):
         _sync(device)
@@ -74,7 +81,8 @@ def _train(model: torch.nn.Module, inputs: tuple, steps: int, timed: int, device
         step()
         _sync(device)
         times.append(time.perf_counter() - t)
-    return losses, statistics.median(times) if times else float("nan")
+    peak = float(torch.cuda.max_memory_allocated()) if cuda else None
+    return losses, statistics.median(times) if times else float("nan"), peak
 
 
 def _rank(rank: int, world: int, device: str, steps: int, timed: int, small: bool) -> list[dict[str, Any]]:
@@ -90,9 +98,15 @@ def _rank(rank: int, world: int, device: str, steps: int, timed: int, small: boo
             if variant == "soybean":
                 model = soybean.parallelize(model, inputs, devices=world, profile="h100-nvlink")
                 row["modelled_ms"] = 1e3 * float(model.plan.cost["step_time_s"])
+                row["modelled_mib"] = float(model.plan.cost["memory_bytes"]) / 2**20
                 row["mesh"] = model.plan.mesh
-            losses, t = _train(model, inputs, steps, timed, device)
+            losses, t, peak = _train(model, inputs, steps, timed, device)
             row[f"{variant}_losses"], row[f"{variant}_ms"] = losses, 1e3 * t
+            row[f"{variant}_mib"] = peak / 2**20 if peak is not None else None
+            del model
+            gc.collect()
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
         rows.append(row)
     return rows
 
@@ -111,13 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = spawn(_rank, 1, a.device, a.steps, a.timed, a.small, timeout_s=1200)[0]
     worst_all = 0.0
     print(f"{'model':<12} {'mesh':<6} {'max rel. loss diff':>18} {'eager ms':>9} {'soybean ms':>10} {'ratio':>6} "
-          f"{'modelled ms (h100-nvlink)':>26}")
+          f"{'modelled ms (h100-nvlink)':>26} {'peak MiB':>9} {'modelled MiB':>12}")
     for r in rows:
         worst = max(abs(p - s) / max(abs(s), 1e-12) for p, s in zip(r["soybean_losses"], r["eager_losses"]))
         worst_all = max(worst_all, worst)
         modelled = f"{r['modelled_ms']:.2f}" if r.get("modelled_ms") is not None else "-"
         print(f"{r['model']:<12} {str(r['mesh']):<6} {worst:>18.2e} {r['eager_ms']:>9.2f} {r['soybean_ms']:>10.2f} "
-              f"{r['soybean_ms'] / r['eager_ms']:>6.2f} {modelled:>26}")
+              f"{r['soybean_ms'] / r['eager_ms']:>6.2f} {modelled:>26} "
+              f"{r['soybean_mib'] if r['soybean_mib'] is not None else float('nan'):>9.1f} {r['modelled_mib']:>12.1f}")
     return 0 if worst_all < 1e-2 else 1
 
 
