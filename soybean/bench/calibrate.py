@@ -421,7 +421,7 @@ def calibrate(devices: int = 2, reps: int = 10, show: bool = True,
                    optimizer_large_bw=comp["optimizer_large_bw"], optimizer_tensor_s=comp["optimizer_tensor_s"],
                    grad_overlap=comp["grad_overlap"], alloc_bw=comp["alloc_bw"],
                    large_alloc=float(LARGE_ALLOC) if comp["alloc_bw"] else 0.0, blocking_s=comp["blocking_s"],
-                   op_s=comp["op_s"], beta_curves=curves)
+                   op_s=comp["op_s"], beta_curves=curves, optimizer_foreach=torch.cuda.is_available())
     return prof, {"devices": devices, "collectives": rows, "compute": comp}
 
 

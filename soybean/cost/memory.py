@@ -8,7 +8,9 @@ a training step (forward, ``loss.backward()``, an AdamW step, gradients set to `
 * A **parameter** tile ``p``: ``PARAM_COPIES`` copies: itself, its gradient and AdamW's two states.
   The largest parameter (by full size) also pays for AdamW's ``OPTIMIZER_TEMPORARIES``: the
   single-tensor AdamW (PyTorch's default on CPU) computes ``denom = sqrt(v) / c + eps`` one parameter
-  at a time, two temporaries of that parameter's tile at once.
+  at a time, two temporaries of that parameter's tile at once.  On a device whose AdamW takes the
+  multi-tensor path (CUDA's default; ``Profile.optimizer_foreach``) every parameter pays
+  ``FOREACH_TEMPORARIES`` instead: the square roots of all states exist at once.
 * Any other stored tensor (an input, a buffer): its tile, once.
 * An **op output**: its tile when it is *live at the end of forward*: autograd saved it for backward
   (some consumer's backward reads it, ``saved``) or it is a graph output.  An output that is an
@@ -93,6 +95,19 @@ def budget_needed(modelled: float) -> float:
 PARAM_COPIES = 4
 # Single-tensor AdamW's step: sqrt(exp_avg_sq) and its quotient by the bias correction, live at once.
 OPTIMIZER_TEMPORARIES = 2
+# Multi-tensor (foreach) AdamW's step, torch's default on CUDA: ``_foreach_sqrt`` of every parameter's state at once
+# (divided and shifted in place after), one tile of every trainable parameter (measured on an H200: 24 MiB for an
+# MLP's 24 MiB of parameters; docs/performance.md, On a GPU).
+FOREACH_TEMPORARIES = 1
+
+
+def optimizer_temporaries(node: fx.Node, foreach: bool) -> int:
+    """Copies of a trainable parameter's tile that AdamW's step holds as temporaries: ``FOREACH_TEMPORARIES`` of
+    every parameter on the multi-tensor path (``Profile.optimizer_foreach``), else ``OPTIMIZER_TEMPORARIES`` of
+    the largest one alone (the single-tensor path steps one parameter at a time)."""
+    if foreach:
+        return FOREACH_TEMPORARIES
+    return OPTIMIZER_TEMPORARIES if node.graph is not None and liveness(node.graph).largest_param == node.name else 0
 
 
 def stored_bytes(
@@ -416,16 +431,14 @@ def make_spec(node: fx.Node) -> OpSpec:
 
 
 def param_bytes(node: fx.Node, shape: tuple[int, ...], itemsize: int, tilings: Sequence[tuple], mesh: Mesh,
-                kind: str, master_itemsize: int = 0) -> np.ndarray:
+                kind: str, master_itemsize: int = 0, foreach: bool = False) -> np.ndarray:
     """Bytes per device of a stored tensor (``kind``: ``param``, ``frozen`` (a parameter that does not train),
-    ``buffer`` or ``input``) under each tiling: a parameter's ``PARAM_COPIES``, plus AdamW's temporaries on the
-    largest parameter; a frozen one's single copy.  Under a mixed precision policy (``master_itemsize``) a
+    ``buffer`` or ``input``) under each tiling: a parameter's ``PARAM_COPIES``, plus AdamW's temporaries
+    (``optimizer_temporaries``); a frozen one's single copy.  Under a mixed precision policy (``master_itemsize``) a
     parameter's copies are of the master, and the compute copy the step casts (``itemsize``) adds one tile."""
     copies = 1
     if kind == "param":
-        copies = PARAM_COPIES
-        if node.graph is not None and liveness(node.graph).largest_param == node.name:
-            copies += OPTIMIZER_TEMPORARIES
+        copies = PARAM_COPIES + optimizer_temporaries(node, foreach)
     if kind in ("param", "frozen") and master_itemsize:
         return stored_bytes(shape, master_itemsize, tilings, mesh, copies) + stored_bytes(shape, itemsize, tilings,
                                                                                           mesh, 1)
@@ -433,15 +446,13 @@ def param_bytes(node: fx.Node, shape: tuple[int, ...], itemsize: int, tilings: S
 
 
 def grad_phase_bytes(node: fx.Node, shape: tuple[int, ...], itemsize: int, tilings: Sequence[tuple], mesh: Mesh,
-                     master_itemsize: int = 0) -> np.ndarray:
+                     master_itemsize: int = 0, foreach: bool = False) -> np.ndarray:
     """The part of a trainable parameter's ``param_bytes`` that exists only after its backward: its gradient
-    tile (of the master under a mixed policy) and, on the largest parameter, AdamW's step temporaries.  With
+    tile (of the master under a mixed policy) and AdamW's step temporaries (``optimizer_temporaries``).  With
     gradients set to ``None`` between steps (``zero_grad``'s default) they are not live at the end of forward,
     when the activations peak, and the activations are freed by the time the step runs (``planner.evaluate``
     takes the larger of the two phases)."""
-    copies = 1 + (OPTIMIZER_TEMPORARIES if node.graph is not None and liveness(node.graph).largest_param == node.name
-                  else 0)
-    return stored_bytes(shape, master_itemsize or itemsize, tilings, mesh, copies)
+    return stored_bytes(shape, master_itemsize or itemsize, tilings, mesh, 1 + optimizer_temporaries(node, foreach))
 
 
 def activation_key(node: fx.Node, units: Mapping[str, str] | None = None, info: Liveness | None = None) -> Hashable:

@@ -53,6 +53,7 @@ class Profile:
     alloc_bw: float = 0.0                                # bytes/s of first-touching such a tensor
     blocking_s: float = 0.0                              # extra seconds of each blocking collective amid compute
     op_s: float = 0.0                                    # fixed seconds of each pass of an op (dispatch, autograd)
+    optimizer_foreach: bool = False                      # AdamW takes its multi-tensor path (CUDA's default)
     node_alpha: float = 0.0                              # seconds per ring step across nodes; 0: no second level
     node_beta: float = 0.0                               # seconds per byte per device across nodes
     inter_node: tuple[bool, ...] = field(default=())     # per mesh axis: do its groups cross nodes (``on_mesh``)
@@ -148,15 +149,16 @@ BUILTIN: dict[str, Profile] = {
     # Measured (``scripts/check_cuda.py``, one H200, torch 2.11, 2026-11-26): a GPT-2-shaped decoder in bf16, batch
     # 8 x 1,024, 16.6 ms a step against 15.2 ms modelled here; the launch-bound small ones 1.7 and 7.3 ms against
     # 0.09 and 0.76 ms, where the host's ~13 us per pass of an op (``_op_overhead`` there) is the step.
+    # AdamW on CUDA takes torch's multi-tensor path (``optimizer_foreach``): its temporaries span every parameter.
     "h100-nvlink": Profile("h100-nvlink", alpha=5e-6, beta=1 / 360e9, flops=400e12, mem_bw=3.35e12, memory_gb=80.0,
-                           grad_overlap=0.8, collectives=(("p2p", 20e-6, 1 / 360e9),)),
+                           grad_overlap=0.8, collectives=(("p2p", 20e-6, 1 / 360e9),), optimizer_foreach=True),
     # Nodes of 8x H100 SXM as above (NVLink inside a node), joined by 400 Gb/s InfiniBand NDR per GPU: one
     # ConnectX-7 per GPU, 50 GB/s per direction, of which NCCL's ring reaches ~45 GB/s bus bandwidth across
     # nodes; ~15 us per ring step across the network.  (NVIDIA DGX H100 user guide: 8x ConnectX-7
     # 400 Gb/s; NCCL tests on DGX H100 clusters.)  Use with --gpus-per-node 8.
     "h100-nvlink-ib": Profile("h100-nvlink-ib", alpha=5e-6, beta=1 / 360e9, flops=400e12, mem_bw=3.35e12,
                               memory_gb=80.0, grad_overlap=0.8, node_alpha=15e-6, node_beta=1 / 45e9,
-                              collectives=(("p2p", 20e-6, 1 / 360e9),)),
+                              collectives=(("p2p", 20e-6, 1 / 360e9),), optimizer_foreach=True),
 }
 
 

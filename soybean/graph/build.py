@@ -364,15 +364,16 @@ class _Builder:
         ng = self.needs_grad[node.name] = kind == "param" and val.dtype.is_floating_point and fqn not in cap.frozen
         # Under a mixed policy a parameter is stored as its master (``g.master_itemsize``), frozen or not.
         master_b = g.master_itemsize if kind == "param" and val.dtype.is_floating_point and g.master_itemsize else 0
+        foreach = self.profile.optimizer_foreach
         mem = param_bytes(node, shape, val.dtype.itemsize, tilings, mesh, kind if ng or kind != "param" else "frozen",
-                          master_b)
+                          master_b, foreach)
         gp = None
         if ng:
             # Its gradient and its share of the gradient-sync buckets (reduced in the compute dtype) exist
             # only once backward has made them: the gradients phase (``phase_memory``).
             sync = sync_bucket_bytes(shape, val.dtype.itemsize, tilings, mesh)
             mem = mem + sync
-            gp = grad_phase_bytes(node, shape, val.dtype.itemsize, tilings, mesh, master_b) + sync
+            gp = grad_phase_bytes(node, shape, val.dtype.itemsize, tilings, mesh, master_b, foreach) + sync
         opt_s = optimizer_step_seconds(shape, master_b or val.dtype.itemsize, tilings, mesh, self.profile, ng)
         vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=ng, grad_phase=gp))
         g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
