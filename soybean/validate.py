@@ -40,9 +40,12 @@ def cut_window(x: torch.Tensor, split: list[tuple[int, Window]], mesh: Mesh, coo
 def magnitude(t: torch.Tensor) -> float:
     """The largest finite absolute value of ``t`` (0 when it has none): the scale its tolerances are relative to
     (a mask's infinities, or the NaNs of uninitialised memory, set none)."""
+    if not t.numel():
+        return 0.0
     a = t.abs()
-    finite = a[torch.isfinite(a)] if t.numel() else a
-    return float(finite.max()) if finite.numel() else 0.0
+    if a.is_floating_point():  # non-finite entries count as 0 (abs is >= 0): no boolean-mask gather, 2x faster
+        a = torch.where(torch.isfinite(a), a, 0.0)
+    return float(a.max())
 
 
 NOISE_CAP = 1e6  # summands of a huge value (a mask's dtype minimum) stay far from overflow
