@@ -86,8 +86,10 @@ class Reduced:
         return choice
 
 
-def min_plus(A: np.ndarray, B: np.ndarray, block: int = 1 << 17) -> tuple[np.ndarray, np.ndarray]:
-    """``M[i, k] = min_j A[i, j] + B[j, k]`` and its argmin, in row blocks of about ``block`` sums.
+def min_plus(A: np.ndarray, B: np.ndarray, block: int = 1 << 17,
+             argmin: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+    """``M[i, k] = min_j A[i, j] + B[j, k]`` and its argmin (None without ``argmin``), in row blocks of about
+    ``block`` sums.
 
     The sums are laid out ``[i, k, j]`` so the reductions run along contiguous memory (twice as fast
     as reducing the middle axis), and a block of 2^17 sums (1 MiB) stays in a core's cache for both of them
@@ -97,16 +99,19 @@ def min_plus(A: np.ndarray, B: np.ndarray, block: int = 1 << 17) -> tuple[np.nda
     rows = max(1, block // max(1, m * k))
     Bt = np.ascontiguousarray(B.T)
     M = np.empty((n, k))
-    arg = np.empty((n, k), dtype=np.int64)
+    arg = np.empty((n, k), dtype=np.int64) if argmin else None
     for i in range(0, n, rows):
         T = A[i:i + rows, None, :] + Bt[None, :, :]
-        arg[i:i + rows] = T.argmin(axis=2)
+        if arg is not None:
+            arg[i:i + rows] = T.argmin(axis=2)
         M[i:i + rows] = T.min(axis=2)
     return M, arg
 
 
-def reduce(p: Problem) -> Reduced:
-    """Apply leaf, series and isolated-variable eliminations until none applies."""
+def reduce(p: Problem, argmins: bool = True) -> Reduced:
+    """Apply leaf, series and isolated-variable eliminations until none applies.  Without ``argmins`` the
+    eliminated variables' best choices are not recorded (a fifth less work): the result bounds (``lower_bound``,
+    ``diffusion.diffusion_bound``), it cannot ``expand``."""
     if p.budget is not None:  # memory couples all variables: no exact local elimination
         return Reduced(Problem(list(p.unary), dict(p.edges), p.memory, p.budget, p.names), list(range(p.n)))
     unary = [np.asarray(u, dtype=float) for u in p.unary]  # replaced, never written in place
@@ -160,7 +165,7 @@ def reduce(p: Problem) -> Reduced:
         elif deg == 1:
             (u,) = nb[v]
             M = get(u, v) + unary[v][None, :]
-            trail.append(("leaf", v, u, M.argmin(axis=1)))
+            trail.append(("leaf", v, u, M.argmin(axis=1) if argmins else None))
             unary[u] = unary[u] + M.min(axis=1)
             drop(u, v)
             alive.discard(v)
@@ -170,7 +175,7 @@ def reduce(p: Problem) -> Reduced:
             A, Bm = get(u, v) + unary[v][None, :], get(v, w)
             if A.shape[0] * A.shape[1] * Bm.shape[1] > 200_000_000:
                 continue
-            M, arg = min_plus(A, Bm)
+            M, arg = min_plus(A, Bm, argmin=argmins)
             trail.append(("series", v, u, w, arg))
             drop(u, v)
             drop(v, w)

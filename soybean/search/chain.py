@@ -1,0 +1,145 @@
+"""Lower bounds over a chain of recomputation choices, without solving each one.
+
+A chain (``planner.recompute_choices``) recomputes the first ``k`` layers of a stack, ``k`` growing.  Choice ``k``'s
+budgeted optimum ``OPT_k = min {T_k(x) : M_k(x) <= B}`` is bounded, for every multiplier ``lam >= 0``, by
+
+    F_k(lam) = min_x  T_k(x) + lam * (M_k(x) - B)  <=  OPT_k          (weak duality)
+
+with ``T`` member 0 of the capped overlap (``to_problem``'s default: every deferred sync credited, never above the
+step time) and ``M`` the activations phase without the rerun buffers (``phase_memory`` less ``Var.rerun_buffer``:
+never above a plan's modelled peak, since the rerun credit never exceeds the buffers it takes back).
+
+Why whole stretches of a chain are bounded at once: the search ties repeated layers (``tying``), and the tied
+problem of choice ``k`` is ``[layer 0][run of recomputed layers][the last recomputed layer][run of kept
+layers][last layer]``: one more recomputed layer moves one layer's costs, memory and edges from the kept run's sums
+to the recomputed run's.  So while the runs keep that shape, every entry of the tied problem is affine in ``k``,
+each tied plan's Lagrangian cost is affine in ``k``, and ``F_k(lam)``, their minimum, is concave in ``k``: on
+``a <= k <= b`` it is at least ``min(F_a(lam), F_b(lam))``.  With lower bounds ``l(lam) <= F(lam)`` (min-sum
+diffusion on the reduced tied problem, ``diffusion.diffusion_bound``) at a grid of multipliers,
+
+    min_{a <= k <= b} OPT_k  >=  max_lam min(l_a(lam), l_b(lam))          (``stretch_bound``)
+
+Two choices bound the stretch between them only when their tied problems have the same shape (``Dual.shape``:
+variables, strategy counts, edges); the affinity itself is checked at every choice the search evaluates inside a
+stretch (``affine``), and a chain that fails the check loses its stretch bounds (the caller's fallback).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..graph import PlanGraph, phase_memory
+from .diffusion import diffusion_bound
+from .problem import Problem, reduce
+from .tying import Run, tie
+
+# The multipliers tried, as multiples of a step time per budget (seconds per byte), in the order tried: on
+# Llama-3-70B on 512 devices the best multiplier of each choice lay at 0.15-0.45 of the best step time over the
+# budget.  Each costs a reduction of the tied problem (about a second there), so they are tried lazily (``tighten``).
+MULTIPLIERS = (0.3, 0.2, 0.45, 0.15, 0.7, 0.1, 1.0, 0.05, 0.0, 1.5)
+# Multipliers ``tighten`` tries at most: past the first few a bound rarely gains enough to prune.
+TIGHTEN = 4
+# Relative tolerance of the affinity check (sums of equal layers' costs in another order).
+AFFINE_RTOL = 1e-7
+
+
+@dataclass
+class Dual:
+    """One recomputation choice's tied problem (costs, memory without rerun buffers) and the lower bounds
+    ``lower[i]`` of ``F_k(lams[i])`` worked out so far (``-inf``: not yet)."""
+
+    k: int
+    problem: Problem
+    lams: np.ndarray
+    budget: float
+    lower: np.ndarray
+    runs: tuple[Run, ...] = ()
+    to: tuple[int, ...] = ()     # each variable of the table -> its variable in ``problem`` (``tying.tie``)
+    rerun: tuple[bool, ...] = ()  # each variable of ``problem``: whether it reruns
+
+    @property
+    def shape(self) -> tuple:
+        """What two choices must share for the line between them to hold: the tied problem's variables, strategy
+        counts and edges, and which variables rerun (nothing recomputed and every layer recomputed tie to
+        problems of one size, and are not two ends of one line)."""
+        p = self.problem
+        return (tuple(u.shape for u in p.unary), tuple((e, C.shape) for e, C in sorted(p.edges.items())),
+                self.rerun)
+
+    @property
+    def bound(self) -> float:
+        """The best bound of this choice alone, of the multipliers tried."""
+        return float(self.lower.max())
+
+    def at(self, i: int) -> float:
+        """The lower bound at multiplier ``lams[i]``: min-sum diffusion on the reduced relaxed problem."""
+        if self.lower[i] == -np.inf:
+            q, lam = self.problem, float(self.lams[i])
+            assert q.memory is not None
+            r = Problem([u + lam * m for u, m in zip(q.unary, q.memory)], q.edges, None, None, q.names)
+            self.lower[i] = diffusion_bound(reduce(r, argmins=False), r) - lam * self.budget
+        return float(self.lower[i])
+
+
+def dual(g: PlanGraph, k: int, runs: Sequence[Run], lams: np.ndarray, budget: float) -> Dual:
+    """Choice ``k``'s ``Dual`` on its table ``g``, tied by ``runs``, under ``budget`` bytes, with its bound at the
+    first multiplier worked out."""
+    from . import to_problem  # the package's own entry point imports this module
+
+    p = to_problem(g, "time")
+    p.memory = [phase_memory(v, "activations") - (v.rerun_buffer if v.rerun_buffer is not None else 0.0)
+                for v in g.vars]
+    q, to = tie(p, list(runs)) if runs else (p, list(range(p.n)))
+    rerun = [False] * q.n
+    for v, j in enumerate(to):
+        rerun[j] = g.vars[v].rerun_buffer is not None
+    d = Dual(k, q, np.asarray(lams, dtype=float), budget, np.full(len(lams), -np.inf), tuple(runs), tuple(to),
+             tuple(rerun))
+    d.at(0)
+    return d
+
+
+def stretch_bound(a: Dual, b: Dual) -> float:
+    """A lower bound of ``OPT_k`` for every ``a.k <= k <= b.k`` (module docstring), of the multipliers both have
+    tried; ``-inf`` when the two tied problems differ in shape (the runs changed between them: no bound)."""
+    if a.shape != b.shape:
+        return -np.inf
+    return float(np.minimum(a.lower, b.lower).max())
+
+
+def tighten(duals: Sequence[Dual], target: float, upto: int = TIGHTEN) -> float:
+    """Try more multipliers (the first ``upto``) until the bound of ``duals`` together (``Dual.bound`` of one,
+    ``stretch_bound`` of two) reaches ``target``; the bound reached."""
+    def now() -> float:
+        return duals[0].bound if len(duals) == 1 else stretch_bound(duals[0], duals[1])
+
+    if len(duals) == 2 and duals[0].shape != duals[1].shape:
+        return -np.inf
+    for i in range(min(upto, len(duals[0].lams))):
+        if (b := now()) >= target:
+            return b
+        for d in duals:
+            d.at(i)
+    return now()
+
+
+def affine(a: Dual, m: Dual, b: Dual) -> bool:
+    """Whether ``m``'s tied problem lies on the line through ``a``'s and ``b``'s (every unary cost, memory and edge
+    cost: ``q_m = q_a + t (q_b - q_a)``, ``t = (m.k - a.k) / (b.k - a.k)``), as ``stretch_bound`` assumes."""
+    if not (a.shape == m.shape == b.shape) or not a.k < m.k < b.k:
+        return False
+    t = (m.k - a.k) / (b.k - a.k)
+    pa, pm, pb = a.problem, m.problem, b.problem
+    assert pa.memory is not None and pm.memory is not None and pb.memory is not None
+
+    def on_line(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> bool:
+        line = x + t * (z - x)
+        scale = max(float(np.abs(x).max(initial=0.0)), float(np.abs(z).max(initial=0.0)), 1e-300)
+        return bool(np.all(np.abs(y - line) <= AFFINE_RTOL * scale))
+
+    pairs = list(zip(pa.unary, pm.unary, pb.unary)) + list(zip(pa.memory, pm.memory, pb.memory))
+    pairs += [(pa.edges[e], pm.edges[e], pb.edges[e]) for e in pa.edges]
+    return all(on_line(x, y, z) for x, y, z in pairs)
+

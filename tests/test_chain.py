@@ -1,0 +1,129 @@
+"""Bounds over a chain of recomputation choices (``search.chain``) and the search that uses them
+(``planner.chain_search``): the tied problem is affine in the number of layers recomputed, every stretch bound is
+below every choice of its stretch, and the search's plan is priced exactly, fits, and carries a bound below the
+best plan of every choice, also when its time runs out.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from examples.models import transformer
+from soybean.capture import capture
+from soybean.cost.profiles import load_profile
+from soybean.graph import recomputable_layers
+from soybean.mesh import Mesh
+from soybean.options import PlanOptions
+from soybean.planner import (
+    MemoryBudgetError,
+    Search,
+    evaluate,
+    least_memory,
+    recompute_choices,
+    solve_on,
+    solve_recompute,
+)
+from soybean.search import find_repeats
+from soybean.search.chain import MULTIPLIERS, affine, dual, stretch_bound
+from soybean.search.problem import Problem
+
+pytestmark = pytest.mark.unit
+
+LAYERS = 10  # runs of recomputed and of kept layers of two or more around the last recomputed: k = 4..7
+
+
+@pytest.fixture(scope="module")
+def setting() -> tuple:
+    """A 10-layer transformer on 2 devices and a budget halfway between the least memory and the plain table's."""
+    cap = capture(*transformer(batch=4, seq=16, hidden=16, layers=LAYERS, heads=2))
+    mesh = Mesh((2,))
+    free = Search(load_profile(None))
+    chains = recompute_choices(cap)
+    plain, least = free.table(cap, mesh), free.table(cap, mesh, chains[0][-1])
+    budget = (least_memory(plain) + least_memory(least)) / 2
+    return cap, mesh, Search(load_profile(None), memory_bytes=budget), budget, chains
+
+
+def _duals(cap: object, mesh: Mesh, search: Search, budget: float, chain: list[frozenset[str]]) -> list:
+    layers = set(recomputable_layers(cap))  # type: ignore[arg-type]
+    scale = 1e-3  # seconds: the tests' step times are milliseconds
+    out = []
+    for units in chain:
+        g = search.table(cap, mesh, units)  # type: ignore[arg-type]
+        d = dual(g, len(units & layers), find_repeats(g), np.array(MULTIPLIERS) * scale / budget, budget)
+        for i in range(len(d.lams)):
+            d.at(i)
+        out.append(d)
+    return out
+
+
+def test_the_tied_problem_is_affine_in_the_layers_recomputed(setting: tuple) -> None:
+    """Between two choices of one shape, every choice's tied problem (costs, memory, edges) lies on their line:
+    what ``stretch_bound`` rests on.  Each chain has a stretch of at least three choices of one shape, and
+    nothing recomputed and every layer recomputed, tied to problems of one size, are not of one shape."""
+    cap, mesh, search, budget, chains = setting
+    for chain in chains:
+        duals = _duals(cap, mesh, search, budget, chain)
+        checked = 0
+        for a in range(len(duals)):
+            for b in range(a + 2, len(duals)):
+                if duals[a].shape != duals[b].shape:
+                    continue
+                for m in range(a + 1, b):
+                    assert affine(duals[a], duals[m], duals[b]), (duals[a].k, duals[m].k, duals[b].k)
+                    checked += 1
+        assert checked > 0
+    ends = _duals(cap, mesh, search, budget, [chains[0][0], chains[0][-1]])
+    assert ends[0].problem.n == ends[1].problem.n and ends[0].shape != ends[1].shape
+
+
+def test_affine_sees_a_choice_off_the_line(setting: tuple) -> None:
+    cap, mesh, search, budget, chains = setting
+    duals = _duals(cap, mesh, search, budget, chains[0])
+    a, m, b = next((duals[i], duals[i + 1], duals[i + 2]) for i in range(len(duals) - 2)
+                   if duals[i].shape == duals[i + 2].shape)
+    q = m.problem
+    bent = [u.copy() for u in q.unary]
+    bent[0][0] += 1e-3 * (abs(float(bent[0][0])) + 1e-9)
+    m.problem = Problem(bent, q.edges, q.memory, q.budget, q.names)
+    assert not affine(a, m, b)
+
+
+def test_a_stretch_bound_is_below_every_choice_of_its_stretch(setting: tuple) -> None:
+    """``stretch_bound`` of the two ends of a stretch of one shape, at every multiplier, is below the best plan of
+    each choice of the stretch (each solved exactly on its own), and each choice's own bound below its plan."""
+    cap, mesh, search, budget, chains = setting
+    duals = _duals(cap, mesh, search, budget, chains[0])
+    a, b = next((a, b) for a in range(len(duals)) for b in range(len(duals) - 1, a + 1, -1)
+                if duals[a].shape == duals[b].shape and duals[a].k > 0)
+    plans = []
+    for i in range(a, b + 1):
+        try:
+            plans.append(solve_on(cap, mesh, search, recompute=chains[0][i]).step_time_s)
+        except MemoryBudgetError:
+            continue
+        assert duals[i].bound <= plans[-1] * (1 + 1e-9)
+    assert plans
+    assert stretch_bound(duals[a], duals[b]) <= min(plans) * (1 + 1e-9)
+
+
+def test_the_search_finds_a_fitting_plan_priced_exactly_with_a_true_bound(setting: tuple) -> None:
+    """``solve_recompute``'s plan fits the budget and is priced as its own recomputation choice's table prices
+    it, with time enough and with none (the search stops after its first solves); the bound of each is below
+    both plans."""
+    cap, mesh, search, budget, _ = setting
+    found = []
+    for limit in (60.0, 1e-6):
+        s = Search(search.profile, PlanOptions(time_limit_s=limit), budget)
+        r = solve_recompute(cap, mesh, s)
+        assert r.memory <= budget * (1 + 1e-9)
+        again = evaluate(s.table(cap, mesh, r.recompute), r.solution)
+        assert again.step_time_s == pytest.approx(r.step_time_s, rel=1e-12)
+        assert again.memory == pytest.approx(r.memory, rel=1e-12)
+        assert math.isfinite(r.solution.bound) and r.solution.bound <= r.step_time_s
+        found.append(r)
+    full, short = found  # each one's bound is below the other's plan too
+    assert short.solution.bound <= full.step_time_s * (1 + 1e-9)
+    assert full.solution.bound <= short.step_time_s * (1 + 1e-9)
