@@ -170,9 +170,16 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: Incumbent = None,
             return r
         return capped_overlap(r, lambda mu, cut: solved(mu, "activations", cut), search.options.gap, incumbent)
     relaxed = r.solution.bound  # below every plan that fits: the activations phase alone is a relaxation
-    r = solved(phase="sum")
+    try:  # a sum solve's bound that reaches the incumbent says only that no plan of the sum's can beat it
+        r = solved(phase="sum", cutoff=now(incumbent))
+    except Pruned as e:
+        raise SearchError(f"mesh {g.mesh}: no plan within the budget in both phases at once beats {e.cutoff:.4g}; "
+                          f"the step's bound is {relaxed:.4g}") from None
     if objective == "time" and not (settle is not None and settle(r)):
-        r = capped_overlap(r, lambda mu, cut: solved(mu, "sum", None), search.options.gap)
+        try:
+            r = capped_overlap(r, lambda mu, cut: solved(mu, "sum", cut), search.options.gap, incumbent)
+        except Pruned:
+            pass  # the sum's members cannot beat the incumbent: its first plan stands, with the bound below
     t = r.solution.objective if objective != "time" else r.step_time_s
     bound = min(relaxed, r.solution.bound, t)
     status = r.solution.status if relative_gap(t, bound) <= search.options.gap else "feasible"
