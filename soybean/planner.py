@@ -315,8 +315,10 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumb
     work = SharedWork()  # the layers two choices treat alike are built once
 
     def table(units: frozenset[str]) -> PlanGraph:
-        if units not in recent:
-            if len(recent) >= 2:
+        if units in recent:
+            recent[units] = recent.pop(units)  # the most recently used last: the least recently used goes first
+        else:
+            if len(recent) >= RECENT_TABLES:
                 recent.pop(next(iter(recent)))
             recent[units] = search.table(cap, mesh, units, work)
             least[units] = least_memory(recent[units])
@@ -334,10 +336,10 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumb
         """``Pruned`` when the lower bound of ``g``'s unbudgeted problem reaches the incumbent."""
         if (c := cut()) is None:
             return None
-        if floor is not None and floor >= c:
-            return Pruned(floor, c)
+        if floor is not None:  # the plain table's solve bound: never below the cheap bound of the same table
+            return Pruned(floor, c) if floor >= c else None
         p = to_problem(g, objective)
-        return Pruned(bound, c) if (bound := lower_bound(reduce(p), p)) >= c else None
+        return Pruned(bound, c) if (bound := lower_bound(reduce(p, argmins=False), p)) >= c else None
 
     chains = recompute_choices(cap)
     plain = table(frozenset())
@@ -514,7 +516,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     scale = best.step_time_s if best is not None else floor if floor is not None and math.isfinite(floor) else 0.0
     if scale <= 0.0:  # else the plain table's bound
         p = to_problem(table(frozenset()), "time")
-        scale = max(lower_bound(reduce(p), p), 1e-30)
+        scale = max(lower_bound(reduce(p, argmins=False), p), 1e-30)
     for c, chain in enumerate(chains):
         if c == 0 and len(chain) > 2:
             push(c, 1, len(chain) - 2)
@@ -574,6 +576,9 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     return best
 
 
+# Tables of one mesh's recomputation choices kept for reuse (the bisection's probes, the solves, the duals and
+# ``shift`` return to a few choices; one Llama-3-70B table on a 3-axis mesh took 3 s to build again).
+RECENT_TABLES = 4
 # Choices ``chain_search``'s ``shift`` prices at most per plan, from the fewest layers recomputed the line allows.
 SHIFT_TRIES = 3
 
@@ -617,7 +622,7 @@ def recompute_bound(plain: PlanGraph, least: PlanGraph, objective: str, budget: 
     if [u.shape for u in p.unary] != [m.shape for m in q.memory]:
         return None
     r = Problem([u + lam * m for u, m in zip(p.unary, q.memory)], p.edges, None, None, p.names)
-    return lower_bound(reduce(r), r) - lam * q.budget
+    return lower_bound(reduce(r, argmins=False), r) - lam * q.budget
 
 
 def least_memory(g: PlanGraph) -> float:
