@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -275,6 +275,11 @@ def recompute_choices(cap: Captured) -> list[list[frozenset[str]]]:
     return chains
 
 
+def layers_in(units: frozenset[str], layers: Collection[str]) -> int:
+    """How many whole layers a recomputation choice reruns: the ``k`` of ``A_k`` and ``B_k``."""
+    return sum(1 for u in units if u in layers)
+
+
 def solve_plain(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent = None) -> Result:
     """The fastest plan on ``mesh`` with nothing recomputed and no memory budget (``Pruned`` when its bound reaches
     ``incumbent``).  Recomputation only adds time (``solve_recompute``), so its ``solution.bound`` bounds every
@@ -329,12 +334,9 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumb
             table(units)
         return budget is None or least[units] <= budget
 
-    def cut() -> float | None:
-        return now(incumbent) if objective == "time" else None
-
     def bounded(g: PlanGraph) -> Pruned | None:
         """``Pruned`` when the lower bound of ``g``'s unbudgeted problem reaches the incumbent."""
-        if (c := cut()) is None:
+        if (c := cut_of(incumbent, objective)) is None:
             return None
         if floor is not None:  # the plain table's solve bound: never below the cheap bound of the same table
             return Pruned(floor, c) if floor >= c else None
@@ -346,11 +348,11 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumb
     if (p := bounded(plain)) is not None:
         raise p  # recomputing anything only adds time to every plan of this mesh
     if budget is not None and floor is None:
-        free = _solve_free(plain, search, cut())
+        free = _solve_free(plain, search, cut_of(incumbent, objective))
         if free.memory <= budget:
             return free  # the fastest plan of every choice, and it fits
         floor = free.solution.bound
-    if budget is not None and (c := cut()) is not None and chains[0][-1]:
+    if budget is not None and (c := cut_of(incumbent, objective)) is not None and chains[0][-1]:
         if (p := budget_bound(plain, table(chains[0][-1]), objective, budget, c)) is not None:
             raise p  # no recomputation choice fits a plan of this mesh that beats the cut
     misfits: list[MemoryBudgetError] = []
@@ -405,6 +407,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     pruned: Pruned | None = None
     stopped = False  # the time limit ended the search
     scale = 0.0  # the multipliers' scale: a step time
+    firsts: dict[int, PlanGraph] = {}  # each chain's first choice's table, kept for ``shift`` past ``table``'s few
 
     def dual_of(c: int, i: int) -> Dual | None:
         if objective != "time":
@@ -413,7 +416,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
             units = chains[c][i]
             g = table(units)
             lams = np.array(MULTIPLIERS) * scale / budget if budget is not None else np.zeros(1)
-            duals[(c, i)] = dual(g, len(units & layer_set), find_repeats(g) if ties else [], lams, budget or 0.0)
+            duals[(c, i)] = dual(g, layers_in(units, layer_set), find_repeats(g) if ties else [], lams, budget or 0.0)
         return duals[(c, i)]
 
     def ends(c: int, a: int, b: int) -> list[Dual]:
@@ -474,20 +477,22 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         priced exactly on the choice it lands on, and kept when it fits and beats the best."""
         nonlocal best
         assert budget is not None
-        k_of = {len(u & layer_set): j for j, u in enumerate(chains[c])}
-        k_here = len(chains[c][i] & layer_set)
+        k_of = {layers_in(u, layer_set): j for j, u in enumerate(chains[c])}
+        k_here = layers_in(chains[c][i], layer_set)
         if r.memory >= budget or i == 0:
             return
         x = r.solution.choice
 
         def priced(j: int) -> Result | None:
-            g = table(chains[c][j])
+            if j == 0 and c not in firsts:
+                firsts[c] = table(chains[c][0])
+            g = firsts[c] if j == 0 else table(chains[c][j])
             if len(g.vars) != len(x) or any(len(v.strategies) <= s for v, s in zip(g.vars, x)):
                 return None
             return evaluate(g, Solution(list(x), 0.0, -math.inf, "feasible", 0.0, "shifted"))
 
         probe = priced(0)  # the chain's first choice: the fewest layers recomputed that can fit
-        k_probe = len(chains[c][0] & layer_set)
+        k_probe = layers_in(chains[c][0], layer_set)
         if probe is None or k_probe >= k_here:
             return
         per_layer = (probe.memory - r.memory) / (k_here - k_probe)  # bytes each layer kept adds

@@ -20,6 +20,7 @@ from soybean.planner import (
     MemoryBudgetError,
     Search,
     evaluate,
+    layers_in,
     least_memory,
     recompute_choices,
     solve_on,
@@ -52,7 +53,7 @@ def _duals(cap: object, mesh: Mesh, search: Search, budget: float, chain: list[f
     out = []
     for units in chain:
         g = search.table(cap, mesh, units)  # type: ignore[arg-type]
-        d = dual(g, len(units & layers), find_repeats(g), np.array(MULTIPLIERS) * scale / budget, budget)
+        d = dual(g, layers_in(units, layers), find_repeats(g), np.array(MULTIPLIERS) * scale / budget, budget)
         for i in range(len(d.lams)):
             d.at(i)
         out.append(d)
