@@ -36,11 +36,16 @@ FORMAT = 1  # bump when the stored form changes
 _META_KEYS = ("nn_module_stack", "stack_trace", RETURNED_SUM)
 
 
+def cache_root() -> Path:
+    """Where soybean keeps what it caches on disk (module docstring): captures here, route walks
+    (``route_cache``) beside them."""
+    return Path(os.environ.get("SOYBEAN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "soybean"))
+
+
 def cache_dir() -> Path:
     """Where captures are kept (module docstring)."""
-    root = os.environ.get("SOYBEAN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "soybean")
-    return Path(root) / "captures"
+    return cache_root() / "captures"
 
 
 def enabled() -> bool:

@@ -67,6 +67,13 @@ def _planned(progress: bool, *args: Any, **kwargs: Any) -> Plan:
     return p
 
 
+def _caching(a: argparse.Namespace) -> bool:
+    """Whether the disk caches (captures, route walks: ``capture_cache``, ``route_cache``) are read and written."""
+    from . import capture_cache
+
+    return capture_cache.enabled() and not getattr(a, "no_cache", False)
+
+
 def _captured(a: argparse.Namespace, precision: str | None) -> tuple[Any, tuple, Captured]:
     """The model (None on a cache hit: it was not built), its inputs and its capture under ``precision``: from
     the capture cache (``capture_cache``) unless ``--no-cache``, else built and captured now (and stored)."""
@@ -77,7 +84,7 @@ def _captured(a: argparse.Namespace, precision: str | None) -> tuple[Any, tuple,
     name = policy(precision).name
     args = models.parse_args(a.arg)
     key = capture_cache.capture_key(a.model, args, name)
-    use = capture_cache.enabled() and not getattr(a, "no_cache", False)
+    use = _caching(a)
     if use and (cap := capture_cache.load(key)) is not None:
         return None, (), cap
     model, inputs = models.load(a.model, args)
@@ -93,7 +100,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
     opts = plan_options(a)  # every option checked here, before the model is built
     model, inputs, cap = _captured(a, opts.precision)
-    p = _planned(not a.quiet, model, inputs, options=opts, captured=cap)
+    p = _planned(not a.quiet, model, inputs, options=opts, captured=cap, cache_routes=_caching(a))
     text = p.to_json() if a.format == "json" else table(p)
     if a.out:
         with open(a.out, "w") as f:
@@ -267,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the plan here (JSON when the name ends in .json)")
     p.add_argument("--emit-code", metavar="DIR", help="write each rank's generated program to DIR")
     p.add_argument("--no-cache", action="store_true",
-                   help="capture the model afresh, neither reading nor writing the capture cache (~/.cache/soybean)")
+                   help="capture the model and walk its routes afresh, neither reading nor writing the capture "
+                   "and route caches (~/.cache/soybean)")
     p.set_defaults(fn=_cmd_plan)
     e = sub.add_parser("explain", help="why each tiling: every op's cost split, and its next-best strategy")
     _add_explained_args(e)

@@ -70,6 +70,7 @@ def each_mesh(meshes: Sequence[Mesh], solve: Callable[[Mesh, Live, Callable[[str
               say: Callable[[str], None], outcomes: tuple[type[BaseException], ...],
               incumbent: float | None = None,
               after: tuple[Callable[[Callable[[str], None]], Any], Callable[[Any], None]] | None = None,
+              finish: Callable[[], None] | None = None,
               ) -> Iterator[tuple[Mesh, R | BaseException]]:
     """``solve(mesh, incumbent, say)`` for every mesh, yielding ``(mesh, outcome)`` (``incumbent()``: the best
     step time found so far, read whenever the search wants it, so a worker learns of another's better plan while it
@@ -79,8 +80,10 @@ def each_mesh(meshes: Sequence[Mesh], solve: Callable[[Mesh, Live, Callable[[str
     ``incumbent``: the best found before these meshes; ``say``: progress lines, a worker's passed on here;
     ``after``: ``(work, receive)``: on workers, one worker runs ``work(say)`` (``_forked``'s ``take`` says which and
     when) and this process gets ``receive(its result)`` (the baselines: they fill a core while the most promising
-    mesh is searched); in-process, neither is called (the caller runs it).  Any other exception propagates (from a
-    worker, as a ``WorkerError`` carrying its traceback)."""
+    mesh is searched); in-process, neither is called (the caller runs it).  ``finish()``: run on each worker when
+    it has no task left (it stores what the worker learnt: ``route_cache.save``), and waited for up to
+    ``FINISH_S``; in-process, not called.  Any other exception propagates (from a worker, as a ``WorkerError``
+    carrying its traceback)."""
     if jobs <= 1 or len(meshes) <= 1 or "fork" not in mp.get_all_start_methods():
         best = incumbent
 
@@ -97,14 +100,19 @@ def each_mesh(meshes: Sequence[Mesh], solve: Callable[[Mesh, Live, Callable[[str
             best = v if best is None or (v is not None and v < best) else best
             yield m, r
         return
-    yield from _forked(meshes, solve, light, value, min(jobs, len(meshes)), say, outcomes, incumbent, after)
+    yield from _forked(meshes, solve, light, value, min(jobs, len(meshes)), say, outcomes, incumbent, after,
+                       finish)
+
+
+# Seconds the main process waits, once every outcome is in, for the workers' ``finish`` before ending them.
+FINISH_S = 10.0
 
 
 def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, Live, Callable[[str], None]], R],
             light: Callable[[R], R], value: Callable[[R], float | None], jobs: int, say: Callable[[str], None],
             outcomes: tuple[type[BaseException], ...], incumbent: float | None,
             after: tuple[Callable[[Callable[[str], None]], Any], Callable[[Any], None]] | None,
-            ) -> Iterator[tuple[Mesh, Any]]:
+            finish: Callable[[], None] | None = None) -> Iterator[tuple[Mesh, Any]]:
     ctx = mp.get_context("fork")
     best = ctx.Value("d", math.inf if incumbent is None else incumbent)  # shared; inf: none yet
     # The meshes not yet taken are meshes[lo..hi]; ``after`` is still to run while ``left_after``.
@@ -140,7 +148,8 @@ def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, Live, Callable[[str],
         with best.get_lock():
             return None if math.isinf(best.value) else best.value
 
-    def work(worker: int) -> None:
+    def work(worker: int) -> bool:
+        """The worker's tasks; False when one failed."""
         while (i := take(worker)) is not None:
             def tell(line: str, i: int = i) -> None:
                 out.put((i, "say", line))
@@ -156,20 +165,24 @@ def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, Live, Callable[[str],
                 continue
             except BaseException:  # a bug: the main process raises it with this traceback
                 out.put((i, "failed", traceback.format_exc()))
-                return
+                return False
             v, leads = value(r), True
             if v is not None:
                 with best.get_lock():
                     leads = v <= best.value
                     best.value = min(best.value, v)
             out.put((i, "done", r if leads else light(r)))  # only a plan that leads may be the answer
+        return True
 
     parent = os.getpid()
 
     def run(worker: int) -> None:
         try:
             _die_with(parent)
-            work(worker)
+            if work(worker) and finish is not None:
+                out.close()
+                out.join_thread()  # the outcomes sent before the worker's own epilogue
+                finish()
         finally:
             out.close()
             out.join_thread()  # every message flushed before the process ends
@@ -203,6 +216,9 @@ def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, Live, Callable[[str],
                 after[1](payload)
                 continue
             yield meshes[i], payload
+        end = time.monotonic() + FINISH_S
+        for p in procs:  # every outcome is in: the workers' ``finish`` gets its time
+            p.join(max(0.0, end - time.monotonic()))
     finally:
         for p in procs:
             if p.is_alive():

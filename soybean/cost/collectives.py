@@ -248,8 +248,9 @@ class StepStore:
         row = self.rows
         kinds, tilings, call_ids = self.kinds, self.tilings, self.call_ids
         calls_before = len(call_ids)
-        for route in routes:  # ``priced_steps``' rows, read off the walk directly: each route is added once
-            self.ids[route] = len(self.ids)
+        first = len(self.start)  # routes adopted from another store (``adopt``) have ids but no key here
+        for k, route in enumerate(routes):  # ``priced_steps``' rows, read off the walk directly: each added once
+            self.ids[route] = first + k
             starts.append(row)
             n = 0
             for w in route.walk():
@@ -266,16 +267,55 @@ class StepStore:
             row += n
         self.start = np.concatenate([self.start, np.array(starts, dtype=np.int64)])
         self.count = np.concatenate([self.count, np.array(counts, dtype=np.int64)])
-        if len(call_ids) > calls_before:
-            fresh = np.array(list(call_ids)[calls_before:], dtype=np.int64).reshape(-1, 4).T
+        self._new_calls(calls_before)
+        self._append_rows(np.array(rows, dtype=np.int64))
+
+    def _new_calls(self, before: int) -> None:
+        """``calls`` extended by the call ids from ``before`` on."""
+        if len(self.call_ids) > before:
+            fresh = np.array(list(self.call_ids)[before:], dtype=np.int64).reshape(-1, 4).T
             self.calls = np.concatenate([self.calls, fresh], axis=1)
-        if rows:
-            if row > len(self.row_call):  # grow by doubling: appends stay linear overall
-                grown = np.zeros(max(row, 2 * len(self.row_call)), dtype=np.int64)
-                grown[:self.rows] = self.row_call[:self.rows]
-                self.row_call = grown
-            self.row_call[self.rows:row] = rows
-        self.rows = row
+
+    def _append_rows(self, rows: np.ndarray) -> None:
+        end = self.rows + len(rows)
+        if end > len(self.row_call):  # grow by doubling: appends stay linear overall
+            grown = np.zeros(max(end, 2 * len(self.row_call)), dtype=np.int64)
+            grown[:self.rows] = self.row_call[:self.rows]
+            self.row_call = grown
+        self.row_call[self.rows:end] = rows
+        self.rows = end
+
+    def state(self) -> dict[str, object]:
+        """The store as plain data (``adopt`` reads it back): its routes by id, without the ``Route`` keys."""
+        return {"kinds": list(self.kinds), "tilings": list(self.tiling_list), "calls": self.calls.copy(),
+                "start": self.start.copy(), "count": self.count.copy(), "row_call": self.row_call[:self.rows].copy()}
+
+    def adopt(self, state: dict, routes: np.ndarray) -> np.ndarray:
+        """The routes ``routes`` (ids of ``state``, another store's ``state()``) added here with their rows, each
+        call renumbered into this store's; their new ids, in order.  They get no ``Route`` key (``lookup`` of the
+        same route walks it again: a second id of the same rows, priced alike)."""
+        kinds, tilings, call_ids = self.kinds, self.tilings, self.call_ids
+        before = len(call_ids)
+        kind_of = [kinds.setdefault(k, len(kinds)) for k in state["kinds"]]
+        tiling_of = []
+        for t in state["tilings"]:
+            if (i := tilings.get(t)) is None:
+                i = tilings[t] = len(self.tiling_list)
+                self.tiling_list.append(t)
+            tiling_of.append(i)
+        kind, axis, tiling, sync = state["calls"].tolist() if state["calls"].size else ([], [], [], [])
+        call_of = np.array([call_ids.setdefault((kind_of[k], a, tiling_of[t], y), len(call_ids))
+                            for k, a, t, y in zip(kind, axis, tiling, sync)], dtype=np.int64)
+        self._new_calls(before)
+        count = state["count"][routes]
+        total = int(count.sum())
+        first = np.repeat(state["start"][routes] - (np.cumsum(count) - count), count)
+        rows = call_of[state["row_call"][first + np.arange(total)]] if total else np.zeros(0, dtype=np.int64)
+        ids = np.arange(len(self.start), len(self.start) + len(routes), dtype=np.int64)
+        self.start = np.concatenate([self.start, self.rows + np.cumsum(count) - count])
+        self.count = np.concatenate([self.count, count])
+        self._append_rows(rows)
+        return ids
 
 
 def price_routes(routes: Sequence[Route], shape: tuple, itemsize: int, mesh: Mesh, profile: Profile,

@@ -3,9 +3,10 @@
 A run builds many candidate tables of one model (every mesh shape, every recomputation choice, every
 baseline) that price mostly the same routes: the mesh shapes of one device count offer mostly the same
 tilings, and the layers of a stack the same tables.  The cache belongs to the run that made it
-(``planner.plan`` makes one and passes it to every ``graph.build``) and goes with it: no pricing state
-outlives a run or is shared between two (a process-wide memo once cleared itself on every switch of mesh
-and cost a 64-device plan 47 s against 31 s; a cache owned by the run has no such interplay).
+(``planner.plan`` makes one and passes it to every ``graph.build``) and goes with it: no process-wide memo
+(one once cleared itself on every switch of mesh and cost a 64-device plan 47 s against 31 s).  Only the
+routes' walks and the pairs met, functions of the tilings alone, may outlive the run, on disk
+(``route_cache``, as ``state`` and ``adopt``): a run adopts them before its first table.
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from ..reshard import Route
 from .collectives import StepStore
 
 EdgeTables = tuple[np.ndarray, np.ndarray, np.ndarray]  # bytes, seconds, sync seconds: source key x target key
+
+
+# Bits of a key's number in a pair's code: (source << KEY_BITS | target) << 2 | flags.
+KEY_BITS = 28
 
 
 class RouteIds:
@@ -42,7 +47,7 @@ class RouteIds:
         ends = self.ends
         s = np.array([ends.setdefault(k, len(ends)) for k in us], dtype=np.int64)
         d = np.array([ends.setdefault(k, len(ends)) for k in ud], dtype=np.int64)
-        codes = (((s[:, None] << 28) | d[None, :]) << 2 | (2 * needs_grad + write_back)).ravel()
+        codes = (((s[:, None] << KEY_BITS) | d[None, :]) << 2 | (2 * needs_grad + write_back)).ravel()
         at = np.minimum(np.searchsorted(self.codes, codes), max(len(self.codes) - 1, 0))
         found = self.codes[at] == codes if len(self.codes) else np.zeros(len(codes), dtype=bool)
         ids = np.where(found, self.ids[at] if len(self.ids) else 0, -1)
@@ -60,6 +65,32 @@ class RouteIds:
             if len(self.recent) >= max(self.MERGE_MIN, len(self.codes) // 4):
                 self._merge()
         return ids
+
+    def state(self) -> dict[str, object]:
+        """Every pair met, as plain data: the keys in number order, the codes (sorted) and their route ids."""
+        self._merge()
+        return {"ends": list(self.ends), "codes": self.codes.copy(), "ids": self.ids.copy()}
+
+    def adopt(self, state: dict, steps: dict) -> None:
+        """The pairs of ``state`` (another run's ``state()``, its routes in ``steps``, that run's
+        ``StepStore.state()``) that are not met here yet, added with their routes (``StepStore.adopt``).  A pair's
+        code holds its two keys' numbers, renumbered here."""
+        self._merge()
+        ends = self.ends
+        number = np.array([ends.setdefault(k, len(ends)) for k in state["ends"]], dtype=np.int64)
+        codes = state["codes"]
+        if not codes.size:
+            return
+        src, dst, flags = codes >> (KEY_BITS + 2), (codes >> 2) & ((1 << KEY_BITS) - 1), codes & 3
+        mine = ((number[src] << KEY_BITS) | number[dst]) << 2 | flags
+        at = np.minimum(np.searchsorted(self.codes, mine), max(len(self.codes) - 1, 0))
+        new = np.flatnonzero(self.codes[at] != mine) if len(self.codes) else np.arange(len(mine))
+        if not new.size:
+            return
+        routes, which = np.unique(state["ids"][new], return_inverse=True)
+        ids = self.steps.adopt(steps, routes)[which]
+        self.recent.update(zip(mine[new].tolist(), ids.tolist()))
+        self._merge()
 
     def _merge(self) -> None:
         """The recent codes moved into the sorted array."""
@@ -83,6 +114,19 @@ class PricingCache:
         self.steps = StepStore()
         self.route_ids = RouteIds(self.steps)
         self.edges: dict[tuple, EdgeTables] = {}
+
+    def state(self) -> dict[str, object]:
+        """What outlives the run (``route_cache``): the routes walked and the pairs met, as plain data; the edge
+        tables are the mesh's and profile's and stay."""
+        return {"steps": self.steps.state(), "pairs": self.route_ids.state()}
+
+    def adopt(self, state: dict) -> None:
+        """Another run's ``state()`` added to this one's (the pairs met there and not here, with their routes)."""
+        self.route_ids.adopt(state["pairs"], state["steps"])
+
+    def routes(self) -> int:
+        """How many routes this state holds."""
+        return len(self.steps.start)
 
     def edge_tables(self, key: tuple, price: Callable[[], EdgeTables]) -> EdgeTables:
         """The tables of ``key`` (its last two entries the mesh and the run's profile), priced by ``price`` the
