@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from .mesh import Mesh
 from .module import ParallelModule
 from .options import PlanOptions, options as merge_options
 from .outputs import OUTPUTS
+from .pipelined import PipelinedModule
 from .plan import Plan
 from .planner import plan as make_plan
 from .precision import policy
@@ -53,11 +54,22 @@ def check_plan(p: Plan, fingerprint: str, world: int, precision: str | None = No
                          f"{p.fingerprint} != {fingerprint}): re-run `soybean plan` for this model and batch")
 
 
+@overload
+def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, *, pipeline: None = None,
+                **kwargs: Any) -> ParallelModule: ...
+
+
+@overload
+def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, *, pipeline: int,
+                **kwargs: Any) -> PipelinedModule: ...
+
+
 def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, *,
                 options: PlanOptions | None = None, plan: Plan | str | Path | None = None, rank: int | None = None,
                 groups: Sequence[Group] | None = None, captured: Captured | None = None, outputs: str = "lazy",
                 share_params: bool = False, example_kwargs: dict | None = None, timeout_s: float | None = None,
-                **option_fields: Any) -> ParallelModule:
+                pipeline: int | None = None, microbatches: int | None = None, schedule: str = "1f1b",
+                **option_fields: Any) -> ParallelModule | PipelinedModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
 
     ``example_inputs``: forward's positional arguments (a tuple, or one tensor), or a dict of its keyword
@@ -101,6 +113,12 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     ``timeout_s``: when this call initialises torch.distributed (under torchrun or ``soybean run``), how long a
     collective waits for a peer before failing: ``runtime.launch.collective_timeout`` (300 s, or
     ``$SOYBEAN_TIMEOUT_S``).  A process group the caller initialised keeps its own timeout.
+
+    ``pipeline``: a number of pipeline stages (``None``, the default: one SPMD program over every device).  The
+    model is captured at the microbatch (``example_inputs``' batch over ``microbatches``, default the number of
+    stages), cut into stages of whole layers, each planned on its devices, and run by torch.distributed.pipelining
+    with ``schedule`` (``gpipe`` or ``1f1b``): a ``pipelined.PipelinedModule``, trained through
+    ``pmodel.train_step(*inputs, loss_fn=fn)``.  For now each stage is one device (``devices`` = stages).
     """
     if outputs not in OUTPUTS:
         raise ValueError(f"unknown outputs {outputs!r}: use one of {', '.join(OUTPUTS)}")
@@ -133,6 +151,12 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
         raise ValueError(f"mesh {mesh_obj} has {mesh_obj.size} devices but the world size is {world}")
     p = _resolve_plan(plan)
     prec = policy(precision).name if precision is not None else (p.precision if p is not None else "fp32")
+    if pipeline is not None:
+        if simulated:
+            raise ValueError("a pipelined plan runs on a torch.distributed process group (torchrun or soybean run), "
+                             "not on simulated groups")
+        return _pipelined(model, example_inputs, example_kwargs, opts, world, rank, pipeline,
+                          microbatches or pipeline, schedule, prec, p)
     cap = captured or capture(model, example_inputs, example_kwargs, precision=prec)
     if p is None:
         def make() -> Plan:
@@ -155,3 +179,48 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
 
         groups = torch_groups(pmesh)
     return ParallelModule(model, cap, p, rank, groups, lazy_outputs=outputs == "lazy", share_params=share_params)
+
+
+def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions, world: int, rank: int,
+               stages: int, microbatches: int, schedule: str, precision: str, given: Plan | None) -> PipelinedModule:
+    """``parallelize`` with pipeline stages (its docstring): capture at the microbatch, plan on rank 0 (or read
+    ``given``), every rank cuts the same stages and runs its own."""
+    from .pipeline_plan import plan_pipeline
+    from .pipelined import check_microbatches
+    from .stages import split
+
+    batch = next((int(x.shape[0]) for x in [*args, *kwargs.values()] if isinstance(x, torch.Tensor) and x.dim()),
+                 None)
+    if batch is None:
+        raise ValueError("pipeline stages split the batch into microbatches along dim 0, but no input has a dim 0")
+    check_microbatches(batch, microbatches)
+    if world != stages:
+        raise ValueError(f"{stages} pipeline stages on {world} processes: for now each stage runs on one device "
+                         f"(stages tiled over several devices are planned by `soybean plan --pipeline`, not yet run): "
+                         f"launch {stages} processes or pass pipeline={world}")
+    rows = batch // microbatches
+
+    def micro(x: Any) -> Any:
+        return x[:rows] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch else x
+
+    cap = capture(model, tuple(micro(a) for a in args), {k: micro(v) for k, v in kwargs.items()},
+                  precision=precision)
+    if given is None:
+        box: list[str | None] = [None]
+        if rank == 0:
+            _, _, top = plan_pipeline(cap, world, stages, microbatches, schedule, opts)
+            box = [top.to_json()]
+        if world > 1:
+            waiting = dist.new_group(backend="gloo", timeout=timedelta(seconds=PLAN_WAIT_S))
+            dist.broadcast_object_list(box, src=0, group=waiting)
+            dist.destroy_process_group(waiting)
+        assert box[0] is not None  # rank 0 sent its plan
+        given = Plan.from_dict(json.loads(box[0]))
+    if given.pipeline is None:
+        raise ValueError("pipeline= was given with a plan that has no pipeline stages: plan with pipeline= too")
+    if given.fingerprint != cap.fingerprint or given.devices != world:
+        raise ValueError(f"the pipelined plan was made for another model, batch or world size (plan: {given.devices} "
+                         f"devices, fingerprint {given.fingerprint}; here: {world}, {cap.fingerprint}): plan again")
+    cut = split(cap, [tuple(st["layers"]) for st in given.pipeline["stages"]])
+    plans = [Plan.from_dict(st["plan"]) for st in given.pipeline["stages"]]
+    return PipelinedModule(model, cap, cut, plans, given, rank, world)

@@ -67,6 +67,12 @@ def _planned(progress: bool, *args: Any, **kwargs: Any) -> Plan:
     return p
 
 
+def _pipeline_arg(v: str) -> str:
+    if v == "none" or (v.isdigit() and int(v) >= 2):
+        return v
+    raise argparse.ArgumentTypeError(f"{v!r}: use none or a number of stages of at least 2")
+
+
 def _caching(a: argparse.Namespace) -> bool:
     """Whether the disk caches (captures, route walks: ``capture_cache``, ``route_cache``) are read and written."""
     from . import capture_cache
@@ -94,11 +100,44 @@ def _captured(a: argparse.Namespace, precision: str | None) -> tuple[Any, tuple,
     return model, inputs, cap
 
 
+def _plan_pipelined(a: argparse.Namespace, opts: Any) -> int:
+    """``soybean plan --pipeline S``: the model captured at the microbatch, cut into ``S`` stages, each planned on
+    its devices (``pipeline_plan.plan_pipeline``)."""
+    import torch
+
+    from . import models
+    from .capture import capture
+    from .pipeline_plan import plan_pipeline
+    from .pipelined import check_microbatches
+    from .precision import policy
+    from .report import pipeline_table
+
+    stages = int(a.pipeline)
+    microbatches = a.microbatches or stages
+    model, inputs = models.load(a.model, models.parse_args(a.arg))
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    batch = next(int(x.shape[0]) for x in args if isinstance(x, torch.Tensor) and x.dim())
+    check_microbatches(batch, microbatches)
+    rows = batch // microbatches
+    cap = capture(model, tuple(x[:rows] if isinstance(x, torch.Tensor) and x.dim() else x for x in args),
+                  precision=policy(opts.precision).name)
+    _, _, p = plan_pipeline(cap, opts.world, stages, microbatches, a.schedule, opts)
+    text = p.to_json() if a.format == "json" else pipeline_table(p)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(p.to_json() if a.out.endswith(".json") else text)
+    if not a.out or a.format == "table":
+        sys.stdout.write(text)
+    return 0
+
+
 def _cmd_plan(a: argparse.Namespace) -> int:
     from .options import plan_options
     from .report import table
 
     opts = plan_options(a)  # every option checked here, before the model is built
+    if a.pipeline != "none":
+        return _plan_pipelined(a, opts)
     model, inputs, cap = _captured(a, opts.precision)
     p = _planned(not a.quiet, model, inputs, options=opts, captured=cap, cache_routes=_caching(a))
     text = p.to_json() if a.format == "json" else table(p)
@@ -273,6 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--out", help="write the plan here (JSON when the name ends in .json)")
     p.add_argument("--emit-code", metavar="DIR", help="write each rank's generated program to DIR")
+    p.add_argument("--pipeline", default="none", type=_pipeline_arg, metavar="none|S",
+                   help="pipeline stages: none (default: one SPMD program over every device) or a number S: the "
+                        "layers cut evenly into S stages, each planned on devices/S devices")
+    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="microbatches per step with --pipeline (default: the number of stages)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b",
+                   help="the pipeline schedule (torch.distributed.pipelining's) with --pipeline")
     p.add_argument("--no-cache", action="store_true",
                    help="capture the model and walk its routes afresh, neither reading nor writing the capture "
                    "and route caches (~/.cache/soybean)")

@@ -160,6 +160,10 @@ class Plan:
     # on: how ``aligned`` finds a node in another process's capture of the same model, whose node names may follow
     # another order, and the order every rank lowers its ops in (``codegen.lower.walk_order``)
     keys: list[list[str]] = field(default_factory=list)
+    # pipeline stages (``soybean.pipelined``): schedule, microbatches, virtual stages per rank, and each stage's
+    # layers (``units``: first and last), ranks, mesh, modelled seconds per microbatch and its own tiling plan (this
+    # class's dict); None, and no ``pipeline`` key in the JSON, for a plan of one SPMD program
+    pipeline: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -217,6 +221,8 @@ class Plan:
                 d["solver"][k] = _sig(d["solver"][k])
         # A mesh solved has its optimum; one pruned unsolved has the lower bound that ruled it out.
         d["meshes"] = [{**m, **{k: _sig(m[k]) for k in ("objective", "bound") if k in m}} for m in self.meshes]
+        if d["pipeline"] is None:
+            del d["pipeline"]
         return d
 
     def to_json(self) -> str:

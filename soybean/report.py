@@ -78,3 +78,20 @@ def table(plan: Plan) -> str:
                  f"(objective {s.get('objective', 0):.6g}, bound {s.get('bound', 0):.6g})")
     lines.append("replicate fallbacks: " + (", ".join(plan.fallback_ops) if plan.fallback_ops else "none"))
     return "\n".join(lines) + "\n"
+
+
+def pipeline_table(plan: Plan) -> str:
+    """A pipelined plan (``Plan.pipeline``): one row per stage (its layers, ranks, mesh, modelled seconds per
+    microbatch, the values it sends on), then the schedule and the modelled step."""
+    pipe = plan.pipeline
+    assert pipe is not None
+    head = ["stage", "units", "ranks", "mesh", "per microbatch", "sends"]
+    rows = [[str(k), f"{st['units'][0]} .. {st['units'][1]}", ",".join(map(str, st["ranks"])),
+             "x".join(map(str, st["mesh"])), f"{st['microbatch_s'] * 1e3:.4g} ms", str(len(st["sends"]))]
+            for k, st in enumerate(pipe["stages"])]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.append(f"schedule {pipe['schedule']}, {pipe['microbatches']} microbatches, bubble {pipe['bubble']:.1%}; "
+                 f"step {plan.cost['step_time_s'] * 1e3:.4g} ms (modelled, {plan.profile})")
+    return "\n".join(lines) + "\n"

@@ -420,22 +420,26 @@ def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(_resized(x.shape, {dim: size - x.shape[dim]}))], dim)
 
 
-def torch_groups(mesh: Mesh, backend: str | None = None) -> list[TorchGroup]:
-    """This rank's :class:`TorchGroup` on every axis of ``mesh``.
+def torch_groups(mesh: Mesh, backend: str | None = None, ranks: Sequence[int] | None = None) -> list[TorchGroup]:
+    """This rank's :class:`TorchGroup` on every axis of ``mesh``, whose devices are the global ``ranks`` (row-major;
+    default: the whole world).  Empty when this rank is not one of them (a pipeline stage of other ranks).
 
     ``dist.new_group`` is collective over the whole world, so every rank creates
     every group of every axis in the same order and keeps the ones it belongs to.
     ``backend=None`` inherits the default group's backend.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world != mesh.size:
-        raise ValueError(f"mesh {mesh} has {mesh.size} devices but the world has {world} ranks")
-    coords = mesh.coords(rank)
+    ranks = list(range(world)) if ranks is None else list(ranks)
+    if len(ranks) != mesh.size:
+        raise ValueError(f"mesh {mesh} has {mesh.size} devices but {len(ranks)} ranks were given for it "
+                         f"(the world has {world})")
+    coords = mesh.coords(ranks.index(rank)) if rank in ranks else None
     mine: list[TorchGroup] = []
     for axis in range(mesh.ndim):
-        for ranks in mesh.axis_groups(axis):
-            pg = dist.new_group(ranks=ranks, backend=backend)
-            if rank in ranks:
-                # ranks are sorted by coordinate, so the group rank is my coordinate.
+        for local in mesh.axis_groups(axis):
+            members = [ranks[r] for r in local]
+            pg = dist.new_group(ranks=members, backend=backend)
+            if coords is not None and rank in members:
+                # members are sorted by coordinate, so the group rank is my coordinate.
                 mine.append(TorchGroup(pg, index=coords[axis]))
     return mine

@@ -1,0 +1,71 @@
+"""A pipelined plan: stages cut from the capture (``soybean.stages``), each planned on its own submesh by the
+planner, and the schedule priced on top.
+
+Priced per microbatch: each stage's step on its submesh (its own plan's modelled ``step_time_s``: forward,
+backward and communication of one microbatch, the capture being the microbatch's) plus the transfers it sends
+(every boundary value forward and its gradient back, ``alpha + bytes * beta`` of the profile's link); the schedule
+(GPipe and 1F1B alike) runs ``microbatches + stages - 1`` slots of the slowest stage, so the step is that many
+times its time and the bubble is ``(stages - 1) / (microbatches + stages - 1)`` of it.
+
+This first version takes the number of stages as given and cuts the layers evenly (``stages.even_bounds``);
+the search over stage counts, cuts, submeshes and schedules with the tiling is issue 18's next step.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .capture import Captured
+from .cost.profiles import Profile, load_profile
+from .options import PlanOptions
+from .plan import Plan
+from .stages import Stage, even_bounds, layers, split
+
+
+def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, schedule: str,
+                  options: PlanOptions) -> tuple[list[Stage], list[Plan], Plan]:
+    """The stages of ``cap`` (captured at the microbatch), each one's plan on ``world // stages`` devices, and the
+    pipelined plan (``Plan.pipeline`` holding the stages' plans)."""
+    from .pipelined import schedule_class
+    from .planner import plan
+
+    schedule_class(schedule)  # an unknown name fails here, before any planning
+    if stages < 2 or world % stages:
+        raise ValueError(f"{stages} pipeline stages on {world} devices: use a number of at least 2 that divides "
+                         f"the devices ({[s for s in range(2, world + 1) if world % s == 0]})")
+    names = layers(cap)
+    bounds = even_bounds(len(names), stages)
+    cut = split(cap, bounds)
+    per = world // stages
+    plans = [plan(None, (), per, options=options, baselines=False, captured=st.cap) for st in cut]
+    profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
+    per_mb = [p.cost["step_time_s"] + _transfer_s(cap, st, profile.alpha, profile.beta) for p, st in zip(plans, cut)]
+    slots = microbatches + stages - 1
+    step = max(per_mb) * slots
+    record: dict[str, Any] = {
+        "schedule": schedule, "microbatches": microbatches, "virtual_stages": 1,
+        "bubble": (stages - 1) / slots,
+        "stages": [{"units": [names[a], names[b]], "layers": [a, b],
+                    "ranks": list(range(k * per, (k + 1) * per)), "mesh": list(p.mesh),
+                    "microbatch_s": t, "sends": st.returns, "plan": p.to_dict()}
+                   for k, (st, p, t, (a, b)) in enumerate(zip(cut, plans, per_mb, bounds))],
+    }
+    top = Plan(devices=world, mesh=[stages, per], objective=options.objective, profile=plans[0].profile,
+               fingerprint=cap.fingerprint, params={}, inputs={}, nodes={},
+               cost={"step_time_s": step, "compute_s": sum(p.cost.get("compute_s", 0.0) for p in plans) * microbatches},
+               precision=cap.precision, pipeline=record)
+    return cut, plans, top
+
+
+def _transfer_s(cap: Captured, st: Stage, alpha: float, beta: float) -> float:
+    """Seconds stage ``st`` spends sending its boundary values forward and receiving their gradients back, per
+    microbatch (none for the last stage)."""
+    vals = {n.name: n.meta.get("val") for n in cap.graph.nodes}
+    total = 0.0
+    for name in st.returns:
+        v = vals.get(name)
+        if isinstance(v, torch.Tensor):
+            b = v.numel() * v.element_size()
+            total += (alpha + b * beta) * (2 if v.requires_grad or v.is_floating_point() else 1)
+    return total

@@ -1,0 +1,155 @@
+"""A pipelined plan, run by ``torch.distributed.pipelining``: each stage's module is soybean's own program.
+
+The model is captured at the *microbatch* (``batch / microbatches`` rows: the shapes each stage's program runs
+on), cut into stages at layer boundaries (``soybean.stages``), and each stage planned on its own submesh by the
+planner (``planner.plan`` on the stage's capture).  Rank ``r`` runs stage ``r // per_stage`` on the ranks
+``[s * per_stage, (s + 1) * per_stage)``: its ``module.ParallelModule`` (local tiles, generated program,
+stage-local process groups from ``runtime.comm.torch_groups``) inside a ``PipelineStage``, driven by one of
+torch's schedules (``SCHEDULES``), never a schedule of our own.
+
+``train_step(*inputs, loss_fn=fn)`` runs forward and backward of the whole batch through the schedule: the
+schedule splits every input along dim 0 into the microbatches, the last stage calls ``fn(output)`` (or
+``fn(output, target)`` when ``target=`` is given, split alike) per microbatch, and torch scales the gradients by
+``1 / microbatches`` (``scale_grads``), so for a loss that is a mean over its microbatch the gradients are those of
+the whole batch's mean; the loss returned on every rank is the mean of the microbatches' losses (``reduction=
+"sum"``: their sum, gradients unscaled).  That is ``fn`` on the whole batch, exactly as serial training computes
+it, for equal microbatches.
+
+What is not here yet (issue 18): stages tiled over several devices (each stage is one device), the search over
+the number of stages, their cuts and submeshes with the tiling (``pipeline`` is a number; the cut is even in
+layers), interleaved and zero-bubble schedules, tied weights across stages, checkpoints across stages.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .capture import Captured
+from .module import ParallelModule
+from .plan import Plan
+from .stages import Stage
+
+SCHEDULES = ("gpipe", "1f1b")
+REDUCTIONS = ("mean", "sum")
+
+
+def schedule_class(name: str) -> type:
+    """torch's schedule for ``name`` (``SCHEDULES``)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    if name not in classes:
+        raise ValueError(f"unknown pipeline schedule {name!r}: use one of {', '.join(SCHEDULES)}")
+    return classes[name]
+
+
+def check_microbatches(batch: int, microbatches: int) -> None:
+    """A one-line error naming the valid counts when ``batch`` does not split into ``microbatches`` equal parts."""
+    if microbatches < 1 or batch % microbatches:
+        valid = [m for m in range(1, batch + 1) if batch % m == 0]
+        raise ValueError(f"a batch of {batch} does not split into {microbatches} equal microbatches: "
+                         f"use microbatches in {valid}")
+
+
+class _StageModule(nn.Module):
+    """A stage's ``ParallelModule`` as ``PipelineStage`` calls it: boundary tensors in, a tuple of them out (the
+    last stage: the model's own output, for the loss)."""
+
+    def __init__(self, pm: ParallelModule, last: bool) -> None:
+        super().__init__()
+        self.pm = pm
+        self.last = last
+
+    def forward(self, *xs: torch.Tensor) -> Any:
+        out = self.pm(*xs)
+        if self.last:
+            return out
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+class PipelinedModule(nn.Module):
+    """This rank's stage of a pipelined plan (module docstring).  ``parameters()`` are this stage's: build the
+    optimizer on them, as with any ``ParallelModule``."""
+
+    def __init__(self, model: nn.Module, cap: Captured, stages: Sequence[Stage], plans: Sequence[Plan], plan: Plan,
+                 rank: int, world: int) -> None:
+        super().__init__()
+        from torch.distributed.pipelining import PipelineStage
+
+        from .mesh import Mesh
+        from .runtime.comm import torch_groups
+
+        pipe = plan.pipeline
+        assert pipe is not None
+        self.plan = plan
+        self._cap = cap
+        n = len(stages)
+        per = world // n
+        self.stage_index = s = rank // per
+        self._last_rank = (n - 1) * per
+        self._microbatches = int(pipe["microbatches"])
+        self._schedule_name = str(pipe["schedule"])
+        mine: list = []
+        for k, p in enumerate(plans):  # every rank makes every stage's groups, in order (``dist.new_group``)
+            got = torch_groups(Mesh(tuple(p.mesh)), ranks=range(k * per, (k + 1) * per))
+            if k == s:
+                mine = got
+        pm = ParallelModule(model, stages[s].cap, plans[s], rank - s * per, mine)
+        self.stage_module = _StageModule(pm, last=s == n - 1)
+        self._pstage = PipelineStage(self.stage_module, s, n, torch.device("cpu"))
+        self._schedules: dict[tuple[int, bool, str], Any] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == len(self.plan.pipeline["stages"]) - 1  # type: ignore[index]
+
+    def _schedule(self, loss_fn: Callable[..., torch.Tensor], with_target: bool, reduction: str) -> Any:
+        key = (id(loss_fn), with_target, reduction)
+        if key not in self._schedules:
+            def loss(out: Any, target: Any = None) -> torch.Tensor:
+                return loss_fn(out, target) if with_target else loss_fn(out)
+
+            self._schedules = {key: schedule_class(self._schedule_name)(
+                self._pstage, self._microbatches, loss_fn=loss, scale_grads=reduction == "mean")}
+        return self._schedules[key]
+
+    def train_step(self, *inputs: Any, loss_fn: Callable[..., torch.Tensor], target: torch.Tensor | None = None,
+                   reduction: str = "mean") -> torch.Tensor:
+        """Forward and backward of the whole batch ``inputs`` through the schedule (module docstring); the whole
+        batch's loss on every rank, this stage's gradients ready for ``opt.step()``."""
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"unknown reduction {reduction!r}: use one of {', '.join(REDUCTIONS)}")
+        batch = None
+        for x in [*inputs, *([target] if target is not None else [])]:
+            if isinstance(x, torch.Tensor):
+                check_microbatches(x.shape[0] if x.dim() else 1, self._microbatches)
+                batch = batch or (x.shape[0] if x.dim() else 1)
+        sched = self._schedule(loss_fn, target is not None, reduction)
+        losses: list[torch.Tensor] = []
+        args = inputs if self.is_first else ()
+        if self.is_last:
+            # torch's last stage always takes a target: a placeholder split alike when the loss needs none
+            tgt = target if target is not None else torch.zeros(batch or self._microbatches)
+            sched.step(*args, target=tgt, losses=losses, return_outputs=False)
+        else:
+            sched.step(*args, return_outputs=False)
+        if self.is_last:
+            stacked = torch.stack([t.detach().double() for t in losses])  # float64: every rank's dtype
+            loss = stacked.mean() if reduction == "mean" else stacked.sum()
+        else:
+            loss = torch.zeros((), dtype=torch.float64)
+        dist.broadcast(loss, src=self._last_rank)
+        return loss
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a pipelined plan trains through pmodel.train_step(*inputs, loss_fn=fn) (the schedule "
+                           "runs forward and backward of every microbatch); calling pmodel(x) then backward() "
+                           "works only for a plan without pipeline stages")

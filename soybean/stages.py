@@ -1,0 +1,179 @@
+"""Pipeline stages of a captured graph: contiguous ranges of its layers, each its own ``Captured``.
+
+A cut gives each layer (``graph.units.node_layer``, graph order) a stage, and stages are contiguous and
+ordered: stage ``s`` holds layers ``bounds[s][0] .. bounds[s][1]``.  Every other node goes to the latest stage of
+its inputs (a user input or a parameter is of stage 0), so what comes before the first layer (embeddings, masks,
+rotary tables) is stage 0's, what comes after the last (the final norm, the head, a loss computed inside) the last
+stage's, and a value is never needed before the stage that makes it.  Parameters and buffers are placeholders of
+every stage that reads them.
+
+Stage ``s``'s graph takes, after its parameters and buffers (the capture's order: state first, then inputs, as
+``module.ParallelModule`` calls it), the *boundary* values it reads but an earlier stage made: for stage 0 the
+model's own inputs, for a later one what stage ``s - 1`` returned.  It returns every value made at stage ``<= s``
+that a later stage reads (passed through when it came in), in graph order; the last stage returns the model's
+outputs.  Running the stages one after the other on those values is the captured graph (``run_stages``, the tests),
+forward and backward: each node is copied once, into one stage, with its metadata.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import fx
+
+from .capture import Captured, structural_keys
+from .graph.units import node_layer
+
+
+class StageError(ValueError):
+    """A cut that cannot make stages (too many stages for the layers, a weight two stages would both train)."""
+
+
+@dataclass
+class Stage:
+    """One stage: its layers (indices into ``layers(cap)``, inclusive), its capture, and which of the whole
+    graph's values it takes and returns (node names of the whole capture)."""
+
+    first: int
+    last: int
+    cap: Captured
+    takes: list[str]
+    returns: list[str]
+
+
+def layers(cap: Captured) -> list[str]:
+    """The layers of ``cap`` in graph order: a block of a repeated stack (``node_layer``)."""
+    out: dict[str, None] = {}
+    for n in cap.graph.nodes:
+        if n.op == "call_function" and (layer := node_layer(n)):
+            out.setdefault(layer, None)
+    return list(out)
+
+
+def even_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
+    """``stages`` contiguous ranges of ``n_layers`` layers, as even as can be (the first ones one longer)."""
+    if not 1 <= stages <= n_layers:
+        raise StageError(f"{stages} pipeline stages need at least as many layers; the model has {n_layers}: "
+                         f"use at most {n_layers} stages")
+    q, r = divmod(n_layers, stages)
+    out, a = [], 0
+    for s in range(stages):
+        b = a + q + (s < r)
+        out.append((a, b - 1))
+        a = b
+    return out
+
+
+def stage_of_nodes(cap: Captured, bounds: Sequence[tuple[int, int]]) -> dict[str, int]:
+    """Each node's stage (module docstring); placeholders are stage 0 (a parameter is copied to its readers)."""
+    order = layers(cap)
+    of_layer = {layer: s for s, (a, b) in enumerate(bounds) for layer in order[a:b + 1]}
+    if len(of_layer) != len(order):
+        raise StageError(f"the stages {list(bounds)} do not cover the model's {len(order)} layers once each")
+    stage: dict[str, int] = {}
+    for n in cap.graph.nodes:
+        if n.op == "placeholder" or n.op == "get_attr":
+            stage[n.name] = 0
+            continue
+        if n.op == "output":
+            stage[n.name] = len(bounds) - 1
+            continue
+        after = max((stage[a.name] for a in n.all_input_nodes if a.op not in ("placeholder", "get_attr")),
+                    default=0)
+        layer = node_layer(n) if n.op == "call_function" else ""
+        s = of_layer[layer] if layer in of_layer else after
+        if s < after:
+            raise StageError(f"{n.name} (layer {layer}) reads a value of stage {after} but is in stage {s}: "
+                             "the layers are not in graph order")
+        stage[n.name] = s
+    return stage
+
+
+def split(cap: Captured, bounds: Sequence[tuple[int, int]]) -> list[Stage]:
+    """The stages of ``cap`` for ``bounds`` (each ``(first, last)`` layer index, contiguous, in order)."""
+    stage = stage_of_nodes(cap, bounds)
+    nodes = list(cap.graph.nodes)
+    state = {n.name for n in nodes if n.op == "placeholder" and (n.name in cap.params or n.name in cap.buffers)}
+    out_node = next(n for n in nodes if n.op == "output")
+    # The latest stage that reads each value (a placeholder of state is copied, never passed on).
+    last_reader: dict[str, int] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a.name not in state:
+                last_reader[a.name] = max(last_reader.get(a.name, -1), stage[n.name])
+    readers: dict[str, set[int]] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a.name in state:
+                readers.setdefault(cap.params.get(a.name, cap.buffers.get(a.name, a.name)), set()).add(stage[n.name])
+    shared = sorted(fqn for fqn, ss in readers.items() if len(ss) > 1 and fqn in cap.params.values()
+                    and fqn not in cap.frozen)
+    if shared:
+        raise StageError(f"the parameters {shared} are read by two pipeline stages (tied weights): place the stage "
+                         "cut so that one stage holds every reader, or plan without pipeline stages")
+    value_nodes = [n for n in nodes if n.op not in ("output",) and n.name not in state]
+    made = {n.name: stage[n.name] for n in value_nodes}
+    out: list[Stage] = []
+    carried: list[str] = []  # what the previous stage returned
+    for s, (first, last) in enumerate(bounds):
+        takes = [n.name for n in nodes if n.op == "placeholder" and n.name not in state] if s == 0 else carried
+        returns = ([] if s == len(bounds) - 1 else
+                   [n.name for n in value_nodes if made[n.name] <= s and last_reader.get(n.name, -1) > s])
+        out.append(Stage(first, last, _stage_capture(cap, s, stage, state, takes, returns, out_node), takes,
+                         returns))
+        carried = returns
+    return out
+
+
+def _stage_capture(cap: Captured, s: int, stage: dict[str, int], state: set[str], takes: list[str],
+                   returns: list[str], out_node: fx.Node) -> Captured:
+    nodes = list(cap.graph.nodes)
+    g = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    used_state = {a.name for n in nodes if stage.get(n.name) == s and n.op != "placeholder"
+                  for a in n.all_input_nodes if a.name in state}
+    for n in nodes:  # state placeholders first, in the capture's order
+        if n.op == "placeholder" and n.name in used_state:
+            env[n.name] = g.node_copy(n)
+    by_name = {n.name: n for n in nodes}
+    for name in takes:
+        src = by_name[name]
+        p = g.placeholder(name)
+        p.meta = dict(src.meta)
+        env[name] = p
+    for n in nodes:
+        if n.op in ("placeholder", "output") or stage[n.name] != s:
+            continue
+        env[n.name] = g.node_copy(n, lambda a: env[a.name])
+    last = s == max(stage.values())
+    if last:
+        g.output(fx.map_arg(out_node.args[0], lambda a: env[a.name]))
+    else:
+        g.output(tuple(env[r] for r in returns))
+    gm = fx.GraphModule(cap.graph_module, g)
+    params = {k: v for k, v in cap.params.items() if k in used_state}
+    buffers = {k: v for k, v in cap.buffers.items() if k in used_state}
+    keys = structural_keys(gm, {**params, **buffers})
+    return replace(
+        cap, graph_module=gm, params=params, buffers=buffers, inputs=list(takes),
+        constants={k: v for k, v in cap.constants.items() if k in buffers.values()},
+        aliases={k: v for k, v in cap.aliases.items() if v in params.values()},
+        fingerprint=hashlib.sha256(f"{cap.fingerprint} stage {s} {takes} {returns}".encode()).hexdigest()[:16],
+        out_spec=cap.out_spec if last else None, in_spec=cap.in_spec if s == 0 else None,
+        arg_names=cap.arg_names if s == 0 else (), keys=keys)
+
+
+def run_stages(cap: Captured, stages: Sequence[Stage], state: dict[str, torch.Tensor], inputs: Sequence[Any]) -> Any:
+    """The stages run one after the other (the serial meaning of a pipelined plan): ``state`` by FQN, ``inputs``
+    the capture's flat user inputs."""
+    values: tuple[Any, ...] = tuple(inputs)
+    for st in stages:
+        c = st.cap
+        args = [state[c.params[n.name] if n.name in c.params else c.buffers[n.name]]
+                for n in c.graph.nodes if n.op == "placeholder" and (n.name in c.params or n.name in c.buffers)]
+        got = c.graph_module(*args, *values)
+        values = tuple(got) if isinstance(got, (tuple, list)) else (got,)
+    return values

@@ -1,0 +1,196 @@
+"""Pipeline stages (``soybean.stages``, ``pipeline_plan``, ``pipelined``): the stages of a capture run one after
+the other are the captured graph (forward and gradients), and a pipelined plan on gloo processes trains as serial
+training does (float64: the loss and every parameter after several SGD steps), for each schedule, an uneven split
+of layers, and a loss computed inside the model or outside it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from examples.models import transformer
+from soybean.capture import capture
+from soybean.pipelined import check_microbatches
+from soybean.runtime.launch import spawn
+from soybean.stages import StageError, even_bounds, layers, run_stages, split
+
+pytestmark = pytest.mark.unit
+
+LAYERS = 3
+
+
+def _model() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    model, inputs = transformer(batch=4, seq=6, hidden=12, layers=LAYERS, heads=2)
+    return model.double(), tuple(x.double() for x in inputs)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+@pytest.mark.parametrize("bounds", [[(0, 2)], [(0, 0), (1, 2)], [(0, 1), (2, 2)], [(0, 0), (1, 1), (2, 2)]])
+def test_stages_run_in_order_are_the_captured_graph(bounds: list[tuple[int, int]]) -> None:
+    model, inputs = _model()
+    cap = capture(model, inputs)
+    assert layers(cap) == [f"blocks.{i}" for i in range(LAYERS)]
+    whole = [cap.params.get(n.name) or cap.buffers[n.name] for n in cap.graph.nodes
+             if n.op == "placeholder" and (n.name in cap.params or n.name in cap.buffers)]
+    state = _state(model)
+    ref = cap.graph_module(*[state[f] for f in whole], *inputs)
+    ref = ref[0] if isinstance(ref, (tuple, list)) else ref
+    ref_grads = torch.autograd.grad(ref, list(model.parameters()))
+    stages = split(cap, bounds)
+    got = run_stages(cap, stages, state, inputs)[0]
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    for g, r in zip(torch.autograd.grad(got, list(model.parameters())), ref_grads):
+        torch.testing.assert_close(g, r)
+    # each stage holds only the parameters its layers read, and hands on what a later one reads
+    for a, b in zip(stages, stages[1:]):
+        assert a.returns and a.returns == b.takes
+    for st in stages:
+        blocks = {int(f.split(".")[1]) for f in st.cap.params.values() if f.startswith("blocks.")}
+        assert blocks == set(range(st.first, st.last + 1))
+    owned = [set(st.cap.params.values()) for st in stages]
+    assert sum(len(o) for o in owned) == len(set().union(*owned))  # no parameter in two stages
+
+
+def test_cuts_that_cannot_make_stages_say_why() -> None:
+    assert even_bounds(5, 2) == [(0, 2), (3, 4)]
+    with pytest.raises(StageError, match="at most 3 stages"):
+        even_bounds(3, 4)
+    model, inputs = transformer(batch=2, seq=4, hidden=8, layers=2, heads=2, vocab=11)
+    with pytest.raises(StageError, match="tied weights"):  # the head reads the token embedding: two stages
+        split(capture(model, inputs), [(0, 0), (1, 1)])
+    with pytest.raises(ValueError, match=r"use microbatches in \[1, 2, 3, 6\]"):
+        check_microbatches(6, 4)
+
+
+def _serial(steps: int, outside: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model, inputs = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        out = model(*inputs)
+        loss = out * 2.0 if outside else out
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _pipelined(rank: int, world: int, schedule: str, microbatches: int, outside: bool,
+               steps: int) -> tuple[list[float], dict[str, torch.Tensor], str]:
+    import soybean
+
+    torch.set_num_threads(1)
+    model, inputs = _model()
+    pm = soybean.parallelize(model, inputs, devices=world, pipeline=world, microbatches=microbatches,
+                             schedule=schedule)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = pm.train_step(*inputs, loss_fn=(lambda out: out * 2.0) if outside else (lambda out: out))
+        opt.step()
+        losses.append(float(loss))
+    params = {k: v.detach().clone() for k, v in pm.stage_module.pm.full_state_dict().items()
+              if k in dict(model.named_parameters()) and v.device.type != "meta"}  # the other stage's: meta
+    return losses, params, pm.plan.to_json()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("schedule,microbatches,outside", [("1f1b", 4, False), ("gpipe", 2, True)])
+def test_two_stages_on_two_processes_train_as_serial(schedule: str, microbatches: int, outside: bool) -> None:
+    """3 layers over 2 stages (an uneven split: 2 and 1), 3 SGD steps in float64."""
+    ref_losses, ref_params = _serial(3, outside)
+    got = spawn(_pipelined, 2, schedule, microbatches, outside, 3, timeout_s=180)
+    params: dict[str, torch.Tensor] = {}
+    for losses, p, _ in got:
+        assert losses == pytest.approx(ref_losses, rel=1e-10)
+        assert not set(p) & set(params)  # each stage holds its own parameters
+        params.update(p)
+    assert set(params) == set(ref_params)
+    for k, v in ref_params.items():
+        torch.testing.assert_close(params[k], v, rtol=1e-10, atol=1e-12)
+    pipe = json.loads(got[0][2])["pipeline"]
+    assert pipe["schedule"] == schedule and pipe["microbatches"] == microbatches and pipe["virtual_stages"] == 1
+    assert [s["units"] for s in pipe["stages"]] == [["blocks.0", "blocks.1"], ["blocks.2", "blocks.2"]]
+    assert [s["ranks"] for s in pipe["stages"]] == [[0], [1]] and all(s["mesh"] == [1] for s in pipe["stages"])
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(5)], nn.Linear(8, 3))
+    return model.double(), torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+
+
+def _mlp_serial(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model, x, y = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _mlp_pipelined(rank: int, world: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import soybean
+
+    torch.set_num_threads(1)
+    model, x, y = _mlp()
+    pm = soybean.parallelize(model, (x,), devices=world, pipeline=world, microbatches=4, schedule="1f1b")
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(float(pm.train_step(x, loss_fn=nn.functional.mse_loss, target=y)))
+        opt.step()
+    with pytest.raises(RuntimeError, match="train_step"):
+        pm(x)
+    return losses, {k: v.detach().clone() for k, v in pm.stage_module.pm.full_state_dict().items()
+                    if k in dict(model.named_parameters()) and v.device.type != "meta"}
+
+
+@pytest.mark.dist
+def test_a_loss_outside_the_model_with_its_target_trains_as_serial() -> None:
+    """The model returns its output; ``loss_fn(output, target)`` runs on the last stage per microbatch, the
+    target split as the inputs are."""
+    ref_losses, ref_params = _mlp_serial(3)
+    got = spawn(_mlp_pipelined, 2, 3, timeout_s=180)
+    params: dict[str, torch.Tensor] = {}
+    for losses, p in got:
+        assert losses == pytest.approx(ref_losses, rel=1e-10)
+        params.update(p)
+    assert set(params) == set(ref_params)
+    for k, v in ref_params.items():
+        torch.testing.assert_close(params[k], v, rtol=1e-10, atol=1e-12)
+
+
+def test_the_command_line_plans_stages(capsys: pytest.CaptureFixture) -> None:
+    """``soybean plan --pipeline 2`` on 4 devices: two stages of two devices each, their own plans inside, the
+    schedule's bubble; a plan without stages has no ``pipeline`` key; a batch that does not split is one line."""
+    from soybean.cli import main
+
+    args = ["plan", "examples.models:transformer", "--arg", "batch=8", "--arg", "seq=8", "--arg", "hidden=16",
+            "--arg", "layers=3", "--arg", "heads=2", "--devices", "4", "--format", "json", "--quiet"]
+    assert main([*args, "--pipeline", "2", "--microbatches", "4", "--schedule", "gpipe"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    pipe = d["pipeline"]
+    assert (pipe["schedule"], pipe["microbatches"], pipe["virtual_stages"]) == ("gpipe", 4, 1)
+    assert pipe["bubble"] == pytest.approx(1 / 5)
+    assert [s["ranks"] for s in pipe["stages"]] == [[0, 1], [2, 3]]
+    assert [s["units"] for s in pipe["stages"]] == [["blocks.0", "blocks.1"], ["blocks.2", "blocks.2"]]
+    for s in pipe["stages"]:
+        assert s["plan"]["devices"] == 2 and s["plan"]["mesh"] == s["mesh"] and s["microbatch_s"] > 0
+    assert d["cost"]["step_time_s"] == pytest.approx(max(s["microbatch_s"] for s in pipe["stages"]) * 5)
+    assert main(args) == 0
+    assert "pipeline" not in json.loads(capsys.readouterr().out)
+    assert main([*args, "--pipeline", "2", "--microbatches", "3"]) != 0
+    assert "use microbatches in [1, 2, 4, 8]" in capsys.readouterr().err
