@@ -69,7 +69,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
                 groups: Sequence[Group] | None = None, captured: Captured | None = None, outputs: str = "lazy",
                 share_params: bool = False, example_kwargs: dict | None = None, timeout_s: float | None = None,
                 pipeline: int | None = None, microbatches: int | None = None, schedule: str = "1f1b",
-                **option_fields: Any) -> ParallelModule | PipelinedModule:
+                virtual_stages: int = 1, **option_fields: Any) -> ParallelModule | PipelinedModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
 
     ``example_inputs``: forward's positional arguments (a tuple, or one tensor), or a dict of its keyword
@@ -117,8 +117,9 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     ``pipeline``: a number of pipeline stages (``None``, the default: one SPMD program over every device).  The
     model is captured at the microbatch (``example_inputs``' batch over ``microbatches``, default the number of
     stages), cut into stages of whole layers, each planned on its devices, and run by torch.distributed.pipelining
-    with ``schedule`` (``gpipe`` or ``1f1b``): a ``pipelined.PipelinedModule``, trained through
-    ``pmodel.train_step(*inputs, loss_fn=fn)``.  For now each stage is one device (``devices`` = stages).
+    with ``schedule`` (``gpipe``, ``1f1b``, or ``interleaved-1f1b`` with ``virtual_stages`` of 2 or more stages per
+    rank): a ``pipelined.PipelinedModule``, trained through
+    ``pmodel.train_step(*inputs, loss_fn=fn)``; each stage runs on ``devices / pipeline`` devices.
     """
     if outputs not in OUTPUTS:
         raise ValueError(f"unknown outputs {outputs!r}: use one of {', '.join(OUTPUTS)}")
@@ -156,7 +157,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
             raise ValueError("a pipelined plan runs on a torch.distributed process group (torchrun or soybean run), "
                              "not on simulated groups")
         return _pipelined(model, example_inputs, example_kwargs, opts, world, rank, pipeline,
-                          microbatches or pipeline, schedule, prec, p)
+                          microbatches or pipeline, schedule, prec, p, virtual_stages)
     cap = captured or capture(model, example_inputs, example_kwargs, precision=prec)
     if p is None:
         def make() -> Plan:
@@ -182,7 +183,8 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
 
 
 def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions, world: int, rank: int,
-               stages: int, microbatches: int, schedule: str, precision: str, given: Plan | None) -> PipelinedModule:
+               stages: int, microbatches: int, schedule: str, precision: str, given: Plan | None,
+               virtual_stages: int = 1) -> PipelinedModule:
     """``parallelize`` with pipeline stages (its docstring): capture at the microbatch, plan on rank 0 (or read
     ``given``), every rank cuts the same stages and runs its own."""
     from .pipeline_plan import plan_pipeline
@@ -194,10 +196,6 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
     if batch is None:
         raise ValueError("pipeline stages split the batch into microbatches along dim 0, but no input has a dim 0")
     check_microbatches(batch, microbatches)
-    if world != stages:
-        raise ValueError(f"{stages} pipeline stages on {world} processes: for now each stage runs on one device "
-                         f"(stages tiled over several devices are planned by `soybean plan --pipeline`, not yet run): "
-                         f"launch {stages} processes or pass pipeline={world}")
     rows = batch // microbatches
 
     def micro(x: Any) -> Any:
@@ -208,7 +206,7 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
     if given is None:
         box: list[str | None] = [None]
         if rank == 0:
-            _, _, top = plan_pipeline(cap, world, stages, microbatches, schedule, opts)
+            _, _, top = plan_pipeline(cap, world, stages, microbatches, schedule, opts, virtual_stages)
             box = [top.to_json()]
         if world > 1:
             waiting = dist.new_group(backend="gloo", timeout=timedelta(seconds=PLAN_WAIT_S))

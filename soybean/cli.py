@@ -121,7 +121,7 @@ def _plan_pipelined(a: argparse.Namespace, opts: Any) -> int:
     rows = batch // microbatches
     cap = capture(model, tuple(x[:rows] if isinstance(x, torch.Tensor) and x.dim() else x for x in args),
                   precision=policy(opts.precision).name)
-    _, _, p = plan_pipeline(cap, opts.world, stages, microbatches, a.schedule, opts)
+    _, _, p = plan_pipeline(cap, opts.world, stages, microbatches, a.schedule, opts, a.virtual_stages)
     text = p.to_json() if a.format == "json" else pipeline_table(p)
     if a.out:
         with open(a.out, "w") as f:
@@ -314,11 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--emit-code", metavar="DIR", help="write each rank's generated program to DIR")
     p.add_argument("--pipeline", default="none", type=_pipeline_arg, metavar="none|S",
                    help="pipeline stages: none (default: one SPMD program over every device) or a number S: the "
-                        "layers cut evenly into S stages, each planned on devices/S devices")
+                        "layers cut evenly into S stages (S x V with --virtual-stages V), each planned on devices/S "
+                        "devices")
     p.add_argument("--microbatches", type=int, default=None, metavar="M",
                    help="microbatches per step with --pipeline (default: the number of stages)")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b",
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b",
                    help="the pipeline schedule (torch.distributed.pipelining's) with --pipeline")
+    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="stages per rank group with --schedule interleaved-1f1b (2 or more)")
     p.add_argument("--no-cache", action="store_true",
                    help="capture the model and walk its routes afresh, neither reading nor writing the capture "
                    "and route caches (~/.cache/soybean)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -151,7 +151,7 @@ class ParallelModule(nn.Module):
             raise TypeError(f"this model takes {n_user} tensor inputs, got {len(given)}")
         user = [self._policy.cast(a) if isinstance(a, torch.Tensor) else a for a in given]
         wait_all()  # the previous step's loss sum, if nobody read it
-        if self._grad_sync is not None and torch.is_grad_enabled():
+        if self._grad_sync is not None and torch.is_grad_enabled() and not self._grad_sync.deferred:
             self._grad_sync.check_complete()
             params = [(t, self.get_parameter(f)) for t, (k, f) in zip(state, self._order) if k == "param"]
             self._grad_sync.watch([t for t, _ in params], [p for _, p in params])
@@ -163,6 +163,19 @@ class ParallelModule(nn.Module):
         if spec is not None and isinstance(out, (tuple, list)) and spec.num_leaves == len(out):
             return tree_unflatten(list(out), spec)
         return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+
+    def train_step(self, *inputs: Any, loss_fn: Callable[..., torch.Tensor], target: torch.Tensor | None = None,
+                   reduction: str = "mean", **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of the whole batch: ``loss_fn(output)`` (``loss_fn(output, target)`` with ``target``)
+        backpropagated, the loss returned detached (the same on every rank), gradients ready for ``opt.step()``.
+        The training contract a pipelined plan shares (``pipelined.PipelinedModule.train_step``), so one loop
+        serves both; ``reduction`` is that contract's and changes nothing here (the loss is the whole batch's)."""
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"unknown reduction {reduction!r}: use mean or sum")
+        out = self(*inputs, **kwargs)
+        loss = loss_fn(out) if target is None else loss_fn(out, target)
+        loss.backward()
+        return loss.detach()
 
     def _returned(self, out: Any) -> Any:
         """Split outputs as the contract hands them: under ``local_batch`` the tile with DDP's mean gradient,

@@ -15,7 +15,13 @@ the whole batch's mean; the loss returned on every rank is the mean of the micro
 "sum"``: their sum, gradients unscaled).  That is ``fn`` on the whole batch, exactly as serial training computes
 it, for equal microbatches.
 
-What is not here yet (issue 18): stages tiled over several devices (each stage is one device), the search over
+A stage tiled over several devices (``per_stage`` > 1) takes and returns whole tensors: each of its ranks sends
+the whole boundary value to the rank of the same index in the next stage (``torch.distributed.pipelining``'s
+point-to-point group is those ranks), its program slices what it reads and gathers what it returns (the full-batch
+contract), and the gradients of its replicated parameters are summed once per step, after the last microbatch's
+backward (``GradSync.defer``, ``sync_now``), not per microbatch.
+
+What is not here yet (issue 18): the search over
 the number of stages, their cuts and submeshes with the tiling (``pipeline`` is a number; the cut is even in
 layers), interleaved and zero-bubble schedules, tied weights across stages, checkpoints across stages.
 """
@@ -33,15 +39,16 @@ from .module import ParallelModule
 from .plan import Plan
 from .stages import Stage
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+MULTI_STAGE = ("interleaved-1f1b",)  # schedules that run several stages per rank (``virtual_stages`` > 1)
 REDUCTIONS = ("mean", "sum")
 
 
 def schedule_class(name: str) -> type:
     """torch's schedule for ``name`` (``SCHEDULES``)."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
     if name not in classes:
         raise ValueError(f"unknown pipeline schedule {name!r}: use one of {', '.join(SCHEDULES)}")
     return classes[name]
@@ -72,8 +79,9 @@ class _StageModule(nn.Module):
 
 
 class PipelinedModule(nn.Module):
-    """This rank's stage of a pipelined plan (module docstring).  ``parameters()`` are this stage's: build the
-    optimizer on them, as with any ``ParallelModule``."""
+    """This rank's stages of a pipelined plan (module docstring): one, or ``virtual_stages`` of them (stage ``i``
+    runs on rank group ``i % groups``, the interleaved schedule's layout).  ``parameters()`` are its stages': build
+    the optimizer on them, as with any ``ParallelModule``."""
 
     def __init__(self, model: nn.Module, cap: Captured, stages: Sequence[Stage], plans: Sequence[Plan], plan: Plan,
                  rank: int, world: int) -> None:
@@ -88,28 +96,48 @@ class PipelinedModule(nn.Module):
         self.plan = plan
         self._cap = cap
         n = len(stages)
-        per = world // n
-        self.stage_index = s = rank // per
-        self._last_rank = (n - 1) * per
+        v = int(pipe.get("virtual_stages", 1))
+        groups = n // v  # rank groups: the pipeline's depth
+        per = world // groups
+        self.group_index = gi = rank // per
+        self.stage_indices = [i for i in range(n) if i % groups == gi]
+        self._last_rank = ((n - 1) % groups) * per
+        self._n = n
         self._microbatches = int(pipe["microbatches"])
         self._schedule_name = str(pipe["schedule"])
-        mine: list = []
+        mine: dict[int, list] = {}
         for k, p in enumerate(plans):  # every rank makes every stage's groups, in order (``dist.new_group``)
-            got = torch_groups(Mesh(tuple(p.mesh)), ranks=range(k * per, (k + 1) * per))
-            if k == s:
-                mine = got
-        pm = ParallelModule(model, stages[s].cap, plans[s], rank - s * per, mine)
-        self.stage_module = _StageModule(pm, last=s == n - 1)
-        self._pstage = PipelineStage(self.stage_module, s, n, torch.device("cpu"))
+            got = torch_groups(Mesh(tuple(p.mesh)), ranks=range((k % groups) * per, (k % groups + 1) * per))
+            if k % groups == gi:
+                mine[k] = got
+        pp = None  # the ranks of one in-group index across the groups: the pipeline's point-to-point group
+        for j in range(per):
+            g = dist.new_group(ranks=[k * per + j for k in range(groups)])
+            if rank % per == j:
+                pp = g
+        self.stage_modules = nn.ModuleList()
+        self._pstages = []
+        for i in self.stage_indices:
+            pm = ParallelModule(model, stages[i].cap, plans[i], rank - gi * per, mine[i])
+            if pm._grad_sync is not None:
+                pm._grad_sync.defer()  # summed once per step, after every microbatch's backward (``train_step``)
+            m = _StageModule(pm, last=i == n - 1)
+            self.stage_modules.append(m)
+            self._pstages.append(PipelineStage(m, i, n, torch.device("cpu"), group=pp))
         self._schedules: dict[tuple[int, bool, str], Any] = {}
 
     @property
+    def stage_module(self) -> _StageModule:
+        """This rank's first stage (its only one without virtual stages)."""
+        return self.stage_modules[0]  # type: ignore[return-value]
+
+    @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        return 0 in self.stage_indices
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == len(self.plan.pipeline["stages"]) - 1  # type: ignore[index]
+        return self._n - 1 in self.stage_indices
 
     def _schedule(self, loss_fn: Callable[..., torch.Tensor], with_target: bool, reduction: str) -> Any:
         key = (id(loss_fn), with_target, reduction)
@@ -117,8 +145,9 @@ class PipelinedModule(nn.Module):
             def loss(out: Any, target: Any = None) -> torch.Tensor:
                 return loss_fn(out, target) if with_target else loss_fn(out)
 
-            self._schedules = {key: schedule_class(self._schedule_name)(
-                self._pstage, self._microbatches, loss_fn=loss, scale_grads=reduction == "mean")}
+            cls = schedule_class(self._schedule_name)
+            stage = self._pstages if self._schedule_name in MULTI_STAGE else self._pstages[0]
+            self._schedules = {key: cls(stage, self._microbatches, loss_fn=loss, scale_grads=reduction == "mean")}
         return self._schedules[key]
 
     def train_step(self, *inputs: Any, loss_fn: Callable[..., torch.Tensor], target: torch.Tensor | None = None,
@@ -141,6 +170,10 @@ class PipelinedModule(nn.Module):
             sched.step(*args, target=tgt, losses=losses, return_outputs=False)
         else:
             sched.step(*args, return_outputs=False)
+        for m in self.stage_modules:
+            assert isinstance(m, _StageModule)
+            if (sync := m.pm._grad_sync) is not None:
+                sync.sync_now()
         if self.is_last:
             stacked = torch.stack([t.detach().double() for t in losses])  # float64: every rank's dtype
             loss = stacked.mean() if reduction == "mean" else stacked.sum()

@@ -4,6 +4,7 @@ training does (float64: the loss and every parameter after several SGD steps), f
 of layers, and a loss computed inside the model or outside it."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -194,3 +195,112 @@ def test_the_command_line_plans_stages(capsys: pytest.CaptureFixture) -> None:
     assert "pipeline" not in json.loads(capsys.readouterr().out)
     assert main([*args, "--pipeline", "2", "--microbatches", "3"]) != 0
     assert "use microbatches in [1, 2, 4, 8]" in capsys.readouterr().err
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("mode", ["dp", "mp"])
+def test_train_step_serves_a_plan_without_stages(mode: str) -> None:
+    """One loop for both: ``train_step`` on a ``ParallelModule`` (2 ranks as threads) trains as serial does."""
+    from soybean import parallelize
+    from soybean.mesh import Mesh
+    from soybean.runtime.launch import run_threads
+
+    ref_losses, ref_params = _mlp_serial(3)
+    base, x, y = _mlp()  # made once: the ranks are threads of one process, sharing torch's random generator
+
+    def rank_run(rank: int, groups: list) -> tuple[list[float], dict[str, torch.Tensor]]:
+        pm = parallelize(copy.deepcopy(base), (x,), rank=rank, groups=groups, devices=2, mode=mode)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            losses.append(float(pm.train_step(x, loss_fn=nn.functional.mse_loss, target=y)))
+            opt.step()
+        return losses, pm.full_state_dict()
+
+    for losses, params in run_threads(Mesh((2,)), rank_run):
+        assert losses == pytest.approx(ref_losses, rel=1e-10)
+        for k, v in ref_params.items():
+            torch.testing.assert_close(params[k], v, rtol=1e-10, atol=1e-12)
+
+
+def _tiled(rank: int, world: int, mode: str, steps: int) -> tuple[list[float], dict[str, torch.Tensor], list]:
+    import soybean
+
+    torch.set_num_threads(1)
+    model, inputs = _model()
+    pm = soybean.parallelize(model, inputs, devices=world, pipeline=2, microbatches=2, schedule="1f1b", mode=mode)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(float(pm.train_step(*inputs, loss_fn=lambda out: out)))
+        opt.step()
+    sd = pm.stage_module.pm.full_state_dict()
+    params = {k: v.detach().clone() for k, v in sd.items()
+              if k in dict(model.named_parameters()) and v.device.type != "meta"}
+    return losses, params, [s["mesh"] for s in (pm.plan.pipeline or {})["stages"]]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode", ["dp", "mp"])
+def test_two_stages_each_tiled_over_two_devices_train_as_serial(mode: str) -> None:
+    """4 processes: 2 stages of 2 devices, each stage data-parallel (its weights' gradients summed once per step,
+    after both microbatches) or model-parallel (its boundary values sliced in and gathered out)."""
+    ref_losses, ref_params = _serial(2, outside=False)
+    got = spawn(_tiled, 4, mode, 2, timeout_s=300)
+    params: dict[str, torch.Tensor] = {}
+    for losses, p, meshes in got:
+        assert losses == pytest.approx(ref_losses, rel=1e-10)
+        assert meshes == [[2], [2]]
+        params.update(p)
+    assert set(params) == set(ref_params)
+    for k, v in ref_params.items():
+        torch.testing.assert_close(params[k], v, rtol=1e-10, atol=1e-12)
+
+
+def _interleaved(rank: int, world: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor], dict]:
+    import soybean
+
+    torch.set_num_threads(1)
+    model, inputs = transformer(batch=4, seq=6, hidden=12, layers=4, heads=2)
+    model = model.double()
+    inputs = tuple(x.double() for x in inputs)
+    pm = soybean.parallelize(model, inputs, devices=world, pipeline=2, virtual_stages=2, microbatches=2,
+                             schedule="interleaved-1f1b", mode="dp")
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(float(pm.train_step(*inputs, loss_fn=lambda out: out)))
+        opt.step()
+    params: dict[str, torch.Tensor] = {}
+    for m in pm.stage_modules:
+        params.update({k: v.detach().clone() for k, v in m.pm.full_state_dict().items()
+                       if k in dict(model.named_parameters()) and v.device.type != "meta"})
+    return losses, params, pm.plan.pipeline or {}
+
+
+@pytest.mark.dist
+def test_interleaved_1f1b_over_two_tiled_groups_trains_as_serial() -> None:
+    """4 layers as 4 stages on 2 rank groups of 2 devices (2 virtual stages each), interleaved 1F1B."""
+    model, inputs = transformer(batch=4, seq=6, hidden=12, layers=4, heads=2)
+    model = model.double()
+    inputs = tuple(x.double() for x in inputs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = model(*inputs)
+        loss.backward()
+        opt.step()
+        ref.append(float(loss.detach()))
+    got = spawn(_interleaved, 4, 2, timeout_s=300)
+    params: dict[str, torch.Tensor] = {}
+    for losses, p, pipe in got:
+        assert losses == pytest.approx(ref, rel=1e-10)
+        params.update(p)
+        assert pipe["virtual_stages"] == 2 and [s["ranks"] for s in pipe["stages"]] == [[0, 1], [2, 3]] * 2
+        assert pipe["bubble"] == pytest.approx(1 / (2 * 2 + 1))
+    for k, v in model.named_parameters():
+        torch.testing.assert_close(params[k], v.detach(), rtol=1e-10, atol=1e-12)

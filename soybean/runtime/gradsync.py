@@ -73,6 +73,7 @@ class GradSync:
         self._next = 0
         self._absent: set[int] = set()  # parameters this backward does not reach (``watch``)
         self._watch: torch.utils.hooks.RemovableHandle | None = None
+        self.deferred = False  # ``defer``: summed by ``sync_now``, once per step
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for ps in self.buckets for p in ps]
 
     def watch(self, uses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
@@ -110,7 +111,26 @@ class GradSync:
             f"({len(missing)} without a gradient, shapes {missing[:4]}): every parameter must take part in the loss; "
             "detach or remove unused ones before parallelize")
 
+    def defer(self) -> None:
+        """Sum once per step, not per backward: a pipeline schedule runs one backward per microbatch, each
+        accumulating into ``grad``, and only the accumulated gradient may be summed (``sync_now`` after the
+        schedule).  The hooks then do nothing."""
+        self.deferred = True
+
+    @torch.no_grad()
+    def sync_now(self) -> None:
+        """Every bucket summed now, synchronously, from the gradients accumulated so far (a parameter without one
+        sums as zeros and stays without)."""
+        for b, ps in enumerate(self.buckets):
+            self._absent.update(id(p) for p in ps if p.grad is None)
+            self._flush(b)
+        self._finish()
+        self._ready = [0] * len(self.buckets)
+        self._next = 0
+
     def _on_grad(self, p: torch.Tensor) -> None:
+        if self.deferred:
+            return
         b = self.where[id(p)]
         self._ready[b] += 1
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
