@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, overload
@@ -64,11 +64,16 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
                 **kwargs: Any) -> PipelinedModule: ...
 
 
+@overload
+def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, *, pipeline: str,
+                **kwargs: Any) -> ParallelModule | PipelinedModule: ...
+
+
 def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, *,
                 options: PlanOptions | None = None, plan: Plan | str | Path | None = None, rank: int | None = None,
                 groups: Sequence[Group] | None = None, captured: Captured | None = None, outputs: str = "lazy",
                 share_params: bool = False, example_kwargs: dict | None = None, timeout_s: float | None = None,
-                pipeline: int | None = None, microbatches: int | None = None, schedule: str = "1f1b",
+                pipeline: int | str | None = None, microbatches: int | None = None, schedule: str = "1f1b",
                 virtual_stages: int = 1, **option_fields: Any) -> ParallelModule | PipelinedModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
 
@@ -120,6 +125,8 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     with ``schedule`` (``gpipe``, ``1f1b``, or ``interleaved-1f1b`` with ``virtual_stages`` of 2 or more stages per
     rank): a ``pipelined.PipelinedModule``, trained through
     ``pmodel.train_step(*inputs, loss_fn=fn)``; each stage runs on ``devices / pipeline`` devices.
+    ``pipeline="auto"``: the faster of no stages and the best pipelined plan searched (``auto_plan``); the module
+    is the one that plan runs as (``train_step`` serves both).
     """
     if outputs not in OUTPUTS:
         raise ValueError(f"unknown outputs {outputs!r}: use one of {', '.join(OUTPUTS)}")
@@ -152,27 +159,31 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
         raise ValueError(f"mesh {mesh_obj} has {mesh_obj.size} devices but the world size is {world}")
     p = _resolve_plan(plan)
     prec = policy(precision).name if precision is not None else (p.precision if p is not None else "fp32")
-    if pipeline is not None:
+    if p is not None and p.pipeline is not None and pipeline in (None, "auto"):
+        pipeline = p.mesh[0]  # a saved pipelined plan runs as one
+    if pipeline == "auto" and p is None:
+        def searched() -> Plan:
+            return auto_plan(model, example_inputs, example_kwargs, opts, world, prec)
+
+        p = searched() if simulated or world == 1 else _from_rank0(searched, rank)
+        if p.pipeline is not None:
+            pipeline = p.mesh[0]
+    if pipeline is not None and pipeline != "auto":
         if simulated:
             raise ValueError("a pipelined plan runs on a torch.distributed process group (torchrun or soybean run), "
                              "not on simulated groups")
+        if not isinstance(pipeline, int):
+            raise ValueError(f"pipeline={pipeline!r}: use None, a number of stages or 'auto'")
+        pipe = p.pipeline if p is not None and p.pipeline is not None else {}
         return _pipelined(model, example_inputs, example_kwargs, opts, world, rank, pipeline,
-                          microbatches or pipeline, schedule, prec, p, virtual_stages)
+                          int(pipe.get("microbatches", microbatches or pipeline)), pipe.get("schedule", schedule),
+                          prec, p, int(pipe.get("virtual_stages", virtual_stages)))
     cap = captured or capture(model, example_inputs, example_kwargs, precision=prec)
     if p is None:
         def make() -> Plan:
             return make_plan(None, (), world, options=opts, baselines=False, captured=cap)
 
-        if simulated or world == 1:
-            p = make()
-        else:  # plan once on rank 0 and broadcast: every rank runs the same plan
-            waiting = dist.new_group(backend="gloo", timeout=timedelta(seconds=PLAN_WAIT_S))
-            box: list[str | None] = [make().to_json() if rank == 0 else None]
-            dist.broadcast_object_list(box, src=0, group=waiting)
-            dist.destroy_process_group(waiting)
-            received = box[0]
-            assert received is not None  # rank 0 sent its plan
-            p = Plan.from_dict(json.loads(received))
+        p = make() if simulated or world == 1 else _from_rank0(make, rank)
     check_plan(p, cap.fingerprint, world, cap.precision)
     pmesh = Mesh(tuple(p.mesh))
     if groups is None:
@@ -188,8 +199,41 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
     """``parallelize`` with pipeline stages (its docstring): capture at the microbatch, plan on rank 0 (or read
     ``given``), every rank cuts the same stages and runs its own."""
     from .pipeline_plan import plan_pipeline
-    from .pipelined import check_microbatches
     from .stages import split
+
+    margs, mkwargs, _ = micro_inputs(args, kwargs, microbatches)
+    cap = capture(model, margs, mkwargs, precision=precision)
+    if given is None:
+        given = _from_rank0(lambda: plan_pipeline(cap, world, stages, microbatches, schedule, opts,
+                                                  virtual_stages)[2], rank)
+    if given.pipeline is None:
+        raise ValueError("pipeline= was given with a plan that has no pipeline stages: plan with pipeline= too")
+    if given.fingerprint != cap.fingerprint or given.devices != world:
+        raise ValueError(f"the pipelined plan was made for another model, batch or world size (plan: {given.devices} "
+                         f"devices, fingerprint {given.fingerprint}; here: {world}, {cap.fingerprint}): plan again")
+    cut = split(cap, [tuple(st["layers"]) for st in given.pipeline["stages"]])
+    plans = [Plan.from_dict(st["plan"]) for st in given.pipeline["stages"]]
+    return PipelinedModule(model, cap, cut, plans, given, rank, world)
+
+
+def _from_rank0(make: Callable[[], Plan], rank: int) -> Plan:
+    """``make()`` on rank 0, broadcast to every rank (so ranks cannot diverge) over a gloo group of its own whose
+    timeout (``PLAN_WAIT_S``) covers planning."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return make()
+    waiting = dist.new_group(backend="gloo", timeout=timedelta(seconds=PLAN_WAIT_S))
+    box: list[str | None] = [make().to_json() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=waiting)
+    dist.destroy_process_group(waiting)
+    received = box[0]
+    assert received is not None  # rank 0 sent its plan
+    return Plan.from_dict(json.loads(received))
+
+
+def micro_inputs(args: tuple, kwargs: dict, microbatches: int) -> tuple[tuple, dict, int]:
+    """The first ``batch / microbatches`` rows of every input whose dim 0 is the batch (the shapes a stage runs
+    on), and the batch; a one-line error when the batch does not split into equal microbatches."""
+    from .pipelined import check_microbatches
 
     batch = next((int(x.shape[0]) for x in [*args, *kwargs.values()] if isinstance(x, torch.Tensor) and x.dim()),
                  None)
@@ -201,24 +245,36 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
     def micro(x: Any) -> Any:
         return x[:rows] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch else x
 
-    cap = capture(model, tuple(micro(a) for a in args), {k: micro(v) for k, v in kwargs.items()},
-                  precision=precision)
-    if given is None:
-        box: list[str | None] = [None]
-        if rank == 0:
-            _, _, top = plan_pipeline(cap, world, stages, microbatches, schedule, opts, virtual_stages)
-            box = [top.to_json()]
-        if world > 1:
-            waiting = dist.new_group(backend="gloo", timeout=timedelta(seconds=PLAN_WAIT_S))
-            dist.broadcast_object_list(box, src=0, group=waiting)
-            dist.destroy_process_group(waiting)
-        assert box[0] is not None  # rank 0 sent its plan
-        given = Plan.from_dict(json.loads(box[0]))
-    if given.pipeline is None:
-        raise ValueError("pipeline= was given with a plan that has no pipeline stages: plan with pipeline= too")
-    if given.fingerprint != cap.fingerprint or given.devices != world:
-        raise ValueError(f"the pipelined plan was made for another model, batch or world size (plan: {given.devices} "
-                         f"devices, fingerprint {given.fingerprint}; here: {world}, {cap.fingerprint}): plan again")
-    cut = split(cap, [tuple(st["layers"]) for st in given.pipeline["stages"]])
-    plans = [Plan.from_dict(st["plan"]) for st in given.pipeline["stages"]]
-    return PipelinedModule(model, cap, cut, plans, given, rank, world)
+    return tuple(micro(a) for a in args), {k: micro(v) for k, v in kwargs.items()}, batch
+
+
+def auto_plan(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions, world: int,
+              precision: str, say: Callable[[str], None] = lambda line: None) -> Plan:
+    """``pipeline="auto"``: the faster of the plan without stages (the whole batch on one mesh) and the best
+    pipelined plan (``pipeline_plan.search_pipeline``); the plan without stages keeps every pipeline searched in
+    ``solver["pipelines_searched"]``, a pipelined one in ``pipeline["searched"]`` with the other's step
+    (``pipeline["without_stages_s"]``)."""
+    from .pipeline_plan import search_pipeline
+    from .planner import MemoryBudgetError, SearchError
+
+    plain: Plan | None = None
+    try:
+        plain = make_plan(None, (), world, options=opts, baselines=False,
+                          captured=capture(model, args, kwargs, precision=precision))
+    except (MemoryBudgetError, SearchError) as e:  # no stages fit: only stages may
+        unfit: Exception = e
+    _, _, batch = micro_inputs(args, kwargs, 1)
+
+    def capture_at(m: int) -> Captured:
+        a, k, _ = micro_inputs(args, kwargs, m)
+        return capture(model, a, k, precision=precision)
+
+    piped, searched = search_pipeline(capture_at, batch, world, opts, say)
+    if plain is not None and (piped is None or piped.cost["step_time_s"] >= plain.cost["step_time_s"]):
+        plain.solver["pipelines_searched"] = searched
+        return plain
+    if piped is None:
+        raise unfit
+    assert piped.pipeline is not None
+    piped.pipeline["without_stages_s"] = plain.cost["step_time_s"] if plain is not None else None
+    return piped

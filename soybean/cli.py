@@ -68,9 +68,9 @@ def _planned(progress: bool, *args: Any, **kwargs: Any) -> Plan:
 
 
 def _pipeline_arg(v: str) -> str:
-    if v == "none" or (v.isdigit() and int(v) >= 2):
+    if v in ("none", "auto") or (v.isdigit() and int(v) >= 2):
         return v
-    raise argparse.ArgumentTypeError(f"{v!r}: use none or a number of stages of at least 2")
+    raise argparse.ArgumentTypeError(f"{v!r}: use none, auto or a number of stages of at least 2")
 
 
 def _caching(a: argparse.Namespace) -> bool:
@@ -103,26 +103,26 @@ def _captured(a: argparse.Namespace, precision: str | None) -> tuple[Any, tuple,
 def _plan_pipelined(a: argparse.Namespace, opts: Any) -> int:
     """``soybean plan --pipeline S``: the model captured at the microbatch, cut into ``S`` stages, each planned on
     its devices (``pipeline_plan.plan_pipeline``)."""
-    import torch
 
     from . import models
+    from .api import auto_plan, micro_inputs
     from .capture import capture
     from .pipeline_plan import plan_pipeline
-    from .pipelined import check_microbatches
     from .precision import policy
-    from .report import pipeline_table
+    from .report import pipeline_table, table
 
-    stages = int(a.pipeline)
-    microbatches = a.microbatches or stages
     model, inputs = models.load(a.model, models.parse_args(a.arg))
     args = inputs if isinstance(inputs, tuple) else (inputs,)
-    batch = next(int(x.shape[0]) for x in args if isinstance(x, torch.Tensor) and x.dim())
-    check_microbatches(batch, microbatches)
-    rows = batch // microbatches
-    cap = capture(model, tuple(x[:rows] if isinstance(x, torch.Tensor) and x.dim() else x for x in args),
-                  precision=policy(opts.precision).name)
-    _, _, p = plan_pipeline(cap, opts.world, stages, microbatches, a.schedule, opts, a.virtual_stages)
-    text = p.to_json() if a.format == "json" else pipeline_table(p)
+    precision = policy(opts.precision).name
+    if a.pipeline == "auto":
+        with ProgressLine(sys.stderr, enabled=not a.quiet) as line:
+            p = auto_plan(model, args, {}, opts, opts.world, precision, line)
+    else:
+        stages = int(a.pipeline)
+        margs, _, _ = micro_inputs(args, {}, a.microbatches or stages)
+        cap = capture(model, margs, precision=precision)
+        _, _, p = plan_pipeline(cap, opts.world, stages, a.microbatches or stages, a.schedule, opts, a.virtual_stages)
+    text = p.to_json() if a.format == "json" else pipeline_table(p) if p.pipeline is not None else table(p)
     if a.out:
         with open(a.out, "w") as f:
             f.write(p.to_json() if a.out.endswith(".json") else text)
@@ -312,10 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--out", help="write the plan here (JSON when the name ends in .json)")
     p.add_argument("--emit-code", metavar="DIR", help="write each rank's generated program to DIR")
-    p.add_argument("--pipeline", default="none", type=_pipeline_arg, metavar="none|S",
-                   help="pipeline stages: none (default: one SPMD program over every device) or a number S: the "
-                        "layers cut evenly into S stages (S x V with --virtual-stages V), each planned on devices/S "
-                        "devices")
+    p.add_argument("--pipeline", default="none", type=_pipeline_arg, metavar="none|auto|S",
+                   help="pipeline stages: none (default: one SPMD program over every device), a number S (the layers "
+                        "cut evenly into S stages, S x V with --virtual-stages V, each planned on devices/S devices) "
+                        "or auto (stage counts, microbatches and cuts searched against no stages)")
     p.add_argument("--microbatches", type=int, default=None, metavar="M",
                    help="microbatches per step with --pipeline (default: the number of stages)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b",

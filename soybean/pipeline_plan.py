@@ -14,23 +14,30 @@ the search over stage counts, cuts, submeshes and schedules with the tiling is i
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .capture import Captured
 from .cost.profiles import Profile, load_profile
+from .graph.units import node_layer
 from .options import PlanOptions
 from .plan import Plan
 from .stages import Stage, even_bounds, layers, split
 
 
 def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, schedule: str,
-                  options: PlanOptions, virtual_stages: int = 1) -> tuple[list[Stage], list[Plan], Plan]:
+                  options: PlanOptions, virtual_stages: int = 1,
+                  bounds: Sequence[tuple[int, int]] | None = None) -> tuple[list[Stage], list[Plan], Plan]:
     """The stages of ``cap`` (captured at the microbatch), each one's plan on ``world // stages`` devices, and the
     pipelined plan (``Plan.pipeline`` holding the stages' plans).  ``stages`` is the pipeline's depth (rank
     groups); with ``virtual_stages`` ``v`` the layers are cut into ``stages * v`` stages, stage ``i`` on group
-    ``i % stages`` (the interleaved schedule)."""
+    ``i % stages`` (the interleaved schedule).  ``bounds``: the cut (``search_pipeline``'s); default even in
+    layers."""
     from .pipelined import MULTI_STAGE, schedule_class
     from .planner import plan
 
@@ -43,7 +50,7 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
                          f"{', '.join(MULTI_STAGE)} runs 2 or more per rank, the others one")
     names = layers(cap)
     total = stages * virtual_stages
-    bounds = even_bounds(len(names), total)
+    bounds = list(bounds) if bounds is not None else even_bounds(len(names), total)
     cut = split(cap, bounds)
     per = world // stages
     plans = [plan(None, (), per, options=options, baselines=False, captured=st.cap) for st in cut]
@@ -78,3 +85,114 @@ def _transfer_s(cap: Captured, st: Stage, alpha: float, beta: float) -> float:
             b = v.numel() * v.element_size()
             total += (alpha + b * beta) * (2 if v.requires_grad or v.is_floating_point() else 1)
     return total
+
+
+def best_cut(n: int, parts: int, cost: Callable[[int, int], float]) -> tuple[list[tuple[int, int]], float]:
+    """The cut of layers ``0 .. n-1`` into ``parts`` contiguous non-empty ranges whose largest ``cost(a, b)`` is
+    least, and that cost: ``f(k, j) = min_i max(f(k - 1, i - 1), cost(i, j))`` over the layer chain (Alpa's
+    inter-operator pass for one submesh size), exact over every cut; ``cost`` is asked once per range it needs."""
+    if not 1 <= parts <= n:
+        raise ValueError(f"{parts} stages of {n} layers")
+    inf = math.inf
+    f = [[inf] * n for _ in range(parts)]
+    arg = [[-1] * n for _ in range(parts)]
+    for j in range(n - parts + 1):
+        f[0][j] = cost(0, j)
+    for k in range(1, parts):
+        for j in range(k, n - parts + k + 1):
+            for i in range(k, j + 1):
+                if f[k - 1][i - 1] >= f[k][j]:
+                    continue  # this split's first k stages already cost at least the best found
+                c = max(f[k - 1][i - 1], cost(i, j))
+                if c < f[k][j]:
+                    f[k][j], arg[k][j] = c, i
+    bounds, j = [], n - 1
+    for k in range(parts - 1, 0, -1):
+        i = arg[k][j]
+        bounds.append((i, j))
+        j = i - 1
+    bounds.append((0, j))
+    return bounds[::-1], f[parts - 1][n - 1]
+
+
+def _layer_signatures(cap: Captured) -> list[str]:
+    """Each layer's ops and shapes in order (two layers with one signature cost the same as stages)."""
+    sigs: dict[str, list[str]] = {}
+    for node in cap.graph.nodes:
+        if node.op == "call_function" and (layer := node_layer(node)):
+            v = node.meta.get("val")
+            sigs.setdefault(layer, []).append(f"{node.target}{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}")
+    return [hashlib.sha1("\n".join(sigs[k]).encode()).hexdigest() for k in layers(cap)]
+
+
+def inflight(schedule: str, stage: int, groups: int, microbatches: int) -> int:
+    """Microbatches whose activations stage ``stage`` holds at once: GPipe all of them, 1F1B ``groups - stage``
+    (at most the microbatches); the interleaved schedule as 1F1B per rank group."""
+    return microbatches if schedule == "gpipe" else min(microbatches, groups - stage % groups)
+
+
+class StageCosts:
+    """Each stage's time per microbatch on its devices, at one microbatch size (``cap``): a range of layers is
+    planned once per signature (its ops and shapes, whether it holds what comes before the first layer or after
+    the last), submesh size and microbatches in flight; infinite when its memory with them breaks ``budget``."""
+
+    def __init__(self, cap: Captured, options: PlanOptions, profile: Profile, budget: float | None,
+                 microbatches: int) -> None:
+        self.cap, self.options, self.profile, self.budget, self.m = cap, options, profile, budget, microbatches
+        self.names, self.sigs = layers(cap), _layer_signatures(cap)
+        self.memo: dict[tuple, tuple[float, float]] = {}
+        self.plans = 0  # stage plans made
+
+    def of(self, a: int, b: int, stages: int, k: int = 0) -> float:
+        """Layers ``a .. b`` as stage ``k`` of ``stages`` on ``world / stages`` devices (``per``)."""
+        from .planner import MemoryBudgetError, SearchError, plan
+
+        n, per = len(self.names), self.options.world // stages
+        held = inflight("1f1b", k, stages, self.m)
+        key = (a == 0, b == n - 1, tuple(self.sigs[a:b + 1]), per, held)
+        if key not in self.memo:
+            parts = [r for r in ((0, a - 1), (a, b), (b + 1, n - 1)) if r[0] <= r[1]]
+            st = split(self.cap, parts)[parts.index((a, b))]
+            self.plans += 1
+            try:
+                p = plan(None, (), per, options=self.options, baselines=False, captured=st.cap)
+            except (MemoryBudgetError, SearchError):  # no plan of this stage fits (or none was found): never chosen
+                self.memo[key] = (math.inf, math.inf)
+                return math.inf
+            t = p.cost["step_time_s"] + _transfer_s(self.cap, st, self.profile.alpha, self.profile.beta)
+            mem = p.memory.get("peak", 0.0) + (held - 1) * p.memory.get("activations", 0.0)
+            self.memo[key] = (t if self.budget is None or mem <= self.budget else math.inf, mem)
+        return self.memo[key][0]
+
+
+def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: int, options: PlanOptions,
+                    say: Callable[[str], None] = lambda line: None) -> tuple[Plan | None, list[dict[str, Any]]]:
+    """The fastest pipelined plan over the stage counts ``S`` (divisors of ``world``, 2 up to the layers), the
+    microbatch counts ``M`` (divisors of ``batch`` from ``S`` to ``4 S``; ``capture_at(M)`` captures at that
+    microbatch) and the cuts (``best_cut``: each stage's time per microbatch is its own plan on ``world / S``
+    devices, the planner choosing its submesh, plus its sends: ``StageCosts``), under 1F1B, whose step is
+    ``(M + S - 1)`` times the slowest stage; every candidate's modelled step in the list (``Plan.pipeline
+    ["searched"]`` keeps it).  A stage whose memory with its microbatches in flight (``inflight``, counted as the
+    first stage's: the most) breaks the budget costs infinity."""
+    profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
+    budget = options.memory_gb * 2**30 if options.memory_gb else None
+    best: Plan | None = None
+    searched: list[dict[str, Any]] = []
+    for m in [d for d in range(1, batch + 1) if batch % d == 0]:
+        degrees = [s for s in range(2, world + 1) if world % s == 0 and s <= m <= 4 * s]
+        if not degrees:
+            continue
+        costs = StageCosts(capture_at(m), options, profile, budget, m)
+        n = len(costs.names)
+        for s in [d for d in degrees if d <= n]:
+            bounds, bottleneck = best_cut(n, s, functools.partial(costs.of, stages=s))
+            step = bottleneck * (m + s - 1)
+            searched.append({"stages": s, "microbatches": m, "schedule": "1f1b", "step_time_s": step,
+                             "units": [[costs.names[a], costs.names[b]] for a, b in bounds]})
+            say(f"pipeline {s} stages x {m} microbatches: {step:.4g} s")
+            if math.isfinite(step) and (best is None or step < best.cost["step_time_s"]):
+                _, _, best = plan_pipeline(costs.cap, world, s, m, "1f1b", options, bounds=bounds)
+    if best is not None:
+        assert best.pipeline is not None
+        best.pipeline["searched"] = searched
+    return best, searched
