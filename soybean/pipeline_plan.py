@@ -166,20 +166,21 @@ class StageCosts:
 
 
 def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: int, options: PlanOptions,
-                    say: Callable[[str], None] = lambda line: None) -> tuple[Plan | None, list[dict[str, Any]]]:
+                    say: Callable[[str], None] = lambda line: None,
+                    stages: int | None = None) -> tuple[Plan | None, list[dict[str, Any]]]:
     """The fastest pipelined plan over the stage counts ``S`` (divisors of ``world``, 2 up to the layers), the
     microbatch counts ``M`` (divisors of ``batch`` from ``S`` to ``4 S``; ``capture_at(M)`` captures at that
     microbatch) and the cuts (``best_cut``: each stage's time per microbatch is its own plan on ``world / S``
     devices, the planner choosing its submesh, plus its sends: ``StageCosts``), under 1F1B, whose step is
     ``(M + S - 1)`` times the slowest stage; every candidate's modelled step in the list (``Plan.pipeline
     ["searched"]`` keeps it).  A stage whose memory with its microbatches in flight (``inflight``, counted as the
-    first stage's: the most) breaks the budget costs infinity."""
+    first stage's: the most) breaks the budget costs infinity.  ``stages``: only that stage count."""
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
     budget = options.memory_gb * 2**30 if options.memory_gb else None
     best: Plan | None = None
     searched: list[dict[str, Any]] = []
     for m in [d for d in range(1, batch + 1) if batch % d == 0]:
-        degrees = [s for s in range(2, world + 1) if world % s == 0 and s <= m <= 4 * s]
+        degrees = [s for s in range(2, world + 1) if world % s == 0 and s <= m <= 4 * s and stages in (None, s)]
         if not degrees:
             continue
         costs = StageCosts(capture_at(m), options, profile, budget, m)

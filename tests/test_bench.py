@@ -98,7 +98,11 @@ def test_bench_reports_every_variant() -> None:
                 assert isinstance(value, float) and value > 0, (group, variant, value)
     assert report["step_s"]["serial"] is not None and report["step_s"]["ddp"] is not None
     plan = report["plans"]["soybean"]
-    assert plan["mesh"] == [2] and plan["params"]
+    assert plan["mesh"] == [2] and plan["params"] and plan["stages"] == 1  # no stages: faster without here
+    staged = report["plans"]["soybean_pp"]  # forced to 2 stages, trained through train_step
+    assert staged["stages"] == 2 and [s["ranks"] for s in staged["pipeline"]["stages"]] == [[0], [1]]
+    assert report["step_s"]["soybean_pp"] is not None  # the target passes through soybean's stages
+    assert "--loss outside" in report["reasons"]["pp"]  # torch's stages take the target only through loss_fn
     assert report["machine"]["cores"] >= 1 and report["machine"]["torch"]
     assert "soybean_dp" in format_table(report)
     assert report["candidates"]["predicted_fastest"] in SOYBEAN_MODES
@@ -181,3 +185,15 @@ def test_every_variant_is_one_row() -> None:
             assert SOYBEAN_MODES[row.name] == row.plan["mode"]
         else:
             assert not row.plan
+
+
+@pytest.mark.dist
+def test_the_pipeline_variants_train_as_serial_with_the_loss_outside() -> None:
+    """torch's hand-split pipeline and soybean's forced 2 stages: both run (their first loss is serial's, or the
+    harness nulls them) and report their stages."""
+    cfg = BenchConfig(model="examples.models:mlp", devices=2, args={"hidden": 16, "batch": 8, "layers": 4}, steps=2,
+                      warmup=1, timeout_s=120, variants=("serial", "pp", "soybean_pp"), loss="outside")
+    report = run_bench(cfg)
+    assert report["step_s"]["pp"] and report["step_s"]["soybean_pp"], report["reasons"]
+    assert report["first_loss"]["pp"] == pytest.approx(report["first_loss"]["serial"], rel=1e-5)
+    assert report["plans"]["soybean_pp"]["stages"] == 2

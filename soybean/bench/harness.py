@@ -15,8 +15,15 @@ factory call with the same seed.  The reported time is the median of ``--steps``
 * ``tp``: ``parallelize_module`` with a Megatron plan: the ``nn.Linear`` modules in order, alternately
   ``ColwiseParallel`` and ``RowwiseParallel`` (an odd last one stays replicated), inputs replicated;
 * ``fsdp``: FSDP2 ``fully_shard`` on every Linear/Conv module and then the root, batch split;
+* ``pp``: torch.distributed.pipelining by hand, as an expert splits two stages: ``pipeline()`` cut at the middle
+  layer of the model's repeated stack (``middle_layer``), one stage per rank, ``Schedule1F1B`` over 4
+  microbatches (2 ranks only);
 * ``soybean`` / ``soybean_dp`` / ``soybean_mp``: ``soybean.parallelize`` with the optimal plan
-  (``objective="time"``) and the forced data- and model-parallel plans, full batch on every rank;
+  (``objective="time"``, ``pipeline="auto"``: stages only where modelled faster) and the forced data- and
+  model-parallel plans, full batch on every rank;
+* ``soybean_pp``: soybean forced to 2 pipeline stages, its microbatches and cut searched
+  (``pipeline_plan.search_pipeline``); pipelined plans train through ``train_step``, and the report's
+  ``plans.<variant>.stages`` says how many stages each ran (1: none);
 * ``soybean_local``: the optimal plan under the local-batch contract (DDP's);
 * ``soybean_backend``: the optimal plan's tilings with every collective the backend's own call
   (``collectives="backend"``), against which ``soybean``'s choice of algorithms is paired.
@@ -249,14 +256,79 @@ def _prepare_soybean(variant: str, ctx: _Context, model: nn.Module, inputs: tupl
         raise Unavailable(plan)
     example = inputs[:-1] if ctx.cfg.loss == "outside" else inputs  # the target is the loss's, outside the model
     pmodel = soybean.parallelize(model, example, devices=ctx.world, plan=plan)  # the plan carries its options
+    if plan.pipeline is not None:  # trained through the schedule
+        return Prepared(pmodel, inputs, train_step=pmodel.train_step)
     if variant in LOCAL_BATCH:  # each rank passes its slice (the target: as the first input is split)
         inputs = tuple(pmodel.local_slice(x, i if i < len(example) else 0) if isinstance(x, torch.Tensor) else x
                        for i, x in enumerate(inputs))
     return Prepared(pmodel, inputs)
 
 
+# The hand-written pipeline's schedule: torch's 1F1B over 4 microbatches, the model cut at its middle layer.
+PP_MICROBATCHES = 4
+
+
+def middle_layer(model: nn.Module) -> str:
+    """The module that starts the second half of the model's repeated stack (``hidden.24`` of 48): where an
+    expert splits two stages by hand."""
+    blocks = [name for name, _ in model.named_modules() if name and name.split(".")[-1].isdigit()
+              and name.count(".") == min((n.count(".") for n, _ in model.named_modules()
+                                          if n and n.split(".")[-1].isdigit()), default=0)]
+    if len(blocks) < 2:
+        raise Unavailable("no repeated stack of layers to cut in two")
+    return blocks[len(blocks) // 2]
+
+
+def _prepare_pp(ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
+    """torch.distributed.pipelining by hand: ``pipeline()`` cut at the middle layer (``SplitPoint.BEGINNING``),
+    one stage per rank, ``Schedule1F1B`` over ``PP_MICROBATCHES``; the loss outside the model, on the last stage
+    (``--loss outside``: torch's stages pass on only what the previous stage returns, not the target)."""
+    from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
+
+    if ctx.world != 2:
+        raise Unavailable(f"the hand-written pipeline has 2 stages: {ctx.world} ranks")
+    if ctx.cfg.loss != "outside":  # its stage 0 takes the model's inputs, and the last stage reads only stage 0's
+        raise Unavailable("torch.distributed.pipelining passes the target to loss_fn on the last stage, not through "
+                          "the model: run with --loss outside")
+    example = inputs[:-1]
+    batch = next((x.shape[0] for x in example if isinstance(x, torch.Tensor) and x.dim()), 0)
+    if batch % PP_MICROBATCHES:
+        raise Unavailable(f"batch {batch} does not split into {PP_MICROBATCHES} microbatches")
+    micro = tuple(x[:batch // PP_MICROBATCHES] if isinstance(x, torch.Tensor) and x.dim() else x for x in example)
+    try:
+        pipe = pipeline(model, mb_args=micro, split_spec={middle_layer(model): SplitPoint.BEGINNING})
+        stage = pipe.build_stage(ctx.rank, torch.device("cpu"))
+    except Unavailable:
+        raise
+    except Exception as e:  # torch's tracer refuses many models: the variant does not apply
+        raise Unavailable(f"torch.distributed.pipelining could not split the model: {type(e).__name__}: {e}") from e
+    fn = outside_loss(ctx.cfg, model)
+    assert fn is not None
+
+    def loss(out: Any, target: Any) -> torch.Tensor:
+        return fn(out, target)
+
+    schedule = Schedule1F1B(stage, PP_MICROBATCHES, loss_fn=loss)
+    last = ctx.rank == ctx.world - 1
+
+    def train_step(*args: Any, loss_fn: Any = None, target: torch.Tensor | None = None) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        tgt = target if target is not None else torch.zeros(batch)
+        if ctx.rank == 0:
+            schedule.step(*args, return_outputs=False)
+        else:
+            schedule.step(target=tgt, losses=losses, return_outputs=False)
+        value = torch.stack([t.detach().double() for t in losses]).mean() if last else torch.zeros((),
+                                                                                                    dtype=torch.float64)
+        torch.distributed.broadcast(value, src=ctx.world - 1)
+        return value
+
+    return Prepared(stage.submod, inputs, loss_fn=fn, train_step=train_step)
+
+
 # How each variant wraps the model, by its row's ``prepare`` (``variants.TABLE``).
-_PREPARE: dict[str, Callable[..., Prepared]] = {"ddp": _prepare_ddp, "tp": _prepare_tp, "fsdp": _prepare_fsdp}
+_PREPARE: dict[str, Callable[..., Prepared]] = {"ddp": _prepare_ddp, "tp": _prepare_tp, "fsdp": _prepare_fsdp,
+                                                "pp": _prepare_pp}
 _DIST_PREPARE: dict[str, Callable[[_Context, nn.Module, tuple], Prepared]] = {
     v.name: functools.partial(_prepare_soybean, v.name) if v.soybean else _PREPARE[v.prepare]
     for v in TABLE if v.name != SERIAL
@@ -264,8 +336,14 @@ _DIST_PREPARE: dict[str, Callable[[_Context, nn.Module, tuple], Prepared]] = {
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
-    """The part of a plan a reader compares: mesh and parameter tilings."""
-    return {"mesh": list(plan.mesh), "params": dict(plan.params)}
+    """The part of a plan a reader compares: mesh, parameter tilings and pipeline stages (1 without; a pipelined
+    plan's stages with their layers, ranks and meshes)."""
+    out: dict[str, Any] = {"mesh": list(plan.mesh), "params": dict(plan.params), "stages": 1}
+    if plan.pipeline is not None:
+        out["stages"] = len(plan.pipeline["stages"])
+        out["pipeline"] = {"schedule": plan.pipeline["schedule"], "microbatches": plan.pipeline["microbatches"],
+                           "stages": [{k: st[k] for k in ("units", "ranks", "mesh")} for st in plan.pipeline["stages"]]}
+    return out
 
 
 # ---- the spawned ranks -------------------------------------------------------------
@@ -308,12 +386,40 @@ def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any =
         if variant not in cfg.variants:
             plans[variant] = NOT_SELECTED
             continue
+        fields, stages = BY_NAME[variant].plan, BY_NAME[variant].pipeline
         try:
-            plans[variant] = plan(None, (), cfg.devices, objective="time", profile=profile or cfg.profile,
-                                  baselines=False, captured=cap, **BY_NAME[variant].plan)
+            if stages is None:
+                plans[variant] = plan(None, (), cfg.devices, objective="time", profile=profile or cfg.profile,
+                                      baselines=False, captured=cap, **fields)
+            else:
+                plans[variant] = _pipelined_plan(cfg, model, inputs, stages, profile, fields)
         except Exception as e:
             plans[variant] = Measurement.failed(e).reason or "planning failed"
     return plans
+
+
+def _pipelined_plan(cfg: BenchConfig, model: nn.Module, inputs: tuple, stages: int | str, profile: Any,
+                    fields: dict[str, Any]) -> Plan:
+    """A variant planned with pipeline stages: ``auto`` (``api.auto_plan``: stages only where faster) or a
+    number of stages with its microbatches and cut searched (``pipeline_plan.search_pipeline``)."""
+    from ..api import auto_plan, micro_inputs
+    from ..capture import capture
+    from ..options import options as merge_options
+    from ..pipeline_plan import search_pipeline
+
+    example = inputs[:-1] if cfg.loss == "outside" else inputs
+    opts = merge_options(None, devices=cfg.devices, objective="time", profile=profile or cfg.profile, **fields)
+    if stages == "auto":
+        return auto_plan(model, example, {}, opts, cfg.devices, "fp32")
+    _, _, batch = micro_inputs(example, {}, 1)
+
+    def capture_at(m: int) -> Any:
+        return capture(model, micro_inputs(example, {}, m)[0])
+
+    best, searched = search_pipeline(capture_at, batch, cfg.devices, opts, stages=int(stages))
+    if best is None:
+        raise Unavailable(f"no plan of {stages} pipeline stages: {searched or 'no microbatch count splits the batch'}")
+    return best
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:
@@ -321,7 +427,10 @@ def _same_plan(a: Plan, b: Plan) -> bool:
     whole on every rank, so their planned tiling only says where the (free) slicing happens."""
     def key(p: Plan) -> tuple:
         algorithms = sorted(p.algorithms().items())  # the same tilings, other collective algorithms: not the same
-        return p.mesh, p.params, p.nodes, p.local_batch, p.inputs if p.local_batch else None, algorithms
+        stages = None if p.pipeline is None else (
+            p.pipeline["schedule"], p.pipeline["microbatches"],
+            [(st["units"], st["ranks"], st["plan"]["params"], st["plan"]["nodes"]) for st in p.pipeline["stages"]])
+        return p.mesh, p.params, p.nodes, p.local_batch, p.inputs if p.local_batch else None, algorithms, stages
 
     return key(a) == key(b)
 

@@ -56,6 +56,9 @@ class Prepared:
     model: nn.Module
     inputs: tuple
     loss_fn: Callable[..., torch.Tensor] | None = None  # the loss computed outside the model (``--loss outside``)
+    # a pipeline's forward and backward of the whole batch (``train_step(*inputs, loss_fn=, target=)``): the step
+    # calls it instead of ``model(...)`` and ``backward``
+    train_step: Callable[..., torch.Tensor] | None = None
 
 
 Step = Callable[[], torch.Tensor]      # one training step; returns the detached loss
@@ -82,6 +85,14 @@ def training_step(prep: Prepared, lr: float) -> Step:
     opt = torch.optim.AdamW(prep.model.parameters(), lr=lr)
 
     def step() -> torch.Tensor:
+        if prep.train_step is not None:
+            if prep.loss_fn is None:
+                loss = prep.train_step(*prep.inputs, loss_fn=as_loss)
+            else:
+                loss = prep.train_step(*prep.inputs[:-1], loss_fn=prep.loss_fn, target=prep.inputs[-1])
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
         out = prep.model(*prep.inputs) if prep.loss_fn is None else prep.model(*prep.inputs[:-1])
         loss = as_loss(out) if prep.loss_fn is None else prep.loss_fn(out, prep.inputs[-1])
         loss.backward()

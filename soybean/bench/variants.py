@@ -6,7 +6,8 @@ contract), or ``local``, its dim-0 slice (DDP, FSDP2, soybean's ``local_batch``)
 variant whose first loss this one's must equal (serial's for a full batch; DDP's mean over the ranks' own
 losses for soybean's local contract; None: not checked); ``replicates``: it may hold a whole replica of the
 parameters on every rank (the memory estimate that decides whether variants take turns); soybean's rows carry
-their planning options (``options.PlanOptions``' ``mode``, ``local_batch``, ``collectives``).
+their planning options (``options.PlanOptions``' ``mode``, ``local_batch``, ``collectives``) and ``pipeline``: a
+number of stages or ``auto``, planned by ``pipeline_plan`` / ``api.auto_plan`` and trained through ``train_step``.
 
 A new variant is one row here (and a ``_prepare_*`` in the harness when it wraps the model a new way).
 """
@@ -19,11 +20,12 @@ from typing import Any
 @dataclass(frozen=True)
 class Variant:
     name: str
-    prepare: str                      # serial, ddp, tp, fsdp, soybean
+    prepare: str                      # serial, ddp, tp, fsdp, pp, soybean
     contract: str                     # full or local
     replicates: bool
     loss_reference: str | None = None
     plan: dict[str, Any] = field(default_factory=dict)  # soybean's planning options (PlanOptions fields)
+    pipeline: int | str | None = None  # soybean's pipeline stages: a number, auto, or None (none)
 
     @property
     def soybean(self) -> bool:
@@ -36,11 +38,13 @@ TABLE: tuple[Variant, ...] = (
     Variant("ddp", "ddp", "local", True),
     Variant("tp", "tp", "full", False, loss_reference=SERIAL),
     Variant("fsdp", "fsdp", "local", False),
-    Variant("soybean", "soybean", "full", True, SERIAL, {"mode": "auto"}),
+    Variant("pp", "pp", "full", False, loss_reference=SERIAL),
+    Variant("soybean", "soybean", "full", True, SERIAL, {"mode": "auto"}, pipeline="auto"),
     Variant("soybean_dp", "soybean", "full", True, SERIAL, {"mode": "dp"}),
     Variant("soybean_mp", "soybean", "full", False, SERIAL, {"mode": "mp"}),
     Variant("soybean_local", "soybean", "local", True, "ddp", {"mode": "auto", "local_batch": True}),
     Variant("soybean_backend", "soybean", "full", True, SERIAL, {"mode": "auto", "collectives": "backend"}),
+    Variant("soybean_pp", "soybean", "full", False, SERIAL, {"mode": "auto"}, pipeline=2),
 )
 BY_NAME: dict[str, Variant] = {v.name: v for v in TABLE}
 
