@@ -90,7 +90,8 @@ def _transfer_s(cap: Captured, st: Stage, alpha: float, beta: float) -> float:
 def best_cut(n: int, parts: int, cost: Callable[[int, int], float]) -> tuple[list[tuple[int, int]], float]:
     """The cut of layers ``0 .. n-1`` into ``parts`` contiguous non-empty ranges whose largest ``cost(a, b)`` is
     least, and that cost: ``f(k, j) = min_i max(f(k - 1, i - 1), cost(i, j))`` over the layer chain (Alpa's
-    inter-operator pass for one submesh size), exact over every cut; ``cost`` is asked once per range it needs."""
+    inter-operator pass for one submesh size), exact over every cut; ``cost`` may be asked for one range more than
+    once (``StageCosts`` memoises)."""
     if not 1 <= parts <= n:
         raise ValueError(f"{parts} stages of {n} layers")
     inf = math.inf

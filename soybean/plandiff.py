@@ -4,7 +4,8 @@
 fingerprint, precision, input contract, topology, recomputed layers), the tiling of every parameter and buffer
 (``params``), user input (``inputs``) and op or shared use (``nodes``: input and output tilings, and the axes
 over which a shared use sums partial gradients), the algorithm each collective runs (``Plan.algorithms``, by
-collective, mesh axis and message bytes), then every ``cost`` and ``memory`` term.  A name present in one
+collective, mesh axis and message bytes), then every ``cost`` and ``memory`` term, then pipeline stages (their
+schedule, and stage by stage its layers, ranks, mesh and its own plan's differences).  A name present in one
 plan only is listed as such.  Two plans are the same when no line results: what varies run to run (the
 solver's time and record, the meshes tried, the baselines, the per-layer table derived from the tilings) is
 not compared.  ``soybean diff`` prints the lines and exits 1 when there are any, 0 when none (as ``diff``).
@@ -82,8 +83,32 @@ def diff(a: Plan, b: Plan) -> list[str]:
     out += [f"collective {k}: {algos.get(k, '(absent)')} -> {algos_b.get(k, '(absent)')}"
             for k in sorted(set(algos) | set(algos_b)) if algos.get(k) != algos_b.get(k)]
     out += _costs("cost", a.cost, b.cost) + _costs("memory", a.memory, b.memory)
+    out += _stages(a.pipeline, b.pipeline)
     if params or inputs or nodes:
         out.append(f"{len(params)} of {len(set(a.params) | set(b.params))} parameters, {len(inputs)} of "
                    f"{len(set(a.inputs) | set(b.inputs))} inputs, {len(nodes)} of {len(set(a.nodes) | set(b.nodes))} "
                    "ops and shared uses tiled differently")
+    return out
+
+
+# A pipelined plan's schedule fields compared, and each stage's (``Plan.pipeline``).
+PIPELINE = ("schedule", "microbatches", "virtual_stages")
+STAGE = ("units", "ranks", "mesh")
+
+
+def _stages(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> list[str]:
+    """Pipeline stages: present in one plan only, their schedule, and stage by stage its layers, ranks and mesh,
+    then its own plan's differences (``diff``), each line prefixed with the stage."""
+    if a is None and b is None:
+        return []
+    if a is None or b is None:
+        n = len((a or b or {}).get("stages", []))
+        return [f"pipeline: {'none' if a is None else f'{n} stages'} -> {'none' if b is None else f'{n} stages'}"]
+    out = [f"pipeline {f}: {_value(a.get(f))} -> {_value(b.get(f))}" for f in PIPELINE if a.get(f) != b.get(f)]
+    sa, sb = a["stages"], b["stages"]
+    if len(sa) != len(sb):
+        out.append(f"pipeline stages: {len(sa)} -> {len(sb)}")
+    for k, (x, y) in enumerate(zip(sa, sb)):
+        out += [f"stage {k} {f}: {_value(x[f])} -> {_value(y[f])}" for f in STAGE if x[f] != y[f]]
+        out += [f"stage {k} {line}" for line in diff(Plan.from_dict(x["plan"]), Plan.from_dict(y["plan"]))]
     return out

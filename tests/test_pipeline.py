@@ -31,6 +31,25 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
+def _steps(pm: nn.Module, steps: int, *inputs: object, **train: object) -> list[float]:
+    """``steps`` SGD steps through ``pm.train_step``: the whole batch's loss of each."""
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(float(pm.train_step(*inputs, **train)))  # type: ignore[operator]
+        opt.step()
+    return losses
+
+
+def _own(pm: nn.Module, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters this rank's stages hold, whole (the other stages' come back on the meta device)."""
+    mods = [m.pm for m in pm.stage_modules] if hasattr(pm, "stage_modules") else [pm]
+    names = dict(model.named_parameters())
+    return {k: v.detach().clone() for m in mods for k, v in m.full_state_dict().items()  # type: ignore[operator]
+            if k in names and v.device.type != "meta"}
+
+
 @pytest.mark.parametrize("bounds", [[(0, 2)], [(0, 0), (1, 2)], [(0, 1), (2, 2)], [(0, 0), (1, 1), (2, 2)]])
 def test_stages_run_in_order_are_the_captured_graph(bounds: list[tuple[int, int]]) -> None:
     model, inputs = _model()
@@ -90,16 +109,8 @@ def _pipelined(rank: int, world: int, schedule: str, microbatches: int, outside:
     model, inputs = _model()
     pm = soybean.parallelize(model, inputs, devices=world, pipeline=world, microbatches=microbatches,
                              schedule=schedule)
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = pm.train_step(*inputs, loss_fn=(lambda out: out * 2.0) if outside else (lambda out: out))
-        opt.step()
-        losses.append(float(loss))
-    params = {k: v.detach().clone() for k, v in pm.stage_module.pm.full_state_dict().items()
-              if k in dict(model.named_parameters()) and v.device.type != "meta"}  # the other stage's: meta
-    return losses, params, pm.plan.to_json()
+    losses = _steps(pm, steps, *inputs, loss_fn=(lambda out: out * 2.0) if outside else (lambda out: out))
+    return losses, _own(pm, model), pm.plan.to_json()
 
 
 @pytest.mark.dist
@@ -147,16 +158,10 @@ def _mlp_pipelined(rank: int, world: int, steps: int) -> tuple[list[float], dict
     torch.set_num_threads(1)
     model, x, y = _mlp()
     pm = soybean.parallelize(model, (x,), devices=world, pipeline=world, microbatches=4, schedule="gpipe")
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        losses.append(float(pm.train_step(x, loss_fn=nn.functional.mse_loss, target=y)))
-        opt.step()
+    losses = _steps(pm, steps, x, loss_fn=nn.functional.mse_loss, target=y)
     with pytest.raises(RuntimeError, match="train_step"):
         pm(x)
-    return losses, {k: v.detach().clone() for k, v in pm.stage_module.pm.full_state_dict().items()
-                    if k in dict(model.named_parameters()) and v.device.type != "meta"}
+    return losses, _own(pm, model)
 
 
 @pytest.mark.dist
@@ -210,13 +215,7 @@ def test_train_step_serves_a_plan_without_stages(mode: str) -> None:
 
     def rank_run(rank: int, groups: list) -> tuple[list[float], dict[str, torch.Tensor]]:
         pm = parallelize(copy.deepcopy(base), (x,), rank=rank, groups=groups, devices=2, mode=mode)
-        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-        losses = []
-        for _ in range(3):
-            opt.zero_grad()
-            losses.append(float(pm.train_step(x, loss_fn=nn.functional.mse_loss, target=y)))
-            opt.step()
-        return losses, pm.full_state_dict()
+        return _steps(pm, 3, x, loss_fn=nn.functional.mse_loss, target=y), pm.full_state_dict()
 
     for losses, params in run_threads(Mesh((2,)), rank_run):
         assert losses == pytest.approx(ref_losses, rel=1e-10)
@@ -230,16 +229,8 @@ def _tiled(rank: int, world: int, mode: str, steps: int) -> tuple[list[float], d
     torch.set_num_threads(1)
     model, inputs = _model()
     pm = soybean.parallelize(model, inputs, devices=world, pipeline=2, microbatches=2, schedule="1f1b", mode=mode)
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        losses.append(float(pm.train_step(*inputs, loss_fn=lambda out: out)))
-        opt.step()
-    sd = pm.stage_module.pm.full_state_dict()
-    params = {k: v.detach().clone() for k, v in sd.items()
-              if k in dict(model.named_parameters()) and v.device.type != "meta"}
-    return losses, params, [s["mesh"] for s in (pm.plan.pipeline or {})["stages"]]
+    losses = _steps(pm, steps, *inputs, loss_fn=lambda out: out)
+    return losses, _own(pm, model), [s["mesh"] for s in (pm.plan.pipeline or {})["stages"]]
 
 
 @pytest.mark.dist
@@ -268,17 +259,7 @@ def _interleaved(rank: int, world: int, steps: int) -> tuple[list[float], dict[s
     inputs = tuple(x.double() for x in inputs)
     pm = soybean.parallelize(model, inputs, devices=world, pipeline=2, virtual_stages=2, microbatches=2,
                              schedule="interleaved-1f1b", mode="dp")
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        losses.append(float(pm.train_step(*inputs, loss_fn=lambda out: out)))
-        opt.step()
-    params: dict[str, torch.Tensor] = {}
-    for m in pm.stage_modules:
-        params.update({k: v.detach().clone() for k, v in m.pm.full_state_dict().items()
-                       if k in dict(model.named_parameters()) and v.device.type != "meta"})
-    return losses, params, pm.plan.pipeline or {}
+    return _steps(pm, steps, *inputs, loss_fn=lambda out: out), _own(pm, model), pm.plan.pipeline or {}
 
 
 @pytest.mark.dist
@@ -319,8 +300,7 @@ def test_best_cut_is_the_least_bottleneck_of_every_cut() -> None:
     for n in range(1, 8):
         table = {(a, b): rng.random() * (b - a + 1) + rng.random() for a in range(n) for b in range(a, n)}
         for parts in range(1, n + 1):
-            asked: list[tuple[int, int]] = []
-            bounds, got = best_cut(n, parts, lambda a, b: asked.append((a, b)) or table[(a, b)])
+            bounds, got = best_cut(n, parts, lambda a, b, t=table: t[(a, b)])  # type: ignore[misc]
             best = min(max(table[(a, b)] for a, b in zip((0, *cuts), (*(c - 1 for c in cuts), n - 1)))
                        for cuts in itertools.combinations(range(1, n), parts - 1))
             assert got == pytest.approx(best)
@@ -345,16 +325,8 @@ def _auto(rank: int, world: int, memory_gb: float) -> tuple[list[float], dict | 
     torch.set_num_threads(1)
     model, x, y = _auto_mlp()
     pm = soybean.parallelize(model, (x, y), devices=world, pipeline="auto", memory_gb=memory_gb, **AUTO)
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    losses = []
-    for _ in range(2):
-        opt.zero_grad()
-        losses.append(float(pm.train_step(x, y, loss_fn=lambda out: out)))  # the model returns its loss
-        opt.step()
-    mods = [m.pm for m in pm.stage_modules] if hasattr(pm, "stage_modules") else [pm]
-    params = {k: v.detach().clone() for m in mods for k, v in m.full_state_dict().items()
-              if v.device.type != "meta" and k in dict(model.named_parameters())}
-    return losses, pm.plan.pipeline, params
+    losses = _steps(pm, 2, x, y, loss_fn=lambda out: out)  # the model returns its loss
+    return losses, pm.plan.pipeline, _own(pm, model)
 
 
 @pytest.mark.dist
@@ -409,3 +381,24 @@ def test_the_command_line_searches_stages_with_auto(capsys: pytest.CaptureFixtur
     assert main([*args, "--memory-gb", "0.008"]) == 0  # fp32 here: half the float64 test's budget
     tight = json.loads(capsys.readouterr().out)
     assert tight["pipeline"]["searched"] and len(tight["pipeline"]["stages"]) >= 2
+
+
+def test_diff_compares_the_stages() -> None:
+    from soybean.options import options as merge
+    from soybean.pipeline_plan import plan_pipeline
+    from soybean.plan import Plan
+    from soybean.plandiff import diff
+
+    model, inputs = transformer(batch=4, seq=6, hidden=12, layers=3, heads=2)
+    cap = capture(model, tuple(x[:2] for x in inputs))
+    opts = merge(None, devices=2)
+    a = plan_pipeline(cap, 2, 2, 2, "1f1b", opts)[2]
+    b = plan_pipeline(cap, 2, 2, 2, "gpipe", opts, bounds=[(0, 0), (1, 2)])[2]
+    assert diff(a, Plan.from_dict(json.loads(a.to_json()))) == []
+    lines = diff(a, b)
+    assert "pipeline schedule: 1f1b -> gpipe" in lines
+    assert any(line.startswith("stage 0 units: ") for line in lines)
+    assert any(line.startswith("stage 1 ") and "blocks.2" not in line for line in lines)  # its own plan's lines
+    whole = plan_pipeline(cap, 2, 2, 2, "1f1b", opts)[2]
+    whole.pipeline = None
+    assert diff(a, whole)[-1] == "pipeline: 2 stages -> none"
