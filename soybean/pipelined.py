@@ -21,9 +21,9 @@ point-to-point group is those ranks), its program slices what it reads and gathe
 contract), and the gradients of its replicated parameters are summed once per step, after the last microbatch's
 backward (``GradSync.defer``, ``sync_now``), not per microbatch.
 
-What is not here yet (issue 18): the search over
-the number of stages, their cuts and submeshes with the tiling (``pipeline`` is a number; the cut is even in
-layers), interleaved and zero-bubble schedules, tied weights across stages, checkpoints across stages.
+What is not here yet (issue 18): zero-bubble schedules, a weight two stages share (refused by ``stages.split``),
+sharded checkpoints across stages (``full_state_dict`` and ``load_full_state_dict`` work across them: every stage's
+tensors gathered on every rank, each stage loading its own).
 """
 from __future__ import annotations
 
@@ -181,6 +181,31 @@ class PipelinedModule(nn.Module):
             loss = torch.zeros((), dtype=torch.float64)
         dist.broadcast(loss, src=self._last_rank)
         return loss
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """What ``model.state_dict()`` of the serial model would give for the current values, on every rank: each
+        stage's tensors gathered within its ranks (``ParallelModule.full_tensors``), then every stage's from every
+        rank group (``all_gather_object``), named by the model's own state-dict hooks (its skeleton)."""
+        mine: dict[str, torch.Tensor] = {}
+        for m in self.stage_modules:
+            assert isinstance(m, _StageModule)
+            mine.update({k: v.cpu() for k, v in m.pm.full_tensors().items()})
+        every: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        tensors = {k: v for d in every if d is not None for k, v in d.items()}
+        pm = self.stage_module.pm
+        if pm._skeleton is None:
+            return tensors
+        with pm._filled_skeleton(tensors) as sk:
+            return {k: v.detach() for k, v in sk.state_dict().items()}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load what the serial model's ``state_dict()`` gives: each stage takes its own tensors (its tiles)."""
+        for m in self.stage_modules:
+            assert isinstance(m, _StageModule)
+            m.pm.load_full_state_dict(sd)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a pipelined plan trains through pmodel.train_step(*inputs, loss_fn=fn) (the schedule "

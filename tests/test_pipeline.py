@@ -230,14 +230,22 @@ def _tiled(rank: int, world: int, mode: str, steps: int) -> tuple[list[float], d
     model, inputs = _model()
     pm = soybean.parallelize(model, inputs, devices=world, pipeline=2, microbatches=2, schedule="1f1b", mode=mode)
     losses = _steps(pm, steps, *inputs, loss_fn=lambda out: out)
-    return losses, _own(pm, model), [s["mesh"] for s in (pm.plan.pipeline or {})["stages"]]
+    sd = pm.full_state_dict()  # every stage's, on every rank
+    assert set(sd) == set(model.state_dict())
+    fresh, _ = _model()
+    pm.load_full_state_dict(fresh.state_dict())  # each stage takes its own: back to the start
+    assert all(torch.equal(pm.full_state_dict()[k], v) for k, v in fresh.state_dict().items())
+    pm.load_full_state_dict(sd)
+    return losses, {k: v for k, v in sd.items() if k in dict(model.named_parameters())}, \
+        [s["mesh"] for s in (pm.plan.pipeline or {})["stages"]]
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("mode", ["mp"])  # data-parallel tiled stages: the interleaved test below
 def test_two_stages_each_tiled_over_two_devices_train_as_serial(mode: str) -> None:
     """4 processes: 2 stages of 2 devices, each stage model-parallel (its boundary values sliced in and gathered
-    out, their gradients back alike)."""
+    out, their gradients back alike); ``full_state_dict`` gathers every stage's tensors on every rank, and
+    ``load_full_state_dict`` loads each stage's own."""
     ref_losses, ref_params = _serial(2, outside=False)
     got = spawn(_tiled, 4, mode, 2, timeout_s=300)
     params: dict[str, torch.Tensor] = {}
