@@ -122,13 +122,18 @@ def _plan_pipelined(a: argparse.Namespace, opts: Any) -> int:
         margs, _, _ = micro_inputs(args, {}, a.microbatches or stages)
         cap = capture(model, margs, precision=precision)
         _, _, p = plan_pipeline(cap, opts.world, stages, a.microbatches or stages, a.schedule, opts, a.virtual_stages)
-    text = p.to_json() if a.format == "json" else pipeline_table(p) if p.pipeline is not None else table(p)
+    _write_plan(a, p, p.to_json() if a.format == "json" else pipeline_table(p) if p.pipeline is not None else table(p))
+    return 0
+
+
+def _write_plan(a: argparse.Namespace, p: Plan, text: str) -> None:
+    """``text`` (the plan as ``--format`` shows it) to ``--out`` (the JSON when its name ends in ``.json``) and,
+    without ``--out`` or as a table, to stdout."""
     if a.out:
         with open(a.out, "w") as f:
             f.write(p.to_json() if a.out.endswith(".json") else text)
     if not a.out or a.format == "table":
         sys.stdout.write(text)
-    return 0
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
@@ -140,12 +145,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         return _plan_pipelined(a, opts)
     model, inputs, cap = _captured(a, opts.precision)
     p = _planned(not a.quiet, model, inputs, options=opts, captured=cap, cache_routes=_caching(a))
-    text = p.to_json() if a.format == "json" else table(p)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(p.to_json() if a.out.endswith(".json") else text)
-    if not a.out or a.format == "table":
-        sys.stdout.write(text)
+    _write_plan(a, p, p.to_json() if a.format == "json" else table(p))
     if a.emit_code:
         from . import models
         from .codegen import emit_files

@@ -9,8 +9,9 @@ idles a fraction ``bubble = (p - 1) / (v m + p - 1)`` of the step (GPipe and 1F1
 ``m`` times the slowest group's time over ``1 - bubble``: ``(m + p - 1)`` slots of the slowest stage when
 ``v = 1``.
 
-This first version takes the number of stages as given and cuts the layers evenly (``stages.even_bounds``);
-the search over stage counts, cuts, submeshes and schedules with the tiling is issue 18's next step.
+``plan_pipeline`` prices a given number of stages (cut evenly in layers, ``stages.even_bounds``, or as given);
+``search_pipeline`` searches stage counts, microbatch counts and cuts (``best_cut`` over ``StageCosts``), each
+stage's submesh chosen by its own planner run.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from .capture import Captured
+from .cost.memory import budget_bytes
 from .cost.profiles import Profile, load_profile
 from .graph.units import node_layer
 from .options import PlanOptions
@@ -177,7 +179,7 @@ def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: in
     ["searched"]`` keeps it).  A stage whose memory with its microbatches in flight (``inflight``, counted as the
     first stage's: the most) breaks the budget costs infinity.  ``stages``: only that stage count."""
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
-    budget = options.memory_gb * 2**30 if options.memory_gb else None
+    budget = budget_bytes(options.memory_gb)  # the planner's own: ``--memory-gb`` less its headroom
     best: Plan | None = None
     searched: list[dict[str, Any]] = []
     for m in [d for d in range(1, batch + 1) if batch % d == 0]:

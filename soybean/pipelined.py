@@ -62,6 +62,18 @@ def check_microbatches(batch: int, microbatches: int) -> None:
                          f"use microbatches in {valid}")
 
 
+def batch_loss(losses: Sequence[torch.Tensor], last: bool, src: int, reduction: str = "mean") -> torch.Tensor:
+    """The whole batch's loss on every rank: the last stage's microbatch losses (``last``: this rank holds them),
+    their mean (``reduction="sum"``: their sum), in float64 (every rank's dtype), broadcast from rank ``src``."""
+    if last:
+        stacked = torch.stack([t.detach().double() for t in losses])
+        loss = stacked.mean() if reduction == "mean" else stacked.sum()
+    else:
+        loss = torch.zeros((), dtype=torch.float64)
+    dist.broadcast(loss, src=src)
+    return loss
+
+
 class _StageModule(nn.Module):
     """A stage's ``ParallelModule`` as ``PipelineStage`` calls it: boundary tensors in, a tuple of them out (the
     last stage: the model's own output, for the loss)."""
@@ -174,13 +186,7 @@ class PipelinedModule(nn.Module):
             assert isinstance(m, _StageModule)
             if (sync := m.pm._grad_sync) is not None:
                 sync.sync_now()
-        if self.is_last:
-            stacked = torch.stack([t.detach().double() for t in losses])  # float64: every rank's dtype
-            loss = stacked.mean() if reduction == "mean" else stacked.sum()
-        else:
-            loss = torch.zeros((), dtype=torch.float64)
-        dist.broadcast(loss, src=self._last_rank)
-        return loss
+        return batch_loss(losses, self.is_last, self._last_rank, reduction)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -285,6 +285,8 @@ def _prepare_pp(ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
     (``--loss outside``: torch's stages pass on only what the previous stage returns, not the target)."""
     from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
 
+    from ..pipelined import batch_loss
+
     if ctx.world != 2:
         raise Unavailable(f"the hand-written pipeline has 2 stages: {ctx.world} ranks")
     if ctx.cfg.loss != "outside":  # its stage 0 takes the model's inputs, and the last stage reads only stage 0's
@@ -304,24 +306,16 @@ def _prepare_pp(ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
         raise Unavailable(f"torch.distributed.pipelining could not split the model: {type(e).__name__}: {e}") from e
     fn = outside_loss(ctx.cfg, model)
     assert fn is not None
-
-    def loss(out: Any, target: Any) -> torch.Tensor:
-        return fn(out, target)
-
-    schedule = Schedule1F1B(stage, PP_MICROBATCHES, loss_fn=loss)
-    last = ctx.rank == ctx.world - 1
+    schedule = Schedule1F1B(stage, PP_MICROBATCHES, loss_fn=fn)
+    last = ctx.world - 1
 
     def train_step(*args: Any, loss_fn: Any = None, target: torch.Tensor | None = None) -> torch.Tensor:
         losses: list[torch.Tensor] = []
-        tgt = target if target is not None else torch.zeros(batch)
         if ctx.rank == 0:
             schedule.step(*args, return_outputs=False)
         else:
-            schedule.step(target=tgt, losses=losses, return_outputs=False)
-        value = torch.stack([t.detach().double() for t in losses]).mean() if last else torch.zeros((),
-                                                                                                    dtype=torch.float64)
-        torch.distributed.broadcast(value, src=ctx.world - 1)
-        return value
+            schedule.step(target=target, losses=losses, return_outputs=False)
+        return batch_loss(losses, ctx.rank == last, last)
 
     return Prepared(stage.submod, inputs, loss_fn=fn, train_step=train_step)
 
