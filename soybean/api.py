@@ -122,9 +122,9 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     ``pipeline``: a number of pipeline stages (``None``, the default: one SPMD program over every device).  The
     model is captured at the microbatch (``example_inputs``' batch over ``microbatches``, default the number of
     stages), cut into stages of whole layers, each planned on its devices, and run by torch.distributed.pipelining
-    with ``schedule`` (``gpipe``, ``1f1b``, or ``interleaved-1f1b`` with ``virtual_stages`` of 2 or more stages per
-    rank): a ``pipelined.PipelinedModule``, trained through
-    ``pmodel.train_step(*inputs, loss_fn=fn)``; each stage runs on ``devices / pipeline`` devices.
+    with ``schedule`` (``gpipe``, ``1f1b``; ``interleaved-1f1b`` or ``zero-bubble`` with ``virtual_stages`` of 2 or
+    more stages per rank): a ``pipelined.PipelinedModule``, trained through ``pmodel.train_step(*inputs,
+    loss_fn=fn)``; each stage runs on ``devices / pipeline`` devices.
     ``pipeline="auto"``: the faster of no stages and the best pipelined plan searched (``auto_plan``); the module
     is the one that plan runs as (``train_step`` serves both).
     """

@@ -302,6 +302,7 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .options import add_plan_options
+    from .pipelined import SCHEDULES
 
     ap = argparse.ArgumentParser(prog="soybean", description="Automatic tensor-tiling parallelizer for PyTorch")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -318,10 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "or auto (stage counts, microbatches and cuts searched against no stages)")
     p.add_argument("--microbatches", type=int, default=None, metavar="M",
                    help="microbatches per step with --pipeline (default: the number of stages)")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b",
+    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
                    help="the pipeline schedule (torch.distributed.pipelining's) with --pipeline")
     p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                   help="stages per rank group with --schedule interleaved-1f1b (2 or more)")
+                   help="stages per rank group with --schedule interleaved-1f1b or zero-bubble (2 or more)")
     p.add_argument("--no-cache", action="store_true",
                    help="capture the model and walk its routes afresh, neither reading nor writing the capture "
                    "and route caches (~/.cache/soybean)")

@@ -4,10 +4,9 @@ planner, and the schedule priced on top.
 Priced per microbatch: each stage's step on its submesh (its own plan's modelled ``step_time_s``: forward,
 backward and communication of one microbatch, the capture being the microbatch's) plus the transfers it sends
 (every boundary value forward and its gradient back, ``alpha + bytes * beta`` of the profile's link).  A rank group
-runs its stages one after the other (``virtual_stages`` of them under the interleaved schedule), and the schedule
-idles a fraction ``bubble = (p - 1) / (v m + p - 1)`` of the step (GPipe and 1F1B: ``v = 1``), so the step is
-``m`` times the slowest group's time over ``1 - bubble``: ``(m + p - 1)`` slots of the slowest stage when
-``v = 1``.
+runs its stages one after the other (``virtual_stages`` of them under the interleaved schedules), and the schedule
+idles a fraction ``bubble`` of the step (``bubble_fraction``), so the step is ``m`` times the slowest group's time
+over ``1 - bubble``: ``(m + p - 1)`` slots of the slowest stage for GPipe and 1F1B.
 
 ``plan_pipeline`` prices a given number of stages (cut evenly in layers, ``stages.even_bounds``, or as given);
 ``search_pipeline`` searches stage counts, microbatch counts and cuts (``best_cut`` over ``StageCosts``), each
@@ -60,7 +59,7 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
     per_mb = [p.cost["step_time_s"] + _transfer_s(cap, st, profile.alpha, profile.beta) for p, st in zip(plans, cut)]
     # each rank group runs its stages one after the other per microbatch; the schedule adds (p - 1) / v slots
     group_s = [sum(per_mb[i] for i in range(g, total, stages)) for g in range(stages)]
-    bubble = (stages - 1) / (virtual_stages * microbatches + stages - 1)
+    bubble = bubble_fraction(schedule, stages, microbatches, virtual_stages)
     step = max(group_s) * microbatches / (1 - bubble)
     record: dict[str, Any] = {
         "schedule": schedule, "microbatches": microbatches, "virtual_stages": virtual_stages, "bubble": bubble,
@@ -74,6 +73,16 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
                cost={"step_time_s": step, "compute_s": sum(p.cost.get("compute_s", 0.0) for p in plans) * microbatches},
                precision=cap.precision, pipeline=record)
     return cut, plans, top
+
+
+def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The fraction of the step the schedule idles: ``(p - 1) / (v m + p - 1)`` for GPipe and 1F1B (``v = 1``) and
+    interleaved 1F1B.  Zero bubble (Qi et al., ICLR 2024) splits each backward into its input half ``B`` and weight
+    half ``W`` and fills the warm-up and cool-down with ``W``: with ``F = B = W`` (a third of a slot each), ZB-H1
+    leaves ``(p - 1)`` thirds of a slot idle where 1F1B leaves ``p - 1`` whole slots, so ``(p - 1) / (3 v m + p -
+    1)`` (torch's ``ScheduleInterleavedZeroBubble`` is ZB-H1 over ``v`` stages per rank)."""
+    thirds = 3 if schedule == "zero-bubble" else 1
+    return (stages - 1) / (thirds * virtual_stages * microbatches + stages - 1)
 
 
 def _transfer_s(cap: Captured, st: Stage, alpha: float, beta: float) -> float:

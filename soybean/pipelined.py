@@ -21,9 +21,9 @@ point-to-point group is those ranks), its program slices what it reads and gathe
 contract), and the gradients of its replicated parameters are summed once per step, after the last microbatch's
 backward (``GradSync.defer``, ``sync_now``), not per microbatch.
 
-What is not here yet (issue 18): zero-bubble schedules, a weight two stages share (refused by ``stages.split``),
-sharded checkpoints across stages (``full_state_dict`` and ``load_full_state_dict`` work across them: every stage's
-tensors gathered on every rank, each stage loading its own).
+A weight two stages read (tied input and output embeddings) is a copy in each; after the step's backward each copy's
+gradient is replaced by the sum of every reader's (``_sum_tied_grads``), so the copies, stepped alike, stay equal
+to the serial weight.
 """
 from __future__ import annotations
 
@@ -33,22 +33,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .capture import Captured
 from .module import ParallelModule
 from .plan import Plan
-from .stages import Stage
+from .precision import policy
+from .stages import Stage, boundary_examples, shared_params
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-MULTI_STAGE = ("interleaved-1f1b",)  # schedules that run several stages per rank (``virtual_stages`` > 1)
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")  # schedules that run several stages per rank (``virtual_stages`` > 1)
 REDUCTIONS = ("mean", "sum")
 
 
 def schedule_class(name: str) -> type:
     """torch's schedule for ``name`` (``SCHEDULES``)."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
-    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+               "zero-bubble": ScheduleInterleavedZeroBubble}
     if name not in classes:
         raise ValueError(f"unknown pipeline schedule {name!r}: use one of {', '.join(SCHEDULES)}")
     return classes[name]
@@ -116,6 +124,7 @@ class PipelinedModule(nn.Module):
         self._last_rank = ((n - 1) % groups) * per
         self._n = n
         self._microbatches = int(pipe["microbatches"])
+        self._groups, self._virtual = groups, v
         self._schedule_name = str(pipe["schedule"])
         mine: dict[int, list] = {}
         for k, p in enumerate(plans):  # every rank makes every stage's groups, in order (``dist.new_group``)
@@ -129,14 +138,34 @@ class PipelinedModule(nn.Module):
                 pp = g
         self.stage_modules = nn.ModuleList()
         self._pstages = []
+        # Static metadata (shapes, dtypes, which values carry gradients): torch would infer it by running each stage
+        # on uninitialised tensors, which breaks a stage that indexes with a received integer tensor.
+        examples = boundary_examples(stages, policy(plan.precision).cast)
+        self._device = device = next(model.parameters(), torch.empty(0)).device  # cpu (gloo); a rank's GPU (NCCL)
+        self._examples = examples
         for i in self.stage_indices:
             pm = ParallelModule(model, stages[i].cap, plans[i], rank - gi * per, mine[i])
             if pm._grad_sync is not None:
                 pm._grad_sync.defer()  # summed once per step, after every microbatch's backward (``train_step``)
             m = _StageModule(pm, last=i == n - 1)
             self.stage_modules.append(m)
-            self._pstages.append(PipelineStage(m, i, n, torch.device("cpu"), group=pp))
+            ins, outs = examples[i]
+            self._pstages.append(PipelineStage(m, i, n, device, input_args=ins, output_args=outs, group=pp))
         self._schedules: dict[tuple[int, bool, str], Any] = {}
+        # A weight several stages read: summed over this rank's readers, then over the groups' ranks of one index.
+        self._ties: list[tuple[str, list[ParallelModule], Any]] = []
+        for fqn, readers in shared_params(stages).items():
+            holders = sorted({k % groups for k in readers})
+            tie_group = None
+            if len(holders) > 1:
+                for j in range(per):  # every rank makes every group, in order
+                    g = dist.new_group(ranks=[h * per + j for h in holders])
+                    if rank % per == j and gi in holders:
+                        tie_group = g
+            local = [m.pm for i, m in zip(self.stage_indices, self.stage_modules)
+                     if i in readers and isinstance(m, _StageModule)]
+            if local:
+                self._ties.append((fqn, local, tie_group))
 
     @property
     def stage_module(self) -> _StageModule:
@@ -186,7 +215,33 @@ class PipelinedModule(nn.Module):
             assert isinstance(m, _StageModule)
             if (sync := m.pm._grad_sync) is not None:
                 sync.sync_now()
+        self._sum_tied_grads()
         return batch_loss(losses, self.is_last, self._last_rank, reduction)
+
+    @torch.no_grad()
+    def _sum_tied_grads(self) -> None:
+        """Each copy of a weight several stages read gets the sum of their gradients (the serial one): every
+        reader's gradient gathered whole within its stage's ranks (``gather_now``), summed over this rank's readers
+        and then across the rank groups holding one (``dist.all_reduce`` among the ranks of one in-group index),
+        and each copy takes its tile of the sum."""
+        from .codegen.lower import gather_now
+        from .runtime.context import use_groups
+        from .tiling import local_tile
+
+        for fqn, mods, group in self._ties:
+            total: torch.Tensor | None = None
+            for pm in mods:
+                p = pm.get_parameter(fqn)
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                with use_groups(pm._groups):
+                    whole = gather_now(grad, pm.plan.param_tiling(fqn), pm._full_shape(fqn), pm._mesh, pm._coords)
+                total = whole if total is None else total + whole
+            assert total is not None
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for pm in mods:
+                p = pm.get_parameter(fqn)
+                p.grad = local_tile(total, pm.plan.param_tiling(fqn), pm._mesh, pm._coords).to(p.dtype)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -213,7 +268,68 @@ class PipelinedModule(nn.Module):
             assert isinstance(m, _StageModule)
             m.pm.load_full_state_dict(sd)
 
+    @torch.no_grad()
+    def _forward_microbatches(self, inputs: Sequence[Any]) -> list[Any] | None:
+        """Forward only, microbatch by microbatch, each stage run where it lives and its boundary values sent to
+        the next stage's ranks (``dist.send``/``recv`` in one global order, microbatch-major, so every send meets
+        its receive); this rank's list of the model's outputs per microbatch when it holds the last stage."""
+        m, n = self._microbatches, self._n
+        chunks = [torch.tensor_split(x, m) if isinstance(x, torch.Tensor) and x.dim() else [x] * m for x in inputs]
+        per = dist.get_world_size() // (n // self._virtual)
+        rank = dist.get_rank()
+        outs: list[Any] = []
+        for mb in range(m):
+            values: tuple[Any, ...] = tuple(c[mb] for c in chunks)
+            for i in range(n):
+                here, prev = i % self._groups, (i - 1) % self._groups
+                if i and here != prev:  # the boundary crosses rank groups: sent by the rank of this in-group index
+                    if here == self.group_index:
+                        values = tuple(self._recv(t, prev * per + rank % per) for t in self._examples[i][0])
+                    elif prev == self.group_index:
+                        for t in values:
+                            dist.send(t.contiguous(), here * per + rank % per)
+                if i in self.stage_indices:
+                    k = self.stage_indices.index(i)
+                    values = self.stage_modules[k](*values)
+                    if i == n - 1:
+                        outs.append(values)
+                    elif not isinstance(values, tuple):
+                        values = (values,)
+        return outs if self.is_last else None
+
+    def _recv(self, like: torch.Tensor, src: int) -> torch.Tensor:
+        buf = torch.empty(like.shape, dtype=like.dtype, device=self._device)
+        dist.recv(buf, src)
+        return buf
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward only, the whole batch: the model's output on every rank (each tensor output concatenated over
+        the microbatches along its batch dimension; a scalar, a loss computed inside, the mean of the
+        microbatches', as ``train_step`` reads it).  Training goes through ``train_step``: a ``backward()``
+        through this output is an error saying so."""
+        if kwargs:
+            raise TypeError("a pipelined plan takes its inputs positionally")
+        outs = self._forward_microbatches(args)
+        box: list[Any] = [None]
+        if outs is not None:
+            flat = [tree_flatten(o) for o in outs]
+            leaves = [torch.stack(xs).mean(0) if xs[0].dim() == 0 else torch.cat(xs) if isinstance(xs[0], torch.Tensor)
+                      else xs[0] for xs in zip(*(f[0] for f in flat))]
+            box = [tree_unflatten([x.cpu() if isinstance(x, torch.Tensor) else x for x in leaves], flat[0][1])]
+        dist.broadcast_object_list(box, src=self._last_rank)
+        token = torch.zeros((), requires_grad=True)
+        return tree_map(lambda x: _NoBackward.apply(x.to(self._device), token) if isinstance(x, torch.Tensor)
+                        and x.is_floating_point() else x, box[0])
+
+
+class _NoBackward(torch.autograd.Function):
+    """The identity, whose backward is the error a pipelined plan's forward output gives under ``backward()``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
         raise RuntimeError("a pipelined plan trains through pmodel.train_step(*inputs, loss_fn=fn) (the schedule "
-                           "runs forward and backward of every microbatch); calling pmodel(x) then backward() "
-                           "works only for a plan without pipeline stages")
+                           "runs forward and backward of every microbatch); pmodel(x) runs forward only")

@@ -5,7 +5,8 @@ ordered: stage ``s`` holds layers ``bounds[s][0] .. bounds[s][1]``.  Every other
 its inputs (a user input or a parameter is of stage 0), so what comes before the first layer (embeddings, masks,
 rotary tables) is stage 0's, what comes after the last (the final norm, the head, a loss computed inside) the last
 stage's, and a value is never needed before the stage that makes it.  Parameters and buffers are placeholders of
-every stage that reads them.
+every stage that reads them: a weight two stages read (tied input and output embeddings) is a copy in each, its
+gradient the sum of theirs (``shared_params``; ``pipelined`` sums them once per step).
 
 Stage ``s``'s graph takes, after its parameters and buffers (the capture's order: state first, then inputs, as
 ``module.ParallelModule`` calls it), the *boundary* values it reads but an earlier stage made: for stage 0 the
@@ -17,19 +18,20 @@ forward and backward: each node is copied once, into one stage, with its metadat
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import fx
+from torch.utils._pytree import tree_leaves
 
 from .capture import Captured, structural_keys
 from .graph.units import node_layer
 
 
 class StageError(ValueError):
-    """A cut that cannot make stages (too many stages for the layers, a weight two stages would both train)."""
+    """A cut that cannot make stages (too many stages for the layers, layers out of graph order)."""
 
 
 @dataclass
@@ -104,16 +106,6 @@ def split(cap: Captured, bounds: Sequence[tuple[int, int]]) -> list[Stage]:
         for a in n.all_input_nodes:
             if a.name not in state:
                 last_reader[a.name] = max(last_reader.get(a.name, -1), stage[n.name])
-    readers: dict[str, set[int]] = {}
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a.name in state:
-                readers.setdefault(cap.params.get(a.name, cap.buffers.get(a.name, a.name)), set()).add(stage[n.name])
-    shared = sorted(fqn for fqn, ss in readers.items() if len(ss) > 1 and fqn in cap.params.values()
-                    and fqn not in cap.frozen)
-    if shared:
-        raise StageError(f"the parameters {shared} are read by two pipeline stages (tied weights): place the stage "
-                         "cut so that one stage holds every reader, or plan without pipeline stages")
     value_nodes = [n for n in nodes if n.op not in ("output",) and n.name not in state]
     made = {n.name: stage[n.name] for n in value_nodes}
     out: list[Stage] = []
@@ -126,6 +118,18 @@ def split(cap: Captured, bounds: Sequence[tuple[int, int]]) -> list[Stage]:
                          returns))
         carried = returns
     return out
+
+
+def shared_params(stages: Sequence[Stage]) -> dict[str, list[int]]:
+    """The trained parameters two or more stages read (by FQN, in first-read order), and the stages that read
+    each: the serial gradient of such a weight is the sum of every reader's, so the copies stay equal only when
+    each is stepped with that sum."""
+    readers: dict[str, list[int]] = {}
+    for s, st in enumerate(stages):
+        for fqn in dict.fromkeys(st.cap.params.values()):
+            if fqn not in st.cap.frozen:
+                readers.setdefault(fqn, []).append(s)
+    return {fqn: ss for fqn, ss in readers.items() if len(ss) > 1}
 
 
 def _stage_capture(cap: Captured, s: int, stage: dict[str, int], state: set[str], takes: list[str],
@@ -177,3 +181,35 @@ def run_stages(cap: Captured, stages: Sequence[Stage], state: dict[str, torch.Te
         got = c.graph_module(*args, *values)
         values = tuple(got) if isinstance(got, (tuple, list)) else (got,)
     return values
+
+
+def boundary_examples(stages: Sequence[Stage], cast: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+                      ) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+    """Each stage's inputs and outputs as meta tensors (shape, dtype, and whether autograd tracks them: what a
+    pipeline schedule sends and receives), found by running the stages one after the other on the meta device
+    with the trained parameters tracked; ``cast``: the precision policy's cast of parameters and inputs, as the
+    stage's program applies it.  The last stage's outputs are the leaves of the model's output."""
+    out = []
+    values: tuple[Any, ...] = ()
+    for k, st in enumerate(stages):
+        c = st.cap
+        holders = [n for n in c.graph.nodes if n.op == "placeholder"]
+        if k == 0:  # the model's own inputs (fx may have renamed their placeholders: taken in order)
+            values = tuple(_meta_like(n.meta["val"]) for n in holders
+                           if n.name not in c.params and n.name not in c.buffers)
+        args = []
+        for n in holders:
+            if n.name in c.params or n.name in c.buffers:
+                t = _meta_like(n.meta["val"])
+                trains = n.name in c.params and c.params[n.name] not in c.frozen and t.is_floating_point()
+                args.append(cast(t.requires_grad_(trains)))
+        got = c.graph_module(*args, *(cast(v) if isinstance(v, torch.Tensor) else v for v in values))
+        got = tuple(x for x in tree_leaves(got) if isinstance(x, torch.Tensor))
+        out.append((values, got))
+        values = tuple(v.detach().requires_grad_(v.requires_grad) for v in got)
+    return out
+
+
+def _meta_like(v: Any) -> Any:
+    """A meta tensor of ``v``'s shape and dtype (a non-tensor value as it is)."""
+    return torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v

@@ -80,9 +80,8 @@ def test_cuts_that_cannot_make_stages_say_why() -> None:
     assert even_bounds(5, 2) == [(0, 2), (3, 4)]
     with pytest.raises(StageError, match="at most 3 stages"):
         even_bounds(3, 4)
-    model, inputs = transformer(batch=2, seq=4, hidden=8, layers=2, heads=2, vocab=11)
-    with pytest.raises(StageError, match="tied weights"):  # the head reads the token embedding: two stages
-        split(capture(model, inputs), [(0, 0), (1, 1)])
+    with pytest.raises(StageError, match="do not cover"):
+        split(capture(*_model()), [(0, 0), (2, 2)])
     with pytest.raises(ValueError, match=r"use microbatches in \[1, 2, 3, 6\]"):
         check_microbatches(6, 4)
 
@@ -159,9 +158,10 @@ def _mlp_pipelined(rank: int, world: int, steps: int) -> tuple[list[float], dict
     model, x, y = _mlp()
     pm = soybean.parallelize(model, (x,), devices=world, pipeline=world, microbatches=4, schedule="gpipe")
     losses = _steps(pm, steps, x, loss_fn=nn.functional.mse_loss, target=y)
+    out = pm(x)  # forward only, the whole batch's output on every rank
     with pytest.raises(RuntimeError, match="train_step"):
-        pm(x)
-    return losses, _own(pm, model)
+        out.sum().backward()
+    return losses, _own(pm, model), out.detach()
 
 
 @pytest.mark.dist
@@ -171,8 +171,11 @@ def test_a_loss_outside_the_model_with_its_target_trains_as_serial() -> None:
     ref_losses, ref_params = _mlp_serial(3)
     got = spawn(_mlp_pipelined, 2, 3, timeout_s=180)
     params: dict[str, torch.Tensor] = {}
-    for losses, p in got:
+    model, x, _ = _mlp()
+    model.load_state_dict(ref_params)
+    for losses, p, out in got:
         assert losses == pytest.approx(ref_losses, rel=1e-10)
+        torch.testing.assert_close(out, model(x).detach())
         params.update(p)
     assert set(params) == set(ref_params)
     for k, v in ref_params.items():
@@ -294,6 +297,44 @@ def test_interleaved_1f1b_over_two_tiled_groups_trains_as_serial() -> None:
         assert pipe["bubble"] == pytest.approx(1 / (2 * 2 + 1))
     for k, v in model.named_parameters():
         torch.testing.assert_close(params[k], v.detach(), rtol=1e-10, atol=1e-12)
+
+
+def _tied_model() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    model, inputs = transformer(batch=4, seq=6, hidden=12, layers=4, heads=2, vocab=11)  # head tied to the embedding
+    return model.double(), inputs
+
+
+def _tied(rank: int, world: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor], dict]:
+    import soybean
+
+    torch.set_num_threads(1)
+    model, inputs = _tied_model()
+    pm = soybean.parallelize(model, inputs, devices=world, pipeline=2, virtual_stages=2, microbatches=2,
+                             schedule="zero-bubble")
+    return _steps(pm, steps, *inputs, loss_fn=lambda out: out), pm.full_state_dict(), pm.plan.pipeline or {}
+
+
+@pytest.mark.dist
+def test_tied_embeddings_across_stages_under_zero_bubble_train_as_serial() -> None:
+    """A language model whose head is its token embedding, 4 layers as 4 stages on 2 processes under torch's
+    zero-bubble schedule: the embedding (stage 0, rank 0) and the head (stage 3, rank 1) each hold a copy of the
+    weight, stepped with the sum of both gradients, so both copies stay the serial weight; the integer targets
+    cross every stage boundary."""
+    model, inputs = _tied_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(*inputs)
+        loss.backward()
+        opt.step()
+        ref.append(float(loss.detach()))
+    got = spawn(_tied, 2, 3, timeout_s=180)
+    for losses, sd, pipe in got:
+        assert losses == pytest.approx(ref, rel=1e-10)
+        assert pipe["schedule"] == "zero-bubble" and pipe["bubble"] == pytest.approx(1 / (3 * 2 * 2 + 1))
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(sd[k], v, rtol=1e-10, atol=1e-12)
 
 
 def test_best_cut_is_the_least_bottleneck_of_every_cut() -> None:
