@@ -27,7 +27,10 @@ to the serial weight.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +42,7 @@ from .capture import Captured
 from .module import ParallelModule
 from .plan import Plan
 from .precision import policy
+from .runtime.checkpoint_dir import CheckpointError
 from .stages import Stage, boundary_examples, shared_params
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -152,6 +156,10 @@ class PipelinedModule(nn.Module):
             ins, outs = examples[i]
             self._pstages.append(PipelineStage(m, i, n, device, input_args=ins, output_args=outs, group=pp))
         self._schedules: dict[tuple[int, bool, str], Any] = {}
+        self._stage_ranks = [list(range((k % groups) * per, (k % groups + 1) * per)) for k in range(n)]
+        self._stage_caps = [st.cap for st in stages]
+        self._plans = list(plans)
+        self._checkpoint_view: _CheckpointView | None = None
         # A weight several stages read: summed over this rank's readers, then over the groups' ranks of one index.
         self._ties: list[tuple[str, list[ParallelModule], Any]] = []
         for fqn, readers in shared_params(stages).items():
@@ -268,6 +276,30 @@ class PipelinedModule(nn.Module):
             assert isinstance(m, _StageModule)
             m.pm.load_full_state_dict(sd)
 
+    def _view(self) -> _CheckpointView:
+        if self._checkpoint_view is None:
+            self._checkpoint_view = _CheckpointView(self)
+        return self._checkpoint_view
+
+    def save_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+                     extra: Any = None, keep: int | None = None) -> Path:
+        """``ParallelModule.save_sharded`` across stages: every rank writes its stages' tiles (a tied weight by the
+        first stage that reads it), as DTensors on their stage's submesh, so the checkpoint loads under any
+        pipeline layout or none (DCP reshards)."""
+        from .runtime.checkpoint import save
+
+        return save(self._view().check(optimizer), path, optimizer, extra, keep)
+
+    def load_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """``ParallelModule.load_sharded`` across stages: each stage reads its own tiles from a checkpoint saved
+        under any plan, pipelined or not; a tied weight's other copies take the first's."""
+        from .runtime.checkpoint import load
+
+        view = self._view().check(optimizer)
+        extra = load(view, path, optimizer)
+        view.copy_ties()
+        return extra
+
     @torch.no_grad()
     def _forward_microbatches(self, inputs: Sequence[Any]) -> list[Any] | None:
         """Forward only, microbatch by microbatch, each stage run where it lives and its boundary values sent to
@@ -333,3 +365,104 @@ class _NoBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         raise RuntimeError("a pipelined plan trains through pmodel.train_step(*inputs, loss_fn=fn) (the schedule "
                            "runs forward and backward of every microbatch); pmodel(x) runs forward only")
+
+
+@dataclass
+class _ViewPlan:
+    """What a checkpoint reads of a plan, for tensors on several stages' submeshes."""
+
+    devices: int
+    mesh: list[int]
+    fingerprint: str | None
+    tilings: dict[str, Any]
+
+    def param_tiling(self, fqn: str) -> Any:
+        return self.tilings[fqn]
+
+
+class _CheckpointView(nn.Module):
+    """This rank's stages as the one module ``runtime.checkpoint`` saves and loads (its ``Tiled``): each tensor by
+    the model's name, once, on its stage's submesh (``_mesh_of``); a weight several stages read is saved by the
+    first of them (the others' copies are equal) and its copies on this rank are refreshed after a load
+    (``copy_ties``).  The catalog is every stage's tensors, so a checkpoint names the whole model on every rank."""
+
+    def __init__(self, pipe: PipelinedModule) -> None:
+        super().__init__()
+        from .module import _attach
+        from .runtime.checkpoint import submesh
+
+        self._pipe: PipelinedModule
+        object.__setattr__(self, "_pipe", pipe)  # not a submodule: the view's parameters are the stages' by name
+        first: dict[str, int] = {}  # each tensor's first stage
+        for k, cap in enumerate(pipe._stage_caps):
+            for fqn in [*cap.params.values(), *cap.buffers.values()]:
+                first.setdefault(fqn, k)
+        self._meshes = [submesh(r, p.mesh) for r, p in zip(pipe._stage_ranks, pipe._plans)]  # every rank, in order
+        self._owner: dict[str, tuple[ParallelModule, int]] = {}
+        self._copies: dict[str, list[ParallelModule]] = {}
+        for i, m in zip(pipe.stage_indices, pipe.stage_modules):
+            assert isinstance(m, _StageModule)
+            for kind, fqn in m.pm._state():
+                if first[fqn] == i:
+                    self._owner[fqn] = (m.pm, i)
+                    _attach(self, fqn, m.pm._tensor(kind, fqn), kind, shared=True)
+                else:
+                    self._copies.setdefault(fqn, []).append(m.pm)
+        self.plan = _ViewPlan(pipe.plan.devices, list(pipe.plan.mesh), pipe.plan.fingerprint,
+                              {f: pm.plan.param_tiling(f) for f, (pm, _) in self._owner.items()})
+        self._all: dict[str, dict[str, Any]] = {}
+        for cap in pipe._stage_caps:
+            for node in cap.graph.nodes:
+                name = cap.params.get(node.name) or cap.buffers.get(node.name)
+                if node.op == "placeholder" and name is not None and name not in cap.constants:
+                    v = node.meta["val"]
+                    self._all.setdefault(name, {"shape": list(v.shape), "dtype": str(v.dtype)})
+
+    def check(self, optimizer: torch.optim.Optimizer | None) -> _CheckpointView:
+        if optimizer is not None and self._pipe._ties:
+            raise CheckpointError("save_sharded/load_sharded with optimizer= of a pipelined plan whose stages share a "
+                                  f"weight ({', '.join(f for f, _, _ in self._pipe._ties)}) is not supported yet: "
+                                  "save the model alone, or cut the stages so one stage holds every reader")
+        return self
+
+    def _state(self) -> Iterator[tuple[str, str]]:
+        for fqn, (pm, _) in self._owner.items():
+            yield next((k, f) for k, f in pm._state() if f == fqn)
+
+    def _tensor(self, kind: str, fqn: str) -> torch.Tensor:
+        return self._owner[fqn][0]._tensor(kind, fqn)
+
+    def _full_shape(self, fqn: str) -> tuple[int, ...]:
+        return self._owner[fqn][0]._full_shape(fqn)
+
+    def _mesh_of(self, fqn: str) -> Any:
+        return self._meshes[self._owner[fqn][1]]
+
+    def _catalog(self) -> dict[str, dict[str, Any]]:
+        return dict(self._all)
+
+    @torch.no_grad()
+    def copy_ties(self) -> None:
+        """A tied weight's copies take the value of its first reader's (gathered, then each copy's tile), across
+        rank groups through the tie's group (a sum with zeros from the ranks that do not own it)."""
+        from .codegen.lower import gather_now
+        from .runtime.context import use_groups
+        from .tiling import local_tile
+
+        for fqn, mods, group in self._pipe._ties:
+            own = self._owner.get(fqn)
+            whole: torch.Tensor | None = None
+            if own is not None:
+                pm = own[0]
+                with use_groups(pm._groups):
+                    whole = gather_now(pm.get_parameter(fqn).detach(), pm.plan.param_tiling(fqn),
+                                       pm._full_shape(fqn), pm._mesh, pm._coords)
+            if group is not None:
+                like = mods[0]
+                buf = whole if whole is not None else torch.zeros(like._full_shape(fqn),
+                                                                  dtype=like.get_parameter(fqn).dtype)
+                dist.all_reduce(buf, group=group)
+                whole = buf
+            assert whole is not None
+            for pm in self._copies.get(fqn, []):
+                pm.get_parameter(fqn).copy_(local_tile(whole, pm.plan.param_tiling(fqn), pm._mesh, pm._coords))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,22 +305,28 @@ def _tied_model() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model.double(), inputs
 
 
-def _tied(rank: int, world: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor], dict]:
+def _tied(rank: int, world: int, steps: int, path: str) -> tuple[list[float], dict[str, torch.Tensor], dict]:
     import soybean
 
     torch.set_num_threads(1)
     model, inputs = _tied_model()
     pm = soybean.parallelize(model, inputs, devices=world, pipeline=2, virtual_stages=2, microbatches=2,
                              schedule="zero-bubble")
-    return _steps(pm, steps, *inputs, loss_fn=lambda out: out), pm.full_state_dict(), pm.plan.pipeline or {}
+    losses = _steps(pm, steps, *inputs, loss_fn=lambda out: out)
+    pm.save_sharded(path)  # the tied weight saved once, by stage 0
+    fresh = soybean.parallelize(_tied_model()[0], inputs, devices=world, pipeline=2, virtual_stages=2,
+                                microbatches=2, schedule="zero-bubble")
+    fresh.load_sharded(path)  # stage 3's copy (on the other rank) takes stage 0's
+    return losses, fresh.full_state_dict(), pm.plan.pipeline or {}
 
 
 @pytest.mark.dist
-def test_tied_embeddings_across_stages_under_zero_bubble_train_as_serial() -> None:
+def test_tied_embeddings_across_stages_under_zero_bubble_train_as_serial(tmp_path: Path) -> None:
     """A language model whose head is its token embedding, 4 layers as 4 stages on 2 processes under torch's
     zero-bubble schedule: the embedding (stage 0, rank 0) and the head (stage 3, rank 1) each hold a copy of the
     weight, stepped with the sum of both gradients, so both copies stay the serial weight; the integer targets
-    cross every stage boundary."""
+    cross every stage boundary.  A sharded checkpoint saves the weight once and a fresh module's copies both load
+    it."""
     model, inputs = _tied_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref = []
@@ -329,12 +336,53 @@ def test_tied_embeddings_across_stages_under_zero_bubble_train_as_serial() -> No
         loss.backward()
         opt.step()
         ref.append(float(loss.detach()))
-    got = spawn(_tied, 2, 3, timeout_s=180)
+    got = spawn(_tied, 2, 3, str(tmp_path), timeout_s=180)
     for losses, sd, pipe in got:
         assert losses == pytest.approx(ref, rel=1e-10)
         assert pipe["schedule"] == "zero-bubble" and pipe["bubble"] == pytest.approx(1 / (3 * 2 * 2 + 1))
         for k, v in model.state_dict().items():
             torch.testing.assert_close(sd[k], v, rtol=1e-10, atol=1e-12)
+
+
+def _checkpoints(rank: int, world: int, path: str) -> None:
+    import soybean
+
+    torch.set_num_threads(1)
+
+    def adamw(pm: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(pm.parameters(), lr=0.01)
+
+    def step(pm: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        opt.zero_grad()
+        pm.train_step(*inputs, loss_fn=lambda out: out)  # type: ignore[operator]
+        opt.step()
+        return pm.full_state_dict()  # type: ignore[operator]
+
+    model, inputs = _model()
+    pm = soybean.parallelize(model, inputs, devices=world, pipeline=2, microbatches=2)
+    opt = adamw(pm)
+    step(pm, opt)
+    pm.save_sharded(path, optimizer=opt, extra={"step": 1})
+    saved, after = pm.full_state_dict(), step(pm, opt)
+    plain = soybean.parallelize(_model()[0], inputs, devices=world)  # no stages: DCP reshards the stages' tiles
+    opt2 = adamw(plain)
+    assert plain.load_sharded(path, optimizer=opt2) == {"step": 1}
+    for k, v in plain.full_state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    for k, v in step(plain, opt2).items():  # the moments came back too: the next step is the pipeline's
+        torch.testing.assert_close(v, after[k], rtol=1e-10, atol=1e-12)
+    plain.save_sharded(path, optimizer=opt2)
+    other = soybean.parallelize(_model()[0], inputs, devices=world, pipeline=2, microbatches=4, schedule="gpipe")
+    other.load_sharded(path, optimizer=adamw(other))
+    for k, v in other.full_state_dict().items():
+        torch.testing.assert_close(v, after[k], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.dist
+def test_sharded_checkpoints_load_under_another_pipeline_layout_or_none(tmp_path: Path) -> None:
+    """A checkpoint (weights and AdamW's moments) saved by 2 stages loads into a plan without stages, whose next
+    step equals the pipeline's; one saved without stages loads into 2 stages of other microbatches and schedule."""
+    spawn(_checkpoints, 2, str(tmp_path), timeout_s=240)
 
 
 def test_best_cut_is_the_least_bottleneck_of_every_cut() -> None:

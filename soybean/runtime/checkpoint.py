@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from ..plan import Plan
 from ..tiling import R, to_torch
 from . import checkpoint_dir as store
 from .checkpoint_dir import CheckpointError
@@ -37,11 +36,27 @@ from .checkpoint_dir import CheckpointError
 __all__ = ["save", "load", "CheckpointError", "sharded_state_dict"]
 
 
+class TiledPlan(Protocol):
+    """What a checkpoint reads of a plan."""
+
+    @property
+    def devices(self) -> int: ...
+
+    @property
+    def mesh(self) -> Sequence[int]: ...
+
+    @property
+    def fingerprint(self) -> str | None: ...
+
+    def param_tiling(self, fqn: str) -> Any: ...
+
+
 class Tiled(Protocol):
     """What a checkpoint reads of a ``ParallelModule``: a protocol, so that the runtime never imports
     ``soybean.module`` (which imports the runtime)."""
 
-    plan: Plan
+    @property
+    def plan(self) -> TiledPlan: ...
 
     def _state(self) -> Iterator[tuple[str, str]]: ...  # (kind, fqn) of every parameter and buffer
 
@@ -74,10 +89,23 @@ def _device_mesh(pm: Tiled) -> DeviceMesh:
     return _MESHES[key]
 
 
+def submesh(ranks: Sequence[int], shape: Sequence[int]) -> DeviceMesh:
+    """A DeviceMesh of ``shape`` over ``ranks`` (a pipeline stage's devices), made once per process group; every
+    rank must make every one, in the same order (making one creates its groups)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    key = (device, tuple(ranks), tuple(shape), id(dist.group.WORLD))
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh(device, torch.tensor(list(ranks)).reshape(tuple(shape)))
+    return _MESHES[key]
+
+
 def _wrap(t: torch.Tensor, pm: Tiled, fqn: str, mesh: DeviceMesh | None) -> torch.Tensor:
-    """The tile ``t`` of tensor ``fqn`` as a DTensor of its full shape (as it is without a mesh)."""
+    """The tile ``t`` of tensor ``fqn`` as a DTensor of its full shape (as it is without a mesh); a module whose
+    tensors live on several submeshes (a pipelined one) names each tensor's (``_mesh_of``)."""
     if mesh is None:
         return t
+    if (of := getattr(pm, "_mesh_of", None)) is not None:
+        mesh = of(fqn)
     shape = pm._full_shape(fqn)
     return DTensor.from_local(t, mesh, [to_torch(p) for p in pm.plan.param_tiling(fqn)], run_check=False,
                               shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
@@ -87,6 +115,15 @@ def sharded_state_dict(pm: Tiled) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of ParallelModule ``pm`` as a DTensor viewing the local tile."""
     mesh = _device_mesh(pm) if _distributed(pm) else None
     return {fqn: _wrap(pm._tensor(kind, fqn).detach(), pm, fqn, mesh) for kind, fqn in pm._state()}
+
+
+def _catalog(pm: Tiled) -> dict[str, dict[str, Any]]:
+    """Every tensor of the model (name: full shape and dtype), what a checkpoint of it holds: ``pm``'s own, or
+    every stage's for a module that holds only some of them (``_catalog``)."""
+    if (of := getattr(pm, "_catalog", None)) is not None:
+        return of()
+    return {fqn: {"shape": list(pm._full_shape(fqn)), "dtype": str(pm._tensor(kind, fqn).dtype)}
+            for kind, fqn in pm._state()}
 
 
 def _optimizer_state(pm: Tiled, optimizer: torch.optim.Optimizer, mesh: DeviceMesh | None) -> dict[str, Any]:
@@ -113,8 +150,7 @@ def _optimizer_state(pm: Tiled, optimizer: torch.optim.Optimizer, mesh: DeviceMe
 
 
 def _manifest(pm: Tiled, optimizer: torch.optim.Optimizer | None, extra: bool) -> dict[str, Any]:
-    return {"tensors": {fqn: {"shape": list(pm._full_shape(fqn)), "dtype": str(pm._tensor(kind, fqn).dtype)}
-                        for kind, fqn in pm._state()},
+    return {"tensors": _catalog(pm),
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
             "extra": extra, "devices": pm.plan.devices, "mesh": list(pm.plan.mesh),
             "fingerprint": pm.plan.fingerprint}
@@ -186,8 +222,7 @@ def load(pm: Tiled, root: str | os.PathLike[str], optimizer: torch.optim.Optimiz
         with _quiet(distributed):
             dcp.load(tensors, checkpoint_id=str(ckpt), no_dist=not distributed)
     else:
-        here = {fqn: {"shape": list(pm._full_shape(fqn))} for _, fqn in pm._state()}
-        store.check_tensors(ckpt, manifest["tensors"], here)
+        store.check_tensors(ckpt, manifest["tensors"], _catalog(pm))
         state: dict[str, Any] = {"model": tensors}
         if optimizer is not None:
             saved = manifest["optimizer"]
