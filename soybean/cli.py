@@ -157,9 +157,10 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
-def _explained(a: argparse.Namespace) -> Explanation:
+def _explained(a: argparse.Namespace) -> list[tuple[str, Explanation]]:
     """``explain`` and ``draw``: the model's plan (``--plan``: a saved one, checked against the model; else
-    planned now as ``soybean plan`` would) and its rows on the plan's full candidate table."""
+    planned now as ``soybean plan`` would) and its rows on the plan's full candidate table; a pipelined plan
+    (``--plan`` of one, or ``--pipeline S``), one per stage, each titled by its stage's row of the table."""
     from . import models
     from .capture import capture
     from .cost.profiles import load_profile
@@ -169,6 +170,10 @@ def _explained(a: argparse.Namespace) -> Explanation:
     from .precision import policy
 
     model, inputs = models.load(a.model, models.parse_args(a.arg))
+    profile = load_profile(a.profile) if a.profile else None
+    given = Plan.load(a.plan) if a.plan else None
+    if (given is not None and given.pipeline is not None) or (given is None and a.pipeline != "none"):
+        return _explained_stages(a, model, inputs, given, profile)
     if a.plan:
         p = Plan.load(a.plan)
         if a.devices is not None and a.devices != p.devices:
@@ -183,22 +188,66 @@ def _explained(a: argparse.Namespace) -> Explanation:
         opts = plan_options(a)
         cap = capture(model, inputs, precision=policy(opts.precision).name)
         p = _planned(True, None, (), options=opts, captured=cap, baselines=False)
-    return explain(cap, p, load_profile(a.profile) if a.profile else None)
+    return [("", explain(cap, p, profile))]
+
+
+def _explained_stages(a: argparse.Namespace, model: Any, inputs: Any, given: Plan | None,
+                      profile: Any) -> list[tuple[str, Explanation]]:
+    """Each stage of a pipelined plan explained on its own capture and plan, titled by its row of the table."""
+    from .api import micro_inputs
+    from .capture import capture
+    from .explain import explain
+    from .options import plan_options
+    from .pipeline_plan import plan_pipeline
+    from .plan import Plan
+    from .precision import policy
+    from .report import pipeline_table
+    from .stages import split
+
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    if given is None:
+        if a.pipeline == "auto":
+            raise ValueError("explain and draw take --pipeline S (a number of stages), or a plan saved by "
+                             "`soybean plan --pipeline auto --out plan.json` with --plan")
+        opts = plan_options(a)
+        stages = int(a.pipeline)
+        m = a.microbatches or stages
+        cap = capture(model, micro_inputs(args, {}, m)[0], precision=policy(opts.precision).name)
+        cut, plans, p = plan_pipeline(cap, opts.world, stages, m, a.schedule, opts, a.virtual_stages)
+    else:
+        p = given
+        assert p.pipeline is not None
+        cap = capture(model, micro_inputs(args, {}, int(p.pipeline["microbatches"]))[0], precision=p.precision)
+        if cap.fingerprint != p.fingerprint:
+            raise ValueError(f"the plan {a.plan} was made for another model or other input shapes (fingerprint "
+                             f"{p.fingerprint} != {cap.fingerprint}): give the model and --arg it was planned with")
+        cut = split(cap, [tuple(st["layers"]) for st in p.pipeline["stages"]])
+        plans = [Plan.from_dict(st["plan"]) for st in p.pipeline["stages"]]
+    assert p.pipeline is not None
+    rows = pipeline_table(p).splitlines()
+    return [(f"{rows[0]}\n{rows[k + 1]}\n{rows[-1]}", explain(st.cap, sp, profile))
+            for k, (st, sp) in enumerate(zip(cut, plans))]
 
 
 def _cmd_explain(a: argparse.Namespace) -> int:
     from .explain import format_text
 
-    sys.stdout.write(format_text(_explained(a), a.node))
+    for k, (title, ex) in enumerate(_explained(a)):
+        if title:
+            sys.stdout.write(f"{'' if k == 0 else chr(10)}== pipeline stage {k}\n{title}\n\n")
+        sys.stdout.write(format_text(ex, a.node))
     return 0
 
 
 def _cmd_draw(a: argparse.Namespace) -> int:
-    from .draw import page, svg
+    from .draw import page, stacked, svg
 
-    ex = _explained(a)
+    parts = _explained(a)
     with open(a.out, "w") as f:
-        f.write(page(ex) if a.out.endswith(".html") else svg(ex))
+        if len(parts) == 1 and not parts[0][0]:
+            f.write(page(parts[0][1]) if a.out.endswith(".html") else svg(parts[0][1]))
+        else:
+            f.write(stacked(parts, html_page=a.out.endswith(".html")))
     print(f"wrote {a.out}", file=sys.stderr)
     return 0
 
@@ -223,6 +272,23 @@ def _add_explained_args(p: argparse.ArgumentParser) -> None:
                    help="a plan saved by `soybean plan --out`: its tilings are read, not planned again (the "
                         "planning options below are then unused, but --profile)")
     add_plan_options(p, profile_help="; with --plan, default the plan's")
+    _add_pipeline_args(p)
+
+
+def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """``--pipeline`` and its schedule's options (``plan``, ``explain``, ``draw``)."""
+    from .pipelined import SCHEDULES
+
+    p.add_argument("--pipeline", default="none", type=_pipeline_arg, metavar="none|auto|S",
+                   help="pipeline stages: none (default: one SPMD program over every device), a number S (the layers "
+                        "cut evenly into S stages, S x V with --virtual-stages V, each planned on devices/S devices) "
+                        "or auto (stage counts, microbatches and cuts searched against no stages)")
+    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="microbatches per step with --pipeline (default: the number of stages)")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
+                   help="the pipeline schedule (torch.distributed.pipelining's) with --pipeline")
+    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="stages per rank group with --schedule interleaved-1f1b or zero-bubble (2 or more)")
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
@@ -302,7 +368,6 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .options import add_plan_options
-    from .pipelined import SCHEDULES
 
     ap = argparse.ArgumentParser(prog="soybean", description="Automatic tensor-tiling parallelizer for PyTorch")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -313,16 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--out", help="write the plan here (JSON when the name ends in .json)")
     p.add_argument("--emit-code", metavar="DIR", help="write each rank's generated program to DIR")
-    p.add_argument("--pipeline", default="none", type=_pipeline_arg, metavar="none|auto|S",
-                   help="pipeline stages: none (default: one SPMD program over every device), a number S (the layers "
-                        "cut evenly into S stages, S x V with --virtual-stages V, each planned on devices/S devices) "
-                        "or auto (stage counts, microbatches and cuts searched against no stages)")
-    p.add_argument("--microbatches", type=int, default=None, metavar="M",
-                   help="microbatches per step with --pipeline (default: the number of stages)")
-    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
-                   help="the pipeline schedule (torch.distributed.pipelining's) with --pipeline")
-    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                   help="stages per rank group with --schedule interleaved-1f1b or zero-bubble (2 or more)")
+    _add_pipeline_args(p)
     p.add_argument("--no-cache", action="store_true",
                    help="capture the model and walk its routes afresh, neither reading nor writing the capture "
                    "and route caches (~/.cache/soybean)")

@@ -18,6 +18,8 @@ blocking communication, gradient sync, and the part of the sync hidden behind ba
 from __future__ import annotations
 
 import html
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from xml.sax.saxutils import escape
 
@@ -322,4 +324,34 @@ def page(ex: Explanation) -> str:
             + html.escape(format_text(ex)) + "</pre></details>\n</body></html>\n")
 
 
-__all__ = ["band_of", "layout", "page", "placement_colour", "svg"]
+def stacked(parts: Sequence[tuple[str, Explanation]], html_page: bool = False) -> str:
+    """A pipelined plan: each stage's picture (``svg``) in a band of its own, one under the other in stage
+    order, headed by its row of the stage table (``title``: lines of text); ``html_page``: an HTML page with
+    each stage's ``soybean explain`` text folded under its picture."""
+    if html_page:
+        body = "".join(f"<h3>Pipeline stage {k}</h3><pre>{html.escape(title)}</pre>" + svg(ex)
+                       + "<details><summary>Why each tiling (soybean explain)</summary><pre>"
+                       + html.escape(format_text(ex)) + "</pre></details>\n" for k, (title, ex) in enumerate(parts))
+        return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>soybean pipelined plan</title>"
+                "<style>body{font-family:Helvetica,Arial,sans-serif;margin:16px} pre{font-size:12px}</style>"
+                "</head><body>\n" + body + "</body></html>\n")
+    pics, y, width = [], 0.0, 0.0
+    for k, (title, ex) in enumerate(parts):
+        lines = title.splitlines()
+        head = 22.0 + 15.0 * len(lines)
+        pic = svg(ex)
+        w, h = (float(x) for x in re.findall(r'width="([\d.]+)" height="([\d.]+)"', pic)[0])
+        out = _Svg()
+        out.rect(0, y, max(w, 900.0), head, "#eef2f7")
+        out.text(12, y + 17, f"pipeline stage {k}", 13, weight="bold")
+        for i, line in enumerate(lines):
+            out.add(f'<text x="12" y="{y + 34 + 15 * i:.0f}" font-family="monospace" font-size="11" '
+                    f'fill="#222" xml:space="preserve">{html.escape(line)}</text>')
+        pics.append("".join(out.parts) + pic.replace("<svg ", f'<svg x="0" y="{y + head:.0f}" ', 1))
+        y += head + h + 12
+        width = max(width, w, 900.0)
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{y:.0f}" '
+            f'viewBox="0 0 {width:.0f} {y:.0f}" style="{FONT};background:#fff">' + "".join(pics) + "</svg>\n")
+
+
+__all__ = ["band_of", "layout", "page", "placement_colour", "stacked", "svg"]

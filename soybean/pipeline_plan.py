@@ -65,7 +65,8 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
         "schedule": schedule, "microbatches": microbatches, "virtual_stages": virtual_stages, "bubble": bubble,
         "stages": [{"units": [names[a], names[b]], "layers": [a, b],
                     "ranks": list(range((k % stages) * per, (k % stages + 1) * per)), "mesh": list(p.mesh),
-                    "microbatch_s": t, "sends": st.returns, "plan": p.to_dict()}
+                    "microbatch_s": t, "memory_bytes": stage_memory(p, inflight(schedule, k, stages, microbatches)),
+                    "sends": st.returns, "plan": p.to_dict()}
                    for k, (st, p, t, (a, b)) in enumerate(zip(cut, plans, per_mb, bounds))],
     }
     top = Plan(devices=world, mesh=[stages, per], objective=options.objective, profile=plans[0].profile,
@@ -137,6 +138,12 @@ def _layer_signatures(cap: Captured) -> list[str]:
     return [hashlib.sha1("\n".join(sigs[k]).encode()).hexdigest() for k in layers(cap)]
 
 
+def stage_memory(p: Plan, held: int) -> float:
+    """A stage's peak bytes per device holding the activations of ``held`` microbatches at once (its own plan's
+    peak counts one)."""
+    return p.memory.get("peak", 0.0) + (held - 1) * p.memory.get("activations", 0.0)
+
+
 def inflight(schedule: str, stage: int, groups: int, microbatches: int) -> int:
     """Microbatches whose activations stage ``stage`` holds at once: GPipe all of them, 1F1B ``groups - stage``
     (at most the microbatches); the interleaved schedule as 1F1B per rank group."""
@@ -172,7 +179,7 @@ class StageCosts:
                 self.memo[key] = (math.inf, math.inf)
                 return math.inf
             t = p.cost["step_time_s"] + _transfer_s(self.cap, st, self.profile.alpha, self.profile.beta)
-            mem = p.memory.get("peak", 0.0) + (held - 1) * p.memory.get("activations", 0.0)
+            mem = stage_memory(p, held)
             self.memo[key] = (t if self.budget is None or mem <= self.budget else math.inf, mem)
         return self.memo[key][0]
 

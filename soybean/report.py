@@ -80,14 +80,23 @@ def table(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ranks(ranks: list[int]) -> str:
+    """Ranks as a range when contiguous (``0-7``), else listed."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
 def pipeline_table(plan: Plan) -> str:
     """A pipelined plan (``Plan.pipeline``): one row per stage (its layers, ranks, mesh, modelled seconds per
-    microbatch, the values it sends on), then the schedule and the modelled step."""
+    microbatch, peak memory per device with its microbatches in flight, the values it sends on), then the schedule
+    and the modelled step."""
     pipe = plan.pipeline
     assert pipe is not None
-    head = ["stage", "units", "ranks", "mesh", "per microbatch", "sends"]
-    rows = [[str(k), f"{st['units'][0]} .. {st['units'][1]}", ",".join(map(str, st["ranks"])),
-             "x".join(map(str, st["mesh"])), f"{st['microbatch_s'] * 1e3:.4g} ms", str(len(st["sends"]))]
+    head = ["stage", "units", "ranks", "mesh", "per microbatch", "memory", "sends"]
+    rows = [[str(k), f"{st['units'][0]} .. {st['units'][1]}", _ranks(st["ranks"]),
+             "x".join(map(str, st["mesh"])), f"{st['microbatch_s'] * 1e3:.4g} ms",
+             fmt_memory(st.get("memory_bytes", 0.0)), str(len(st["sends"]))]
             for k, st in enumerate(pipe["stages"])]
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]

@@ -206,6 +206,34 @@ def test_the_command_line_plans_stages(capsys: pytest.CaptureFixture) -> None:
     assert "use microbatches in [1, 2, 4, 8]" in capsys.readouterr().err
 
 
+def test_explain_and_draw_show_each_stage(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``explain`` and ``draw`` of a pipelined plan (saved, or planned with ``--pipeline``): each stage's row of
+    the table (units, ranks, mesh, time per microbatch, memory) and the schedule's bubble, then its own plan
+    explained; the picture bands the stages in order."""
+    from soybean.cli import main
+
+    model = ["examples.models:transformer", "--arg", "batch=8", "--arg", "seq=8", "--arg", "hidden=16", "--arg",
+             "layers=3", "--arg", "heads=2"]
+    saved = tmp_path / "pp.json"
+    assert main(["plan", *model, "--devices", "4", "--pipeline", "2", "--microbatches", "4", "--quiet",
+                 "--out", str(saved)]) == 0
+    table = capsys.readouterr().out
+    assert "memory" in table.splitlines()[0] and "bubble 20.0%" in table
+    assert main(["explain", *model, "--plan", str(saved)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("== pipeline stage") == 2 and text.count("soybean explain: 2 devices") == 2
+    stage1 = text[text.index("== pipeline stage 1"):]
+    assert "blocks.2 .. blocks.2" in stage1 and "2,3" in stage1 and "bubble 20.0%" in stage1
+    assert "blocks.2" in stage1.split("soybean explain", 1)[1] and "blocks.0" not in stage1
+    pic = tmp_path / "pp.svg"
+    assert main(["draw", *model, "--devices", "4", "--pipeline", "2", "--out", str(pic)]) == 0
+    body = pic.read_text()
+    assert body.index("pipeline stage 0") < body.index("pipeline stage 1") and body.count("<svg ") == 3
+    import xml.dom.minidom
+
+    xml.dom.minidom.parseString(body)  # well-formed
+
+
 @pytest.mark.sim
 @pytest.mark.parametrize("mode", ["dp", "mp"])
 def test_train_step_serves_a_plan_without_stages(mode: str) -> None:
