@@ -249,18 +249,22 @@ def micro_inputs(args: tuple, kwargs: dict, microbatches: int) -> tuple[tuple, d
 
 
 def auto_plan(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions, world: int,
-              precision: str, say: Callable[[str], None] = lambda line: None) -> Plan:
+              precision: str, say: Callable[[str], None] = lambda line: None, baselines: bool = False) -> Plan:
     """``pipeline="auto"``: the faster of the plan without stages (the whole batch on one mesh) and the best
     pipelined plan (``pipeline_plan.search_pipeline``); the plan without stages keeps every pipeline searched in
     ``solver["pipelines_searched"]``, a pipelined one in ``pipeline["searched"]`` with the other's step
-    (``pipeline["without_stages_s"]``)."""
+    (``pipeline["without_stages_s"]``).  ``baselines``: the plan returned records every baseline, the one-mesh
+    layouts (``soybean.baselines``) and torchtitan's 3-D ones (``pipeline_baselines``)."""
+    from . import pipeline_baselines
     from .pipeline_plan import search_pipeline
     from .planner import MemoryBudgetError, SearchError
 
     plain: Plan | None = None
+    base: dict[str, dict[str, Any]] = {}
     try:
-        plain = make_plan(None, (), world, options=opts, baselines=False,
+        plain = make_plan(None, (), world, options=opts, baselines=baselines,
                           captured=capture(model, args, kwargs, precision=precision))
+        base.update(plain.baselines)
     except (MemoryBudgetError, SearchError) as e:  # no stages fit: only stages may
         unfit: Exception = e
     _, _, batch = micro_inputs(args, kwargs, 1)
@@ -269,12 +273,17 @@ def auto_plan(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptio
         a, k, _ = micro_inputs(args, kwargs, m)
         return capture(model, a, k, precision=precision)
 
+    if baselines:
+        say("3-D baselines")
+        base.update(pipeline_baselines.price(capture_at, batch, world, opts, say))
     piped, searched = search_pipeline(capture_at, batch, world, opts, say)
     if plain is not None and (piped is None or piped.cost["step_time_s"] >= plain.cost["step_time_s"]):
         plain.solver["pipelines_searched"] = searched
+        plain.baselines = base
         return plain
     if piped is None:
         raise unfit
     assert piped.pipeline is not None
     piped.pipeline["without_stages_s"] = plain.cost["step_time_s"] if plain is not None else None
+    piped.baselines = base
     return piped

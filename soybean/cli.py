@@ -116,7 +116,7 @@ def _plan_pipelined(a: argparse.Namespace, opts: Any) -> int:
     precision = policy(opts.precision).name
     if a.pipeline == "auto":
         with ProgressLine(sys.stderr, enabled=not a.quiet) as line:
-            p = auto_plan(model, args, {}, opts, opts.world, precision, line)
+            p = auto_plan(model, args, {}, opts, opts.world, precision, line, baselines=True)
     else:
         stages = int(a.pipeline)
         margs, _, _ = micro_inputs(args, {}, a.microbatches or stages)

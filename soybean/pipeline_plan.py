@@ -56,7 +56,7 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
     per = world // stages
     plans = [plan(None, (), per, options=options, baselines=False, captured=st.cap) for st in cut]
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
-    per_mb = [p.cost["step_time_s"] + _transfer_s(cap, st, profile.alpha, profile.beta) for p, st in zip(plans, cut)]
+    per_mb = [p.cost["step_time_s"] + transfer_s(cap, st, profile.alpha, profile.beta) for p, st in zip(plans, cut)]
     # each rank group runs its stages one after the other per microbatch; the schedule adds (p - 1) / v slots
     group_s = [sum(per_mb[i] for i in range(g, total, stages)) for g in range(stages)]
     bubble = bubble_fraction(schedule, stages, microbatches, virtual_stages)
@@ -86,7 +86,7 @@ def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual_stage
     return (stages - 1) / (thirds * virtual_stages * microbatches + stages - 1)
 
 
-def _transfer_s(cap: Captured, st: Stage, alpha: float, beta: float) -> float:
+def transfer_s(cap: Captured, st: Stage, alpha: float, beta: float) -> float:
     """Seconds stage ``st`` spends sending its boundary values forward and receiving their gradients back, per
     microbatch (none for the last stage)."""
     vals = {n.name: n.meta.get("val") for n in cap.graph.nodes}
@@ -128,7 +128,7 @@ def best_cut(n: int, parts: int, cost: Callable[[int, int], float]) -> tuple[lis
     return bounds[::-1], f[parts - 1][n - 1]
 
 
-def _layer_signatures(cap: Captured) -> list[str]:
+def layer_signatures(cap: Captured) -> list[str]:
     """Each layer's ops and shapes in order (two layers with one signature cost the same as stages)."""
     sigs: dict[str, list[str]] = {}
     for node in cap.graph.nodes:
@@ -158,7 +158,7 @@ class StageCosts:
     def __init__(self, cap: Captured, options: PlanOptions, profile: Profile, budget: float | None,
                  microbatches: int) -> None:
         self.cap, self.options, self.profile, self.budget, self.m = cap, options, profile, budget, microbatches
-        self.names, self.sigs = layers(cap), _layer_signatures(cap)
+        self.names, self.sigs = layers(cap), layer_signatures(cap)
         self.memo: dict[tuple, tuple[float, float]] = {}
         self.plans = 0  # stage plans made
 
@@ -178,7 +178,7 @@ class StageCosts:
             except (MemoryBudgetError, SearchError):  # no plan of this stage fits (or none was found): never chosen
                 self.memo[key] = (math.inf, math.inf)
                 return math.inf
-            t = p.cost["step_time_s"] + _transfer_s(self.cap, st, self.profile.alpha, self.profile.beta)
+            t = p.cost["step_time_s"] + transfer_s(self.cap, st, self.profile.alpha, self.profile.beta)
             mem = stage_memory(p, held)
             self.memo[key] = (t if self.budget is None or mem <= self.budget else math.inf, mem)
         return self.memo[key][0]

@@ -26,8 +26,11 @@ def _total(name: str, cost: Mapping[str, Any]) -> str:
     if "infeasible" in cost:
         return f"{name:<16} infeasible: {cost['infeasible']}"
     mesh = f"   mesh {'x'.join(map(str, cost['mesh']))}" if cost.get("mesh") else ""
+    staged = (f", {cost['stages']} stages, {cost['microbatches']} microbatches, {cost['schedule']}"
+              if "stages" in cost else "")
+    checkpoint = f", {cost['recompute']} checkpointing" if cost.get("recompute") else ""
     return (f"{name:<16} comm {_bytes(cost['comm_bytes']):>10}/device/step   step {cost['step_time_s'] * 1e3:10.3f} ms"
-            + mesh)
+            + mesh + staged + checkpoint)
 
 
 def table(plan: Plan) -> str:
@@ -103,4 +106,7 @@ def pipeline_table(plan: Plan) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.append(f"schedule {pipe['schedule']}, {pipe['microbatches']} microbatches, bubble {pipe['bubble']:.1%}; "
                  f"step {plan.cost['step_time_s'] * 1e3:.4g} ms (modelled, {plan.profile})")
+    if pipe.get("without_stages_s") is not None:
+        lines.append(f"without stages: {pipe['without_stages_s'] * 1e3:.4g} ms")
+    lines += [_total(k, v) for k, v in plan.baselines.items()]
     return "\n".join(lines) + "\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -411,6 +412,40 @@ def test_sharded_checkpoints_load_under_another_pipeline_layout_or_none(tmp_path
     """A checkpoint (weights and AdamW's moments) saved by 2 stages loads into a plan without stages, whose next
     step equals the pipeline's; one saved without stages loads into 2 stages of other microbatches and schedule."""
     spawn(_checkpoints, 2, str(tmp_path), timeout_s=240)
+
+
+def test_3d_baselines_are_torchtitans_layouts_priced_as_pipelines() -> None:
+    """torchtitan's PP x FSDP x TP: the degrees it would run (stages of whole TP groups, one sequence per FSDP
+    replica per microbatch, at least as many microbatches as stages); each record's step is its slowest rank
+    group's microbatches plus the schedule's bubble, and a budget its stages miss turns checkpointing on."""
+    from soybean import pipeline_baselines
+    from soybean.api import micro_inputs
+    from soybean.cost.memory import MEMORY_HEADROOM, budget_bytes
+    from soybean.options import PlanOptions
+    from soybean.pipeline_plan import bubble_fraction
+
+    assert pipeline_baselines.degrees(64, 16, 8) == [(2, 4, 8), (4, 2, 8), (8, 1, 8), (16, 1, 4)]
+    assert pipeline_baselines.degrees(16, 2, 8) == [(2, 1, 8)]  # 2 stages of one node each
+    model, inputs = transformer(batch=8, seq=16, hidden=32, layers=4, heads=2)
+
+    def capture_at(m: int):  # noqa: ANN202
+        return capture(model, micro_inputs(inputs, {}, m)[0])
+
+    opts = PlanOptions(devices=8, profile="h100-nvlink-ib", gpus_per_node=4)
+    base = pipeline_baselines.price(capture_at, 8, 8, opts)
+    for name, v in (("pp_tp_fsdp", 1), ("pp_tp_fsdp_interleaved", 2)):
+        rec = base[name]
+        s, f, tp = rec["mesh"]
+        assert s * f * tp == 8 and rec["microbatches"] == 8 // f and rec["stages"] == s * v
+        groups = [sum(rec["microbatch_s"][i::s]) for i in range(s)]
+        bubble = bubble_fraction(rec["schedule"], s, rec["microbatches"], v)
+        assert rec["step_time_s"] == pytest.approx(max(groups) * rec["microbatches"] / (1 - bubble))
+        assert "recompute" not in rec
+    rec = base["pp_tp_fsdp"]
+    gb = rec["memory_bytes"] * 0.99 / 2**30 / (1 - MEMORY_HEADROOM)
+    fitted = pipeline_baselines.price(capture_at, 8, 8, replace(opts, memory_gb=gb))["pp_tp_fsdp"]
+    assert fitted["memory_bytes"] <= budget_bytes(gb)
+    assert fitted.get("recompute") in ("selective", "full") or fitted["mesh"] != rec["mesh"]
 
 
 def test_best_cut_is_the_least_bottleneck_of_every_cut() -> None:
