@@ -14,8 +14,8 @@ slowest rank group's time per microbatch (its stages' plans plus their sends) ov
 
 Every pipeline degree ``S`` that fits whole TP groups, whose FSDP degree divides the batch, and whose layers fill
 the stages is priced; each baseline's record is its fastest (``stages``, ``microbatches``, ``mesh`` ``[S, F,
-tp]``, each stage's ``microbatch_s``, the most memory a device needs, and ``recompute`` when checkpointed: the most any stage needed), or
-``{"infeasible": why}`` when none runs.
+tp]``, each stage's ``microbatch_s``, the most memory a device needs, and ``recompute`` when checkpointed: the
+most any stage needed), or ``{"infeasible": why}`` when none runs.
 """
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ from .cost.pricing import PricingCache
 from .cost.profiles import Profile, load_profile
 from .options import PlanOptions
 from .pipeline_plan import bubble_fraction, inflight, layer_signatures, transfer_s
+from .precision import policy
 from .records import memory_breakdown
 from .search import SearchError
-from .stages import even_bounds, layers, split
+from .stages import even_bounds, layers, split, value_facts
 
 # name: (virtual stages per rank group, schedule)
 SCHEDULED = {"pp_tp_fsdp": (1, "1f1b"), "pp_tp_fsdp_interleaved": (2, "interleaved-1f1b")}
@@ -93,6 +94,7 @@ def price(capture_at: Callable[[int], Captured], batch: int, world: int, options
                 caps[m] = capture_at(m)
             cap = caps[m]
             names, sigs = layers(cap), layer_signatures(cap)
+            facts = value_facts(cap, policy(cap.precision).cast)
             if s * v > len(names):
                 continue
             bounds = even_bounds(len(names), s * v)
@@ -114,7 +116,7 @@ def price(capture_at: Callable[[int], Captured], batch: int, world: int, options
                     why = f"a stage needs {budget_needed(need) / GIB:.4g} GiB per device even with full checkpointing"
                     times = []
                     break
-                times.append(t + transfer_s(cap, st, profile.alpha, profile.beta))
+                times.append(t + transfer_s(facts, st, profile.alpha, profile.beta))
                 sent.append(nbytes * m)
                 most = max(most, need)
                 modes.append(mode)

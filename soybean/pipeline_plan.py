@@ -28,7 +28,8 @@ from .cost.profiles import Profile, load_profile
 from .graph.units import node_layer
 from .options import PlanOptions
 from .plan import Plan
-from .stages import Stage, even_bounds, layers, split
+from .precision import policy
+from .stages import Stage, even_bounds, layers, split, value_facts
 
 
 def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, schedule: str,
@@ -56,7 +57,8 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
     per = world // stages
     plans = [plan(None, (), per, options=options, baselines=False, captured=st.cap) for st in cut]
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
-    per_mb = [p.cost["step_time_s"] + transfer_s(cap, st, profile.alpha, profile.beta) for p, st in zip(plans, cut)]
+    facts = value_facts(cap, policy(cap.precision).cast)
+    per_mb = [p.cost["step_time_s"] + transfer_s(facts, st, profile.alpha, profile.beta) for p, st in zip(plans, cut)]
     # each rank group runs its stages one after the other per microbatch; the schedule adds (p - 1) / v slots
     group_s = [sum(per_mb[i] for i in range(g, total, stages)) for g in range(stages)]
     bubble = bubble_fraction(schedule, stages, microbatches, virtual_stages)
@@ -66,7 +68,8 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
         "stages": [{"units": [names[a], names[b]], "layers": [a, b],
                     "ranks": list(range((k % stages) * per, (k % stages + 1) * per)), "mesh": list(p.mesh),
                     "microbatch_s": t, "memory_bytes": stage_memory(p, inflight(schedule, k, stages, microbatches)),
-                    "sends": st.returns, "plan": p.to_dict()}
+                    "sends": st.returns, "send_bytes": transfer_bytes(facts, st)[0],
+                    "grad_bytes": transfer_bytes(facts, st)[1], "plan": p.to_dict()}
                    for k, (st, p, t, (a, b)) in enumerate(zip(cut, plans, per_mb, bounds))],
     }
     top = Plan(devices=world, mesh=[stages, per], objective=options.objective, profile=plans[0].profile,
@@ -86,17 +89,19 @@ def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual_stage
     return (stages - 1) / (thirds * virtual_stages * microbatches + stages - 1)
 
 
-def transfer_s(cap: Captured, st: Stage, alpha: float, beta: float) -> float:
+def transfer_bytes(facts: dict[str, tuple[int, bool]], st: Stage) -> tuple[int, int]:
+    """Bytes stage ``st`` sends forward per microbatch (its boundary values) and receives back (the gradients of
+    those autograd tracks: ``stages.value_facts``); none for the last stage."""
+    fwd = sum(facts[n][0] for n in st.returns if n in facts)
+    return fwd, sum(facts[n][0] for n in st.returns if n in facts and facts[n][1])
+
+
+def transfer_s(facts: dict[str, tuple[int, bool]], st: Stage, alpha: float, beta: float) -> float:
     """Seconds stage ``st`` spends sending its boundary values forward and receiving their gradients back, per
-    microbatch (none for the last stage)."""
-    vals = {n.name: n.meta.get("val") for n in cap.graph.nodes}
-    total = 0.0
-    for name in st.returns:
-        v = vals.get(name)
-        if isinstance(v, torch.Tensor):
-            b = v.numel() * v.element_size()
-            total += (alpha + b * beta) * (2 if v.requires_grad or v.is_floating_point() else 1)
-    return total
+    microbatch (``transfer_bytes``, each message ``alpha + bytes * beta`` on the profile's link)."""
+    n = [name for name in st.returns if name in facts]
+    fwd, bwd = transfer_bytes(facts, st)
+    return alpha * (len(n) + sum(facts[name][1] for name in n)) + (fwd + bwd) * beta
 
 
 def best_cut(n: int, parts: int, cost: Callable[[int, int], float]) -> tuple[list[tuple[int, int]], float]:
@@ -159,6 +164,7 @@ class StageCosts:
                  microbatches: int) -> None:
         self.cap, self.options, self.profile, self.budget, self.m = cap, options, profile, budget, microbatches
         self.names, self.sigs = layers(cap), layer_signatures(cap)
+        self.facts = value_facts(cap, policy(cap.precision).cast)
         self.memo: dict[tuple, tuple[float, float]] = {}
         self.plans = 0  # stage plans made
 
@@ -178,7 +184,7 @@ class StageCosts:
             except (MemoryBudgetError, SearchError):  # no plan of this stage fits (or none was found): never chosen
                 self.memo[key] = (math.inf, math.inf)
                 return math.inf
-            t = p.cost["step_time_s"] + transfer_s(self.cap, st, self.profile.alpha, self.profile.beta)
+            t = p.cost["step_time_s"] + transfer_s(self.facts, st, self.profile.alpha, self.profile.beta)
             mem = stage_memory(p, held)
             self.memo[key] = (t if self.budget is None or mem <= self.budget else math.inf, mem)
         return self.memo[key][0]

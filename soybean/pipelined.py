@@ -144,16 +144,24 @@ class PipelinedModule(nn.Module):
         self._pstages = []
         # Static metadata (shapes, dtypes, which values carry gradients): torch would infer it by running each stage
         # on uninitialised tensors, which breaks a stage that indexes with a received integer tensor.
-        examples = boundary_examples(stages, policy(plan.precision).cast)
+        try:
+            examples: list[tuple[tuple, tuple]] | None = boundary_examples(stages, policy(plan.precision).cast)
+        except (NotImplementedError, RuntimeError):  # an op that reads data (MoE routing): torch infers it
+            examples = None
         self._device = device = next(model.parameters(), torch.empty(0)).device  # cpu (gloo); a rank's GPU (NCCL)
-        self._examples = examples
+        # what each stage receives (shapes and dtypes), for the forward-only pass
+        self._receives: list[tuple[torch.Tensor, ...]] = [
+            examples[i][0] if examples is not None else tuple(
+                n.meta["val"] for n in st.cap.graph.nodes if n.op == "placeholder"
+                and n.name not in st.cap.params and n.name not in st.cap.buffers)
+            for i, st in enumerate(stages)]
         for i in self.stage_indices:
             pm = ParallelModule(model, stages[i].cap, plans[i], rank - gi * per, mine[i])
             if pm._grad_sync is not None:
                 pm._grad_sync.defer()  # summed once per step, after every microbatch's backward (``train_step``)
             m = _StageModule(pm, last=i == n - 1)
             self.stage_modules.append(m)
-            ins, outs = examples[i]
+            ins, outs = examples[i] if examples is not None else (None, None)
             self._pstages.append(PipelineStage(m, i, n, device, input_args=ins, output_args=outs, group=pp))
         self._schedules: dict[tuple[int, bool, str], Any] = {}
         self._stage_ranks = [list(range((k % groups) * per, (k % groups + 1) * per)) for k in range(n)]
@@ -316,7 +324,7 @@ class PipelinedModule(nn.Module):
                 here, prev = i % self._groups, (i - 1) % self._groups
                 if i and here != prev:  # the boundary crosses rank groups: sent by the rank of this in-group index
                     if here == self.group_index:
-                        values = tuple(self._recv(t, prev * per + rank % per) for t in self._examples[i][0])
+                        values = tuple(self._recv(t, prev * per + rank % per) for t in self._receives[i])
                     elif prev == self.group_index:
                         for t in values:
                             dist.send(t.contiguous(), here * per + rank % per)

@@ -213,3 +213,37 @@ def boundary_examples(stages: Sequence[Stage], cast: Callable[[torch.Tensor], to
 def _meta_like(v: Any) -> Any:
     """A meta tensor of ``v``'s shape and dtype (a non-tensor value as it is)."""
     return torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+
+
+def value_facts(cap: Captured, cast: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+                ) -> dict[str, tuple[int, bool]]:
+    """Every tensor value of ``cap``: its bytes as the program makes it (``cast``: the precision policy's cast of
+    parameters and inputs) and whether autograd tracks it (it derives from a trained parameter, so a stage
+    boundary sends its gradient back), from one run of the graph on the meta device; where an op cannot run there
+    (it reads data, as mixture-of-experts routing does), the capture's own shapes, with a gradient for every floating
+    value."""
+    facts: dict[str, tuple[int, bool]] = {}
+    holders = [n for n in cap.graph.nodes if n.op == "placeholder"]
+    args = []
+    for n in holders:
+        t = _meta_like(n.meta["val"])
+        if isinstance(t, torch.Tensor):
+            trains = n.name in cap.params and cap.params[n.name] not in cap.frozen and t.is_floating_point()
+            t = cast(t.requires_grad_(trains))
+        args.append(t)
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor):
+                facts[n.name] = (out.numel() * out.element_size(), out.requires_grad)
+            return out
+
+    try:
+        Recorder(cap.graph_module).run(*args)
+    except (NotImplementedError, RuntimeError):  # an op that reads data (MoE routing's counts): the capture's shapes,
+        facts = {}                                # and a gradient for every floating value
+        for n in cap.graph.nodes:
+            if isinstance(v := n.meta.get("val"), torch.Tensor):
+                facts[n.name] = (v.numel() * (cast(_meta_like(v)).element_size()), v.is_floating_point())
+    return facts

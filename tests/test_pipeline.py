@@ -4,13 +4,16 @@ training does (float64: the loss and every parameter after several SGD steps), f
 of layers, and a loss computed inside the model or outside it."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from examples.models import transformer
@@ -334,6 +337,25 @@ def _tied_model() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model.double(), inputs
 
 
+@contextlib.contextmanager
+def _sends_logged() -> Iterator[list[int]]:
+    """The bytes of every tensor this rank's pipeline schedule sends (torch's point-to-point batches)."""
+    from torch.distributed.pipelining import schedules
+
+    sent: list[int] = []
+    real = schedules._batch_p2p
+
+    def logged(ops: list, *args: object, **kwargs: object) -> object:
+        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return real(ops, *args, **kwargs)
+
+    schedules._batch_p2p = logged
+    try:
+        yield sent
+    finally:
+        schedules._batch_p2p = real
+
+
 def _tied(rank: int, world: int, steps: int, path: str) -> tuple[list[float], dict[str, torch.Tensor], dict]:
     import soybean
 
@@ -341,7 +363,14 @@ def _tied(rank: int, world: int, steps: int, path: str) -> tuple[list[float], di
     model, inputs = _tied_model()
     pm = soybean.parallelize(model, inputs, devices=world, pipeline=2, virtual_stages=2, microbatches=2,
                              schedule="zero-bubble")
-    losses = _steps(pm, steps, *inputs, loss_fn=lambda out: out)
+    losses = _steps(pm, 1, *inputs, loss_fn=lambda out: out)  # the first step also votes on metadata
+    with _sends_logged() as sent:
+        losses += _steps(pm, steps - 1, *inputs, loss_fn=lambda out: out)
+    pipe = pm.plan.pipeline or {}
+    mine = [pipe["stages"][i] for i in pm.stage_indices]  # type: ignore[attr-defined]
+    priced = [(st["send_bytes"], st["grad_bytes"]) for st in mine]
+    assert sum(sent) == (steps - 1) * 2 * sum(  # 2 microbatches a step; the grads of a stage's inputs go back
+        f + (pipe["stages"][i - 1]["grad_bytes"] if i else 0) for (f, _), i in zip(priced, pm.stage_indices))
     pm.save_sharded(path)  # the tied weight saved once, by stage 0
     fresh = soybean.parallelize(_tied_model()[0], inputs, devices=world, pipeline=2, virtual_stages=2,
                                 microbatches=2, schedule="zero-bubble")
@@ -354,8 +383,9 @@ def test_tied_embeddings_across_stages_under_zero_bubble_train_as_serial(tmp_pat
     """A language model whose head is its token embedding, 4 layers as 4 stages on 2 processes under torch's
     zero-bubble schedule: the embedding (stage 0, rank 0) and the head (stage 3, rank 1) each hold a copy of the
     weight, stepped with the sum of both gradients, so both copies stay the serial weight; the integer targets
-    cross every stage boundary.  A sharded checkpoint saves the weight once and a fresh module's copies both load
-    it."""
+    cross every stage boundary.  The bytes each rank sends are the priced ones: every stage's boundary values
+    forward and the gradients of those autograd tracks back (not the integer targets).  A sharded checkpoint saves
+    the weight once and a fresh module's copies both load it."""
     model, inputs = _tied_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref = []
@@ -428,7 +458,7 @@ def test_3d_baselines_are_torchtitans_layouts_priced_as_pipelines() -> None:
     assert pipeline_baselines.degrees(16, 2, 8) == [(2, 1, 8)]  # 2 stages of one node each
     model, inputs = transformer(batch=8, seq=16, hidden=32, layers=4, heads=2)
 
-    def capture_at(m: int):  # noqa: ANN202
+    def capture_at(m: int):
         return capture(model, micro_inputs(inputs, {}, m)[0])
 
     opts = PlanOptions(devices=8, profile="h100-nvlink-ib", gpus_per_node=4)
