@@ -3,6 +3,8 @@ torch.distributed.pipelining, and print each step's loss beside serial training'
 
     python examples/train_pipeline.py --nproc 2                       # 2 stages, 1F1B, 4 microbatches
     python examples/train_pipeline.py --nproc 2 --schedule gpipe --microbatches 2
+    python examples/train_pipeline.py --nproc 2 --schedule zero-bubble --virtual-stages 2 --vocab 50
+                                                    # 4 stages, the head tied to the token embedding
     soybean plan examples.models:transformer --arg batch=8 --arg layers=4 --devices 4 --pipeline 2   # the plan
 
 The training loop calls ``pmodel.train_step(*inputs, loss_fn=fn)`` (forward and backward of the whole batch
@@ -20,14 +22,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import soybean  # noqa: E402
+from soybean.pipelined import SCHEDULES  # noqa: E402
 from examples.models import transformer  # noqa: E402
 
 STEPS = 4
 
 
 def _model(kw: dict) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
-    model, inputs = transformer(**kw)
-    return model.double(), tuple(x.double() for x in inputs)
+    model, inputs = transformer(**kw)  # with a vocabulary: token ids in, the head tied to the embedding
+    return model.double(), tuple(x.double() if x.is_floating_point() else x for x in inputs)
 
 
 def serial_losses(kw: dict) -> list[float]:
@@ -43,11 +46,11 @@ def serial_losses(kw: dict) -> list[float]:
     return out
 
 
-def train(rank: int, world: int, kw: dict, microbatches: int, schedule: str) -> list[float]:
+def train(rank: int, world: int, kw: dict, microbatches: int, schedule: str, virtual: int) -> list[float]:
     torch.set_num_threads(1)
     model, inputs = _model(kw)
     pmodel = soybean.parallelize(model, inputs, devices=world, pipeline=world, microbatches=microbatches,
-                                 schedule=schedule)
+                                 schedule=schedule, virtual_stages=virtual)
     opt = torch.optim.SGD(pmodel.parameters(), lr=0.05)
     out = []
     for _ in range(STEPS):
@@ -66,13 +69,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    ap.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    ap.add_argument("--virtual-stages", type=int, default=1, help="stages per process (interleaved, zero-bubble)")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=None, help="a language model whose head is its token embedding")
     a = ap.parse_args()
-    kw = dict(batch=8, seq=16, hidden=32, layers=a.layers, heads=4)
+    kw = dict(batch=8, seq=16, hidden=32, layers=a.layers, heads=4, vocab=a.vocab)
     from soybean.runtime.launch import spawn
 
-    got = spawn(train, a.nproc, kw, a.microbatches, a.schedule, timeout_s=300)
+    got = spawn(train, a.nproc, kw, a.microbatches, a.schedule, a.virtual_stages, timeout_s=300)
     ref = serial_losses(kw)
     for step, (s, p) in enumerate(zip(ref, got[0])):
         print(f"step {step}: serial {s:.12f}  pipelined {p:.12f}  diff {abs(s - p):.2e}")
