@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import soybean  # noqa: E402
-from soybean.pipelined import SCHEDULES  # noqa: E402
-from examples.models import transformer  # noqa: E402
+import soybean
+from examples.models import transformer
+from soybean.pipelined import SCHEDULES
 
 STEPS = 4
 
