@@ -195,14 +195,18 @@ def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: in
                     stages: int | None = None) -> tuple[Plan | None, list[dict[str, Any]]]:
     """The fastest pipelined plan over the stage counts ``S`` (divisors of ``world``, 2 up to the layers), the
     microbatch counts ``M`` (divisors of ``batch`` from ``S`` to ``4 S``; ``capture_at(M)`` captures at that
-    microbatch) and the cuts (``best_cut``: each stage's time per microbatch is its own plan on ``world / S``
-    devices, the planner choosing its submesh, plus its sends: ``StageCosts``), under 1F1B, whose step is
-    ``(M + S - 1)`` times the slowest stage; every candidate's modelled step in the list (``Plan.pipeline
-    ["searched"]`` keeps it).  A stage whose memory with its microbatches in flight (``inflight``, counted as the
-    first stage's: the most) breaks the budget costs infinity.  ``stages``: only that stage count."""
+    microbatch), the schedules and the cuts.  Each stage's time per microbatch is its own plan on ``world / S``
+    devices, the planner choosing its submesh, plus its sends (``StageCosts``).  Under 1F1B the cut is the best of
+    every cut (``best_cut``), the step ``(M + S - 1)`` times the slowest stage; with 2 virtual stages per rank group
+    (``2 S`` stages, the even cut: ``even_bounds``) under zero bubble, whose bubble is the least of the interleaved
+    schedules for the same stages (``bubble_fraction``), the step is ``M`` times the slowest group over ``1 -
+    bubble``.  Every candidate's modelled step is in the list (``Plan.pipeline["searched"]`` keeps it); only the
+    fastest is planned whole (``plan_pipeline``).  A stage whose memory with its microbatches in flight
+    (``inflight``, counted as the first stage's: the most) breaks the budget costs infinity.  ``stages``: only
+    that stage count."""
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
     budget = budget_bytes(options.memory_gb)  # the planner's own: ``--memory-gb`` less its headroom
-    best: Plan | None = None
+    best: tuple[float, Captured, int, int, str, int, list[tuple[int, int]]] | None = None
     searched: list[dict[str, Any]] = []
     for m in [d for d in range(1, batch + 1) if batch % d == 0]:
         degrees = [s for s in range(2, world + 1) if world % s == 0 and s <= m <= 4 * s and stages in (None, s)]
@@ -212,13 +216,22 @@ def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: in
         n = len(costs.names)
         for s in [d for d in degrees if d <= n]:
             bounds, bottleneck = best_cut(n, s, functools.partial(costs.of, stages=s))
-            step = bottleneck * (m + s - 1)
-            searched.append({"stages": s, "microbatches": m, "schedule": "1f1b", "step_time_s": step,
-                             "units": [[costs.names[a], costs.names[b]] for a, b in bounds]})
-            say(f"pipeline {s} stages x {m} microbatches: {step:.4g} s")
-            if math.isfinite(step) and (best is None or step < best.cost["step_time_s"]):
-                _, _, best = plan_pipeline(costs.cap, world, s, m, "1f1b", options, bounds=bounds)
-    if best is not None:
-        assert best.pipeline is not None
-        best.pipeline["searched"] = searched
-    return best, searched
+            tried = [("1f1b", 1, bounds, bottleneck * (m + s - 1))]
+            if 2 * s <= n:
+                even = even_bounds(n, 2 * s)
+                per_mb = [costs.of(a, b, stages=s) for a, b in even]
+                group = max(sum(per_mb[i] for i in range(g, 2 * s, s)) for g in range(s))
+                tried.append(("zero-bubble", 2, even, group * m / (1 - bubble_fraction("zero-bubble", s, m, 2))))
+            for schedule, v, cut, step in tried:
+                searched.append({"stages": s, "microbatches": m, "schedule": schedule, "virtual_stages": v,
+                                 "step_time_s": step, "units": [[costs.names[a], costs.names[b]] for a, b in cut]})
+                say(f"pipeline {s} stages x {v} x {m} microbatches, {schedule}: {step:.4g} s")
+                if math.isfinite(step) and (best is None or step < best[0]):
+                    best = (step, costs.cap, s, m, schedule, v, cut)
+    if best is None:
+        return None, searched
+    _, cap, s, m, schedule, v, cut = best
+    _, _, top = plan_pipeline(cap, world, s, m, schedule, options, virtual_stages=v, bounds=cut)
+    assert top.pipeline is not None
+    top.pipeline["searched"] = searched
+    return top, searched

@@ -552,10 +552,10 @@ def test_auto_chooses_stages_only_where_they_are_faster_and_trains_as_serial(mem
 
 
 def pipe_step(pipe: dict) -> float:
-    """The searched candidate the chosen plan is (its stage count, microbatches and cut)."""
+    """The searched candidate the chosen plan is (its schedule, stage count, microbatches and cut)."""
     units = [s["units"] for s in pipe["stages"]]
-    return next(c["step_time_s"] for c in pipe["searched"]
-                if c["microbatches"] == pipe["microbatches"] and c["units"] == units)
+    return next(c["step_time_s"] for c in pipe["searched"] if c["microbatches"] == pipe["microbatches"]
+                and c["units"] == units and c["schedule"] == pipe["schedule"])
 
 
 def test_the_command_line_searches_stages_with_auto(capsys: pytest.CaptureFixture) -> None:
@@ -570,7 +570,12 @@ def test_the_command_line_searches_stages_with_auto(capsys: pytest.CaptureFixtur
     assert all(c["step_time_s"] > roomy["cost"]["step_time_s"] for c in roomy["solver"]["pipelines_searched"])
     assert main([*args, "--memory-gb", "0.008"]) == 0  # fp32 here: half the float64 test's budget
     tight = json.loads(capsys.readouterr().out)
-    assert tight["pipeline"]["searched"] and len(tight["pipeline"]["stages"]) >= 2
+    pipe = tight["pipeline"]
+    assert pipe["searched"] and len(pipe["stages"]) >= 2
+    assert {c["schedule"] for c in pipe["searched"]} == {"1f1b", "zero-bubble"}  # and 2 virtual stages each
+    assert pipe_step(pipe) == pytest.approx(tight["cost"]["step_time_s"])  # planned whole as it was priced
+    assert pipe_step(pipe) == min(c["step_time_s"] for c in pipe["searched"])
+    assert set(tight["baselines"]) >= {"tp_fsdp", "pp_tp_fsdp", "pp_tp_fsdp_interleaved"}
 
 
 def test_diff_compares_the_stages() -> None:
