@@ -259,7 +259,8 @@ def test_train_step_serves_a_plan_without_stages(mode: str) -> None:
             torch.testing.assert_close(params[k], v, rtol=1e-10, atol=1e-12)
 
 
-def _tiled(rank: int, world: int, mode: str, steps: int) -> tuple[list[float], dict[str, torch.Tensor], list]:
+def _tiled(rank: int, world: int, mode: str, steps: int, path: str) -> tuple[list[float], dict[str, torch.Tensor],
+                                                                           list]:
     import soybean
 
     torch.set_num_threads(1)
@@ -268,6 +269,10 @@ def _tiled(rank: int, world: int, mode: str, steps: int) -> tuple[list[float], d
     losses = _steps(pm, steps, *inputs, loss_fn=lambda out: out)
     sd = pm.full_state_dict()  # every stage's, on every rank
     assert set(sd) == set(model.state_dict())
+    pm.save_sharded(path)  # tiles of 2-device stages, on their submeshes
+    flat = soybean.parallelize(_model()[0], inputs, devices=world)  # 4 devices, no stages
+    flat.load_sharded(path)
+    assert all(torch.equal(v, sd[k]) for k, v in flat.full_state_dict().items())
     fresh, _ = _model()
     pm.load_full_state_dict(fresh.state_dict())  # each stage takes its own: back to the start
     assert all(torch.equal(pm.full_state_dict()[k], v) for k, v in fresh.state_dict().items())
@@ -278,12 +283,13 @@ def _tiled(rank: int, world: int, mode: str, steps: int) -> tuple[list[float], d
 
 @pytest.mark.dist
 @pytest.mark.parametrize("mode", ["mp"])  # data-parallel tiled stages: the interleaved test below
-def test_two_stages_each_tiled_over_two_devices_train_as_serial(mode: str) -> None:
+def test_two_stages_each_tiled_over_two_devices_train_as_serial(mode: str, tmp_path: Path) -> None:
     """4 processes: 2 stages of 2 devices, each stage model-parallel (its boundary values sliced in and gathered
     out, their gradients back alike); ``full_state_dict`` gathers every stage's tensors on every rank, and
-    ``load_full_state_dict`` loads each stage's own."""
+    ``load_full_state_dict`` loads each stage's own; a sharded checkpoint of the tiled stages loads into a plan
+    of 4 devices without stages."""
     ref_losses, ref_params = _serial(2, outside=False)
-    got = spawn(_tiled, 4, mode, 2, timeout_s=300)
+    got = spawn(_tiled, 4, mode, 2, str(tmp_path), timeout_s=300)
     params: dict[str, torch.Tensor] = {}
     for losses, p, meshes in got:
         assert losses == pytest.approx(ref_losses, rel=1e-10)
