@@ -381,7 +381,8 @@ def _tied(rank: int, world: int, steps: int, path: str) -> tuple[list[float], di
     fresh = soybean.parallelize(_tied_model()[0], inputs, devices=world, pipeline=2, virtual_stages=2,
                                 microbatches=2, schedule="zero-bubble")
     fresh.load_sharded(path)  # stage 3's copy (on the other rank) takes stage 0's
-    return losses, fresh.full_state_dict(), pm.plan.pipeline or {}
+    pipe["forward"] = float(fresh(*inputs))  # forward only through 4 stages on 2 ranks: the whole batch's loss
+    return losses, fresh.full_state_dict(), pipe
 
 
 @pytest.mark.dist
@@ -402,8 +403,10 @@ def test_tied_embeddings_across_stages_under_zero_bubble_train_as_serial(tmp_pat
         opt.step()
         ref.append(float(loss.detach()))
     got = spawn(_tied, 2, 3, str(tmp_path), timeout_s=180)
+    after = float(model(*inputs).detach())
     for losses, sd, pipe in got:
         assert losses == pytest.approx(ref, rel=1e-10)
+        assert pipe["forward"] == pytest.approx(after, rel=1e-10)
         assert pipe["schedule"] == "zero-bubble" and pipe["bubble"] == pytest.approx(1 / (3 * 2 * 2 + 1))
         for k, v in model.state_dict().items():
             torch.testing.assert_close(sd[k], v, rtol=1e-10, atol=1e-12)
