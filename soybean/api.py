@@ -8,6 +8,7 @@ clear error instead of hanging in a mismatched collective.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -269,7 +270,8 @@ def auto_plan(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptio
         unfit: Exception = e
     _, _, batch = micro_inputs(args, kwargs, 1)
 
-    def capture_at(m: int) -> Captured:
+    @functools.cache
+    def capture_at(m: int) -> Captured:  # the search and the 3-D baselines capture at the same microbatches
         a, k, _ = micro_inputs(args, kwargs, m)
         return capture(model, a, k, precision=precision)
 

@@ -4,10 +4,11 @@ and FSDP across its nodes (``baselines.tp_fsdp`` on the stage's devices), traine
 As torchtitan configures it: ``S`` pipeline stages of whole layers, cut evenly (``stages.even_bounds``; ``S v``
 of them with ``v = 2`` virtual stages per rank group under the interleaved schedule), each on ``world / S``
 devices holding ``F = world / (S tp)`` FSDP replicas of TP ``tp`` (``tp`` = a node, ``baselines.tp_mesh``);
-microbatches of one sequence per FSDP replica (torchtitan's default ``pipeline_parallel_microbatch_size`` of 1),
-so ``M = batch / F`` of them, at least ``S``.  Each stage is the ``tp_fsdp`` baseline of the capture at the
-microbatch (``F`` sequences) on its devices, solved as every baseline is (``planner.solve_table``, layers tied),
-and made to fit as experts make it fit: with no activation checkpointing, then selective, then full, the first
+``M`` microbatches, at least ``S``: one sequence per FSDP replica each (torchtitan's default
+``pipeline_parallel_microbatch_size`` of 1, ``M = batch / F``), or any count from ``S`` to ``4 S`` that divides
+the replica's batch, as an expert tunes it (``microbatch_counts``).  Each stage is the ``tp_fsdp`` baseline of the
+capture at the microbatch (``batch / M`` sequences) on its devices, solved as every baseline is
+(``planner.solve_table``, layers tied), and made to fit as experts make it fit: with no activation checkpointing, then selective, then full, the first
 whose memory fits the budget with its microbatches in flight (``pipeline_plan.inflight``: 1F1B's stage ``s``
 holds ``S - s``).  The step is priced as soybean's own pipelined plans are (``pipeline_plan``): ``M`` times the
 slowest rank group's time per microbatch (its stages' plans plus their sends) over ``1 - bubble``.
@@ -56,6 +57,13 @@ def degrees(world: int, batch: int, gpus_per_node: int | None) -> list[tuple[int
     return out
 
 
+def microbatch_counts(stages: int, local: int) -> list[int]:
+    """The microbatch counts an expert tries with ``local`` sequences per FSDP replica: torchtitan's default (a
+    microbatch of one sequence per replica: ``local``), and every count from ``stages`` to ``4 stages`` that
+    divides ``local`` (a microbatch of ``local / count`` sequences per replica, ``count`` microbatches)."""
+    return sorted({local} | {c for c in range(stages, 4 * stages + 1) if local % c == 0})
+
+
 def price(capture_at: Callable[[int], Captured], batch: int, world: int, options: PlanOptions,
           say: Callable[[str], None] = lambda line: None) -> dict[str, dict[str, Any]]:
     """Each of ``SCHEDULED``'s records (module docstring); ``capture_at(M)``: the model captured at ``M``
@@ -88,8 +96,9 @@ def price(capture_at: Callable[[int], Captured], batch: int, world: int, options
     for name, (v, schedule) in SCHEDULED.items():
         best: dict[str, Any] | None = None
         why = "no pipeline degree fits: stages of whole TP groups whose FSDP degree divides the batch"
-        for s, f, tp in degrees(world, batch, options.gpus_per_node):
-            m = batch // f
+        runs = [(d, r, t, c) for d, r, t in degrees(world, batch, options.gpus_per_node)
+                for c in microbatch_counts(d, batch // r)]
+        for s, f, tp, m in runs:
             if m not in caps:
                 caps[m] = capture_at(m)
             cap = caps[m]
