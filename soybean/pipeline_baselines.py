@@ -1,22 +1,23 @@
-"""torchtitan's 3-D layouts as baselines: pipeline stages across nodes, each stage tensor-parallel inside a node
-and FSDP across its nodes (``baselines.tp_fsdp`` on the stage's devices), trained 1F1B or interleaved 1F1B.
+"""torchtitan's 3-D layouts as baselines: pipeline stages across nodes, each stage tensor-parallel inside a node and
+FSDP across its nodes (``baselines.tp_fsdp`` on the stage's devices), trained 1F1B or interleaved 1F1B.
 
-As torchtitan configures it: ``S`` pipeline stages of whole layers, cut evenly (``stages.even_bounds``; ``S v``
-of them with ``v = 2`` virtual stages per rank group under the interleaved schedule), each on ``world / S``
-devices holding ``F = world / (S tp)`` FSDP replicas of TP ``tp`` (``tp`` = a node, ``baselines.tp_mesh``);
-``M`` microbatches, at least ``S``: one sequence per FSDP replica each (torchtitan's default
-``pipeline_parallel_microbatch_size`` of 1, ``M = batch / F``), or any count from ``S`` to ``4 S`` that divides
-the replica's batch, as an expert tunes it (``microbatch_counts``).  Each stage is the ``tp_fsdp`` baseline of the
+As torchtitan configures it: ``S`` pipeline stages of whole layers, cut evenly (``stages.even_bounds``; ``S v`` of
+them with ``v = 2`` virtual stages per rank group under the interleaved schedule), each on ``world / S`` devices
+holding ``F = world / (S tp)`` FSDP replicas of TP ``tp`` (``tp`` = a node, ``baselines.tp_mesh``); ``M``
+microbatches, at least ``S``: one sequence per FSDP replica each (torchtitan's default
+``pipeline_parallel_microbatch_size`` of 1, ``M = batch / F``), or any count from ``S`` to ``4 S`` that divides the
+replica's batch, as an expert tunes it (``microbatch_counts``). Each stage is the ``tp_fsdp`` baseline of the
 capture at the microbatch (``batch / M`` sequences) on its devices, solved as every baseline is
-(``planner.solve_table``, layers tied), and made to fit as experts make it fit: with no activation checkpointing, then selective, then full, the first
-whose memory fits the budget with its microbatches in flight (``pipeline_plan.inflight``: 1F1B's stage ``s``
-holds ``S - s``).  The step is priced as soybean's own pipelined plans are (``pipeline_plan``): ``M`` times the
-slowest rank group's time per microbatch (its stages' plans plus their sends) over ``1 - bubble``.
+(``planner.solve_table``, layers tied), and made to fit as experts make it fit: with no activation checkpointing,
+then selective, then full, the first whose memory fits the budget with its microbatches in flight
+(``pipeline_plan.inflight``: 1F1B's stage ``s`` holds ``S - s``). The step is priced as soybean's own pipelined
+plans are (``pipeline_plan``): ``M`` times the slowest rank group's time per microbatch (its stages' plans plus
+their sends) over ``1 - bubble``.
 
 Every pipeline degree ``S`` that fits whole TP groups, whose FSDP degree divides the batch, and whose layers fill
-the stages is priced; each baseline's record is its fastest (``stages``, ``microbatches``, ``mesh`` ``[S, F,
-tp]``, each stage's ``microbatch_s``, the most memory a device needs, and ``recompute`` when checkpointed: the
-most any stage needed), or ``{"infeasible": why}`` when none runs.
+the stages is priced; each baseline's record is its fastest (``stages``, ``microbatches``, ``mesh`` ``[S, F, tp]``,
+each stage's ``microbatch_s``, the most memory a device needs, and ``recompute`` when checkpointed: the most any
+stage needed), or ``{"infeasible": why}`` when none runs.
 """
 from __future__ import annotations
 
