@@ -11,13 +11,13 @@ capture at the microbatch (``batch / M`` sequences) on its devices, solved as ev
 (``planner.solve_table``, layers tied), and made to fit as experts make it fit: with no activation checkpointing,
 then selective, then full, the first whose memory fits the budget with its microbatches in flight
 (``pipeline_plan.inflight``: 1F1B's stage ``s`` holds ``S - s``). The step is priced as soybean's own pipelined
-plans are (``pipeline_plan``): ``M`` times the slowest rank group's time per microbatch (its stages' plans plus
-their sends) over ``1 - bubble``.
+plans are (``pipeline_plan.pipeline_step``): ``M`` times the slowest rank group's time per microbatch (its stages'
+plans plus their sends) over ``1 - bubble``, plus the gradient synchronisation, once per step.
 
 Every pipeline degree ``S`` that fits whole TP groups, whose FSDP degree divides the batch, and whose layers fill
 the stages is priced; each baseline's record is its fastest (``stages``, ``microbatches``, ``mesh`` ``[S, F, tp]``,
-each stage's ``microbatch_s``, the most memory a device needs, and ``recompute`` when checkpointed: the most any
-stage needed), or ``{"infeasible": why}`` when none runs.
+each stage's ``microbatch_s`` and ``sync_s``, the most memory a device needs, and ``recompute`` when checkpointed:
+the most any stage needed), or ``{"infeasible": why}`` when none runs.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from .cost.memory import GIB, budget_bytes, budget_needed
 from .cost.pricing import PricingCache
 from .cost.profiles import Profile, load_profile
 from .options import PlanOptions
-from .pipeline_plan import bubble_fraction, inflight, layer_signatures, transfer_s
+from .pipeline_plan import bubble_fraction, inflight, layer_signatures, pipeline_step, transfer_s
 from .precision import policy
 from .records import memory_breakdown
 from .search import SearchError
@@ -76,11 +76,12 @@ def price(capture_at: Callable[[int], Captured], batch: int, world: int, options
     pricing = PricingCache()
     out: dict[str, dict[str, Any]] = {}
     caps: dict[int, Captured] = {}
-    solved: dict[tuple, tuple[float, float, float, float]] = {}  # (microbatches, stage key, mode) -> priced
+    solved: dict[tuple, tuple[float, float, float, float, float]] = {}  # (microbatches, stage key, mode) -> priced
 
-    def stage_priced(m: int, key: tuple, st_cap: Captured, per: int, mode: str) -> tuple[float, float, float, float]:
-        """``(seconds per microbatch less sends, bytes, peak, activations)`` of one stage's tp_fsdp plan, or None
-        entries as ``inf`` when its table cannot run."""
+    def stage_priced(m: int, key: tuple, st_cap: Captured, per: int,
+                     mode: str) -> tuple[float, float, float, float, float]:
+        """``(seconds per microbatch less sends and gradient sync, bytes, peak, activations, gradient sync)`` of one
+        stage's tp_fsdp plan (``pipeline_plan.microbatch_s``), infinite when its table cannot run."""
         if (m, key, mode) not in solved:
             lay = layouts(st_cap, per, options.gpus_per_node)["tp_fsdp"]
             if mode != "none":
@@ -89,9 +90,10 @@ def price(capture_at: Callable[[int], Captured], batch: int, world: int, options
                 g = lay.table(st_cap, profile, options.objective, options.gpus_per_node, pricing)
                 r = solve_table(g, options.objective, "ilp", options.time_limit_s, options.tie_layers)
                 acts = memory_breakdown(g, r.solution)["activations"]
-                solved[(m, key, mode)] = (r.step_time_s, r.comm_bytes, r.memory, acts)
+                solved[(m, key, mode)] = (r.step_time_s - r.sync_s + r.hidden_s, r.comm_bytes, r.memory, acts,
+                                          r.sync_s)
             except SearchError:
-                solved[(m, key, mode)] = (math.inf, math.inf, math.inf, 0.0)
+                solved[(m, key, mode)] = (math.inf, math.inf, math.inf, 0.0, 0.0)
         return solved[(m, key, mode)]
 
     for name, (v, schedule) in SCHEDULED.items():
@@ -111,6 +113,7 @@ def price(capture_at: Callable[[int], Captured], batch: int, world: int, options
             cut = split(cap, bounds)
             per = world // s
             times: list[float] = []
+            syncs: list[float] = []
             sent: list[float] = []
             modes: list[str] = []
             most = 0.0
@@ -118,7 +121,7 @@ def price(capture_at: Callable[[int], Captured], batch: int, world: int, options
                 key = (a == 0, b == len(names) - 1, tuple(sigs[a:b + 1]), per)
                 held = inflight(schedule, k, s, m)
                 for mode in ("none", *CHECKPOINTING):
-                    t, nbytes, peak, acts = stage_priced(m, key, st.cap, per, mode)
+                    t, nbytes, peak, acts, sync = stage_priced(m, key, st.cap, per, mode)
                     need = peak + (held - 1) * acts
                     if budget is None or need <= budget:
                         break
@@ -127,19 +130,19 @@ def price(capture_at: Callable[[int], Captured], batch: int, world: int, options
                     times = []
                     break
                 times.append(t + transfer_s(facts, st, profile.alpha, profile.beta))
+                syncs.append(sync)
                 sent.append(nbytes * m)
                 most = max(most, need)
                 modes.append(mode)
             if not times or not all(math.isfinite(t) for t in times):
                 continue
-            group_s = [sum(times[i] for i in range(g, s * v, s)) for g in range(s)]
             comm = max(sum(sent[i] for i in range(g, s * v, s)) for g in range(s))  # per device, its group's stages
-            step = max(group_s) * m / (1 - bubble_fraction(schedule, s, m, v))
+            step = pipeline_step(times, syncs, s, m, bubble_fraction(schedule, s, m, v))
             say(f"baseline {name}: {s} stages x {f} FSDP x TP {tp}, {m} microbatches: {step:.4g} s")
             if best is None or step < best["step_time_s"]:
                 worst = max(modes, key=("none", *CHECKPOINTING).index)
                 best = {"comm_bytes": comm, "step_time_s": step, "mesh": [s, f, tp], "stages": s * v,
-                        "microbatches": m, "schedule": schedule, "microbatch_s": times,
+                        "microbatches": m, "schedule": schedule, "microbatch_s": times, "sync_s": syncs,
                         "memory_bytes": most,
                         **({"recompute": worst} if worst != "none" else {})}
         out[name] = best if best is not None else infeasible(why)

@@ -58,11 +58,9 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
     plans = [plan(None, (), per, options=options, baselines=False, captured=st.cap) for st in cut]
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
     facts = value_facts(cap, policy(cap.precision).cast)
-    per_mb = [p.cost["step_time_s"] + transfer_s(facts, st, profile.alpha, profile.beta) for p, st in zip(plans, cut)]
-    # each rank group runs its stages one after the other per microbatch; the schedule adds (p - 1) / v slots
-    group_s = [sum(per_mb[i] for i in range(g, total, stages)) for g in range(stages)]
+    per_mb = [microbatch_s(p) + transfer_s(facts, st, profile.alpha, profile.beta) for p, st in zip(plans, cut)]
     bubble = bubble_fraction(schedule, stages, microbatches, virtual_stages)
-    step = max(group_s) * microbatches / (1 - bubble)
+    step = pipeline_step(per_mb, [sync_s(p) for p in plans], stages, microbatches, bubble)
     record: dict[str, Any] = {
         "schedule": schedule, "microbatches": microbatches, "virtual_stages": virtual_stages, "bubble": bubble,
         "stages": [{"units": [names[a], names[b]], "layers": [a, b],
@@ -77,6 +75,29 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
                cost={"step_time_s": step, "compute_s": sum(p.cost.get("compute_s", 0.0) for p in plans) * microbatches},
                precision=cap.precision, pipeline=record)
     return cut, plans, top
+
+
+def microbatch_s(p: Plan) -> float:
+    """A stage plan's modelled seconds per microbatch, its gradient synchronisation left out: its step (forward,
+    backward and communication of one microbatch) less the sync, of which the step counts only what backward does
+    not hide (``sync_s - hidden_s``)."""
+    return p.cost["step_time_s"] - sync_s(p) + p.cost.get("hidden_s", 0.0)
+
+
+def sync_s(p: Plan) -> float:
+    """A stage plan's gradient synchronisation, which a pipeline runs once per step (``GradSync.defer``)."""
+    return p.cost.get("sync_s", 0.0)
+
+
+def pipeline_step(per_mb: Sequence[float], syncs: Sequence[float], groups: int, microbatches: int,
+                  bubble: float) -> float:
+    """The step of a pipeline: each rank group runs its stages (``i % groups``) one after the other per microbatch,
+    ``microbatches`` times, the schedule idling ``bubble`` of it; then its stages' gradient synchronisation, once,
+    after the last microbatch's backward (its own stages' backward is over, so nothing hides it), the slowest
+    group's counted."""
+    group_s = [sum(per_mb[i] for i in range(g, len(per_mb), groups)) for g in range(groups)]
+    group_sync = [sum(syncs[i] for i in range(g, len(syncs), groups)) for g in range(groups)]
+    return max(group_s) * microbatches / (1 - bubble) + max(group_sync)
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -165,29 +186,44 @@ class StageCosts:
         self.cap, self.options, self.profile, self.budget, self.m = cap, options, profile, budget, microbatches
         self.names, self.sigs = layers(cap), layer_signatures(cap)
         self.facts = value_facts(cap, policy(cap.precision).cast)
-        self.memo: dict[tuple, tuple[float, float]] = {}
+        self.memo: dict[tuple, tuple[float, float, float]] = {}  # seconds per microbatch, memory, sync
         self.plans = 0  # stage plans made
+
+    def _key(self, a: int, b: int, stages: int, k: int) -> tuple:
+        n = len(self.names)
+        return (a == 0, b == n - 1, tuple(self.sigs[a:b + 1]), self.options.world // stages,
+                inflight("1f1b", k, stages, self.m))
 
     def of(self, a: int, b: int, stages: int, k: int = 0) -> float:
         """Layers ``a .. b`` as stage ``k`` of ``stages`` on ``world / stages`` devices (``per``)."""
         from .planner import MemoryBudgetError, SearchError, plan
 
-        n, per = len(self.names), self.options.world // stages
+        per = self.options.world // stages
         held = inflight("1f1b", k, stages, self.m)
-        key = (a == 0, b == n - 1, tuple(self.sigs[a:b + 1]), per, held)
+        key = self._key(a, b, stages, k)
         if key not in self.memo:
-            parts = [r for r in ((0, a - 1), (a, b), (b + 1, n - 1)) if r[0] <= r[1]]
+            parts = [r for r in ((0, a - 1), (a, b), (b + 1, len(self.names) - 1)) if r[0] <= r[1]]
             st = split(self.cap, parts)[parts.index((a, b))]
             self.plans += 1
             try:
                 p = plan(None, (), per, options=self.options, baselines=False, captured=st.cap)
             except (MemoryBudgetError, SearchError):  # no plan of this stage fits (or none was found): never chosen
-                self.memo[key] = (math.inf, math.inf)
+                self.memo[key] = (math.inf, math.inf, 0.0)
                 return math.inf
-            t = p.cost["step_time_s"] + transfer_s(self.facts, st, self.profile.alpha, self.profile.beta)
+            t = microbatch_s(p) + transfer_s(self.facts, st, self.profile.alpha, self.profile.beta)
             mem = stage_memory(p, held)
-            self.memo[key] = (t if self.budget is None or mem <= self.budget else math.inf, mem)
+            self.memo[key] = (t if self.budget is None or mem <= self.budget else math.inf, mem, sync_s(p))
         return self.memo[key][0]
+
+    def step(self, cut: Sequence[tuple[int, int]], groups: int, schedule: str, v: int) -> float:
+        """The step of the pipeline of ``cut`` on ``groups`` rank groups (``pipeline_step``)."""
+        return pipeline_step([self.of(a, b, groups) for a, b in cut], [self.sync(a, b, groups) for a, b in cut],
+                             groups, self.m, bubble_fraction(schedule, groups, self.m, v))
+
+    def sync(self, a: int, b: int, stages: int, k: int = 0) -> float:
+        """The gradient synchronisation of layers ``a .. b`` as a stage (``of`` first plans it)."""
+        self.of(a, b, stages, k)
+        return self.memo[self._key(a, b, stages, k)][2]
 
 
 def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: int, options: PlanOptions,
@@ -215,13 +251,11 @@ def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: in
         costs = StageCosts(capture_at(m), options, profile, budget, m)
         n = len(costs.names)
         for s in [d for d in degrees if d <= n]:
-            bounds, bottleneck = best_cut(n, s, functools.partial(costs.of, stages=s))
-            tried = [("1f1b", 1, bounds, bottleneck * (m + s - 1))]
+            bounds, _ = best_cut(n, s, functools.partial(costs.of, stages=s))
+            tried = [("1f1b", 1, bounds, costs.step(bounds, s, "1f1b", 1))]
             if 2 * s <= n:
                 even = even_bounds(n, 2 * s)
-                per_mb = [costs.of(a, b, stages=s) for a, b in even]
-                group = max(sum(per_mb[i] for i in range(g, 2 * s, s)) for g in range(s))
-                tried.append(("zero-bubble", 2, even, group * m / (1 - bubble_fraction("zero-bubble", s, m, 2))))
+                tried.append(("zero-bubble", 2, even, costs.step(even, s, "zero-bubble", 2)))
             for schedule, v, cut, step in tried:
                 searched.append({"stages": s, "microbatches": m, "schedule": schedule, "virtual_stages": v,
                                  "step_time_s": step, "units": [[costs.names[a], costs.names[b]] for a, b in cut]})
