@@ -125,26 +125,35 @@ def transfer_s(facts: dict[str, tuple[int, bool]], st: Stage, alpha: float, beta
     return alpha * (len(n) + sum(facts[name][1] for name in n)) + (fwd + bwd) * beta
 
 
-def best_cut(n: int, parts: int, cost: Callable[[int, int], float]) -> tuple[list[tuple[int, int]], float]:
+def best_cut(n: int, parts: int, cost: Callable[[int, int], float],
+             lengths: tuple[int, int] | None = None) -> tuple[list[tuple[int, int]], float]:
     """The cut of layers ``0 .. n-1`` into ``parts`` contiguous non-empty ranges whose largest ``cost(a, b)`` is
     least, and that cost: ``f(k, j) = min_i max(f(k - 1, i - 1), cost(i, j))`` over the layer chain (Alpa's
-    inter-operator pass for one submesh size), exact over every cut; ``cost`` may be asked for one range more than
-    once (``StageCosts`` memoises)."""
+    inter-operator pass for one submesh size), exact over every cut whose stages hold ``lengths`` ``(lo, hi)``
+    layers (default: any number); ``cost`` may be asked for one range more than once (``StageCosts`` memoises).
+    Infinite when no such cut exists."""
     if not 1 <= parts <= n:
         raise ValueError(f"{parts} stages of {n} layers")
+    lo, hi = lengths or (1, n)
     inf = math.inf
+
+    def priced(i: int, j: int) -> float:
+        return cost(i, j) if lo <= j - i + 1 <= hi else inf
+
     f = [[inf] * n for _ in range(parts)]
     arg = [[-1] * n for _ in range(parts)]
     for j in range(n - parts + 1):
-        f[0][j] = cost(0, j)
+        f[0][j] = priced(0, j)
     for k in range(1, parts):
         for j in range(k, n - parts + k + 1):
-            for i in range(k, j + 1):
+            for i in range(max(k, j + 1 - hi), min(j, j + 1 - lo) + 1):
                 if f[k - 1][i - 1] >= f[k][j]:
                     continue  # this split's first k stages already cost at least the best found
-                c = max(f[k - 1][i - 1], cost(i, j))
+                c = max(f[k - 1][i - 1], priced(i, j))
                 if c < f[k][j]:
                     f[k][j], arg[k][j] = c, i
+    if not math.isfinite(f[parts - 1][n - 1]):
+        return even_bounds(n, parts), inf
     bounds, j = [], n - 1
     for k in range(parts - 1, 0, -1):
         i = arg[k][j]
@@ -152,6 +161,16 @@ def best_cut(n: int, parts: int, cost: Callable[[int, int], float]) -> tuple[lis
         j = i - 1
     bounds.append((0, j))
     return bounds[::-1], f[parts - 1][n - 1]
+
+
+def stage_lengths(n: int, stages: int) -> tuple[int, int]:
+    """The stage lengths the search considers for ``n`` layers in ``stages`` stages: within ``w = max(2, q / 4)``
+    layers of the even length ``q = n / stages``, room for a stage holding the embedding or the head to be lighter
+    by a few layers.  A restriction (the cut is exact over these): it keeps a large model's search to a few ranges
+    of layers per stage kind, where every length would plan every range."""
+    q = n / stages
+    w = max(2, math.ceil(q / 4))
+    return max(1, math.floor(q) - w), math.ceil(q) + w
 
 
 def layer_signatures(cap: Captured) -> list[str]:
@@ -230,16 +249,16 @@ def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: in
                     say: Callable[[str], None] = lambda line: None,
                     stages: int | None = None) -> tuple[Plan | None, list[dict[str, Any]]]:
     """The fastest pipelined plan over the stage counts ``S`` (divisors of ``world``, 2 up to the layers), the
-    microbatch counts ``M`` (divisors of ``batch`` from ``S`` to ``4 S``; ``capture_at(M)`` captures at that
-    microbatch), the schedules and the cuts.  Each stage's time per microbatch is its own plan on ``world / S``
-    devices, the planner choosing its submesh, plus its sends (``StageCosts``).  Under 1F1B the cut is the best of
-    every cut (``best_cut``), the step ``(M + S - 1)`` times the slowest stage; with 2 virtual stages per rank group
-    (``2 S`` stages, the even cut: ``even_bounds``) under zero bubble, whose bubble is the least of the interleaved
-    schedules for the same stages (``bubble_fraction``), the step is ``M`` times the slowest group over ``1 -
-    bubble``.  Every candidate's modelled step is in the list (``Plan.pipeline["searched"]`` keeps it); only the
-    fastest is planned whole (``plan_pipeline``).  A stage whose memory with its microbatches in flight
-    (``inflight``, counted as the first stage's: the most) breaks the budget costs infinity.  ``stages``: only
-    that stage count."""
+    microbatch counts ``M`` (divisors of ``batch`` from ``S`` to ``4 S``; ``capture_at(M)`` captures at that microbatch), the
+    schedules and the cuts. Each stage's time per microbatch is its own plan on ``world / S`` devices, the planner
+    choosing its submesh, plus its sends (``StageCosts``). Under 1F1B the cut is the best of every cut whose stages
+    are near the even length (``best_cut`` over ``stage_lengths``), the step ``(M + S - 1)`` times the slowest
+    stage; with 2 virtual stages per rank group (``2 S`` stages, the even cut: ``even_bounds``) under zero bubble,
+    whose bubble is the least of the interleaved schedules for the same stages (``bubble_fraction``), the step is
+    ``M`` times the slowest group over ``1 - bubble``. Every candidate's modelled step is in the list
+    (``Plan.pipeline["searched"]`` keeps it); only the fastest is planned whole (``plan_pipeline``). A stage whose
+    memory with its microbatches in flight (``inflight``, counted as the first stage's: the most) breaks the budget
+    costs infinity. ``stages``: only that stage count."""
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
     budget = budget_bytes(options.memory_gb)  # the planner's own: ``--memory-gb`` less its headroom
     best: tuple[float, Captured, int, int, str, int, list[tuple[int, int]]] | None = None
@@ -251,7 +270,7 @@ def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: in
         costs = StageCosts(capture_at(m), options, profile, budget, m)
         n = len(costs.names)
         for s in [d for d in degrees if d <= n]:
-            bounds, _ = best_cut(n, s, functools.partial(costs.of, stages=s))
+            bounds, _ = best_cut(n, s, functools.partial(costs.of, stages=s), stage_lengths(n, s))
             tried = [("1f1b", 1, bounds, costs.step(bounds, s, "1f1b", 1))]
             if 2 * s <= n:
                 even = even_bounds(n, 2 * s)

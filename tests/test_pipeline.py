@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -509,6 +510,15 @@ def test_best_cut_is_the_least_bottleneck_of_every_cut() -> None:
             assert len(bounds) == parts and bounds[0][0] == 0 and bounds[-1][1] == n - 1
             assert all(b[0] == a[1] + 1 for a, b in zip(bounds, bounds[1:]))
             assert max(table[r] for r in bounds) == pytest.approx(got)
+            for lo, hi in ((1, 2), (2, 3), (2, 2)):  # only cuts whose stages hold lo .. hi layers
+                bounds, got = best_cut(n, parts, lambda a, b, t=table: t[(a, b)], (lo, hi))  # type: ignore[misc]
+                ok = [cuts for cuts in itertools.combinations(range(1, n), parts - 1)
+                      if all(lo <= b - a <= hi for a, b in zip((0, *cuts), (*cuts, n)))]
+                best = min((max(table[(a, b)] for a, b in zip((0, *cuts), (*(c - 1 for c in cuts), n - 1)))
+                            for cuts in ok), default=math.inf)
+                assert got == pytest.approx(best)
+                if ok:
+                    assert all(lo <= b - a + 1 <= hi for a, b in bounds)
 
 
 AUTO = dict(profile="h100-nvlink-ib", gpus_per_node=1)
