@@ -249,16 +249,16 @@ def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: in
                     say: Callable[[str], None] = lambda line: None,
                     stages: int | None = None) -> tuple[Plan | None, list[dict[str, Any]]]:
     """The fastest pipelined plan over the stage counts ``S`` (divisors of ``world``, 2 up to the layers), the
-    microbatch counts ``M`` (divisors of ``batch`` from ``S`` to ``4 S``; ``capture_at(M)`` captures at that microbatch), the
-    schedules and the cuts. Each stage's time per microbatch is its own plan on ``world / S`` devices, the planner
-    choosing its submesh, plus its sends (``StageCosts``). Under 1F1B the cut is the best of every cut whose stages
-    are near the even length (``best_cut`` over ``stage_lengths``), the step ``(M + S - 1)`` times the slowest
-    stage; with 2 virtual stages per rank group (``2 S`` stages, the even cut: ``even_bounds``) under zero bubble,
-    whose bubble is the least of the interleaved schedules for the same stages (``bubble_fraction``), the step is
-    ``M`` times the slowest group over ``1 - bubble``. Every candidate's modelled step is in the list
-    (``Plan.pipeline["searched"]`` keeps it); only the fastest is planned whole (``plan_pipeline``). A stage whose
-    memory with its microbatches in flight (``inflight``, counted as the first stage's: the most) breaks the budget
-    costs infinity. ``stages``: only that stage count."""
+    microbatch counts ``M`` (divisors of ``batch`` from ``S`` to ``4 S``; ``capture_at(M)`` captures at that
+    microbatch), the schedules and the cuts. Each stage's time per microbatch is its own plan on ``world / S``
+    devices, the planner choosing its submesh, plus its sends (``StageCosts``). Under 1F1B the cut is the best of
+    every cut whose stages are near the even length (``best_cut`` over ``stage_lengths``), the step ``(M + S - 1)``
+    times the slowest stage; with 2 virtual stages per rank group (``2 S`` stages, the even cut: ``even_bounds``)
+    under zero bubble, whose bubble is the least of the interleaved schedules for the same stages
+    (``bubble_fraction``), the step is ``M`` times the slowest group over ``1 - bubble``. Every candidate's modelled
+    step is in the list (``Plan.pipeline["searched"]`` keeps it); only the fastest is planned whole
+    (``plan_pipeline``). A stage whose memory with its microbatches in flight (``inflight``, counted as the first
+    stage's: the most) breaks the budget costs infinity. ``stages``: only that stage count."""
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
     budget = budget_bytes(options.memory_gb)  # the planner's own: ``--memory-gb`` less its headroom
     best: tuple[float, Captured, int, int, str, int, list[tuple[int, int]]] | None = None
