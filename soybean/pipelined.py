@@ -152,8 +152,8 @@ class PipelinedModule(nn.Module):
         # what each stage receives (shapes and dtypes), for the forward-only pass
         self._receives: list[tuple[torch.Tensor, ...]] = [
             examples[i][0] if examples is not None else tuple(
-                n.meta["val"] for n in st.cap.graph.nodes if n.op == "placeholder"
-                and n.name not in st.cap.params and n.name not in st.cap.buffers)
+                node.meta["val"] for node in st.cap.graph.nodes if node.op == "placeholder"
+                and node.name not in st.cap.params and node.name not in st.cap.buffers)
             for i, st in enumerate(stages)]
         for i in self.stage_indices:
             pm = ParallelModule(model, stages[i].cap, plans[i], rank - gi * per, mine[i])
