@@ -29,7 +29,7 @@ from .graph.units import node_layer
 from .options import PlanOptions
 from .plan import Plan
 from .precision import policy
-from .stages import Stage, even_bounds, layers, split, value_facts
+from .stages import Stage, even_bounds, layers, split, stage_of_nodes, value_facts
 
 
 def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, schedule: str,
@@ -60,9 +60,12 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
     facts = value_facts(cap, policy(cap.precision).cast)
     per_mb = [microbatch_s(p) + transfer_s(facts, st, profile.alpha, profile.beta) for p, st in zip(plans, cut)]
     bubble = bubble_fraction(schedule, stages, microbatches, virtual_stages)
-    step = pipeline_step(per_mb, [sync_s(p) for p in plans], stages, microbatches, bubble)
+    ties = tied_weights(cap, bounds, stages)
+    step = pipeline_step(per_mb, [sync_s(p) for p in plans], stages, microbatches, bubble) + sum(
+        tie_s(t, profile) for t in ties)
     record: dict[str, Any] = {
         "schedule": schedule, "microbatches": microbatches, "virtual_stages": virtual_stages, "bubble": bubble,
+        "tied": ties,
         "stages": [{"units": [names[a], names[b]], "layers": [a, b],
                     "ranks": list(range((k % stages) * per, (k % stages + 1) * per)), "mesh": list(p.mesh),
                     "microbatch_s": t, "memory_bytes": stage_memory(p, inflight(schedule, k, stages, microbatches)),
@@ -75,6 +78,32 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
                cost={"step_time_s": step, "compute_s": sum(p.cost.get("compute_s", 0.0) for p in plans) * microbatches},
                precision=cap.precision, pipeline=record)
     return cut, plans, top
+
+
+def tied_weights(cap: Captured, bounds: Sequence[tuple[int, int]], groups: int) -> list[dict[str, Any]]:
+    """The trained weights that stages on two or more rank groups read (tied embeddings): each one's stages and the
+    bytes of its gradient (in the precision policy's master dtype), which the pipeline sums across those groups
+    once per step (``pipelined.PipelinedModule._sum_tied_grads``)."""
+    stage = stage_of_nodes(cap, bounds)
+    readers: dict[str, set[int]] = {}
+    vals: dict[str, torch.Tensor] = {}
+    for n in cap.graph.nodes:
+        for a in n.all_input_nodes:
+            fqn = cap.params.get(a.name)
+            if fqn is not None and fqn not in cap.frozen and n.op != "output":
+                readers.setdefault(fqn, set()).add(stage[n.name])
+                vals[fqn] = a.meta["val"]
+    master = policy(cap.precision).master
+    return [{"param": fqn, "stages": sorted(ss), "bytes": vals[fqn].numel() * (
+                torch.empty((), dtype=master).element_size() if master is not None else vals[fqn].element_size())}
+            for fqn, ss in readers.items() if len({k % groups for k in ss}) > 1]
+
+
+def tie_s(tie: dict[str, Any], profile: Profile) -> float:
+    """Seconds of one tied weight's gradient sum: an all-reduce of its whole gradient over one rank per holding group
+    (ring: ``2 (h - 1)`` messages of ``bytes / h``), on the profile's link."""
+    h = len(tie["stages"])
+    return 2 * (h - 1) * (profile.alpha + tie["bytes"] / h * profile.beta)
 
 
 def microbatch_s(p: Plan) -> float:
@@ -235,9 +264,11 @@ class StageCosts:
         return self.memo[key][0]
 
     def step(self, cut: Sequence[tuple[int, int]], groups: int, schedule: str, v: int) -> float:
-        """The step of the pipeline of ``cut`` on ``groups`` rank groups (``pipeline_step``)."""
+        """The step of the pipeline of ``cut`` on ``groups`` rank groups (``pipeline_step``, and its tied weights'
+        gradient sums: ``tie_s``)."""
         return pipeline_step([self.of(a, b, groups) for a, b in cut], [self.sync(a, b, groups) for a, b in cut],
-                             groups, self.m, bubble_fraction(schedule, groups, self.m, v))
+                             groups, self.m, bubble_fraction(schedule, groups, self.m, v)) + sum(
+            tie_s(t, self.profile) for t in tied_weights(self.cap, cut, groups))
 
     def sync(self, a: int, b: int, stages: int, k: int = 0) -> float:
         """The gradient synchronisation of layers ``a .. b`` as a stage (``of`` first plans it)."""

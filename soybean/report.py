@@ -106,6 +106,9 @@ def pipeline_table(plan: Plan) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.append(f"schedule {pipe['schedule']}, {pipe['microbatches']} microbatches, bubble {pipe['bubble']:.1%}; "
                  f"step {plan.cost['step_time_s'] * 1e3:.4g} ms (modelled, {plan.profile})")
+    for t in pipe.get("tied", []):
+        lines.append(f"tied weight {t['param']} in stages {', '.join(map(str, t['stages']))}: its gradient "
+                     f"({_bytes(t['bytes'])}) summed across them once per step")
     if pipe.get("without_stages_s") is not None:
         lines.append(f"without stages: {pipe['without_stages_s'] * 1e3:.4g} ms")
     lines += [_total(k, v) for k, v in plan.baselines.items()]

@@ -409,6 +409,7 @@ def test_tied_embeddings_across_stages_under_zero_bubble_train_as_serial(tmp_pat
         assert losses == pytest.approx(ref, rel=1e-10)
         assert pipe["forward"] == pytest.approx(after, rel=1e-10)
         assert pipe["schedule"] == "zero-bubble" and pipe["bubble"] == pytest.approx(1 / (3 * 2 * 2 + 1))
+        assert [(t["stages"], t["bytes"]) for t in pipe["tied"]] == [([0, 3], 11 * 12 * 8)]  # priced once a step
         for k, v in model.state_dict().items():
             torch.testing.assert_close(sd[k], v, rtol=1e-10, atol=1e-12)
 
