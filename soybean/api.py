@@ -278,7 +278,8 @@ def auto_plan(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptio
     if baselines:
         say("3-D baselines")
         base.update(pipeline_baselines.price(capture_at, batch, world, opts, say))
-    piped, searched = search_pipeline(capture_at, batch, world, opts, say)
+    piped, searched = search_pipeline(capture_at, batch, world, opts, say,
+                                      incumbent=plain.cost["step_time_s"] if plain is not None else None)
     if plain is not None and (piped is None or piped.cost["step_time_s"] >= plain.cost["step_time_s"]):
         plain.solver["pipelines_searched"] = searched
         plain.baselines = base

@@ -234,7 +234,8 @@ class StageCosts:
         self.cap, self.options, self.profile, self.budget, self.m = cap, options, profile, budget, microbatches
         self.names, self.sigs = layers(cap), layer_signatures(cap)
         self.facts = value_facts(cap, policy(cap.precision).cast)
-        self.memo: dict[tuple, tuple[float, float, float]] = {}  # seconds per microbatch, memory, sync
+        # seconds per microbatch (sends included), memory, gradient sync, sends
+        self.memo: dict[tuple, tuple[float, float, float, float]] = {}
         self.plans = 0  # stage plans made
 
     def _key(self, a: int, b: int, stages: int, k: int) -> tuple:
@@ -256,12 +257,30 @@ class StageCosts:
             try:
                 p = plan(None, (), per, options=self.options, baselines=False, captured=st.cap)
             except (MemoryBudgetError, SearchError):  # no plan of this stage fits (or none was found): never chosen
-                self.memo[key] = (math.inf, math.inf, 0.0)
+                self.memo[key] = (math.inf, math.inf, 0.0, 0.0)
                 return math.inf
-            t = microbatch_s(p) + transfer_s(self.facts, st, self.profile.alpha, self.profile.beta)
+            sends = transfer_s(self.facts, st, self.profile.alpha, self.profile.beta)
             mem = stage_memory(p, held)
-            self.memo[key] = (t if self.budget is None or mem <= self.budget else math.inf, mem, sync_s(p))
+            fits = self.budget is None or mem <= self.budget
+            self.memo[key] = (microbatch_s(p) + sends if fits else math.inf, mem, sync_s(p), sends)
         return self.memo[key][0]
+
+    def bound(self, groups: int, schedule: str, v: int) -> float:
+        """A lower bound of the step of every cut the search considers for ``groups`` rank groups and ``v`` stages
+        each: some stage holds at least ``L = ceil(n / (groups v))`` layers (``floor`` for the even cut of the
+        virtual stages), and a stage of ``L`` layers costs at least what a middle stage of ``L`` layers costs without
+        its sends (a stage holding the embedding or the head does more; one of more layers, more: costs grow with
+        the ops); with every stage at that, the step (``pipeline_step``, syncs left out) bounds it.  One middle stage
+        planned; 0 when the layers leave no middle stage."""
+        n = len(self.names)
+        length = math.ceil(n / groups) if v == 1 else n // (groups * v)
+        if length < 1 or length + 2 > n:
+            return 0.0
+        t = self.of(1, length, groups)
+        if not math.isfinite(t):
+            return math.inf
+        least = t - self.memo[self._key(1, length, groups, 0)][3]
+        return pipeline_step([least] * v, [0.0] * v, 1, self.m, bubble_fraction(schedule, groups, self.m, v))
 
     def step(self, cut: Sequence[tuple[int, int]], groups: int, schedule: str, v: int) -> float:
         """The step of the pipeline of ``cut`` on ``groups`` rank groups (``pipeline_step``, and its tied weights'
@@ -277,23 +296,31 @@ class StageCosts:
 
 
 def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: int, options: PlanOptions,
-                    say: Callable[[str], None] = lambda line: None,
-                    stages: int | None = None) -> tuple[Plan | None, list[dict[str, Any]]]:
+                    say: Callable[[str], None] = lambda line: None, stages: int | None = None,
+                    incumbent: float | None = None) -> tuple[Plan | None, list[dict[str, Any]]]:
     """The fastest pipelined plan over the stage counts ``S`` (divisors of ``world``, 2 up to the layers), the
     microbatch counts ``M`` (divisors of ``batch`` from ``S`` to ``4 S``; ``capture_at(M)`` captures at that
-    microbatch), the schedules and the cuts. Each stage's time per microbatch is its own plan on ``world / S``
-    devices, the planner choosing its submesh, plus its sends (``StageCosts``). Under 1F1B the cut is the best of
-    every cut whose stages are near the even length (``best_cut`` over ``stage_lengths``), the step ``(M + S - 1)``
-    times the slowest stage; with 2 virtual stages per rank group (``2 S`` stages, the even cut: ``even_bounds``)
-    under zero bubble, whose bubble is the least of the interleaved schedules for the same stages
-    (``bubble_fraction``), the step is ``M`` times the slowest group over ``1 - bubble``. Every candidate's modelled
-    step is in the list (``Plan.pipeline["searched"]`` keeps it); only the fastest is planned whole
-    (``plan_pipeline``). A stage whose memory with its microbatches in flight (``inflight``, counted as the first
-    stage's: the most) breaks the budget costs infinity. ``stages``: only that stage count."""
+    microbatch), the schedules and the cuts, or None when none is faster than ``incumbent`` (the plan without
+    stages).
+
+    Each stage's time per microbatch is its own plan on ``world / S`` devices, the planner choosing its submesh, plus
+    its sends (``StageCosts``). Under 1F1B the cut is the best of every cut whose stages are near the even length
+    (``best_cut`` over ``stage_lengths``), the step ``(M + S - 1)`` times the slowest stage; with 2 virtual stages per
+    rank group (``2 S`` stages, the even cut: ``even_bounds``) under zero bubble, whose bubble is the least of the
+    interleaved schedules for the same stages (``bubble_fraction``), ``M`` times the slowest group over ``1 -
+    bubble``; each plus the gradient synchronisation once (``pipeline_step``) and the tied weights' sums. A stage
+    whose memory with its microbatches in flight (``inflight``, counted as the first stage's: the most) breaks the
+    budget costs infinity.
+
+    Candidates go in the order of their lower bounds (``StageCosts.bound``, one middle stage planned each); one whose
+    bound is no less than the best step so far (or ``incumbent``) is pruned unsearched. Every candidate is in the
+    list: its modelled step (``step_time_s``), or its bound and ``pruned`` (``Plan.pipeline["searched"]`` keeps
+    it); only the fastest is planned whole (``plan_pipeline``). ``stages``: only that stage count."""
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
     budget = budget_bytes(options.memory_gb)  # the planner's own: ``--memory-gb`` less its headroom
     best: tuple[float, Captured, int, int, str, int, list[tuple[int, int]]] | None = None
     searched: list[dict[str, Any]] = []
+    candidates: list[tuple[float, int, int, str, int, StageCosts]] = []
     for m in [d for d in range(1, batch + 1) if batch % d == 0]:
         degrees = [s for s in range(2, world + 1) if world % s == 0 and s <= m <= 4 * s and stages in (None, s)]
         if not degrees:
@@ -301,18 +328,26 @@ def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: in
         costs = StageCosts(capture_at(m), options, profile, budget, m)
         n = len(costs.names)
         for s in [d for d in degrees if d <= n]:
-            bounds, _ = best_cut(n, s, functools.partial(costs.of, stages=s), stage_lengths(n, s))
-            tried = [("1f1b", 1, bounds, costs.step(bounds, s, "1f1b", 1))]
-            if 2 * s <= n:
-                even = even_bounds(n, 2 * s)
-                tried.append(("zero-bubble", 2, even, costs.step(even, s, "zero-bubble", 2)))
-            for schedule, v, cut, step in tried:
-                searched.append({"stages": s, "microbatches": m, "schedule": schedule, "virtual_stages": v,
-                                 "step_time_s": step, "units": [[costs.names[a], costs.names[b]] for a, b in cut]})
-                say(f"pipeline {s} stages x {v} x {m} microbatches, {schedule}: {step:.4g} s")
-                if math.isfinite(step) and (best is None or step < best[0]):
-                    best = (step, costs.cap, s, m, schedule, v, cut)
-    if best is None:
+            for schedule, v in [("1f1b", 1)] + ([("zero-bubble", 2)] if 2 * s <= n else []):
+                candidates.append((costs.bound(s, schedule, v), s, m, schedule, v, costs))
+    floor = incumbent if incumbent is not None else math.inf
+    for bound, s, m, schedule, v, costs in sorted(candidates, key=lambda c: (c[0], c[1], c[2], c[4])):
+        n = len(costs.names)
+        entry = {"stages": s, "microbatches": m, "schedule": schedule, "virtual_stages": v}
+        if bound >= min(floor, best[0] if best is not None else math.inf):
+            searched.append({**entry, "bound_s": bound, "pruned": True})
+            continue
+        if v == 1:
+            cut, _ = best_cut(n, s, functools.partial(costs.of, stages=s), stage_lengths(n, s))
+        else:
+            cut = even_bounds(n, s * v)
+        step = costs.step(cut, s, schedule, v)
+        searched.append({**entry, "bound_s": bound, "step_time_s": step,
+                         "units": [[costs.names[a], costs.names[b]] for a, b in cut]})
+        say(f"pipeline {s} stages x {v} x {m} microbatches, {schedule}: {step:.4g} s")
+        if math.isfinite(step) and (best is None or step < best[0]):
+            best = (step, costs.cap, s, m, schedule, v, cut)
+    if best is None or best[0] >= floor:
         return None, searched
     _, cap, s, m, schedule, v, cut = best
     _, _, top = plan_pipeline(cap, world, s, m, schedule, options, virtual_stages=v, bounds=cut)

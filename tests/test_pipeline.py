@@ -568,7 +568,7 @@ def test_auto_chooses_stages_only_where_they_are_faster_and_trains_as_serial(mem
     if staged:
         pipe = got[0][1]
         chosen = pipe_step(pipe)
-        assert min(c["step_time_s"] for c in pipe["searched"]) == pytest.approx(chosen)
+        assert min(c["step_time_s"] for c in pipe["searched"] if "step_time_s" in c) == pytest.approx(chosen)
         assert pipe["without_stages_s"] is None or pipe["without_stages_s"] > chosen  # faster than no stages
     for k, v in model.named_parameters():
         torch.testing.assert_close(params[k], v.detach(), rtol=1e-10, atol=1e-12)
@@ -577,7 +577,7 @@ def test_auto_chooses_stages_only_where_they_are_faster_and_trains_as_serial(mem
 def pipe_step(pipe: dict) -> float:
     """The searched candidate the chosen plan is (its schedule, stage count, microbatches and cut)."""
     units = [s["units"] for s in pipe["stages"]]
-    return next(c["step_time_s"] for c in pipe["searched"] if c["microbatches"] == pipe["microbatches"]
+    return next(c["step_time_s"] for c in pipe["searched"] if "units" in c and c["microbatches"] == pipe["microbatches"]
                 and c["units"] == units and c["schedule"] == pipe["schedule"])
 
 
@@ -590,14 +590,18 @@ def test_the_command_line_searches_stages_with_auto(capsys: pytest.CaptureFixtur
     assert main(args) == 0
     roomy = json.loads(capsys.readouterr().out)
     assert "pipeline" not in roomy and roomy["solver"]["pipelines_searched"]  # searched, not chosen
-    assert all(c["step_time_s"] > roomy["cost"]["step_time_s"] for c in roomy["solver"]["pipelines_searched"])
+    searched = roomy["solver"]["pipelines_searched"]  # each slower than no stages, or pruned by its bound
+    assert all(c.get("step_time_s", c["bound_s"]) >= roomy["cost"]["step_time_s"] for c in searched)
+    assert all(c["bound_s"] <= c["step_time_s"] for c in searched if "step_time_s" in c)  # a bound, never above
     assert main([*args, "--memory-gb", "0.008"]) == 0  # fp32 here: half the float64 test's budget
     tight = json.loads(capsys.readouterr().out)
     pipe = tight["pipeline"]
     assert pipe["searched"] and len(pipe["stages"]) >= 2
     assert {c["schedule"] for c in pipe["searched"]} == {"1f1b", "zero-bubble"}  # and 2 virtual stages each
     assert pipe_step(pipe) == pytest.approx(tight["cost"]["step_time_s"])  # planned whole as it was priced
-    assert pipe_step(pipe) == min(c["step_time_s"] for c in pipe["searched"])
+    assert pipe_step(pipe) == min(c["step_time_s"] for c in pipe["searched"] if "step_time_s" in c)
+    assert all(c["bound_s"] <= c["step_time_s"] for c in pipe["searched"] if "step_time_s" in c)
+    assert all(c["bound_s"] >= pipe_step(pipe) for c in pipe["searched"] if c.get("pruned"))
     assert set(tight["baselines"]) >= {"tp_fsdp", "pp_tp_fsdp", "pp_tp_fsdp_interleaved"}
 
 
