@@ -27,6 +27,7 @@ to the serial weight.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -296,16 +297,19 @@ class PipelinedModule(nn.Module):
         pipeline layout or none (DCP reshards)."""
         from .runtime.checkpoint import save
 
-        return save(self._view().check(optimizer), path, optimizer, extra, keep)
+        view = self._view()
+        with view.hiding_copies(optimizer):
+            return save(view, path, optimizer, extra, keep)
 
     def load_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Any:
         """``ParallelModule.load_sharded`` across stages: each stage reads its own tiles from a checkpoint saved
         under any plan, pipelined or not; a tied weight's other copies take the first's."""
         from .runtime.checkpoint import load
 
-        view = self._view().check(optimizer)
-        extra = load(view, path, optimizer)
-        view.copy_ties()
+        view = self._view()
+        with view.hiding_copies(optimizer):
+            extra = load(view, path, optimizer)
+        view.copy_ties(optimizer)
         return extra
 
     @torch.no_grad()
@@ -406,6 +410,7 @@ class _CheckpointView(nn.Module):
             for fqn in [*cap.params.values(), *cap.buffers.values()]:
                 first.setdefault(fqn, k)
         self._meshes = [submesh(r, p.mesh) for r, p in zip(pipe._stage_ranks, pipe._plans)]  # every rank, in order
+        self._first = first
         self._owner: dict[str, tuple[ParallelModule, int]] = {}
         self._copies: dict[str, list[ParallelModule]] = {}
         for i, m in zip(pipe.stage_indices, pipe.stage_modules):
@@ -426,13 +431,6 @@ class _CheckpointView(nn.Module):
                     v = node.meta["val"]
                     self._all.setdefault(name, {"shape": list(v.shape), "dtype": str(v.dtype)})
 
-    def check(self, optimizer: torch.optim.Optimizer | None) -> _CheckpointView:
-        if optimizer is not None and self._pipe._ties:
-            raise CheckpointError("save_sharded/load_sharded with optimizer= of a pipelined plan whose stages share a "
-                                  f"weight ({', '.join(f for f, _, _ in self._pipe._ties)}) is not supported yet: "
-                                  "save the model alone, or cut the stages so one stage holds every reader")
-        return self
-
     def _state(self) -> Iterator[tuple[str, str]]:
         for fqn, (pm, _) in self._owner.items():
             yield next((k, f) for k, f in pm._state() if f == fqn)
@@ -446,31 +444,95 @@ class _CheckpointView(nn.Module):
     def _mesh_of(self, fqn: str) -> Any:
         return self._meshes[self._owner[fqn][1]]
 
+    def _merged_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups with every rank's parameter names (each rank holds only its stages'):
+        a checkpoint stores the groups once for all ranks, and each rank finds its own parameters' group in
+        them."""
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, [list(g["params"]) for g in groups])
+        if len({len(e) for e in every}) > 1:
+            raise CheckpointError("the ranks' optimizers have different numbers of parameter groups: build one "
+                                  "optimizer over pmodel.parameters() on every rank, its groups alike")
+        return [{**g, "params": list(dict.fromkeys(n for e in every for n in e[i]))} for i, g in enumerate(groups)]
+
     def _catalog(self) -> dict[str, dict[str, Any]]:
         return dict(self._all)
 
-    @torch.no_grad()
-    def copy_ties(self) -> None:
-        """A tied weight's copies take the value of its first reader's (gathered, then each copy's tile), across
-        rank groups through the tie's group (a sum with zeros from the ranks that do not own it)."""
+    @contextlib.contextmanager
+    def hiding_copies(self, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+        """``optimizer`` without this rank's copies of tied weights (their parameters and state) while the block
+        runs: a checkpoint holds each weight's optimizer state once, by name (the copies' state is the owner's: the
+        same gradients, the same steps)."""
+        copies = [pm.get_parameter(f) for f, pms in self._copies.items() for pm in pms]
+        if optimizer is None or not copies:
+            yield
+            return
+        hidden = {id(p) for p in copies}
+        groups = [list(g["params"]) for g in optimizer.param_groups]
+        states: dict[torch.Tensor, Any] = {p: optimizer.state.pop(p) for p in copies if p in optimizer.state}
+        for g in optimizer.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) not in hidden]
+        try:
+            yield
+        finally:
+            for g, params in zip(optimizer.param_groups, groups):
+                g["params"] = params
+            optimizer.state.update(states)
+
+    def _whole(self, fqn: str, group: Any, owner_tile: torch.Tensor | None, like: ParallelModule,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor of which the owner of ``fqn`` holds ``owner_tile`` (its tiling's), on every rank of the
+        tie: gathered within the owner's stage, summed with zeros over the tie's group."""
         from .codegen.lower import gather_now
         from .runtime.context import use_groups
+
+        whole: torch.Tensor | None = None
+        own = self._owner.get(fqn)
+        if own is not None:
+            assert owner_tile is not None
+            pm = own[0]
+            with use_groups(pm._groups):
+                whole = gather_now(owner_tile, pm.plan.param_tiling(fqn), pm._full_shape(fqn), pm._mesh, pm._coords)
+        if group is not None:
+            buf = whole if whole is not None else torch.zeros(like._full_shape(fqn),
+                                                              dtype=dtype or like.get_parameter(fqn).dtype)
+            dist.all_reduce(buf, group=group)
+            whole = buf
+        assert whole is not None
+        return whole
+
+    @torch.no_grad()
+    def copy_ties(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """A tied weight's copies take the value (and, with ``optimizer``, the optimizer state) of its first
+        reader's: gathered whole, shared over the tie's group, each copy its tile."""
         from .tiling import local_tile
 
-        for fqn, mods, group in self._pipe._ties:
+        pipe = self._pipe
+        per = dist.get_world_size() // pipe._groups
+        for fqn, mods, group in pipe._ties:
             own = self._owner.get(fqn)
-            whole: torch.Tensor | None = None
-            if own is not None:
-                pm = own[0]
-                with use_groups(pm._groups):
-                    whole = gather_now(pm.get_parameter(fqn).detach(), pm.plan.param_tiling(fqn),
-                                       pm._full_shape(fqn), pm._mesh, pm._coords)
-            if group is not None:
-                like = mods[0]
-                buf = whole if whole is not None else torch.zeros(like._full_shape(fqn),
-                                                                  dtype=like.get_parameter(fqn).dtype)
-                dist.all_reduce(buf, group=group)
-                whole = buf
-            assert whole is not None
-            for pm in self._copies.get(fqn, []):
+            owner_param = own[0].get_parameter(fqn) if own is not None else None
+            whole = self._whole(fqn, group, owner_param.detach() if owner_param is not None else None, mods[0])
+            copies = self._copies.get(fqn, [])
+            for pm in copies:
                 pm.get_parameter(fqn).copy_(local_tile(whole, pm.plan.param_tiling(fqn), pm._mesh, pm._coords))
+            if optimizer is None:
+                continue
+            # the owner's state: per-element tensors (its tile's shape) shared as wholes, the rest as they are
+            state = optimizer.state.get(owner_param, {}) if owner_param is not None else {}
+            kinds: list[Any] = [{k: (("tile", v.dtype) if isinstance(v, torch.Tensor) and owner_param is not None
+                                     and v.shape == owner_param.shape and v.dim() else v)
+                                 for k, v in state.items()}]
+            if group is not None:
+                src = (self._first[fqn] % pipe._groups) * per + dist.get_rank() % per
+                dist.broadcast_object_list(kinds, src=src, group=group)
+            for k, kind in sorted(kinds[0].items()):
+                if isinstance(kind, tuple) and kind and kind[0] == "tile":
+                    full = self._whole(fqn, group, state[k] if owner_param is not None else None, mods[0], kind[1])
+                    for pm in copies:
+                        t = local_tile(full, pm.plan.param_tiling(fqn), pm._mesh, pm._coords)
+                        optimizer.state[pm.get_parameter(fqn)][k] = t
+                else:
+                    for pm in copies:
+                        optimizer.state[pm.get_parameter(fqn)][k] = kind.clone() if isinstance(
+                            kind, torch.Tensor) else kind

@@ -383,7 +383,26 @@ def _tied(rank: int, world: int, steps: int, path: str) -> tuple[list[float], di
                                 microbatches=2, schedule="zero-bubble")
     fresh.load_sharded(path)  # stage 3's copy (on the other rank) takes stage 0's
     pipe["forward"] = float(fresh(*inputs))  # forward only through 4 stages on 2 ranks: the whole batch's loss
-    return losses, fresh.full_state_dict(), pipe
+    trained = fresh.full_state_dict()
+    # AdamW's moments of the tied weight: saved once, and both copies of a fresh module take them
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
+    for i in range(2):
+        opt.zero_grad()
+        pm.train_step(*inputs, loss_fn=lambda out: out)  # type: ignore[operator]
+        opt.step()
+        if i == 0:
+            pm.save_sharded(path, optimizer=opt)
+    again = soybean.parallelize(_tied_model()[0], inputs, devices=world, pipeline=2, virtual_stages=2,
+                                microbatches=2, schedule="zero-bubble")
+    opt2 = torch.optim.AdamW(again.parameters(), lr=0.01)
+    again.load_sharded(path, optimizer=opt2)
+    opt2.zero_grad()
+    again.train_step(*inputs, loss_fn=lambda out: out)
+    opt2.step()
+    want = pm.full_state_dict()
+    for k, v in again.full_state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=1e-10, atol=1e-12)
+    return losses, trained, pipe
 
 
 @pytest.mark.dist
@@ -393,7 +412,8 @@ def test_tied_embeddings_across_stages_under_zero_bubble_train_as_serial(tmp_pat
     weight, stepped with the sum of both gradients, so both copies stay the serial weight; the integer targets
     cross every stage boundary.  The bytes each rank sends are the priced ones: every stage's boundary values
     forward and the gradients of those autograd tracks back (not the integer targets).  A sharded checkpoint saves
-    the weight once and a fresh module's copies both load it."""
+    the weight (and AdamW's moments of it) once and a fresh module's copies both load it: its next step is the
+    saving module's."""
     model, inputs = _tied_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref = []

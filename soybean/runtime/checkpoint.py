@@ -130,6 +130,8 @@ def _optimizer_state(pm: Tiled, optimizer: torch.optim.Optimizer, mesh: DeviceMe
     """DCP's state dict of ``optimizer`` (initialised by one zero-gradient step at learning rate 0 when empty,
     so a load has every state to fill) with its per-element states wrapped."""
     osd: dict[str, Any] = dict(get_optimizer_state_dict(pm, optimizer))  # type: ignore[arg-type]
+    if (merge := getattr(pm, "_merged_groups", None)) is not None:
+        osd["param_groups"] = merge(osd["param_groups"])
     params = dict(pm.named_parameters())
     # New dicts: the optimizer's state_dict() hands out its own per-parameter dicts, which must keep plain tensors.
     osd["state"] = {fqn: dict(states) for fqn, states in osd["state"].items()}
