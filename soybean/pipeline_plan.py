@@ -17,13 +17,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .capture import Captured
-from .cost.memory import budget_bytes
+from .cost.memory import GIB, budget_bytes
 from .cost.profiles import Profile, load_profile
 from .graph.units import node_layer
 from .options import PlanOptions
@@ -73,6 +74,13 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
                     "grad_bytes": transfer_bytes(facts, st)[1], "plan": p.to_dict()}
                    for k, (st, p, t, (a, b)) in enumerate(zip(cut, plans, per_mb, bounds))],
     }
+    budget = budget_bytes(options.memory_gb)
+    over = [(k, st["memory_bytes"]) for k, st in enumerate(record["stages"])
+            if budget is not None and st["memory_bytes"] > budget]
+    if over:
+        warnings.warn(f"soybean: pipeline stages {[k for k, _ in over]} need up to {max(b for _, b in over) / GIB:.3g} "
+                      f"GiB per device with their microbatches in flight, over --memory-gb {options.memory_gb}: use "
+                      "more microbatches or stages, or --pipeline auto", stacklevel=2)
     top = Plan(devices=world, mesh=[stages, per], objective=options.objective, profile=plans[0].profile,
                fingerprint=cap.fingerprint, params={}, inputs={}, nodes={},
                cost={"step_time_s": step, "compute_s": sum(p.cost.get("compute_s", 0.0) for p in plans) * microbatches},

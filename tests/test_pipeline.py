@@ -211,6 +211,24 @@ def test_the_command_line_plans_stages(capsys: pytest.CaptureFixture) -> None:
     assert "use microbatches in [1, 2, 4, 8]" in capsys.readouterr().err
 
 
+def test_a_forced_pipeline_over_the_budget_with_its_microbatches_in_flight_warns() -> None:
+    """1F1B's first stage holds 2 microbatches' activations: a budget that fits one but not two is a warning naming
+    the stage."""
+    from soybean.api import micro_inputs
+    from soybean.cost.memory import MEMORY_HEADROOM
+    from soybean.options import PlanOptions
+    from soybean.pipeline_plan import plan_pipeline
+
+    model, inputs = transformer(batch=8, seq=16, hidden=32, layers=4, heads=2)
+    cap = capture(model, micro_inputs(inputs, {}, 2)[0])
+    _, plans, top = plan_pipeline(cap, 2, 2, 2, "1f1b", PlanOptions(devices=2))
+    first = (top.pipeline or {})["stages"][0]
+    assert first["memory_bytes"] == pytest.approx(plans[0].memory["peak"] + plans[0].memory["activations"])
+    gb = plans[0].memory["peak"] * 1.01 / 2**30 / (1 - MEMORY_HEADROOM)
+    with pytest.warns(UserWarning, match=r"pipeline stages \[0\] need up to"):
+        plan_pipeline(cap, 2, 2, 2, "1f1b", PlanOptions(devices=2, memory_gb=gb))
+
+
 def test_explain_and_draw_show_each_stage(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """``explain`` and ``draw`` of a pipelined plan (saved, or planned with ``--pipeline``): each stage's row of
     the table (units, ranks, mesh, time per microbatch, memory) and the schedule's bubble, then its own plan
