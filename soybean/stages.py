@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .capture import Captured, structural_keys
 from .graph.units import node_layer
@@ -203,11 +203,41 @@ def boundary_examples(stages: Sequence[Stage], cast: Callable[[torch.Tensor], to
                 t = _meta_like(n.meta["val"])
                 trains = n.name in c.params and c.params[n.name] not in c.frozen and t.is_floating_point()
                 args.append(cast(t.requires_grad_(trains)))
-        got = c.graph_module(*args, *(cast(v) if isinstance(v, torch.Tensor) else v for v in values))
+        got = _OnMeta(c.graph_module).run(*args, *(cast(v) if isinstance(v, torch.Tensor) else v for v in values))
         got = tuple(x for x in tree_leaves(got) if isinstance(x, torch.Tensor))
         out.append((values, got))
         values = tuple(v.detach().requires_grad_(v.requires_grad) for v in got)
     return out
+
+
+class _OnMeta(fx.Interpreter):
+    """A graph run on the meta device: an op that makes a tensor on another device (``arange(..., device=cpu)``
+    for rotary positions) makes it there instead, and a constant tensor is taken as a meta tensor alike.
+    ``facts``: each value's bytes and whether autograd tracks it (``value_facts``)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.facts: dict[str, tuple[int, bool]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor):
+            self.facts[n.name] = (out.numel() * out.element_size(), out.requires_grad)
+        return out
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        def meta(a: Any) -> Any:
+            if isinstance(a, torch.device):  # ``aten.to.device(x, cpu, ...)``: the device as an argument
+                return torch.device("meta")
+            return a.to("meta") if isinstance(a, torch.Tensor) and a.device.type != "meta" else a
+
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": torch.device("meta")}
+        return super().call_function(target, tuple(tree_map(meta, list(args))), tree_map(meta, kwargs))
+
+    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        got = super().get_attr(target, args, kwargs)
+        return got.to("meta") if isinstance(got, torch.Tensor) else got
 
 
 def _meta_like(v: Any) -> Any:
@@ -232,15 +262,10 @@ def value_facts(cap: Captured, cast: Callable[[torch.Tensor], torch.Tensor] = la
             t = cast(t.requires_grad_(trains))
         args.append(t)
 
-    class Recorder(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            out = super().run_node(n)
-            if isinstance(out, torch.Tensor):
-                facts[n.name] = (out.numel() * out.element_size(), out.requires_grad)
-            return out
-
     try:
-        Recorder(cap.graph_module).run(*args)
+        run = _OnMeta(cap.graph_module)
+        run.run(*args)
+        facts = run.facts
     except (NotImplementedError, RuntimeError):  # an op that reads data (MoE routing's counts): the capture's shapes,
         facts = {}                                # and a gradient for every floating value
         for n in cap.graph.nodes:

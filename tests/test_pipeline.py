@@ -452,6 +452,46 @@ def test_tied_embeddings_across_stages_under_zero_bubble_train_as_serial(tmp_pat
             torch.testing.assert_close(sd[k], v, rtol=1e-10, atol=1e-12)
 
 
+LLAMA = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=64, batch=4, seq=8)
+
+
+def _llama() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    from soybean import models
+
+    model, inputs = models.load("hf:llama", dict(LLAMA))
+    return model.double(), tuple(inputs)
+
+
+def _llama_pipelined(rank: int, world: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import soybean
+
+    torch.set_num_threads(1)
+    model, inputs = _llama()
+    pm = soybean.parallelize(model, inputs, devices=world, pipeline=2, microbatches=2)
+    return _steps(pm, steps, *inputs, loss_fn=lambda out: out), pm.full_state_dict()
+
+
+@pytest.mark.dist
+def test_a_hugging_face_llama_as_two_stages_trains_as_serial() -> None:
+    """transformers' Llama (tiny config; rotary positions made on the CPU in forward, integer labels crossing the
+    stage boundary, its loss computed inside) as 2 stages on 2 processes."""
+    pytest.importorskip("transformers")
+    model, inputs = _llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = model(*inputs)
+        loss.backward()
+        opt.step()
+        ref.append(float(loss.detach()))
+    for losses, sd in spawn(_llama_pipelined, 2, 2, timeout_s=240):
+        assert losses == pytest.approx(ref, rel=1e-6)  # the loss upcasts its logits to float32
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(sd[k], v, rtol=1e-9, atol=1e-11)
+
+
 def _checkpoints(rank: int, world: int, path: str) -> None:
     import soybean
 
