@@ -97,7 +97,10 @@ class _StageModule(nn.Module):
         self.last = last
 
     def forward(self, *xs: torch.Tensor) -> Any:
-        out = self.pm(*xs)
+        # torch's zero-bubble schedules detach a stage's outputs in place after the input-gradient pass: a view (a
+        # returned tile, the loss's pending sum) is copied out first
+        out = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t._base is not None else t,
+                       self.pm(*xs))
         if self.last:
             return out
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)

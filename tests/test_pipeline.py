@@ -319,7 +319,8 @@ def test_two_stages_each_tiled_over_two_devices_train_as_serial(mode: str, tmp_p
         torch.testing.assert_close(params[k], v, rtol=1e-10, atol=1e-12)
 
 
-def _interleaved(rank: int, world: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor], dict]:
+def _interleaved(rank: int, world: int, steps: int, schedule: str,
+                 mode: str) -> tuple[list[float], dict[str, torch.Tensor], dict]:
     import soybean
 
     torch.set_num_threads(1)
@@ -327,14 +328,16 @@ def _interleaved(rank: int, world: int, steps: int) -> tuple[list[float], dict[s
     model = model.double()
     inputs = tuple(x.double() for x in inputs)
     pm = soybean.parallelize(model, inputs, devices=world, pipeline=2, virtual_stages=2, microbatches=2,
-                             schedule="interleaved-1f1b", mode="dp")
+                             schedule=schedule, mode=mode)
     return _steps(pm, steps, *inputs, loss_fn=lambda out: out), _own(pm, model), pm.plan.pipeline or {}
 
 
 @pytest.mark.dist
-def test_interleaved_1f1b_over_two_tiled_groups_trains_as_serial() -> None:
-    """4 layers as 4 stages on 2 rank groups of 2 devices (2 virtual stages each), interleaved 1F1B, each stage
-    data-parallel: its weights' gradients summed once per step, after every microbatch's backward."""
+@pytest.mark.parametrize("schedule,mode", [("interleaved-1f1b", "dp"), ("zero-bubble", "mp")])
+def test_interleaved_schedules_over_two_tiled_groups_train_as_serial(schedule: str, mode: str) -> None:
+    """4 layers as 4 stages on 2 rank groups of 2 devices (2 virtual stages each): interleaved 1F1B with each stage
+    data-parallel (its weights' gradients summed once per step, after every microbatch's backward), and zero
+    bubble with each stage model-parallel (its input- and weight-gradient passes apart; the loss a pending sum)."""
     model, inputs = transformer(batch=4, seq=6, hidden=12, layers=4, heads=2)
     model = model.double()
     inputs = tuple(x.double() for x in inputs)
@@ -346,13 +349,13 @@ def test_interleaved_1f1b_over_two_tiled_groups_trains_as_serial() -> None:
         loss.backward()
         opt.step()
         ref.append(float(loss.detach()))
-    got = spawn(_interleaved, 4, 2, timeout_s=300)
+    got = spawn(_interleaved, 4, 2, schedule, mode, timeout_s=300)
     params: dict[str, torch.Tensor] = {}
     for losses, p, pipe in got:
         assert losses == pytest.approx(ref, rel=1e-10)
         params.update(p)
         assert pipe["virtual_stages"] == 2 and [s["ranks"] for s in pipe["stages"]] == [[0, 1], [2, 3]] * 2
-        assert pipe["bubble"] == pytest.approx(1 / (2 * 2 + 1))
+        assert pipe["bubble"] == pytest.approx(1 / ((3 if schedule == "zero-bubble" else 1) * 2 * 2 + 1))
     for k, v in model.named_parameters():
         torch.testing.assert_close(params[k], v.detach(), rtol=1e-10, atol=1e-12)
 
