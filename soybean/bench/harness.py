@@ -330,12 +330,15 @@ _DIST_PREPARE: dict[str, Callable[[_Context, nn.Module, tuple], Prepared]] = {
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
-    """The part of a plan a reader compares: mesh, parameter tilings and pipeline stages (1 without; a pipelined
-    plan's stages with their layers, ranks and meshes)."""
+    """The part of a plan a reader compares: mesh, parameter tilings and pipeline stages (the pipeline's depth, its
+    rank groups: 1 without; a pipelined plan's schedule, virtual stages per group and every stage with its layers,
+    ranks and mesh)."""
     out: dict[str, Any] = {"mesh": list(plan.mesh), "params": dict(plan.params), "stages": 1}
     if plan.pipeline is not None:
-        out["stages"] = len(plan.pipeline["stages"])
+        v = int(plan.pipeline.get("virtual_stages", 1))
+        out["stages"] = len(plan.pipeline["stages"]) // v
         out["pipeline"] = {"schedule": plan.pipeline["schedule"], "microbatches": plan.pipeline["microbatches"],
+                           "virtual_stages": v,
                            "stages": [{k: st[k] for k in ("units", "ranks", "mesh")} for st in plan.pipeline["stages"]]}
     return out
 
