@@ -92,17 +92,22 @@ def test_cuts_that_cannot_make_stages_say_why() -> None:
         check_microbatches(6, 4)
 
 
-def _serial(steps: int, outside: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model, inputs = _model()
+def serial_losses(model: nn.Module, steps: int, *inputs: torch.Tensor, scale: float = 1.0) -> list[float]:
+    """``steps`` SGD steps of ``model`` (its output the loss, times ``scale``) in place: each step's loss."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        out = model(*inputs)
-        loss = out * 2.0 if outside else out
+        loss = model(*inputs) * scale
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
+    return losses
+
+
+def _serial(steps: int, outside: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model, inputs = _model()
+    losses = serial_losses(model, steps, *inputs, scale=2.0 if outside else 1.0)
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
@@ -341,14 +346,7 @@ def test_interleaved_schedules_over_two_tiled_groups_train_as_serial(schedule: s
     model, inputs = transformer(batch=4, seq=6, hidden=12, layers=4, heads=2)
     model = model.double()
     inputs = tuple(x.double() for x in inputs)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref = []
-    for _ in range(2):
-        opt.zero_grad()
-        loss = model(*inputs)
-        loss.backward()
-        opt.step()
-        ref.append(float(loss.detach()))
+    ref = serial_losses(model, 2, *inputs)
     got = spawn(_interleaved, 4, 2, schedule, mode, timeout_s=300)
     params: dict[str, torch.Tensor] = {}
     for losses, p, pipe in got:
@@ -436,14 +434,7 @@ def test_tied_embeddings_across_stages_under_zero_bubble_train_as_serial(tmp_pat
     the weight (and AdamW's moments of it) once and a fresh module's copies both load it: its next step is the
     saving module's."""
     model, inputs = _tied_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref = []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = model(*inputs)
-        loss.backward()
-        opt.step()
-        ref.append(float(loss.detach()))
+    ref = serial_losses(model, 3, *inputs)
     got = spawn(_tied, 2, 3, str(tmp_path), timeout_s=180)
     after = float(model(*inputs).detach())
     for losses, sd, pipe in got:
@@ -481,14 +472,7 @@ def test_a_hugging_face_llama_as_two_stages_trains_as_serial() -> None:
     stage boundary, its loss computed inside) as 2 stages on 2 processes."""
     pytest.importorskip("transformers")
     model, inputs = _llama()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref = []
-    for _ in range(2):
-        opt.zero_grad()
-        loss = model(*inputs)
-        loss.backward()
-        opt.step()
-        ref.append(float(loss.detach()))
+    ref = serial_losses(model, 2, *inputs)
     for losses, sd in spawn(_llama_pipelined, 2, 2, timeout_s=240):
         assert losses == pytest.approx(ref, rel=1e-6)  # the loss upcasts its logits to float32
         for k, v in model.state_dict().items():
@@ -632,14 +616,7 @@ def test_auto_chooses_stages_only_where_they_are_faster_and_trains_as_serial(mem
     without stages that fits.  Either way one loop
     (``train_step``) trains as serial does."""
     model, x, y = _auto_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref = []
-    for _ in range(2):
-        opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        ref.append(float(loss.detach()))
+    ref = serial_losses(model, 2, x, y)
     got = spawn(_auto, 2, memory_gb, timeout_s=240)
     params: dict[str, torch.Tensor] = {}
     for losses, pipe, p in got:
