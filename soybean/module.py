@@ -192,16 +192,24 @@ class ParallelModule(nn.Module):
         """(kind, fqn) of the model's own parameters and buffers (not the constants forward made)."""
         return ((k, f) for k, f in self._order if k != "constant")
 
+    def whole(self, fqn: str, tile: torch.Tensor) -> torch.Tensor:
+        """The full tensor of which ``tile`` is this rank's tile under the stored tiling of ``fqn`` (a parameter's,
+        its gradient's or its optimizer state's), gathered now over this module's groups (every rank of them
+        calls it)."""
+        with use_groups(self._groups):
+            return gather_now(tile, self.plan.param_tiling(fqn), self._full_shape(fqn), self._mesh, self._coords)
+
+    def tile(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's tile of ``full`` under the stored tiling of ``fqn`` (``whole``'s inverse)."""
+        return local_tile(full, self.plan.param_tiling(fqn), self._mesh, self._coords)
+
     @torch.no_grad()
     def full_tensors(self) -> dict[str, torch.Tensor]:
         """Full tensors of every parameter and buffer (non-persistent ones included) by the model's own names,
         tied aliases included, gathered on every rank."""
         out: dict[str, torch.Tensor] = {}
-        with use_groups(self._groups):
-            for kind, fqn in self._state():
-                t = self._tensor(kind, fqn).detach()
-                out[fqn] = gather_now(t, self.plan.param_tiling(fqn), self._full_shape(fqn), self._mesh,
-                                      self._coords).clone()
+        for kind, fqn in self._state():
+            out[fqn] = self.whole(fqn, self._tensor(kind, fqn).detach()).clone()
         for alias, fqn in self._cap.aliases.items():
             if fqn in out:
                 out[alias] = out[fqn]
@@ -282,5 +290,4 @@ class ParallelModule(nn.Module):
                 if kind == "buffer" and fqn not in sd and fqn not in missing:
                     continue  # non-persistent: not in any state dict
                 raise KeyError(f"state dict has no {fqn}")
-            tiling = self.plan.param_tiling(fqn)
-            self._tensor(kind, fqn).copy_(local_tile(full[fqn], tiling, self._mesh, self._coords))
+            self._tensor(kind, fqn).copy_(self.tile(fqn, full[fqn]))

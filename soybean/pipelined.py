@@ -241,27 +241,21 @@ class PipelinedModule(nn.Module):
     @torch.no_grad()
     def _sum_tied_grads(self) -> None:
         """Each copy of a weight several stages read gets the sum of their gradients (the serial one): every
-        reader's gradient gathered whole within its stage's ranks (``gather_now``), summed over this rank's readers
-        and then across the rank groups holding one (``dist.all_reduce`` among the ranks of one in-group index),
-        and each copy takes its tile of the sum."""
-        from .codegen.lower import gather_now
-        from .runtime.context import use_groups
-        from .tiling import local_tile
-
+        reader's gradient gathered whole within its stage's ranks (``ParallelModule.whole``), summed over this rank's
+        readers and then across the rank groups holding one (``dist.all_reduce`` among the ranks of one in-group
+        index), and each copy takes its tile of the sum (``ParallelModule.tile``)."""
         for fqn, mods, group in self._ties:
             total: torch.Tensor | None = None
             for pm in mods:
                 p = pm.get_parameter(fqn)
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                with use_groups(pm._groups):
-                    whole = gather_now(grad, pm.plan.param_tiling(fqn), pm._full_shape(fqn), pm._mesh, pm._coords)
+                whole = pm.whole(fqn, p.grad if p.grad is not None else torch.zeros_like(p))
                 total = whole if total is None else total + whole
             assert total is not None
             if group is not None:
                 dist.all_reduce(total, group=group)
             for pm in mods:
                 p = pm.get_parameter(fqn)
-                p.grad = local_tile(total, pm.plan.param_tiling(fqn), pm._mesh, pm._coords).to(p.dtype)
+                p.grad = pm.tile(fqn, total).to(p.dtype)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -486,16 +480,11 @@ class _CheckpointView(nn.Module):
                dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole tensor of which the owner of ``fqn`` holds ``owner_tile`` (its tiling's), on every rank of the
         tie: gathered within the owner's stage, summed with zeros over the tie's group."""
-        from .codegen.lower import gather_now
-        from .runtime.context import use_groups
-
         whole: torch.Tensor | None = None
         own = self._owner.get(fqn)
         if own is not None:
             assert owner_tile is not None
-            pm = own[0]
-            with use_groups(pm._groups):
-                whole = gather_now(owner_tile, pm.plan.param_tiling(fqn), pm._full_shape(fqn), pm._mesh, pm._coords)
+            whole = own[0].whole(fqn, owner_tile)
         if group is not None:
             buf = whole if whole is not None else torch.zeros(like._full_shape(fqn),
                                                               dtype=dtype or like.get_parameter(fqn).dtype)
@@ -508,8 +497,6 @@ class _CheckpointView(nn.Module):
     def copy_ties(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """A tied weight's copies take the value (and, with ``optimizer``, the optimizer state) of its first
         reader's: gathered whole, shared over the tie's group, each copy its tile."""
-        from .tiling import local_tile
-
         pipe = self._pipe
         per = dist.get_world_size() // pipe._groups
         for fqn, mods, group in pipe._ties:
@@ -518,7 +505,7 @@ class _CheckpointView(nn.Module):
             whole = self._whole(fqn, group, owner_param.detach() if owner_param is not None else None, mods[0])
             copies = self._copies.get(fqn, [])
             for pm in copies:
-                pm.get_parameter(fqn).copy_(local_tile(whole, pm.plan.param_tiling(fqn), pm._mesh, pm._coords))
+                pm.get_parameter(fqn).copy_(pm.tile(fqn, whole))
             if optimizer is None:
                 continue
             # the owner's state: per-element tensors (its tile's shape) shared as wholes, the rest as they are
@@ -533,8 +520,7 @@ class _CheckpointView(nn.Module):
                 if isinstance(kind, tuple) and kind and kind[0] == "tile":
                     full = self._whole(fqn, group, state[k] if owner_param is not None else None, mods[0], kind[1])
                     for pm in copies:
-                        t = local_tile(full, pm.plan.param_tiling(fqn), pm._mesh, pm._coords)
-                        optimizer.state[pm.get_parameter(fqn)][k] = t
+                        optimizer.state[pm.get_parameter(fqn)][k] = pm.tile(fqn, full)
                 else:
                     for pm in copies:
                         optimizer.state[pm.get_parameter(fqn)][k] = kind.clone() if isinstance(
