@@ -32,7 +32,6 @@ from .cost.pricing import PricingCache
 from .cost.profiles import Profile, load_profile
 from .options import PlanOptions
 from .pipeline_plan import bubble_fraction, inflight, layer_signatures, pipeline_step, transfer_s
-from .precision import policy
 from .records import memory_breakdown
 from .search import SearchError
 from .stages import even_bounds, layers, split, value_facts
@@ -106,7 +105,7 @@ def price(capture_at: Callable[[int], Captured], batch: int, world: int, options
                 caps[m] = capture_at(m)
             cap = caps[m]
             names, sigs = layers(cap), layer_signatures(cap)
-            facts = value_facts(cap, policy(cap.precision).cast)
+            facts = value_facts(cap)
             if s * v > len(names):
                 continue
             bounds = even_bounds(len(names), s * v)

@@ -30,7 +30,7 @@ from .graph.units import node_layer
 from .options import PlanOptions
 from .plan import Plan
 from .precision import policy
-from .stages import Stage, even_bounds, layers, split, stage_of_nodes, value_facts
+from .stages import Stage, even_bounds, layers, shared_params, split, value_facts
 
 
 def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, schedule: str,
@@ -58,7 +58,7 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
     per = world // stages
     plans = [plan(None, (), per, options=options, baselines=False, captured=st.cap) for st in cut]
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
-    facts = value_facts(cap, policy(cap.precision).cast)
+    facts = value_facts(cap)
     per_mb = [microbatch_s(p) + transfer_s(facts, st, profile.alpha, profile.beta) for p, st in zip(plans, cut)]
     bubble = bubble_fraction(schedule, stages, microbatches, virtual_stages)
     ties = tied_weights(cap, bounds, stages)
@@ -89,22 +89,14 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
 
 
 def tied_weights(cap: Captured, bounds: Sequence[tuple[int, int]], groups: int) -> list[dict[str, Any]]:
-    """The trained weights that stages on two or more rank groups read (tied embeddings): each one's stages and the
-    bytes of its gradient (in the precision policy's master dtype), which the pipeline sums across those groups
-    once per step (``pipelined.PipelinedModule._sum_tied_grads``)."""
-    stage = stage_of_nodes(cap, bounds)
-    readers: dict[str, set[int]] = {}
-    vals: dict[str, torch.Tensor] = {}
-    for n in cap.graph.nodes:
-        for a in n.all_input_nodes:
-            fqn = cap.params.get(a.name)
-            if fqn is not None and fqn not in cap.frozen and n.op != "output":
-                readers.setdefault(fqn, set()).add(stage[n.name])
-                vals[fqn] = a.meta["val"]
+    """The trained weights that stages on two or more rank groups read (tied embeddings: ``stages.shared_params``):
+    each one's stages and the bytes of its gradient (in the precision policy's master dtype), which the pipeline sums
+    across those groups once per step (``pipelined.PipelinedModule._sum_tied_grads``)."""
+    vals = {cap.params[n.name]: n.meta["val"] for n in cap.graph.nodes if n.name in cap.params}
     master = policy(cap.precision).master
-    return [{"param": fqn, "stages": sorted(ss), "bytes": vals[fqn].numel() * (
+    return [{"param": fqn, "stages": ss, "bytes": vals[fqn].numel() * (
                 torch.empty((), dtype=master).element_size() if master is not None else vals[fqn].element_size())}
-            for fqn, ss in readers.items() if len({k % groups for k in ss}) > 1]
+            for fqn, ss in shared_params(cap, bounds).items() if len({k % groups for k in ss}) > 1]
 
 
 def tie_s(tie: dict[str, Any], profile: Profile) -> float:
@@ -241,7 +233,7 @@ class StageCosts:
                  microbatches: int) -> None:
         self.cap, self.options, self.profile, self.budget, self.m = cap, options, profile, budget, microbatches
         self.names, self.sigs = layers(cap), layer_signatures(cap)
-        self.facts = value_facts(cap, policy(cap.precision).cast)
+        self.facts = value_facts(cap)
         # seconds per microbatch (sends included), memory, gradient sync, sends
         self.memo: dict[tuple, tuple[float, float, float, float]] = {}
         self.plans = 0  # stage plans made

@@ -174,7 +174,7 @@ class PipelinedModule(nn.Module):
         self._checkpoint_view: _CheckpointView | None = None
         # A weight several stages read: summed over this rank's readers, then over the groups' ranks of one index.
         self._ties: list[tuple[str, list[ParallelModule], Any]] = []
-        for fqn, readers in shared_params(stages).items():
+        for fqn, readers in shared_params(cap, [(st.first, st.last) for st in stages]).items():
             holders = sorted({k % groups for k in readers})
             tie_group = None
             if len(holders) > 1:

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .capture import Captured, structural_keys
 from .graph.units import node_layer
+from .precision import policy
 
 
 class StageError(ValueError):
@@ -120,16 +121,20 @@ def split(cap: Captured, bounds: Sequence[tuple[int, int]]) -> list[Stage]:
     return out
 
 
-def shared_params(stages: Sequence[Stage]) -> dict[str, list[int]]:
-    """The trained parameters two or more stages read (by FQN, in first-read order), and the stages that read
-    each: the serial gradient of such a weight is the sum of every reader's, so the copies stay equal only when
-    each is stepped with that sum."""
-    readers: dict[str, list[int]] = {}
-    for s, st in enumerate(stages):
-        for fqn in dict.fromkeys(st.cap.params.values()):
-            if fqn not in st.cap.frozen:
-                readers.setdefault(fqn, []).append(s)
-    return {fqn: ss for fqn, ss in readers.items() if len(ss) > 1}
+def shared_params(cap: Captured, bounds: Sequence[tuple[int, int]]) -> dict[str, list[int]]:
+    """The trained parameters that ops of two or more stages of the cut ``bounds`` read (by FQN, in first-read
+    order), and those stages, ascending: the serial gradient of such a weight is the sum of every reader's, so the
+    copies stay equal only when each is stepped with that sum."""
+    stage = stage_of_nodes(cap, bounds)
+    readers: dict[str, set[int]] = {}
+    for n in cap.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        for a in n.all_input_nodes:
+            fqn = cap.params.get(a.name)
+            if fqn is not None and fqn not in cap.frozen:
+                readers.setdefault(fqn, set()).add(stage[n.name])
+    return {fqn: sorted(ss) for fqn, ss in readers.items() if len(ss) > 1}
 
 
 def _stage_capture(cap: Captured, s: int, stage: dict[str, int], state: set[str], takes: list[str],
@@ -245,13 +250,25 @@ def _meta_like(v: Any) -> Any:
     return torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
 
 
-def value_facts(cap: Captured, cast: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
-                ) -> dict[str, tuple[int, bool]]:
-    """Every tensor value of ``cap``: its bytes as the program makes it (``cast``: the precision policy's cast of
-    parameters and inputs) and whether autograd tracks it (it derives from a trained parameter, so a stage
-    boundary sends its gradient back), from one run of the graph on the meta device; where an op cannot run there
-    (it reads data, as mixture-of-experts routing does), the capture's own shapes, with a gradient for every floating
-    value."""
+def value_facts(cap: Captured) -> dict[str, tuple[int, bool]]:
+    """Every tensor value of ``cap``: its bytes as the program makes it (the precision policy's cast of parameters
+    and inputs) and whether autograd tracks it (it derives from a trained parameter, so a stage boundary sends its
+    gradient back), from one run of the graph on the meta device; where an op cannot run there (it reads data, as
+    mixture-of-experts routing does), the capture's own shapes, with a gradient for every floating value.  Kept per
+    capture (structure and shapes, precision, frozen parameters): the pipeline's search, its record and its
+    baselines read the same facts."""
+    key = (cap.fingerprint, cap.precision, cap.frozen)
+    if key not in _FACTS:
+        if len(_FACTS) >= 8:  # a search meets a few microbatch sizes; older ones are not met again
+            _FACTS.pop(next(iter(_FACTS)))
+        _FACTS[key] = _value_facts(cap, policy(cap.precision).cast)
+    return _FACTS[key]
+
+
+_FACTS: dict[tuple, dict[str, tuple[int, bool]]] = {}
+
+
+def _value_facts(cap: Captured, cast: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, tuple[int, bool]]:
     facts: dict[str, tuple[int, bool]] = {}
     holders = [n for n in cap.graph.nodes if n.op == "placeholder"]
     args = []
