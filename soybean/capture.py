@@ -33,6 +33,9 @@ Then the exported graph goes through ``PASSES``, exact in-place rewrites run in 
    ``cross_entropy_loss(reduction='mean')`` becomes ``sum-loss / count`` so that a
    batch-split loss is a pending sum (``Partial``) instead of forcing a gather of
    the logits.
+7. ``fuse_routed_experts``: a mixture-of-experts layer's routed experts (transformers' grouped-matmul experts:
+   rows sorted by expert, grouped matmuls, weighted and summed back per token) become one op,
+   ``soybean::routed_experts`` (``soybean.experts``), whose rule splits the tokens, the experts or both.
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .experts import fuse_routed_experts
 from .functionalize import functionalize
 from .ir.losses import IGNORE_INDEX, class_count
 from .precision import compute_inputs, compute_model, policy
@@ -659,6 +663,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("functionalize", functionalize, "in-place updates of values forward made -> out-of-place ops"),
     Pass("fold_constant_masks", fold_constant_masks, "constant causal/all-true attention masks -> is_causal or none"),
     Pass("means_to_sums", means_to_sums, "mean, mse_loss(mean), cross_entropy(mean) -> sum / count"),
+    Pass("fuse_routed_experts", fuse_routed_experts, "routed experts (sort, grouped matmuls, combine) -> one op"),
 )
 
 

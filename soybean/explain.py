@@ -326,7 +326,7 @@ def op_collectives(g: PlanGraph, v: Var, c: int, grads: Sequence[bool]) -> list[
         k += phase == "forward"
         a, b = prof.ab(axis, kind)
         cost = Cost(m, n * a + m * b) if kind == "halo" else backend_call(kind, m, mesh.shape[axis], axis, prof)
-        step = f"halo[axis {axis}]" if kind == "halo" else f"sum_statistics[axis {axis}]"
+        step = {"halo": "halo", "all_to_all": "dispatch_combine"}.get(kind, "sum_statistics") + f"[axis {axis}]"
         out.append(Collective(step, kind, phase, "", cost.bytes, cost.seconds + prof.blocking_s))
     return out
 

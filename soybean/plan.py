@@ -164,6 +164,10 @@ class Plan:
     # layers (``units``: first and last), ranks, mesh, modelled seconds per microbatch and its own tiling plan (this
     # class's dict); None, and no ``pipeline`` key in the JSON, for a plan of one SPMD program
     pipeline: dict[str, Any] | None = None
+    # routed experts (mixture of experts; ``records.moe_records``): per MoE layer its experts, the mesh axes
+    # splitting them and their degree, the axes its rows move on (all-to-all) and those left a pending sum; no
+    # ``moe`` key in the JSON for a model without routed experts
+    moe: list[dict[str, Any]] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -223,6 +227,8 @@ class Plan:
         d["meshes"] = [{**m, **{k: _sig(m[k]) for k in ("objective", "bound") if k in m}} for m in self.meshes]
         if d["pipeline"] is None:
             del d["pipeline"]
+        if not d["moe"]:
+            del d["moe"]
         return d
 
     def to_json(self) -> str:

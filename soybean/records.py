@@ -12,13 +12,14 @@ from typing import Any
 from . import rules
 from .cost.collectives import choose, route_calls
 from .cost.memory import PARAM_COPIES, stored_bytes, sync_bucket_bytes
-from .graph import Edge, PlanGraph, edge_profile, phase_peaks, rerun_freed, value_name
+from .graph import Edge, PlanGraph, edge_profile, layer_of, phase_peaks, rerun_freed, value_name
+from .ir.experts import OP as ROUTED_EXPERTS
 from .mesh import Mesh
 from .reshard import Step, phase
 from .rules.base import OpSpec, Strategy
 from .rules.window import halo_step, halos, windows_of
 from .search import Solution
-from .tiling import fmt
+from .tiling import Shard, fmt
 
 
 def reshard_records(g: PlanGraph, choice: Sequence[int]) -> list[dict[str, Any]]:
@@ -134,5 +135,28 @@ def op_steps(op: OpSpec, st: Strategy, mesh: Mesh) -> list[str]:
     out = [str(halo_step(w, axis, mesh)) for axis, w in halos(windows_of(op), st)]
     entry = rules.lookup(op.target)
     if entry is not None and entry.sync_args is not None:
-        out += [f"sum_statistics[axis {a}]" for a in entry.sync_args(op, st).get("axes", ())]
+        sync = entry.sync_args(op, st)
+        out += [f"sum_statistics[axis {a}]" for a in sync.get("axes", ())]
+        out += [f"dispatch_combine[axis {a}]" for a in sync.get("a2a", ())]  # routed experts' all-to-alls
+    return out
+
+
+def moe_records(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
+    """One row per routed-experts op (``ir.experts``), in graph order: its layer, experts and choices per token,
+    the mesh ``axes`` splitting the experts and their ``degree`` (how many ranks hold a share; 1 when none does),
+    those of them the rows move on by all-to-all (``dispatch``) and those leaving a pending sum (``partial``)."""
+    out = []
+    for vi, V in enumerate(g.vars):
+        if V.op is None or V.op.target is not ROUTED_EXPERTS:
+            continue
+        st = V.strategies[sol.choice[vi]]
+        x, weights = st.inputs[0], st.inputs[3:]
+        axes = [a for a in range(g.mesh.ndim) if weights and isinstance(weights[0][a], Shard)]
+        degree = 1
+        for a in axes:
+            degree *= g.mesh.shape[a]
+        out.append({"layer": layer_of(V.module) or V.module, "node": V.name, "experts": int(V.op.args[4]),
+                    "top_k": int(V.op.inputs[1].shape[1]), "axes": axes, "degree": degree,
+                    "dispatch": [a for a in axes if isinstance(x[a], Shard)],
+                    "partial": [a for a in axes if not isinstance(x[a], Shard)]})
     return out

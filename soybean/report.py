@@ -66,6 +66,11 @@ def table(plan: Plan) -> str:
         own = [f"{n} {c} by {a}" for (c, a), n in sorted(used.items()) if a != "backend"]
         backend = sum(n for (_, a), n in used.items() if a == "backend")
         lines.append(f"{'collectives':<16} {plan.collectives}: " + ", ".join(own + [f"{backend} by the backend"]))
+    for r in plan.moe:
+        how = (f"split {r['degree']}-way over mesh axes {r['axes']}" + (f", rows moved by all-to-all on {r['dispatch']}"
+               if r["dispatch"] else "") + (f", a pending sum on {r['partial']}" if r["partial"] else "")
+               if r["axes"] else "whole on every rank")
+        lines.append(f"{'experts':<16} {r['layer']}: {r['experts']} experts (top-{r['top_k']}), {how}")
     if plan.recompute:
         shown = ", ".join(plan.recompute[:4]) + (f", ... ({len(plan.recompute)} in all)"
                                                  if len(plan.recompute) > 4 else "")

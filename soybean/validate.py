@@ -20,7 +20,7 @@ from .mesh import Mesh, all_coords
 from .rules.base import OpSpec, Strategy, expand, lookup, make_opspec
 from .rules.window import Window, crops, halos, local_rows, windows_of
 from .runtime.launch import run_threads
-from .runtime.syncnorm import SYNC_CALLS
+from .runtime.synced import SYNC_CALLS
 from .tiling import Partial, Placement, R, Replicate, Shard, assemble, local_shape, shard
 
 

@@ -3,8 +3,9 @@
 A toy model carries one construct per pass: an empty tensor made in forward (which ``torch.export``
 lifts into a constant), a ``torch.no_grad()`` block (which it wraps in a higher-order op), a
 ``.to(dtype)`` (which it guards with ``_assert_tensor_metadata``), an in-place update of a slice of a
-value forward made, a constant causal attention mask, and the three mean losses (``mean``,
-``mse_loss``, ``cross_entropy``).  The full pipeline removes every construct and keeps the loss's value; leaving
+value forward made, a constant causal attention mask, the three mean losses (``mean``,
+``mse_loss``, ``cross_entropy``) and routed experts as transformers computes them (rows sorted by expert, a grouped
+matmul, weighted and summed back per token).  The full pipeline removes every construct and keeps the loss's value; leaving
 out any one pass leaves exactly that pass's construct in the graph.
 """
 from __future__ import annotations
@@ -21,10 +22,12 @@ import soybean.capture as capmod
 from soybean.capture import PASSES, Captured, Pass, capture
 from soybean.functionalize import functional_variant
 
+transformers_moe = pytest.importorskip("transformers.integrations.moe")  # its grouped matmul (the experts' op)
+
 pytestmark = pytest.mark.unit
 
 aten = torch.ops.aten
-BATCH, SEQ, HIDDEN = 2, 5, 8
+BATCH, SEQ, HIDDEN, EXPERTS = 2, 5, 8, 3
 
 
 class Toy(nn.Module):
@@ -34,6 +37,19 @@ class Toy(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.lin = nn.Linear(HIDDEN, HIDDEN)
+        self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.experts = nn.Parameter(torch.randn(EXPERTS, HIDDEN, HIDDEN) / HIDDEN)
+
+    def routed(self, h: torch.Tensor) -> torch.Tensor:
+        """Top-2 routed experts, transformers' dataflow (``integrations.moe.grouped_mm_experts_forward``)."""
+        w, idx = torch.topk(self.router(h).softmax(-1), 2)
+        ids, perm = torch.sort(idx.reshape(-1))
+        rows = h[perm // 2]
+        offs = torch.cumsum(torch.histc(ids.to(torch.float32), bins=EXPERTS, min=0, max=EXPERTS - 1), 0,
+                            dtype=torch.int32)
+        out = torch.ops.transformers.grouped_mm_fallback(rows, self.experts, offs) * w.reshape(-1)[perm].unsqueeze(-1)
+        inv = torch.empty_like(perm).index_put((perm,), torch.arange(perm.shape[0], device=h.device))
+        return out[inv].view(h.shape[0], 2, HIDDEN).sum(1)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():  # a grad-mode region
@@ -46,6 +62,7 @@ class Toy(nn.Module):
         mask = torch.ones(SEQ, SEQ, dtype=torch.bool, device=x.device).tril()  # constant and causal
         q = h.view(BATCH, SEQ, 2, HIDDEN // 2).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, q, q, attn_mask=mask).transpose(1, 2).reshape(BATCH, SEQ, HIDDEN)
+        a = a + self.routed(a.reshape(-1, HIDDEN)).view(BATCH, SEQ, HIDDEN)
         return F.mse_loss(a, y) + a.mean(-1).mean() + F.cross_entropy(a.reshape(-1, HIDDEN), labels)
 
 
@@ -84,6 +101,7 @@ CONSTRUCT: dict[str, Callable[[fx.Graph], bool]] = {
     "means_to_sums": lambda g: bool(calls(g, aten.mean.default) or calls(g, aten.mean.dim)
                                     or any(_reduction(n, 2) == 1 for n in calls(g, aten.mse_loss.default))
                                     or any(_reduction(n, 3) == 1 for n in calls(g, aten.cross_entropy_loss.default))),
+    "fuse_routed_experts": lambda g: bool(calls(g, torch.ops.transformers.grouped_mm_fallback.default)),
 }
 
 

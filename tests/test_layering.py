@@ -210,7 +210,7 @@ def test_the_runtime_has_a_call_for_every_kind_and_synchronised_op() -> None:
     from soybean import rules
     from soybean.ir.kinds import KINDS
     from soybean.runtime.kinds import CALLS
-    from soybean.runtime.syncnorm import SYNC_CALLS
+    from soybean.runtime.synced import SYNC_CALLS
 
     assert set(CALLS) == set(KINDS)
     named = {e.sync_call for e in rules.REGISTRY.values() if e.sync_call is not None}

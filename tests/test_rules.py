@@ -16,6 +16,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from soybean.ir.experts import OP as ROUTED_EXPERTS
 from soybean.mesh import Mesh
 from soybean.rules import REGISTRY, expand, make_opspec, strategies_1d
 from soybean.rules.base import OpSpec, RuleEntry, Strategy1D, has_empty_tile, op_name
@@ -292,6 +293,10 @@ case(aten.std.correction, X, [1], correction=0, keepdim=True)
 case(aten.var.correction, X, None, splits=False)  # over every dim: not linear
 case(aten.std.dim, X, [2])
 case(aten.cumsum.default, X, 1)
+case(aten.topk.default, X, 2)
+case(aten.topk.default, X, 3, 0, False)
+case(aten.sort.default, X, 1)
+case(aten.sort.stable, X, stable=True, dim=0, descending=True)
 case(aten.diff.default, X, 1, 1)
 case(aten.diff.default, ints(9, 5, 7), 1, -1, ints(9, 5, 1))  # integer (no P): dim 0 splits 2+2+1 on 3
 case(aten.diff.default, X, 2, 0, randn(2, 5, 7), randn(1, 5, 7))
@@ -490,6 +495,13 @@ def test_rules_never_list_replicate_or_integer_partial() -> None:
             for spec, pl in zip(specs, s.inputs + s.outputs):
                 assert not (isinstance(pl, Partial) and not (spec.dtype.is_floating_point or spec.dtype.is_complex)), (
                     f"{c.name}: P on a {spec.dtype} tensor in {s}")
+
+
+# ---- routed experts (mixture of experts) ---------------------------------------------------------
+# A body per expert ``e`` of ``silu(row * v_e)`` (``ir.experts``' JSON): rows gathered per expert, no grouped matmul.
+_BODY = ('{"steps":[["aten::index.Tensor",[{"ref":3},[{"ref":2}]],{}],["aten::mul.Tensor",[{"ref":0},{"ref":4}],{}],'
+         '["aten::silu.default",[{"ref":5}],{}]],"out":{"ref":6},"offs_dtype":"int32"}')
+case(ROUTED_EXPERTS, randn(7, 5), ints(3, 7, 2), pos(7, 2), [randn(3, 5)], 3, _BODY, tol=1e-4)
 
 
 # ---- the validator must be able to fail ----------------------------------------------------

@@ -47,7 +47,7 @@ from ..reshard import Route, StepCall
 from ..rules.window import crops, halo_step, halos, local_rows, windows_of
 from ..runtime import context as rt
 from ..runtime.kinds import CALLS
-from ..runtime.syncnorm import SYNC_CALLS
+from ..runtime.synced import SYNC_CALLS
 from ..tiling import Partial, Placement, R, Shard, local_shape
 from .recompute import checkpoint_layers
 

@@ -172,7 +172,8 @@ def op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh) -
       needs a gradient) the rows' gradients go back.  The exchanges run one after another, each on the
       rows the ones before it grew (the longest window along their dims);
     * for an op that sums statistics across tiles (its rule's ``sync_args``), one all-reduce of them per axis
-      (``ir.syncnorm.stats_bytes`` of my channels) forward, and one backward.
+      (``ir.syncnorm.stats_bytes`` of my channels) forward, and one backward;
+    * for an op whose rule lists its own collectives (``comm``: routed experts' all-to-alls), those.
     """
     out: list[tuple[str, int, float, int]] = []
     grown: dict[int, tuple[list[int], list]] = {}  # input slot -> (shape, tiling) as the halos grow it
@@ -189,6 +190,8 @@ def op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh) -
                 out.append(("halo", axis, h * row, w.sources(p, back)))
         shape[w.dim] = max(e - s for s, e in w.members(p))  # later exchanges carry these rows
     entry = lookup(op.target)
+    if entry is not None and entry.comm is not None:
+        return out + entry.comm(op, st, list(grads), mesh)
     if entry is not None and entry.sync_args is not None:
         x = op.inputs[0]
         for axis in entry.sync_args(op, st).get("axes", ()):
@@ -202,8 +205,8 @@ def op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh) -
 def op_comm_costs(op: OpSpec, strategies: Sequence[Strategy], grads: Sequence[bool], mesh: Mesh,
                   profile: Profile) -> np.ndarray | None:
     """``[bytes, seconds]`` of the communication inside ``op`` under each strategy (None: it has none): its
-    ``op_comm_calls``, a halo exchange of ``m`` bytes from ``n`` members taking ``n alpha + m beta``, an
-    all-reduce priced as a ring (``collective``), each blocking (``blocking_s``)."""
+    ``op_comm_calls``, a halo exchange of ``m`` bytes from ``n`` members taking ``n alpha + m beta``, any other
+    collective priced as a ring (``collective``), each blocking (``blocking_s``)."""
     entry = lookup(op.target)
     if not windows_of(op) and (entry is None or entry.sync_args is None):
         return None

@@ -5,6 +5,8 @@
 * :mod:`.algorithms` -- the collective algorithms' names and cost terms (rounds, bytes, lp chunks); they run
   in ``runtime.algorithms``.
 * :mod:`.syncnorm` -- synchronised batch norm's statistics bytes; the op runs in ``runtime.syncnorm``.
+* :mod:`.experts` -- the routed-experts op (mixture of experts): its serial meaning and its body as data; split
+  over ranks it runs in ``runtime.experts``.
 
 Planning (capture, graph, rules, cost, search, planner, plan, reshard) imports this package and never
 ``soybean.runtime`` or ``soybean.codegen`` (``tests/test_layering.py``).

@@ -1,7 +1,7 @@
 """Synchronised batch norm's statistics, as planning prices them: their accumulation type and bytes.
 
 The op itself (its maths, forward and backward) runs in ``runtime.syncnorm``; a rule names it by
-``SYNC_BATCH_NORM``, the key of ``runtime.syncnorm.SYNC_CALLS``.
+``SYNC_BATCH_NORM``, a key of ``runtime.synced.SYNC_CALLS``.
 """
 from __future__ import annotations
 

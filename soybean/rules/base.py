@@ -151,6 +151,9 @@ WindowArgsFn = Callable[[OpSpec, tuple, dict, Sequence[tuple[Any, int]]], tuple]
 # sync_args(op, strategy) -> {} when the op's tiles run it alone, else the keyword arguments (``axes``: the
 # mesh axes its statistics are summed over, ...) with which the program calls the rule's ``sync_call``.
 SyncArgsFn = Callable[[OpSpec, "Strategy"], dict[str, Any]]
+# comm(op, strategy, grads, mesh) -> [(collective, mesh axis, message bytes, messages), ...]: the calls the
+# communication inside the op makes in one training step (``cost.collectives.op_comm_calls``).
+CommFn = Callable[[OpSpec, "Strategy", list[bool], Any], list[tuple[str, int, float, int]]]
 # The names of the arguments an op writes in place although its schema does not mark them (``Tensor(a!)``).
 WritesFn = Callable[[OpSpec], tuple[str, ...]]
 # localize(op, args, kwargs, local_input_shapes, local_output_shapes) -> (args, kwargs):
@@ -168,8 +171,9 @@ class RuleEntry:
     windows: WindowsFn | None = None        # spatial dims split with a halo (``rules.window``)
     window_args: WindowArgsFn | None = None
     sync_args: SyncArgsFn | None = None     # ops whose statistics are summed across tiles (batch norm)
-    sync_call: str | None = None            # the synchronised call's name, a key of ``runtime.syncnorm.SYNC_CALLS``
+    sync_call: str | None = None            # the synchronised call's name, a key of ``runtime.synced.SYNC_CALLS``
     writes: WritesFn | None = None          # hidden in-place writes (``graph.writes.written_inputs``)
+    comm: CommFn | None = None              # collectives inside the op beyond statistics and halos (routed experts)
 
 
 REGISTRY: dict[str, RuleEntry] = {}
@@ -188,17 +192,19 @@ def op_name(target: Any) -> str:
 def register(*names: str, cost: OpCost | None = None, localize: LocalizeFn | None = None,
              family: str = "", windows: WindowsFn | None = None, window_args: WindowArgsFn | None = None,
              sync_args: SyncArgsFn | None = None, sync_call: str | None = None, writes: WritesFn | None = None,
-             ) -> Callable[[RuleFn], RuleFn]:
+             comm: CommFn | None = None) -> Callable[[RuleFn], RuleFn]:
     """Register ``fn`` as the rule of every op in ``names`` (``"aten.mm.default"`` form), with the
     ops' cost facts ``cost``; for windowed ops their spatial windows (``rules.window``); for ops that sum
     statistics across tiles, the axes that need it and the name of the runtime call that does it; for ops that
-    update arguments in place that their schema does not mark, ``writes`` names them."""
+    update arguments in place that their schema does not mark, ``writes`` names them; ``comm`` lists the collectives
+    an op runs inside itself (``CommFn``)."""
 
     def deco(fn: RuleFn) -> RuleFn:
         for n in names:
             if n in REGISTRY:
                 raise ValueError(f"two rules for {n}")
-            REGISTRY[n] = RuleEntry(fn, localize, family, cost, windows, window_args, sync_args, sync_call, writes)
+            REGISTRY[n] = RuleEntry(fn, localize, family, cost, windows, window_args, sync_args, sync_call, writes,
+                                    comm)
         return fn
 
     return deco

@@ -12,7 +12,8 @@ keeps it, possibly renumbered when ``keepdim=False``).  A dim inside ``D``:
 ``sum`` and ``mean`` are linear: ``P`` -> ``P``.  Scans (``cumsum``) and their
 inverse ``diff`` (``x[i+1] - x[i]`` along ``dim``, after ``prepend``/``append``,
 which have the input's shape but along ``dim``) keep every dim but the scanned
-one; both are linear (``diff`` jointly in the input, ``prepend`` and ``append``).
+one; both are linear (``diff`` jointly in the input, ``prepend`` and ``append``).  ``topk`` and ``sort`` along a
+dim keep every other dim (a router's top-k experts per token).
 """
 from __future__ import annotations
 
@@ -84,3 +85,13 @@ def diff(op: OpSpec) -> list[Strategy1D]:
         if d != dim
     ]
     return found + partial_strategies(a, [["self", "prepend", "append"]])
+
+
+@register("aten.topk.default", "aten.sort.default", "aten.sort.stable", family="reduction", cost=ELEMENTWISE)
+def along_dim(op: OpSpec) -> list[Strategy1D]:
+    """``topk`` and ``sort`` along ``dim`` (values and indices): every other dim splits, both outputs alike (the
+    indices are positions along the whole ``dim``, which stays whole)."""
+    a = Args(op)
+    x = a.tensor("self")
+    dim = a.dim()
+    return [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim) if d != dim]

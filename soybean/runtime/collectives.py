@@ -39,7 +39,7 @@ from .algorithms import BACKEND_ALGO, Algo
 from .comm import Group, take_chunk
 
 __all__ = ["shard_slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "to_partial", "grad_all_reduce",
-           "grad_to_partial", "broadcast", "reduce", "halo", "windowed_call"]
+           "grad_to_partial", "broadcast", "reduce", "halo", "windowed_call", "move_rows"]
 
 
 def _my_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
@@ -163,6 +163,41 @@ class _AllToAll(Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
         gx = ctx.group.all_to_all(g.contiguous(), ctx.dst_dim, ctx.src_dim, ctx.full_dst)
         return gx, None, None, None, None
+
+
+class _MoveRows(Function):
+    """Rows to the members that take them (mixture-of-experts dispatch): ``x_k``'s rows lie in blocks of
+    ``send[j]`` rows for member ``j``, in member order; ``y_k`` is the blocks sent to ``k``, in sender order
+    (``recv[j]`` rows from ``j``).
+
+    A permutation of the rows of every member together, so its adjoint is its inverse: the same move with
+    ``send`` and ``recv`` swapped (``<a, b> = sum_k <a_k, b_k>``).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, send: tuple[int, ...], recv: tuple[int, ...]
+                ) -> torch.Tensor:
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        return _move(x, group, send, recv)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return _move(g, ctx.group, ctx.recv, ctx.send), None, None, None
+
+
+def _move(x: torch.Tensor, group: Group, send: tuple[int, ...], recv: tuple[int, ...]) -> torch.Tensor:
+    """``_MoveRows``' forward: my own block kept, the others exchanged point to point."""
+    blocks = list(x.detach().contiguous().split(list(send)))
+    me, tail = group.index, tuple(x.shape[1:])
+    got = group.exchange({j: b for j, b in enumerate(blocks) if j != me},
+                         {j: (r, *tail) for j, r in enumerate(recv) if j != me}, x)
+    return torch.cat([blocks[j].clone() if j == me else got[j] for j in range(group.size)])
+
+
+def move_rows(x: torch.Tensor, group: Group, send: tuple[int, ...], recv: tuple[int, ...]) -> torch.Tensor:
+    """``x``'s rows (blocks of ``send[j]`` for member ``j``) to their members; ``recv[j]`` rows come from ``j``.
+    Backward moves the gradients' rows back (``_MoveRows``)."""
+    return x if group.size == 1 else _MoveRows.apply(x, group, tuple(send), tuple(recv))
 
 
 # ---- R consumed by split compute: identity forward, all_reduce backward -------------

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
-from ..ir.syncnorm import SYNC_BATCH_NORM, acc_dtype as _acc
+from ..ir.syncnorm import acc_dtype as _acc
 from .comm import Group
 from .context import current_groups
 
-__all__ = ["sb_batch_norm", "SYNC_CALLS"]
+__all__ = ["sb_batch_norm"]
 
 
 def _sum(t: torch.Tensor, groups: Sequence[Group]) -> torch.Tensor:
@@ -98,7 +98,3 @@ def sb_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.
             running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
     return y
 
-
-# The synchronised calls a rule may name (``RuleEntry.sync_call``): what a generated program and the rule
-# checker run in the op's place.
-SYNC_CALLS = {SYNC_BATCH_NORM: sb_batch_norm}

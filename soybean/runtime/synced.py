@@ -1,0 +1,13 @@
+"""The synchronised calls a rule may name (``RuleEntry.sync_call``): what a generated program and the rule
+checker run in an op's place when its tiles must talk (``rules.base.register(..., sync_args=, sync_call=)``)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..ir.experts import ROUTED_EXPERTS
+from ..ir.syncnorm import SYNC_BATCH_NORM
+from .experts import sb_routed_experts
+from .syncnorm import sb_batch_norm
+
+SYNC_CALLS: dict[str, Callable[..., Any]] = {SYNC_BATCH_NORM: sb_batch_norm, ROUTED_EXPERTS: sb_routed_experts}

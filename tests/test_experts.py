@@ -1,0 +1,208 @@
+"""Routed experts (mixture of experts, issue 22): the capture pass that finds them by their dataflow, the fused op
+under every strategy of its rule (tokens split, experts split with rows moved by all-to-all, experts split with a
+pending sum) against the serial op, the row moves' adjoint, the plan's ``moe`` record and its pricing, and
+training equal to serial with the experts split."""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from soybean.capture import PASSES, Captured, capture
+from soybean.ir.experts import OP, routed_experts
+from soybean.mesh import Mesh
+from soybean.models import archs
+from soybean.rules import expand, make_opspec
+from soybean.runtime import run_threads
+from soybean.runtime.collectives import move_rows
+from soybean.tiling import Shard
+from soybean.validate import check_op
+
+pytestmark = pytest.mark.unit
+
+MOE = ("mixtral", "deepseek_v3", "gpt_oss")  # gated, with shared experts and dense layers, with biases and clamps
+
+
+@functools.cache
+def tiny(name: str) -> tuple[torch.nn.Module, dict]:
+    arch = next(a for a in archs.ARCHS if a.name == name)
+    model, inputs = archs.build(arch)
+    return model.double(), inputs
+
+
+def _fused(cap: Captured) -> list[torch.fx.Node]:
+    return [n for n in cap.graph.nodes if n.target is OP]
+
+
+def _run(cap: Captured, model: torch.nn.Module, inputs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The captured graph on ``model``'s own tensors: its floating outputs and, after backward of their sum, the
+    gradients of the parameters it reads."""
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    params = [state[cap.params[n.name]] for n in cap.graph.nodes if n.op == "placeholder" and n.name in cap.params]
+    flat = [state[cap.params[n.name]] if n.name in cap.params else
+            state[cap.buffers[n.name]] if cap.buffers.get(n.name) in state else cap.constants[n.name]
+            for n in cap.graph.nodes if n.op == "placeholder" and (n.name in cap.params or n.name in cap.buffers)]
+    outs = [t for t in torch.utils._pytree.tree_leaves(cap.graph_module(*flat, *inputs.values()))
+            if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    for p in params:
+        p.grad = None
+    sum(o.sum() for o in outs).backward()
+    return [o.detach() for o in outs], [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_the_fused_op_computes_what_the_region_did(name: str) -> None:
+    """Each MoE layer of the model (transformers' grouped-matmul experts) becomes one op; the graph's outputs
+    and every parameter's gradient are those of the graph without the pass."""
+    model, inputs = tiny(name)
+    fused = capture(model, inputs)
+    plain = capture(model, inputs, passes=tuple(p for p in PASSES if p.name != "fuse_routed_experts"))
+    layers = sum(1 for m in model.modules() if hasattr(m, "gate_up_proj") or hasattr(m, "down_proj")
+                 and getattr(m, "down_proj", None) is not None and isinstance(m.down_proj, torch.nn.Parameter))
+    assert len(_fused(fused)) == layers > 0 and not _fused(plain)
+    got, want = _run(fused, model, inputs), _run(plain, model, inputs)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_region_with_an_unknown_step_is_left_alone() -> None:
+    """A body step the fused op cannot compute row by row (here a sum over the rows) keeps the region as it was:
+    the pass fuses only what it can prove token-wise."""
+    from soybean import experts
+
+    model, inputs = tiny("mixtral")
+    cap = capture(model, inputs, passes=tuple(p for p in PASSES if p.name != "fuse_routed_experts"))
+    gm = cap.graph_module
+    mm = next(n for n in gm.graph.nodes if "grouped_mm" in str(n.target))
+    with gm.graph.inserting_after(mm):
+        total = gm.graph.call_function(torch.ops.aten.sum.dim_IntList, (mm, [0], True))
+        mixed = gm.graph.call_function(torch.ops.aten.add.Tensor, (mm, total))
+    total.meta["val"] = mm.meta["val"].sum(0, keepdim=True)
+    mixed.meta["val"] = mm.meta["val"]
+    mm.replace_all_uses_with(mixed, delete_user_cb=lambda u: u is not total and u is not mixed)
+    assert len(experts.find(gm)) == 1  # the other layer still fuses
+
+
+def _body_case(tokens: int, experts: int) -> tuple:
+    """Arguments of the op with the tiny Mixtral's body and ``experts`` experts, routing skewed so that most rows
+    go to the first two experts (members holding the others receive few rows or none)."""
+    model, inputs = tiny("mixtral")
+    node = _fused(capture(model, inputs))[0]
+    body = node.args[5]
+    w1, w2 = (n.meta["val"] for n in node.args[3])
+    gen = torch.Generator().manual_seed(3)
+    h = w1.shape[2]
+    x = torch.randn(tokens, h, dtype=torch.float64, generator=gen)
+    idx = torch.randint(0, 2, (tokens, 2), generator=gen)
+    idx[:, 1] = (idx[:, 0] + 1) % 2
+    idx[-1, 1] = experts - 1
+    w = torch.rand(tokens, 2, dtype=torch.float64, generator=gen)
+    params = [torch.randn(experts, *w1.shape[1:], dtype=torch.float64, generator=gen) / 4,
+              torch.randn(experts, *w2.shape[1:], dtype=torch.float64, generator=gen) / 4]
+    return x, idx, w, params, experts, body
+
+
+@pytest.mark.parametrize("shape", [(1,), (2,), (4,), (2, 2)])
+def test_every_strategy_equals_the_serial_op(shape: tuple[int, ...]) -> None:
+    """Forward and every input's gradient, tile by tile, under every strategy the rule lists on the mesh:
+    uneven tokens (5; 7 over 4 members: 2, 2, 2, 1) and experts (3; 7 over 4), rows for some members only."""
+    four = math.prod(shape) == 4
+    args = _body_case(tokens=7 if four else 5, experts=7 if four else 3)
+    n = check_op(OP, args, mesh=Mesh(shape), rtol=1e-10, atol=1e-10)
+    assert n >= (1 if shape == (1,) else 4)
+
+
+def test_the_rule_lists_dispatch_and_pending_sum() -> None:
+    """On one axis: tokens split, experts split with the tokens (rows moved), experts split alone (``P``)."""
+    args = _body_case(tokens=6, experts=4)
+    op = make_opspec(OP, args, {}, routed_experts(*args))
+    got = {(str(s.inputs[0][0]), str(s.inputs[3][0]), str(s.outputs[0][0])) for s in expand(op, Mesh((2,)))}
+    assert got == {("R", "R", "R"), ("S(0)", "R", "S(0)"), ("S(0)", "S(0)", "S(0)"), ("R", "S(0)", "P")}
+
+
+@pytest.mark.parametrize("members", [2, 3])
+def test_moving_rows_is_adjoint_to_moving_them_back(members: int) -> None:
+    """``<M x, y> = <x, M* y>`` summed over members, with blocks of every size (empty ones included)."""
+    gen = torch.Generator().manual_seed(members)
+    send = torch.randint(0, 4, (members, members), generator=gen).tolist()  # send[j][k]: rows j sends k
+    xs = [torch.randn(sum(send[j]), 3, dtype=torch.float64, generator=gen) for j in range(members)]
+    ys = [torch.randn(sum(send[j][k] for j in range(members)), 3, dtype=torch.float64, generator=gen)
+          for k in range(members)]
+
+    def member(rank: int, groups: list) -> tuple[torch.Tensor, float, float]:
+        (g,) = groups
+        recv = tuple(send[j][rank] for j in range(members))
+        x = xs[rank].clone().requires_grad_(True)
+        moved = move_rows(x, g, tuple(send[rank]), recv)
+        moved.backward(ys[rank])
+        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        return moved.detach(), float((moved.detach() * ys[rank]).sum()), float((x.detach() * grad).sum())
+
+    got = run_threads(Mesh((members,)), member)
+    lhs, rhs = sum(a for _, a, _ in got), sum(b for _, _, b in got)
+    assert abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs))
+    for k, (moved, _, _) in enumerate(got):  # member k: every member's block for k, in member order
+        blocks = [xs[j][sum(send[j][:k]):sum(send[j][:k + 1])] for j in range(members)]
+        assert torch.equal(moved, torch.cat(blocks))
+
+
+def test_the_plan_records_each_moe_layer_and_prices_its_all_to_alls() -> None:
+    """The ``moe`` record names each layer's experts, the axes splitting them and the degree; a strategy moving
+    rows is priced with two all-to-alls forward and two backward of the local rows, and the count exchange."""
+    from soybean.cost.collectives import op_comm_calls
+    from soybean.planner import plan
+
+    model, inputs = tiny("mixtral")
+    p = plan(model, inputs, 2, baselines=False)
+    assert [r["layer"] for r in p.moe] == ["model.layers.0", "model.layers.1"]
+    assert all(r["experts"] == 4 and r["top_k"] == 2 and r["degree"] == 2 ** len(r["axes"]) for r in p.moe)
+    assert "moe" in p.to_dict()
+    args = _body_case(tokens=6, experts=4)
+    op = make_opspec(OP, args, {}, routed_experts(*args))
+    mesh = Mesh((2,))
+    st = next(s for s in expand(op, mesh) if isinstance(s.inputs[0][0], Shard) and isinstance(s.inputs[3][0], Shard))
+    calls = op_comm_calls(op, st, [True, False, True, True, True], mesh)
+    rows = 3 * 2 * args[0].shape[1] * 8  # my 3 tokens x top-2 rows x hidden x float64
+    assert calls == [("all_to_all", 0, 16.0, 1), ("all_to_all", 0, rows, 1), ("all_to_all", 0, rows, 1),
+                     ("all_to_all", 0, rows, 1), ("all_to_all", 0, rows, 1)]
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("name, mesh, mode", [("mixtral", (2,), "auto"), ("mixtral", (2, 2), "auto"),
+                                              ("deepseek_v3", (2, 2), "mp")])
+def test_training_with_the_experts_split_equals_serial(name: str, mesh: tuple[int, ...], mode: str) -> None:
+    """A tiny MoE trained for a few AdamW steps with every rank a thread, under the plan that minimises
+    communication (its experts split: rows moved on one axis, on a 2x2 mesh a pending sum on the other): every
+    loss, gradient and parameter as serial."""
+    from soybean.planner import plan
+    from soybean.sweep import LR, STEPS, differences, exact_serial
+    from soybean.testing import train_parallel_threads, train_serial
+
+    model, inputs = archs.build(next(a for a in archs.ARCHS if a.name == name))  # float32, as transformers runs it
+    cap = capture(model, inputs)
+    p = plan(None, (), captured=cap, devices=math.prod(mesh), mesh=mesh, mode=mode, objective="comm",
+             baselines=False)
+    assert p.moe and all(r["dispatch"] for r in p.moe) and all(r["degree"] == math.prod(mesh) for r in p.moe)
+    if len(mesh) > 1:
+        assert all(r["partial"] for r in p.moe)
+    serial = train_serial(model, inputs, steps=STEPS, lr=LR)
+    par, _ = train_parallel_threads(model, inputs, plan=p, steps=STEPS, lr=LR)
+    assert not differences(serial, exact_serial(model, inputs, serial), par)  # judged against the float64 run
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+def test_gloo_processes_train_with_expert_parallelism_as_serial(name: str) -> None:
+    """Two gloo processes (``parallelize``): under the plan that minimises communication every MoE layer's experts
+    are split 2 ways with rows moved by all-to-all, and training equals the serial run."""
+    from soybean.sweep import LR, STEPS, build, differences, exact_serial, train
+    from soybean.testing import train_serial
+
+    model, inputs = build(f"arch:{name}")
+    par, params = train(f"arch:{name}", "comm", 2, "gloo")
+    experts = {k: v for k, v in params.items() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert experts and all(v == ["S(0)"] for v in experts.values()), experts
+    serial = train_serial(model, inputs, steps=STEPS, lr=LR)
+    assert not differences(serial, exact_serial(model, inputs, serial), par)
