@@ -27,7 +27,12 @@ with the plan, and on a mesh the planner searched the plan is never worse than i
 * ``fsdp_recompute``: ``fsdp`` with every layer recomputed in backward (full activation checkpointing,
   ``graph.recomputable_layers``), as FSDP users train under a tight budget;
 * ``fsdp_selective_recompute``: ``fsdp`` with only each layer's attention module recomputed (selective
-  recomputation, Korthikanti et al. 2022; ``graph.attention_units``).
+  recomputation, Korthikanti et al. 2022; ``graph.attention_units``);
+* ``ep_fsdp`` (a model with routed experts only: ``ir.experts``; 2-D ``(devices // ep, ep)``): torchtitan's
+  expert parallelism borrowed from data parallelism.  The experts split ``ep`` ways on axis 1 (``ep``: the largest
+  divisor of the experts and the devices up to a node, 8 when the node size is not given), their rows moved by
+  all-to-all, and FSDP-sharded across axis 0 (gathered there for use); every other parameter FSDP-sharded over
+  both axes; the batch split over both.
 
 **Made to fit as experts make them fit.**  Under a memory budget, each of ``FITTED`` that does not fit is priced
 again with selective activation checkpointing, then with full (every layer), the way torchtitan's users turn on
@@ -43,6 +48,7 @@ resharding, or the plan does not fit the memory budget even checkpointed.  It is
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -54,6 +60,7 @@ from .cost.memory import GIB, budget_needed
 from .cost.pricing import PricingCache
 from .cost.profiles import Profile
 from .graph import PlanGraph, attention_units, build, recomputable_layers
+from .ir.experts import OP as ROUTED_EXPERTS
 from .mesh import Mesh
 from .pinning import PINNED
 from .rules.base import has_empty_tile
@@ -63,7 +70,8 @@ from .tiling import R, Shard, is_valid
 NAMES = ("data_parallel", "model_parallel", "fsdp", "tp_fsdp", "megatron_tp_dp", "hsdp", "fsdp_recompute",
          "fsdp_selective_recompute")
 # The baselines made to fit a budget by activation checkpointing (selective, then full), as experts do.
-FITTED = ("data_parallel", "fsdp", "tp_fsdp", "megatron_tp_dp", "hsdp")
+FITTED = ("data_parallel", "fsdp", "tp_fsdp", "megatron_tp_dp", "hsdp", "ep_fsdp")
+MOE_NAMES = ("ep_fsdp",)  # the baselines of a model with routed experts, beside ``NAMES``
 CHECKPOINTING = ("selective", "full")
 TP_MAX = 8  # tensor-parallel degree when the node size is not given: one 8-GPU node
 
@@ -77,6 +85,7 @@ class Layout:
     domains: dict[str, list[tuple]] = field(default_factory=dict)
     pin: bool = True
     gather: tuple[int, ...] = ()
+    gather_of: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per-parameter gather axes (experts)
     divide_work: bool | None = True
     recompute: frozenset[str] = frozenset()  # units whose forward reruns in backward (``codegen.recompute``)
     cannot: str = ""        # why the layout has only forbidden reshardings, when it has
@@ -88,12 +97,12 @@ class Layout:
         (``pricing``: the planner run's cache, ``graph.build``)."""
         assert self.mesh is not None, self.infeasible
         return build(cap, self.mesh, profile.on_mesh(self.mesh, gpus_per_node), objective=objective,
-                     domains=self.domains, pin_params=self.pin, gather_axes=self.gather,
+                     domains=self.domains, pin_params=self.pin, gather_axes=self.gather, gather_of=self.gather_of,
                      divide_work=self.divide_work, recompute=self.recompute, pricing=pricing)
 
     def same_table(self, other: Layout) -> bool:
-        return (self.mesh, self.domains, self.pin, self.gather, self.divide_work, self.recompute) == (
-            other.mesh, other.domains, other.pin, other.gather, other.divide_work, other.recompute)
+        return (self.mesh, self.domains, self.pin, self.gather, self.gather_of, self.divide_work, self.recompute) == (
+            other.mesh, other.domains, other.pin, other.gather, other.gather_of, other.divide_work, other.recompute)
 
 
 class Priced(Protocol):
@@ -226,6 +235,55 @@ def tp_mesh(devices: int, gpus_per_node: int | None) -> tuple[Mesh | None, int |
     return Mesh((dp, tp)), 0, 1, ""
 
 
+def expert_weights(cap: Captured) -> dict[str, int]:
+    """The parameters routed experts read as expert weights (by FQN), each with its layer's number of experts."""
+    out: dict[str, int] = {}
+    for n in cap.graph.nodes:
+        if n.target is ROUTED_EXPERTS:
+            for w in n.args[3]:
+                if isinstance(w, torch.fx.Node) and w.name in cap.params:
+                    out[cap.params[w.name]] = int(n.args[4])
+    return out
+
+
+def _ep_fsdp(cap: Captured, devices: int, gpus_per_node: int | None) -> Layout:
+    """``ep_fsdp`` (module docstring)."""
+    experts = expert_weights(cap)
+    if not experts:
+        return Layout("ep_fsdp", None, infeasible="the model has no routed experts")
+    e = math.gcd(*experts.values())
+    ep = max(d for d in range(1, min(gpus_per_node or TP_MAX, devices) + 1) if e % d == 0 and devices % d == 0)
+    if ep == 1:
+        return Layout("ep_fsdp", None, infeasible=f"{e} experts and {devices} devices have no common divisor above 1 "
+                                                  f"within a node")
+    mesh = Mesh((devices // ep, ep)) if devices > ep else Mesh((ep,))
+    ax = mesh.ndim - 1  # the expert-parallel axis
+    dp = tuple(range(ax))
+    vals = _placeholders(cap)
+    doms: dict[str, list[tuple]] = {}
+    gather_of: dict[str, tuple[int, ...]] = {}
+    for name, fqn in cap.params.items():
+        if name not in vals:
+            continue
+        shape = tuple(vals[name].shape)
+        if fqn in experts:
+            t: list[Any] = [R] * mesh.ndim
+            t[ax] = Shard(0)
+            for axis in dp:  # FSDP of the expert weights across the other axis, on a dim the experts leave
+                t[axis] = next((Shard(d) for d in range(1, len(shape)) if _splits(
+                    tuple(Shard(d) if a == axis else t[a] for a in range(mesh.ndim)), shape, mesh)), R)
+            doms[fqn] = [tuple(t)] if _splits(tuple(t), shape, mesh) else [(R,) * mesh.ndim]
+            gather_of[fqn] = dp
+        else:
+            doms[fqn] = _param_tilings(shape, mesh, tuple(range(mesh.ndim)), None)
+    doms.update(batch_split(cap, mesh))
+    lay = Layout("ep_fsdp", mesh, doms, pin=True, gather=tuple(range(mesh.ndim)), gather_of=gather_of,
+                 divide_work=None, cannot="expert parallelism uses each expert weight in the split it is stored in, "
+                                          "and some op cannot use one so")
+    lay.infeasible = _unsplit_batch(cap, mesh, tuple(range(mesh.ndim)))
+    return lay
+
+
 def layouts(cap: Captured, devices: int, gpus_per_node: int | None = None) -> dict[str, Layout]:
     """Every baseline's layout on ``devices`` (see the module docstring)."""
     flat = Mesh((devices,))
@@ -254,6 +312,8 @@ def layouts(cap: Captured, devices: int, gpus_per_node: int | None = None) -> di
             ("fsdp_selective_recompute", attention_units(cap), "no layer has an attention module of its own")):
         out[name] = replace(out["fsdp"], name=name, recompute=frozenset(units))
         out[name].infeasible = out[name].infeasible or ("" if units else none)
+    if expert_weights(cap):
+        out["ep_fsdp"] = _ep_fsdp(cap, devices, gpus_per_node)
     return out
 
 

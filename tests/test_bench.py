@@ -13,6 +13,18 @@ from soybean.plan import Plan
 pytestmark = pytest.mark.unit  # the two runs of the harness are marked dist
 
 
+def test_tp_layout_follows_a_hugging_face_models_own_tp_plan() -> None:
+    """A transformers model's ``base_model_tp_plan``: q, k, v column-wise and o row-wise in every layer (pairing by
+    order would split k row-wise, which cannot run); its experts (``packed_colwise``, ``moe_tp_experts``) stay whole."""
+    pytest.importorskip("transformers")
+    from soybean.models import load
+
+    model, _ = load("hf:mixtral", dict(hidden_size=32, num_hidden_layers=2, vocab_size=64, num_local_experts=2))
+    got = tp_layout(model)
+    assert got == {f"model.model.layers.{i}.self_attn.{p}": ("rowwise" if p == "o_proj" else "colwise")
+                   for i in range(2) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+
+
 def test_tp_layout_pairs_linears_and_leaves_an_odd_last_one() -> None:
     even, _ = mlp(batch=2, hidden=8, layers=2)
     assert tp_layout(even) == {"inp": "colwise", "hidden.0": "rowwise", "hidden.1": "colwise", "out": "rowwise"}

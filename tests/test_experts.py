@@ -206,3 +206,45 @@ def test_gloo_processes_train_with_expert_parallelism_as_serial(name: str) -> No
     assert experts and all(v == ["S(0)"] for v in experts.values()), experts
     serial = train_serial(model, inputs, steps=STEPS, lr=LR)
     assert not differences(serial, exact_serial(model, inputs, serial), par)
+
+
+def test_expert_parallel_fsdp_is_a_baseline_the_plan_is_never_worse_than() -> None:
+    """``ep_fsdp`` (torchtitan's EP x FSDP): experts split over the node's axis, FSDP over the other; priced for a
+    model with routed experts only, and the plan, searching every mesh, is no slower."""
+    from soybean import baselines
+    from soybean.planner import plan
+
+    from soybean.models import load
+
+    model, inputs = load("hf:mixtral", dict(hidden_size=64, intermediate_size=128, num_local_experts=4,
+                                            num_hidden_layers=2, vocab_size=128, batch=4, seq=8))
+    cap = capture(model, inputs)
+    lay = baselines.layouts(cap, 4, gpus_per_node=2)["ep_fsdp"]
+    assert lay.mesh == Mesh((2, 2)) and not lay.infeasible
+    experts = baselines.expert_weights(cap)
+    assert len(experts) == 4 and set(experts.values()) == {4}
+    assert all(lay.domains[f] == [(Shard(1), Shard(0))] and lay.gather_of[f] == (0,) for f in experts)
+    p = plan(None, (), captured=cap, devices=4, gpus_per_node=2)
+    ep = p.baselines["ep_fsdp"]
+    assert "infeasible" not in ep and p.cost["step_time_s"] <= ep["step_time_s"] * (1 + 1e-9)
+    dense = capture(*archs.build(next(a for a in archs.ARCHS if a.name == "llama")))
+    assert "ep_fsdp" not in baselines.layouts(dense, 4, gpus_per_node=2)
+
+
+def test_explain_and_draw_show_the_dispatch() -> None:
+    """A plan moving rows: ``explain`` lists the op's all-to-alls as ``dispatch_combine`` steps (forward and
+    backward), ``draw`` counts them in the layer's badge and lists them in its tooltip, the report prints the layer."""
+    from soybean.draw import svg
+    from soybean.explain import explain
+    from soybean.planner import plan
+    from soybean.report import table
+
+    model, inputs = archs.build(next(a for a in archs.ARCHS if a.name == "mixtral"))
+    cap = capture(model, inputs)
+    p = plan(None, (), captured=cap, devices=2, objective="comm", baselines=False)
+    ex = explain(cap, p)
+    steps = [(c.step, c.phase) for r in ex.rows for c in r.collectives if c.step.startswith("dispatch_combine")]
+    assert ("dispatch_combine[axis 0]", "forward") in steps and ("dispatch_combine[axis 0]", "backward") in steps
+    assert "dispatch_combine[axis 0]" in svg(ex)
+    assert "model.layers.0: 4 experts (top-2), split 2-way over mesh axes [0], rows moved by all-to-all on [0]" \
+        in table(p)

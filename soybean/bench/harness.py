@@ -56,6 +56,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import warnings
@@ -186,14 +187,39 @@ def batch_slice(inputs: tuple, rank: int, world: int) -> tuple:
 
 
 def tp_layout(model: nn.Module) -> dict[str, str]:
-    """Megatron pairing: the ``nn.Linear`` modules in order, alternately ``colwise`` and ``rowwise``.
+    """The tensor-parallel layout a practitioner would write: a Hugging Face model's own ``base_model_tp_plan``
+    (its config's ``colwise``/``rowwise`` entries on ``nn.Linear`` modules: q, k, v column-wise and the output
+    projection row-wise; experts and other styles left replicated); for any other model Megatron pairing, the
+    ``nn.Linear`` modules in order, alternately ``colwise`` and ``rowwise``.
 
     With an odd count the last Linear is left out (it stays replicated).  Empty when the model has
     no Linear modules.
     """
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name]
+    hf = _hf_tp_plan(model, set(linears))
+    if hf:
+        return hf
     paired = linears[: len(linears) - len(linears) % 2]
     return {name: ("colwise" if i % 2 == 0 else "rowwise") for i, name in enumerate(paired)}
+
+
+def _hf_tp_plan(model: nn.Module, linears: set[str]) -> dict[str, str]:
+    """``tp_layout`` from the first module whose config carries transformers' ``base_model_tp_plan`` (keys relative
+    to its base model, ``*`` a layer index)."""
+    for prefix, m in model.named_modules():
+        plan = getattr(getattr(m, "config", None), "base_model_tp_plan", None)
+        if not plan:
+            continue
+        base = getattr(m, "base_model_prefix", "")
+        root = ".".join(x for x in (prefix, base if hasattr(m, base) else "") if x)
+        out: dict[str, str] = {}
+        for key, style in plan.items():
+            if style not in ("colwise", "rowwise"):
+                continue
+            pattern = re.compile(re.escape(f"{root}.{key}" if root else key).replace(r"\*", r"\d+") + "$")
+            out.update({name: style for name in sorted(linears) if pattern.match(name)})
+        return out
+    return {}
 
 
 @dataclass
@@ -332,8 +358,11 @@ _DIST_PREPARE: dict[str, Callable[[_Context, nn.Module, tuple], Prepared]] = {
 def plan_summary(plan: Plan) -> dict[str, Any]:
     """The part of a plan a reader compares: mesh, parameter tilings and pipeline stages (the pipeline's depth, its
     rank groups: 1 without; a pipelined plan's schedule, virtual stages per group and every stage with its layers,
-    ranks and mesh)."""
+    ranks and mesh), and its routed experts (``moe``: per MoE layer the axes splitting its experts, their degree,
+    where the rows move by all-to-all), when it has any."""
     out: dict[str, Any] = {"mesh": list(plan.mesh), "params": dict(plan.params), "stages": 1}
+    if plan.moe:
+        out["moe"] = [{k: r[k] for k in ("layer", "experts", "axes", "degree", "dispatch")} for r in plan.moe]
     if plan.pipeline is not None:
         v = int(plan.pipeline.get("virtual_stages", 1))
         out["stages"] = len(plan.pipeline["stages"]) // v

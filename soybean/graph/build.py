@@ -264,6 +264,7 @@ def build(
     divide_work: bool | None = None,
     fixed: Plan | Program | None = None,
     gather_axes: tuple[int, ...] = (),
+    gather_of: dict[str, tuple[int, ...]] | None = None,
     share: bool = True,
     recompute: Collection[str] = (),
     pricing: PricingCache | None = None,
@@ -275,7 +276,8 @@ def build(
     to given tilings: the baselines (``soybean.baselines``) are built this way.
     ``pin_params``: a parameter in ``domains`` is used in the tiling it is stored in (any other use
     costs ``PINNED``), except on the ``gather_axes``, where it is used whole: gathered for use and its
-    gradient reduce-scattered back, as FSDP (ZeRO-3) does.
+    gradient reduce-scattered back, as FSDP (ZeRO-3) does; ``gather_of`` gives some parameters (by FQN) their own
+    gather axes (an expert weight split by expert parallelism on one axis, FSDP on the others).
     ``divide_work`` (default: only for the ``comm`` objective) keeps only strategies
     that cut every op's work on every axis wherever the rules allow one.
     ``fixed``: every variable takes the one strategy ``fixed`` chose (and its output contract);
@@ -293,7 +295,7 @@ def build(
         fixed = (fixed.program if isinstance(fixed, Plan) else fixed).aligned(cap.keys)
     with gc_paused():
         return _Builder(PlanGraph(mesh, profile, pricing=pricing or PricingCache()), cap, objective, domains or {},
-                        pin_params, local_outputs, divide_work, fixed, tuple(gather_axes), share,
+                        pin_params, local_outputs, divide_work, fixed, tuple(gather_axes), dict(gather_of or {}), share,
                         frozenset(fixed.recompute if fixed is not None else recompute), work).run()
 
 
@@ -316,10 +318,12 @@ class _Builder:
 
     def __init__(self, g: PlanGraph, cap: Captured, objective: str, domains: dict[str, list[tuple]],
                  pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Program | None,
-                 gather_axes: tuple[int, ...], share: bool, recompute: frozenset[str],
+                 gather_axes: tuple[int, ...], gather_of: dict[str, tuple[int, ...]], share: bool,
+                 recompute: frozenset[str],
                  work: SharedWork | None = None) -> None:
         self.g, self.cap, self.objective, self.domains = g, cap, objective, domains
         self.pin_params, self.divide_work, self.fixed, self.gather_axes = pin_params, divide_work, fixed, gather_axes
+        self.gather_of = gather_of
         self.mesh, self.profile = g.mesh, g.profile
         self.local_outputs = fixed.local_batch if fixed is not None else local_outputs
         self.rerun = _Rerun(cap.graph, recompute)
@@ -378,7 +382,7 @@ class _Builder:
         vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=ng, grad_phase=gp))
         g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
         g.vars[vi].pinned = self.pin_params and kind == "param" and fqn in self.domains
-        g.vars[vi].gathered = self.gather_axes if g.vars[vi].pinned else ()
+        g.vars[vi].gathered = self.gather_of.get(fqn, self.gather_axes) if g.vars[vi].pinned else ()
         if self.memo is not None:
             self.memo.classify(g, vi)
         _add_reshard_points(g, vi, self.uses, ng, self.fixed, self.memo, self.rerun)
