@@ -248,3 +248,26 @@ def test_explain_and_draw_show_the_dispatch() -> None:
     assert "dispatch_combine[axis 0]" in svg(ex)
     assert "model.layers.0: 4 experts (top-2), split 2-way over mesh axes [0], rows moved by all-to-all on [0]" \
         in table(p)
+
+
+def test_the_memory_model_counts_the_rows_the_op_keeps_for_backward() -> None:
+    """What autograd keeps inside the fused op (Mixtral's body: the gathered rows, the gate-up output, the
+    activation's operands, the down projection's input) measured with ``saved_tensors_hooks``, against
+    ``cost.memory.saved``'s estimate: within a quarter."""
+    from soybean.cost.memory import saved
+
+    x, idx, w, params, experts, body = _body_case(tokens=64, experts=4)
+    leaves = [x.requires_grad_(), w.requires_grad_(), *(p.requires_grad_() for p in params)]
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = OP(x, idx, w, params, experts, body)
+    mine = {t.untyped_storage().data_ptr() for t in [*leaves, idx]}
+    inside = sum(b for ptr, b in kept.items() if ptr not in mine)
+    op = make_opspec(OP, (x, idx, w, params, experts, body), {}, out)
+    est = sum(f * out.numel() * out.element_size() for _, f in saved(op, [True, False, True, True, True]).extra)
+    assert 0.75 * inside <= est <= 1.25 * inside, (est, inside)

@@ -212,6 +212,16 @@ def _indices(op: OpSpec) -> tuple[tuple[tuple[str, int], float], ...]:
     return ((("out", 0), 8 / op.outputs[0].dtype.itemsize),)
 
 
+def _expert_rows(op: OpSpec) -> tuple[tuple[tuple[str, int], float], ...]:
+    """Routed experts (``ir.experts``) keep, per (token, choice) row, the gathered row and, per expert weight
+    ``(experts, a, b)``, about two tensors of its wider dim (a matmul's output and the activation that reads it):
+    ``k (H + 2 sum_w max(a, b)) / H`` of the output.  An estimate: the exact set depends on the body (a bias keeps
+    nothing); under the pending-sum strategy each rank computes a share of the rows but is charged for all."""
+    x, idx, *weights = op.inputs
+    h = x.shape[1]
+    return ((("out", 0), idx.shape[1] * (h + 2 * sum(max(w.shape[1:]) for w in weights if len(w.shape) == 3)) / h),)
+
+
 _IN = _keep((0,))
 _OUT = _keep(outputs=(0,))
 # Linear ops (add, sum, cat, pad, copies, casts, views) and ops with no gradient keep nothing; they are not listed.
@@ -270,6 +280,8 @@ SAVES: dict[str, SaveRule] = {
     # PyTorch returns mse_loss's scalar inside its elementwise buffer (the storage is the input's size),
     # which lives as long as the loss does
     "aten.mse_loss.default": _keep((0, 1), extra=lambda op: ((("in", 0), 1.0),)),
+    # routed experts: the tokens and weights, and the rows inside
+    "soybean.routed_experts.default": _keep((0, 1, 2), extra=_expert_rows),
     # pooling
     **{f"aten.{n}.default": _keep((0,), extra=_indices) for n in ("max_pool1d", "max_pool2d", "max_pool3d",
                                                                   "adaptive_max_pool2d")},
