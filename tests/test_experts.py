@@ -165,8 +165,8 @@ def test_the_plan_records_each_moe_layer_and_prices_its_all_to_alls() -> None:
     st = next(s for s in expand(op, mesh) if isinstance(s.inputs[0][0], Shard) and isinstance(s.inputs[3][0], Shard))
     calls = op_comm_calls(op, st, [True, False, True, True, True], mesh)
     rows = 3 * 2 * args[0].shape[1] * 8  # my 3 tokens x top-2 rows x hidden x float64
-    assert calls == [("all_to_all", 0, 16.0, 1), ("all_to_all", 0, rows, 1), ("all_to_all", 0, rows, 1),
-                     ("all_to_all", 0, rows, 1), ("all_to_all", 0, rows, 1)]
+    assert calls == [("all_to_all", 0, 16.0, 1), ("all_to_all", 0, rows, 1), ("all_to_all", 0, 3 * 2 * 8.0, 1),
+                     ("all_to_all", 0, rows, 1), ("all_to_all", 0, rows, 1), ("all_to_all", 0, rows, 1)]
 
 
 @pytest.mark.sim
@@ -271,3 +271,45 @@ def test_the_memory_model_counts_the_rows_the_op_keeps_for_backward() -> None:
     op = make_opspec(OP, (x, idx, w, params, experts, body), {}, out)
     est = sum(f * out.numel() * out.element_size() for _, f in saved(op, [True, False, True, True, True]).extra)
     assert 0.75 * inside <= est <= 1.25 * inside, (est, inside)
+
+
+class _Logged:
+    """A group that logs each all-to-all of rows (its local buffer's bytes) and delegates it."""
+
+    def __init__(self, inner: object, log: list[float]) -> None:
+        self.inner, self.log = inner, log
+        self.size, self.index = inner.size, inner.index  # type: ignore[attr-defined]
+
+    def all_to_all_rows(self, t: torch.Tensor, send: tuple, recv: tuple) -> torch.Tensor:
+        self.log.append(float(t.numel() * t.element_size()))
+        return self.inner.all_to_all_rows(t, send, recv)  # type: ignore[attr-defined]
+
+
+def test_the_bytes_moved_are_the_bytes_priced_under_balanced_routing() -> None:
+    """Expert parallelism on 2 members with every member sending half its rows to each (the routing the pricing
+    assumes): the all-to-alls the program runs, forward and backward, in order and byte for byte, are
+    ``op_comm_calls``' (counts, rows, their ids, the results; the two gradients' moves)."""
+    from soybean.cost.collectives import op_comm_calls
+    from soybean.runtime.context import use_groups
+    from soybean.runtime.experts import sb_routed_experts
+    from soybean.tiling import chunk_range
+
+    x, idx, w, params, experts, body = _body_case(tokens=8, experts=4)
+    idx = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]] * 2)  # each member's 8 rows: 4 for each member's experts
+    op = make_opspec(OP, (x, idx, w, params, experts, body), {}, routed_experts(x, idx, w, params, experts, body))
+    mesh = Mesh((2,))
+    st = next(s for s in expand(op, mesh) if isinstance(s.inputs[0][0], Shard) and isinstance(s.inputs[3][0], Shard))
+    want = [m for _, _, m, _ in op_comm_calls(op, st, [True, False, True, True, True], mesh)]
+    logs: list[list[float]] = [[], []]
+
+    def member(rank: int, groups: list) -> None:
+        a, b = chunk_range(8, 2, rank)
+        e0, e1 = chunk_range(experts, 2, rank)
+        mine = [x[a:b].clone().requires_grad_(True), idx[a:b], w[a:b].clone().requires_grad_(True),
+                [p[e0:e1].clone().requires_grad_(True) for p in params]]
+        with use_groups([_Logged(groups[0], logs[rank])]):
+            out = sb_routed_experts(*mine, experts, body, shard=(0,), a2a=(0,))
+            out.sum().backward()
+
+    run_threads(mesh, member)
+    assert logs[0] == logs[1] == want

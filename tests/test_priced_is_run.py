@@ -11,7 +11,8 @@ largest over ranks, as the cost model prices uneven tiles (``max_local_numel``).
 The priced list is read from the plan's planning graph (``graph.build(fixed=plan)``): every edge's
 route and the forward and backward collectives ``cost.collectives.priced_steps`` gives it, on axes of
 more than one device, and every op's own communication (``Var.op_comm``): its halo exchanges (the
-busiest member's received rows, forward and backward) and batch norm's statistics all-reduces.  Every priced collective must run exactly once with exactly its bytes, and
+busiest member's received rows, forward and backward) and batch norm's statistics all-reduces (routed experts'
+all-to-alls move as many rows as the routing sends: ``tests/test_experts.py`` checks them under balanced routing).  Every priced collective must run exactly once with exactly its bytes, and
 nothing else may run, except that the deferred parameter-gradient all-reduces are bucketed by the
 runtime (``GradSync``): those must add up, per axis, to the bytes priced for them.  A collective the plan
 runs by one of soybean's own algorithms (``plan.reshards``, ``runtime.algorithms``) is logged once, as that

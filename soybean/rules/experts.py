@@ -11,9 +11,11 @@ The op is a token-wise map (``ir.experts``), so on one mesh axis:
 
 Every expert weight's dim 0 is the experts.  The rank that holds expert ``e`` is the one whose tile of dim 0
 holds it (``tiling``'s chunks, axis by axis).  ``experts_sync_args`` names the axes the program moves rows on
-and those it leaves a pending sum on; ``experts_comm`` prices the moves: per axis of ``p`` members, forward a
-count exchange and two all-to-alls of the rows (dispatch, combine), backward two more, each of the local rows'
-bytes (balanced routing: ``(p - 1) / p`` of them leave; ``cost.collectives.collective``).
+and those it leaves a pending sum on; ``experts_comm`` prices the moves as the program runs them
+(``runtime.experts``): per axis of ``p`` members, forward the counts (one int64 per member), the rows and their
+experts' ids (int64) out, the results back; backward the results' gradients out and the rows' gradients back; each
+all-to-all's message the local buffer (balanced routing: ``(p - 1) / p`` of it leaves;
+``cost.collectives.collective``).  Rows stay as many at every move under balanced routing.
 """
 from __future__ import annotations
 
@@ -59,11 +61,13 @@ def experts_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Mesh) -> lis
     rows = max_local_numel(x.shape[:1], st.inputs[0], mesh) * idx.shape[1] / leave  # tokens: S(0) or R
     row_bytes = x.shape[1] * x.dtype.itemsize
     out: list[tuple[str, int, float, int]] = []
-    for back in (False, True) if any(grads) else (False,):
-        for a in a2a:
-            if not back:
-                out.append(("all_to_all", a, 8.0 * mesh.shape[a], 1))  # the counts
-            out += [("all_to_all", a, rows * row_bytes, 1)] * 2
+    for a in a2a:  # forward: the counts, the rows and their experts' ids (int64) out, the results back
+        out += [("all_to_all", a, 8.0 * mesh.shape[a], 1), ("all_to_all", a, rows * row_bytes, 1),
+                ("all_to_all", a, rows * 8.0, 1)]
+    out += [("all_to_all", a, rows * row_bytes, 1) for a in reversed(a2a)]
+    if any(grads):  # backward: the results' gradients out, the rows' gradients back
+        out += [("all_to_all", a, rows * row_bytes, 1) for a in a2a]
+        out += [("all_to_all", a, rows * row_bytes, 1) for a in reversed(a2a)]
     return out
 
 

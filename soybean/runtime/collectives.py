@@ -186,12 +186,8 @@ class _MoveRows(Function):
 
 
 def _move(x: torch.Tensor, group: Group, send: tuple[int, ...], recv: tuple[int, ...]) -> torch.Tensor:
-    """``_MoveRows``' forward: my own block kept, the others exchanged point to point."""
-    blocks = list(x.detach().contiguous().split(list(send)))
-    me, tail = group.index, tuple(x.shape[1:])
-    got = group.exchange({j: b for j, b in enumerate(blocks) if j != me},
-                         {j: (r, *tail) for j, r in enumerate(recv) if j != me}, x)
-    return torch.cat([blocks[j].clone() if j == me else got[j] for j in range(group.size)])
+    """``_MoveRows``' forward: one all-to-all of the rows (``Group.all_to_all_rows``)."""
+    return group.all_to_all_rows(x.contiguous(), send, recv)
 
 
 def move_rows(x: torch.Tensor, group: Group, send: tuple[int, ...], recv: tuple[int, ...]) -> torch.Tensor:

@@ -70,6 +70,12 @@ class Group(Protocol):
         ...
 
 
+    def all_to_all_rows(self, t: torch.Tensor, send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
+        """Rows (dim 0) to the members that take them: ``t`` is blocks of ``send[j]`` rows for member ``j``, in
+        member order; the result is the blocks sent to me, ``recv[j]`` rows from member ``j``, in member order
+        (sizes known only at run time: mixture-of-experts dispatch)."""
+        ...
+
     def broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
         """Member ``root``'s ``t`` (a new tensor on every member)."""
         ...
@@ -236,6 +242,17 @@ class ThreadGroup:
         posted = self._swap(("all_to_all", src_dim, dst_dim, full_src), t)
         return torch.cat([take_chunk(x, dst_dim, self.size, self.index) for x in posted], dim=src_dim)
 
+    def all_to_all_rows(self, t: torch.Tensor, send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
+        if sum(send) != t.shape[0]:
+            raise RuntimeError(f"all_to_all_rows on mesh axis {self._ex.axis}: {t.shape[0]} rows, {sum(send)} sent")
+        blocks = list(t.detach().clone().split(list(send)))
+        posted = self._ex.swap(self.index, ("all_to_all_rows",), blocks)
+        got = [posted[j][self.index] for j in range(self.size)]
+        if [b.shape[0] for b in got] != list(recv):
+            raise RuntimeError(f"all_to_all_rows on mesh axis {self._ex.axis}: member {self.index} expects rows "
+                               f"{list(recv)}, the members sent {[b.shape[0] for b in got]}")
+        return torch.cat(got)
+
     def broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
         return self._swap(("broadcast", root), t)[root].clone()  # every member gets its own
 
@@ -379,6 +396,15 @@ class TorchGroup:
         dist.all_to_all_single(out, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.pg)
         return torch.cat([b.view(r) for b, r in zip(out.split(recv_sizes), recv_shapes)], dim=src_dim)
 
+
+    def all_to_all_rows(self, t: torch.Tensor, send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
+        self._check_device(t)
+        row = _prod(t.shape[1:])
+        x = t.detach().contiguous().reshape(-1)
+        out = t.new_empty(sum(recv) * row)
+        dist.all_to_all_single(out, x, output_split_sizes=[r * row for r in recv],
+                               input_split_sizes=[n * row for n in send], group=self.pg)
+        return out.view(sum(recv), *t.shape[1:])
 
     def exchange(self, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
                  like: torch.Tensor) -> dict[int, torch.Tensor]:

@@ -52,12 +52,10 @@ def _mine(experts: int, shard: Sequence[int], groups: Sequence[Group]) -> tuple[
 
 
 def _counts(send: list[int], group: Group, like: torch.Tensor) -> list[int]:
-    """How many rows each member sends me, for the ``send[j]`` I send each."""
-    me = group.index
-    got = group.exchange({j: torch.tensor([n], dtype=torch.int64, device=like.device) for j, n in enumerate(send)
-                          if j != me}, {j: (1,) for j in range(group.size) if j != me},
-                         torch.empty(0, dtype=torch.int64, device=like.device))
-    return [send[me] if j == me else int(got[j].item()) for j in range(group.size)]
+    """How many rows each member sends me, for the ``send[j]`` I send each: one count to every member."""
+    ones = (1,) * group.size
+    got = group.all_to_all_rows(torch.tensor(send, dtype=torch.int64, device=like.device).view(-1, 1), ones, ones)
+    return [int(n) for n in got.view(-1).tolist()]
 
 
 def sb_routed_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, params: Sequence[torch.Tensor],
