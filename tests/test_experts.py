@@ -313,3 +313,16 @@ def test_the_bytes_moved_are_the_bytes_priced_under_balanced_routing() -> None:
 
     run_threads(mesh, member)
     assert logs[0] == logs[1] == want
+
+
+def test_the_capture_cache_keeps_the_fused_op() -> None:
+    """A capture with routed experts stored as data and read back (``capture_cache``): the same op, its body and
+    weights, the same structural keys (so a plan made on one loads on the other)."""
+    from soybean import capture_cache
+
+    model, inputs = tiny("mixtral")
+    cap = capture(model, inputs)
+    back = capture_cache.loads(capture_cache.dumps(cap))
+    assert [n.args[4:] for n in _fused(back)] == [n.args[4:] for n in _fused(cap)]
+    assert [[w.name for w in n.args[3]] for n in _fused(back)] == [[w.name for w in n.args[3]] for n in _fused(cap)]
+    assert back.keys == cap.keys and back.fingerprint == cap.fingerprint
