@@ -33,7 +33,7 @@ otherwise the plan is optimal only within the capped part, ``planner.solve_table
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -143,6 +143,8 @@ def plan_table(cap: Captured, plan: Plan, profile: Profile | None = None) -> Pla
     default the plan's)."""
     mesh = Mesh(tuple(plan.mesh))
     prof = with_collectives(profile if profile is not None else _load(plan.profile), plan.collectives)
+    if plan.moe:  # routed experts priced at the plan's routing imbalance
+        prof = replace(prof, expert_imbalance=float(plan.moe[0].get("imbalance", 1.0)))
     return build(cap, mesh, prof.on_mesh(mesh, plan.gpus_per_node), objective=plan.objective,
                  domains=batch_split(cap, mesh) if plan.local_batch else None, local_outputs=plan.local_batch,
                  recompute=frozenset(plan.recompute))
@@ -318,10 +320,10 @@ def op_collectives(g: PlanGraph, v: Var, c: int, grads: Sequence[bool]) -> list[
     the rest ``backward``."""
     assert v.op is not None
     st, mesh, prof = v.strategies[c], g.mesh, g.profile
-    fwd = op_comm_calls(v.op, st, [False] * len(grads), mesh)
+    fwd = op_comm_calls(v.op, st, [False] * len(grads), mesh, prof.expert_imbalance)
     out = []
     k = 0
-    for kind, axis, m, n in op_comm_calls(v.op, st, grads, mesh):
+    for kind, axis, m, n in op_comm_calls(v.op, st, grads, mesh, prof.expert_imbalance):
         phase = "forward" if k < len(fwd) and fwd[k] == (kind, axis, m, n) else "backward"
         k += phase == "forward"
         a, b = prof.ab(axis, kind)

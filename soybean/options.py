@@ -50,6 +50,7 @@ class PlanOptions:
     recompute: str = "auto"
     collectives: str = "auto"
     jobs: int | None = None
+    expert_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         mesh = self.mesh
@@ -68,6 +69,9 @@ class PlanOptions:
         if self.mesh is not None and self.devices is not None and math.prod(self.mesh) != self.devices:
             raise ValueError(f"mesh {Mesh(self.mesh)} (--mesh) has {math.prod(self.mesh)} devices, not {self.devices} "
                              f"(--devices): give a mesh whose sizes multiply to {self.devices}")
+        if self.expert_imbalance < 1:
+            raise ValueError("--expert-imbalance is the busiest rank's routed rows over the balanced share: at least "
+                             f"1, got {self.expert_imbalance:g}")
         if not 0 <= self.gap < 1:
             raise ValueError(f"--gap must be in [0, 1), got {self.gap:g}")
         if self.time_limit_s <= 0:
@@ -131,6 +135,10 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                       "help": "the algorithm each collective runs: auto (default: the cheapest "
                                               "modelled for its group and message), or force the backend's own "
                                               "call or soybean's lp (chain pipelining), ring or tree"}),
+    ("expert_imbalance", "--expert-imbalance", {"type": float, "default": 1.0, "metavar": "F",
+                                                "help": "mixture of experts: price the busiest rank's routed rows "
+                                                        "at F times the balanced share (default 1: balanced "
+                                                        "routing); its all-to-alls and expert compute alike"}),
     ("precision", "--precision", {"choices": PRECISIONS, "default": "fp32",
                                   "help": "fp32, or bf16-mixed: bf16 compute from fp32 master weights and AdamW "
                                           "states, gradients reduced in bf16"}),

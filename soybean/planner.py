@@ -785,7 +785,8 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     mesh = Mesh(opts.mesh) if opts.mesh else None
     devices, objective, precision, recompute = opts.world, opts.objective, opts.precision, opts.recompute
     profile = opts.profile if isinstance(opts.profile, Profile) else load_profile(opts.profile)
-    search = Search(with_collectives(profile, opts.collectives), opts, budget_bytes(opts.memory_gb))
+    search = Search(with_collectives(replace(profile, expert_imbalance=opts.expert_imbalance), opts.collectives), opts,
+                    budget_bytes(opts.memory_gb))
     prof, budget = search.profile, search.memory_bytes
     loaded = route_cache.load(search.pricing) if cache_routes else None
 

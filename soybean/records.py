@@ -144,7 +144,8 @@ def op_steps(op: OpSpec, st: Strategy, mesh: Mesh) -> list[str]:
 def moe_records(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
     """One row per routed-experts op (``ir.experts``), in graph order: its layer, experts and choices per token,
     the mesh ``axes`` splitting the experts and their ``degree`` (how many ranks hold a share; 1 when none does),
-    those of them the rows move on by all-to-all (``dispatch``) and those leaving a pending sum (``partial``)."""
+    those of them the rows move on by all-to-all (``dispatch``) and those leaving a pending sum (``partial``), and the
+    routing imbalance it was priced at (``Profile.expert_imbalance``)."""
     out = []
     for vi, V in enumerate(g.vars):
         if V.op is None or V.op.target is not ROUTED_EXPERTS:
@@ -158,5 +159,6 @@ def moe_records(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
         out.append({"layer": layer_of(V.module) or V.module, "node": V.name, "experts": int(V.op.args[4]),
                     "top_k": int(V.op.inputs[1].shape[1]), "axes": axes, "degree": degree,
                     "dispatch": [a for a in axes if isinstance(x[a], Shard)],
-                    "partial": [a for a in axes if not isinstance(x[a], Shard)]})
+                    "partial": [a for a in axes if not isinstance(x[a], Shard)],
+                    "imbalance": g.profile.expert_imbalance})
     return out

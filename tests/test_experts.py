@@ -326,3 +326,35 @@ def test_the_capture_cache_keeps_the_fused_op() -> None:
     assert [n.args[4:] for n in _fused(back)] == [n.args[4:] for n in _fused(cap)]
     assert [[w.name for w in n.args[3]] for n in _fused(back)] == [[w.name for w in n.args[3]] for n in _fused(cap)]
     assert back.keys == cap.keys and back.fingerprint == cap.fingerprint
+
+
+def test_routing_imbalance_scales_the_split_experts_moves_and_work() -> None:
+    """``--expert-imbalance F``: a strategy splitting the experts pays F times the balanced rows in its all-to-alls
+    (not in the counts' exchange) and F times its share of the experts' compute; one that keeps them whole pays the
+    same as before.  The plan records F, and below 1 is refused."""
+    from dataclasses import replace
+
+    from soybean.cost.collectives import op_comm_calls
+    from soybean.cost.compute import op_seconds
+    from soybean.cost.profiles import load_profile
+    from soybean.options import PlanOptions
+    from soybean.planner import plan
+
+    args = _body_case(tokens=6, experts=4)
+    op = make_opspec(OP, args, {}, routed_experts(*args))
+    mesh = Mesh((2,))
+    sts = expand(op, mesh)
+    ep = next(s for s in sts if isinstance(s.inputs[0][0], Shard) and isinstance(s.inputs[3][0], Shard))
+    dp = next(s for s in sts if isinstance(s.inputs[0][0], Shard) and not isinstance(s.inputs[3][0], Shard))
+    grads = [True, False, True, True, True]
+    even, skew = op_comm_calls(op, ep, grads, mesh), op_comm_calls(op, ep, grads, mesh, 1.5)
+    assert skew[0] == even[0] and all(b[2] == 1.5 * a[2] for a, b in zip(even[1:], skew[1:]))
+    prof = replace(load_profile("h100-nvlink"), op_s=0.0, mem_bw=1e30)  # compute-bound: the FLOPs decide
+    base = op_seconds(op, [ep, dp], grads, mesh, prof)
+    more = op_seconds(op, [ep, dp], grads, mesh, replace(prof, expert_imbalance=1.5))
+    assert more[0] == pytest.approx(1.5 * base[0]) and more[1] == base[1]
+    model, inputs = tiny("mixtral")
+    p = plan(model, inputs, 2, objective="comm", expert_imbalance=1.25, baselines=False)
+    assert {r["imbalance"] for r in p.moe} == {1.25}
+    with pytest.raises(ValueError, match="--expert-imbalance"):
+        PlanOptions(expert_imbalance=0.5)

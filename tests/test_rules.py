@@ -294,6 +294,9 @@ case(aten.var.correction, X, None, splits=False)  # over every dim: not linear
 case(aten.std.dim, X, [2])
 case(aten.cumsum.default, X, 1)
 case(aten.topk.default, X, 2)
+case(aten.scatter.value, randn(6, 8), 1, ints(8, 6, 3), 0.0)  # a router's mask: rows split
+case(aten.scatter.src, randn(6, 8), 1, ints(8, 6, 3), randn(6, 3))
+case(aten.scatter.value, randn(6, 8), 0, ints(6, 6, 8), 1.0)
 case(aten.topk.default, X, 3, 0, False)
 case(aten.sort.default, X, 1)
 case(aten.sort.stable, X, stable=True, dim=0, descending=True)

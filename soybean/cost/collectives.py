@@ -163,7 +163,8 @@ def reshard_cost(route: Route, shape: tuple, itemsize: int, mesh: Mesh, profile:
     return Cost(nb, ns, sync)
 
 
-def op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh) -> list[tuple[str, int, float, int]]:
+def op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh, imbalance: float = 1.0
+                  ) -> list[tuple[str, int, float, int]]:
     """``(collective, mesh axis, message bytes, messages)`` of every call the communication inside ``op`` makes
     under ``st`` in one training step, in program order (module docstring):
 
@@ -173,7 +174,8 @@ def op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh) -
       rows the ones before it grew (the longest window along their dims);
     * for an op that sums statistics across tiles (its rule's ``sync_args``), one all-reduce of them per axis
       (``ir.syncnorm.stats_bytes`` of my channels) forward, and one backward;
-    * for an op whose rule lists its own collectives (``comm``: routed experts' all-to-alls), those.
+    * for an op whose rule lists its own collectives (``comm``: routed experts' all-to-alls, the busiest rank's at
+      ``imbalance`` times the balanced rows), those.
     """
     out: list[tuple[str, int, float, int]] = []
     grown: dict[int, tuple[list[int], list]] = {}  # input slot -> (shape, tiling) as the halos grow it
@@ -191,7 +193,7 @@ def op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh) -
         shape[w.dim] = max(e - s for s, e in w.members(p))  # later exchanges carry these rows
     entry = lookup(op.target)
     if entry is not None and entry.comm is not None:
-        return out + entry.comm(op, st, list(grads), mesh)
+        return out + entry.comm(op, st, list(grads), mesh, imbalance)
     if entry is not None and entry.sync_args is not None:
         x = op.inputs[0]
         for axis in entry.sync_args(op, st).get("axes", ()):
@@ -212,7 +214,7 @@ def op_comm_costs(op: OpSpec, strategies: Sequence[Strategy], grads: Sequence[bo
         return None
     out = np.zeros((len(strategies), 2))
     for i, st in enumerate(strategies):
-        for kind, axis, m, n in op_comm_calls(op, st, grads, mesh):
+        for kind, axis, m, n in op_comm_calls(op, st, grads, mesh, profile.expert_imbalance):
             a, b = profile.ab(axis, kind)
             c = Cost(m, n * a + m * b) if kind == "halo" else backend_call(kind, m, mesh.shape[axis], axis, profile)
             out[i] += (c.bytes, c.seconds + profile.blocking_s)

@@ -54,6 +54,9 @@ class Profile:
     blocking_s: float = 0.0                              # extra seconds of each blocking collective amid compute
     op_s: float = 0.0                                    # fixed seconds of each pass of an op (dispatch, autograd)
     optimizer_foreach: bool = False                      # AdamW takes its multi-tensor path (CUDA's default)
+    # mixture of experts: the busiest rank's routed rows over the balanced share (the workload's routing, set by
+    # ``--expert-imbalance``): scales routed experts' all-to-alls and their compute where the experts are split
+    expert_imbalance: float = 1.0
     node_alpha: float = 0.0                              # seconds per ring step across nodes; 0: no second level
     node_beta: float = 0.0                               # seconds per byte per device across nodes
     inter_node: tuple[bool, ...] = field(default=())     # per mesh axis: do its groups cross nodes (``on_mesh``)

@@ -129,10 +129,13 @@ class OpCost:
     * ``backward``: any other op's backward, in forward-equivalents, when some input needs a
       gradient (an elementwise op's one pass; FlashAttention's backward is about 2.5x its forward).
     * ``conv``: priced at the profile's convolution rate (``Profile.conv_flops``) where it has one.
+    * ``routed``: under the strategies it is true of, each rank's work follows a run-time routing (routed experts
+      split by expert): the busiest rank computes ``Profile.expert_imbalance`` times its share.
     """
 
     view: bool = False
     flops: Callable[[OpSpec], float] | None = None
+    routed: Callable[[Strategy], bool] | None = None
     operands: tuple[int, int] | None = None
     backward: float = 1.0
     conv: bool = False
@@ -151,9 +154,10 @@ WindowArgsFn = Callable[[OpSpec, tuple, dict, Sequence[tuple[Any, int]]], tuple]
 # sync_args(op, strategy) -> {} when the op's tiles run it alone, else the keyword arguments (``axes``: the
 # mesh axes its statistics are summed over, ...) with which the program calls the rule's ``sync_call``.
 SyncArgsFn = Callable[[OpSpec, "Strategy"], dict[str, Any]]
-# comm(op, strategy, grads, mesh) -> [(collective, mesh axis, message bytes, messages), ...]: the calls the
-# communication inside the op makes in one training step (``cost.collectives.op_comm_calls``).
-CommFn = Callable[[OpSpec, "Strategy", list[bool], Any], list[tuple[str, int, float, int]]]
+# comm(op, strategy, grads, mesh, imbalance) -> [(collective, mesh axis, message bytes, messages), ...]: the calls
+# the communication inside the op makes in one training step (``cost.collectives.op_comm_calls``); ``imbalance``:
+# the busiest rank's routed rows over the balanced share (``Profile.expert_imbalance``).
+CommFn = Callable[[OpSpec, "Strategy", list[bool], Any, float], list[tuple[str, int, float, int]]]
 # The names of the arguments an op writes in place although its schema does not mark them (``Tensor(a!)``).
 WritesFn = Callable[[OpSpec], tuple[str, ...]]
 # localize(op, args, kwargs, local_input_shapes, local_output_shapes) -> (args, kwargs):

@@ -51,14 +51,16 @@ def experts_sync_args(op: OpSpec, st: Strategy) -> dict[str, Any]:
     return {"shard": shard, "a2a": a2a} if shard else {}
 
 
-def experts_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Mesh) -> list[tuple[str, int, float, int]]:
-    """The all-to-alls of ``experts_sync_args``' ``a2a`` axes (module docstring), in program order."""
+def experts_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Mesh, imbalance: float = 1.0
+                 ) -> list[tuple[str, int, float, int]]:
+    """The all-to-alls of ``experts_sync_args``' ``a2a`` axes (module docstring), in program order; the rows a move
+    carries ``imbalance`` times the balanced share (the busiest rank's: it sets the collective's time)."""
     shard, a2a = _axes(st)
     if not a2a:
         return []
     x, idx = op.inputs[0], op.inputs[1]
     leave = math.prod(mesh.shape[a] for a in shard if a not in a2a)  # rows another partial group computes
-    rows = max_local_numel(x.shape[:1], st.inputs[0], mesh) * idx.shape[1] / leave  # tokens: S(0) or R
+    rows = max_local_numel(x.shape[:1], st.inputs[0], mesh) * idx.shape[1] / leave * imbalance  # tokens: S(0) or R
     row_bytes = x.shape[1] * x.dtype.itemsize
     out: list[tuple[str, int, float, int]] = []
     for a in a2a:  # forward: the counts, the rows and their experts' ids (int64) out, the results back
@@ -71,7 +73,13 @@ def experts_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Mesh) -> lis
     return out
 
 
-@register("soybean.routed_experts.default", family="experts", cost=OpCost(flops=_flops, backward=2.0),
+def experts_split(st: Strategy) -> bool:
+    """Does ``st`` split the experts (each rank's work then follows the routing)?"""
+    return bool(_axes(st)[0])
+
+
+@register("soybean.routed_experts.default", family="experts",
+          cost=OpCost(flops=_flops, backward=2.0, routed=experts_split),
           sync_args=experts_sync_args, sync_call=ROUTED_EXPERTS, comm=experts_comm)
 def routed_experts(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)

@@ -1,4 +1,4 @@
-"""Gathers by index tensors: advanced indexing ``x[i0, i1, ...]``, ``gather`` and ``index_select``.
+"""Gathers by index tensors: advanced indexing ``x[i0, i1, ...]``, ``gather`` and ``index_select``; and ``scatter``.
 
 The output is made of elements of ``self`` at positions read from integer index tensors.
 A dim may be sharded when every device's output tile only needs its own tiles:
@@ -12,6 +12,10 @@ A dim may be sharded when every device's output tile only needs its own tiles:
   ``index_select``'s index, ``gather``'s ``dim``): every index that carries it sharded, self
   ``R``; the gathered positions are global values, so each device reads the rows it needs;
 * linear in ``self``: self ``P``, indices ``R`` -> out ``P`` (floats).
+
+``scatter`` (``out = self`` with ``out[..., index[..., i_d, ...] at dim, ...] = value`` or ``src``'s element) writes
+each element along ``dim`` only, at its own position elsewhere: every other dim where self, index (and ``src``) have
+the same size splits, all alike (a router's top-k mask: DeepSeek-V3's group routing).
 
 ``index.Tensor``'s output puts the broadcast index shape where the indexed dims were when
 they are adjacent, and first otherwise (NumPy's rule).  Boolean indices select a
@@ -83,3 +87,15 @@ def index_select(op: OpSpec) -> list[Strategy1D]:
     if x.ndim:
         found.append(a.strategy({"self": R, "index": Shard(0)}, Shard(dim)))
     return found + partial_strategies(a, [["self"]])
+
+
+@register("aten.scatter.value", "aten.scatter.src", family="indexing", cost=ELEMENTWISE)
+def scatter(op: OpSpec) -> list[Strategy1D]:
+    """``scatter`` along ``dim``: a dim other than ``dim`` of the same size in self, index and src splits."""
+    a = Args(op)
+    x, idx = a.tensor("self"), a.tensor("index")
+    src = a.spec("src")
+    dim = a.dim()
+    return [a.strategy({"self": Shard(d), "index": Shard(d), "src": Shard(d)}, Shard(d))
+            for d in range(x.ndim) if d != dim and idx.ndim == x.ndim and idx.shape[d] == x.shape[d] > 1
+            and (src is None or src.shape[d] == x.shape[d])]
