@@ -108,7 +108,7 @@ def _match(s: fx.Node) -> Region | None:
     if set(got) != {0, 1} or len(s.users) != 2:
         return None
     ids_g, perm = got[0], got[1]
-    tok = _one([u for u in _users(perm, "aten::floor_divide") if _args(u)[1] == k])
+    tok = _one([u for u in _users(perm, "aten::floor_divide") if _args(u)[0] is perm and _args(u)[1] == k])
     w_g = _one(_users(perm, "aten::index"))
     inv = _one(_users(perm, "aten::index_put"))
     if tok is None or w_g is None or inv is None:  # (every reader of the region's values: checked at the end)
@@ -133,7 +133,7 @@ def _match(s: fx.Node) -> Region | None:
             float(_args(histc)[3]) if len(histc.args) > 3 else 0.0) != experts - 1:
         return None
     offs = _one(_users(histc, "aten::cumsum"))
-    if offs is None or len(histc.users) != 1 or len(casts[0].users) != 1:
+    if offs is None or len(histc.users) != 1 or len(casts[0].users) != 1 or _args(offs)[1] not in (0, -1):
         return None
     # the combine: weighted = out_g * unsqueeze(w_g, -1); out = sum(view(weighted[inv], [T, k, H]), [1])
     unsq = _one(_users(w_g, "aten::unsqueeze"))
@@ -154,7 +154,9 @@ def _match(s: fx.Node) -> Region | None:
         return None
     out = _one(_users(view, "aten::sum"))
     if out is None or list(_args(view)[1]) != [t, k, h] or list(_args(out)[1]) not in ([1], [-2]) or (
-            len(out.args) > 2 and _args(out)[2]) or len(view.users) != 1:
+            len(out.args) > 2 and _args(out)[2]) or out.kwargs.get("dtype") is not None or len(view.users) != 1:
+        return None
+    if _shape(out_g) != (t * k, h):
         return None
     body = _body(out_g, rows, offs, ids_g, experts)
     if body is None:
@@ -162,8 +164,9 @@ def _match(s: fx.Node) -> Region | None:
     text, weights, body_nodes = body
     el, ar = _args(inv)[0], _args(inv)[2]
     if not (isinstance(el, fx.Node) and _base(el) == "aten::empty_like" and _args(el)[0] is perm
-            and isinstance(ar, fx.Node) and _base(ar) == "aten::arange" and list(_args(inv)[1]) == [perm]):
-        return None
+            and isinstance(ar, fx.Node) and _name(ar) == "aten::arange.default" and _args(ar)[0] == t * k
+            and list(_args(inv)[1]) == [perm] and len(inv.args) < 4 and not inv.kwargs.get("accumulate")):
+        return None  # inv must be the inverse permutation: inv[perm] = 0 .. T k - 1
     nodes = {s, ids_g, perm, tok, rows, w_g, inv, el, ar, casts[0], histc, offs, unsq, weighted, unsorted, view, out,
              *body_nodes}
     for flat in (flat_ids, _args(w_g)[0]):

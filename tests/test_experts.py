@@ -68,8 +68,8 @@ def test_the_fused_op_computes_what_the_region_did(name: str) -> None:
 
 
 def test_a_region_with_an_unknown_step_is_left_alone() -> None:
-    """A body step the fused op cannot compute row by row (here a sum over the rows) keeps the region as it was:
-    the pass fuses only what it can prove token-wise."""
+    """A body step the fused op cannot compute row by row (here a sum over the rows) keeps the region as it was,
+    and so does an unsorting that is not the sort's inverse: the pass fuses only what it can prove token-wise."""
     from soybean import experts
 
     model, inputs = tiny("mixtral")
@@ -83,6 +83,10 @@ def test_a_region_with_an_unknown_step_is_left_alone() -> None:
     mixed.meta["val"] = mm.meta["val"]
     mm.replace_all_uses_with(mixed, delete_user_cb=lambda u: u is not total and u is not mixed)
     assert len(experts.find(gm)) == 1  # the other layer still fuses
+    # ... and one whose unsorting is not the inverse permutation (positions from 1) is not fused either
+    ar = [n for n in gm.graph.nodes if n.target is torch.ops.aten.arange.default and n.args[0] == 2 * 9 * 2][-1]
+    ar.target, ar.args = torch.ops.aten.arange.start, (1, ar.args[0] + 1)
+    assert experts.find(gm) == []
 
 
 def _body_case(tokens: int, experts: int) -> tuple:
