@@ -168,6 +168,9 @@ class Plan:
     # splitting them and their degree, the axes its rows move on (all-to-all) and those left a pending sum; no
     # ``moe`` key in the JSON for a model without routed experts
     moe: list[dict[str, Any]] = field(default_factory=list)
+    # attention split along the query sequence (``records.context_parallel_records``): per op its method, mesh axes
+    # and degree; no ``context_parallel`` key in the JSON when no attention is split so
+    context_parallel: list[dict[str, Any]] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -227,8 +230,9 @@ class Plan:
         d["meshes"] = [{**m, **{k: _sig(m[k]) for k in ("objective", "bound") if k in m}} for m in self.meshes]
         if d["pipeline"] is None:
             del d["pipeline"]
-        if not d["moe"]:
-            del d["moe"]
+        for key in ("moe", "context_parallel"):
+            if not d[key]:
+                del d[key]
         return d
 
     def to_json(self) -> str:

@@ -42,7 +42,7 @@ from .mesh_pool import FEW_PER_WORKER, default_jobs, each_mesh
 from .options import PlanOptions, options as merge_options
 from .plan import Plan
 from .precision import policy
-from .records import layer_rows, memory_breakdown, moe_records, reshard_records
+from .records import context_parallel_records, layer_rows, memory_breakdown, moe_records, reshard_records
 from .search import Pruned, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
 from .search.problem import Problem, lower_bound, reduce
 from .tiling import R
@@ -1025,6 +1025,7 @@ def to_plan(
         tying={"used": bool(r.runs), "runs": [x.record() for x in r.runs],
                "variables": [len(g.vars), len(g.vars) - sum(len(b) for x in r.runs for b in x.blocks[1:])]},
         keys=[[n, k] for n, k in cap.keys.items() if n in nodes], moe=moe_records(g, sol),
+        context_parallel=context_parallel_records(g, sol),
     )
 
 

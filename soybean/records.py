@@ -141,6 +141,26 @@ def op_steps(op: OpSpec, st: Strategy, mesh: Mesh) -> list[str]:
     return out
 
 
+def context_parallel_records(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
+    """One row per attention op whose query sequence the plan splits, in graph order: the op, the ``method`` (so
+    far ``all_gather_kv``: query rows split, keys and values whole, gathered by their edges as the Llama 3 paper's
+    context parallelism does; causal ones offset their mask, ``runtime.attention``), the mesh ``axes`` and their
+    ``degree``."""
+    out = []
+    for vi, V in enumerate(g.vars):
+        if V.op is None or V.op.name != "aten.scaled_dot_product_attention.default":
+            continue
+        q = V.strategies[sol.choice[vi]].inputs[0]
+        rows = len(V.op.inputs[0].shape) - 2
+        axes = [a for a, pl in enumerate(q) if isinstance(pl, Shard) and pl.dim == rows]
+        if axes:
+            degree = 1
+            for a in axes:
+                degree *= g.mesh.shape[a]
+            out.append({"op": V.name, "method": "all_gather_kv", "axes": axes, "degree": degree})
+    return out
+
+
 def moe_records(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
     """One row per routed-experts op (``ir.experts``), in graph order: its layer, experts and choices per token,
     the mesh ``axes`` splitting the experts and their ``degree`` (how many ranks hold a share; 1 when none does),

@@ -174,6 +174,9 @@ case(aten.scaled_dot_product_attention.default, Q, K, V, randn(5, 7))
 case(aten.scaled_dot_product_attention.default, Q, K, V, attn_mask=randn(3, 1, 7))
 case(aten.scaled_dot_product_attention.default, Q, K, V, mask(2, 1, 5, 7) | torch.eye(5, 7, dtype=torch.bool), scale=0.3)
 case(aten.scaled_dot_product_attention.default, Q, Q, randn(2, 3, 5, 6), is_causal=True)
+# causal with the query rows split (batch 1, GQA): each tile's mask offset by its first row
+case(aten.scaled_dot_product_attention.default, randn(1, 4, 7, 4), randn(1, 2, 7, 4), randn(1, 2, 7, 4),
+     is_causal=True, enable_gqa=True)
 case(aten.scaled_dot_product_attention.default, randn(2, 4, 5, 4), randn(2, 2, 5, 4), randn(2, 2, 5, 4), enable_gqa=True)
 
 # ---- convolution and pooling -------------------------------------------------------------

@@ -114,8 +114,8 @@ def op_seconds(
     n_flops, byts = flops(op)
     rate = replace(profile, flops=profile.conv_flops) if facts(op).conv and profile.conv_flops else profile
     n_pass = passes(op, grads)
-    routed = facts(op).routed
-    return np.array([compute_seconds(n_flops * (profile.expert_imbalance if routed is not None and routed(s) else 1.0),
+    skew = facts(op).skew
+    return np.array([compute_seconds(n_flops * (skew(op, s, mesh, profile) if skew is not None else 1.0),
                                      byts, work_fraction(s.divides_work(), mesh), rate, n_pass,
                                      fresh_bytes(op, s, grads, mesh, profile)) for s in strategies])
 

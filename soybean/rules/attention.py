@@ -7,9 +7,11 @@ broadcastable to ``(..., L, S)``.  Exact one-axis strategies:
 * a batch/head dim (every dim but the last two) carried by q, k and v alike:
   shard it on q, k, v, out (the mask by broadcasting).  Heads of different
   counts (GQA) are not sharded;
-* the query sequence ``L`` without ``is_causal`` (rows are independent; the
-  causal mask would be rebuilt from local row 0, so it is skipped): q and out
-  sharded, k, v ``R``, the mask sharded on its ``L`` dim when it has one;
+* the query sequence ``L`` (rows are independent): q and out sharded, k, v ``R``, the mask sharded on its ``L``
+  dim when it has one.  With ``is_causal`` (and no mask) the local causal mask would start at local row 0, so the
+  program calls ``runtime.attention.sb_sdpa_rows`` instead (``sync_args``: the axes splitting the rows and their
+  count), which offsets it by the tile's first row; the rank holding the last rows works the most
+  (``ir.attention.causal_skew``, priced);
 * never the key sequence ``S`` (the softmax normalises over it);
 * linear in ``v``: v ``P``, q, k, mask ``R`` -> out ``P`` (not with dropout,
   whose per-device masks would differ).
@@ -17,9 +19,11 @@ broadcastable to ``(..., L, S)``.  Exact one-axis strategies:
 from __future__ import annotations
 
 import math
+from typing import Any
 
+from ..ir.attention import SDPA_ROWS, causal_skew
 from ._common import Args, Shard, bcast, partial_strategies
-from .base import OpCost, OpSpec, Strategy1D, register
+from .base import OpCost, OpSpec, Strategy, Strategy1D, register
 
 
 def sdpa_flops(op: OpSpec) -> float:
@@ -28,7 +32,31 @@ def sdpa_flops(op: OpSpec) -> float:
     return 4.0 * math.prod(q.shape) * k.shape[-2]
 
 
-@register("aten.scaled_dot_product_attention.default", family="attention", cost=OpCost(flops=sdpa_flops, backward=2.5))
+def _row_axes(op: OpSpec, st: Strategy) -> tuple[int, ...]:
+    """The mesh axes splitting a causal attention's query rows under ``st`` (none without ``is_causal``)."""
+    if not Args(op)["is_causal"]:
+        return ()
+    q = st.inputs[0]
+    nd = len(op.inputs[0].shape)
+    return tuple(a for a, pl in enumerate(q) if isinstance(pl, Shard) and pl.dim == nd - 2)
+
+
+def sdpa_sync_args(op: OpSpec, st: Strategy) -> dict[str, Any]:
+    """A causal attention whose query rows ``st`` splits: ``row_axes`` and ``rows``, the whole sequence's length,
+    with which the program offsets its causal mask (``runtime.attention``); ``{}`` otherwise."""
+    axes = _row_axes(op, st)
+    return {"row_axes": axes, "rows": op.inputs[0].shape[-2]} if axes else {}
+
+
+def sdpa_skew(op: OpSpec, st: Strategy, mesh: Any, profile: Any) -> float:
+    """Causal rows split over ``p`` ranks: the busiest rank's share of the causal work over ``1 / p``."""
+    axes = _row_axes(op, st)
+    parts = math.prod(mesh.shape[a] for a in axes)
+    return causal_skew(op.inputs[0].shape[-2], op.inputs[1].shape[-2], parts) if axes else 1.0
+
+
+@register("aten.scaled_dot_product_attention.default", family="attention",
+          cost=OpCost(flops=sdpa_flops, backward=2.5, skew=sdpa_skew), sync_args=sdpa_sync_args, sync_call=SDPA_ROWS)
 def sdpa(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     q, k, v, mask = a.spec("query"), a.spec("key"), a.spec("value"), a.spec("attn_mask")
@@ -39,10 +67,10 @@ def sdpa(op: OpSpec) -> list[Strategy1D]:
     scores = q.shape[:-1] + (k.shape[-2],)  # (..., L, S): what the mask broadcasts to
     found: list[Strategy1D] = []
     for d in range(nd - 2):
-        if q.shape[d] == k.shape[d] == v.shape[d]:
+        if q.shape[d] == k.shape[d] == v.shape[d] > 1:
             roles = {"query": Shard(d), "key": Shard(d), "value": Shard(d), "attn_mask": bcast(mask, scores, d)}
             found.append(a.strategy(roles, Shard(d)))
-    if not a["is_causal"]:
+    if not a["is_causal"] or mask is None:  # causal: the program offsets the mask (``sdpa_sync_args``)
         found.append(a.strategy({"query": Shard(nd - 2), "attn_mask": bcast(mask, scores, nd - 2)}, Shard(nd - 2)))
     if not a["dropout_p"]:
         found += partial_strategies(a, [["value"]])

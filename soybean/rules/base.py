@@ -129,13 +129,14 @@ class OpCost:
     * ``backward``: any other op's backward, in forward-equivalents, when some input needs a
       gradient (an elementwise op's one pass; FlashAttention's backward is about 2.5x its forward).
     * ``conv``: priced at the profile's convolution rate (``Profile.conv_flops``) where it has one.
-    * ``routed``: under the strategies it is true of, each rank's work follows a run-time routing (routed experts
-      split by expert): the busiest rank computes ``Profile.expert_imbalance`` times its share.
+    * ``skew``: ``skew(op, strategy, mesh, profile)``, the busiest rank's work over an even share of it, where the
+      split is uneven in work (routed experts split by expert: ``Profile.expert_imbalance``; causal attention split
+      by query rows: the last rows attend to the most keys); ``None``: even.
     """
 
     view: bool = False
     flops: Callable[[OpSpec], float] | None = None
-    routed: Callable[[Strategy], bool] | None = None
+    skew: Callable[[OpSpec, Strategy, Any, Any], float] | None = None
     operands: tuple[int, int] | None = None
     backward: float = 1.0
     conv: bool = False

@@ -73,13 +73,14 @@ def experts_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Mesh, imbala
     return out
 
 
-def experts_split(st: Strategy) -> bool:
-    """Does ``st`` split the experts (each rank's work then follows the routing)?"""
-    return bool(_axes(st)[0])
+def experts_skew(op: OpSpec, st: Strategy, mesh: Mesh, profile: Any) -> float:
+    """Where ``st`` splits the experts each rank's work follows the routing: the busiest rank's is
+    ``Profile.expert_imbalance`` times the balanced share."""
+    return float(profile.expert_imbalance) if _axes(st)[0] else 1.0
 
 
 @register("soybean.routed_experts.default", family="experts",
-          cost=OpCost(flops=_flops, backward=2.0, routed=experts_split),
+          cost=OpCost(flops=_flops, backward=2.0, skew=experts_skew),
           sync_args=experts_sync_args, sync_call=ROUTED_EXPERTS, comm=experts_comm)
 def routed_experts(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)

@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..ir.attention import SDPA_ROWS
 from ..ir.experts import ROUTED_EXPERTS
 from ..ir.syncnorm import SYNC_BATCH_NORM
+from .attention import sb_sdpa_rows
 from .experts import sb_routed_experts
 from .syncnorm import sb_batch_norm
 
-SYNC_CALLS: dict[str, Callable[..., Any]] = {SYNC_BATCH_NORM: sb_batch_norm, ROUTED_EXPERTS: sb_routed_experts}
+SYNC_CALLS: dict[str, Callable[..., Any]] = {SYNC_BATCH_NORM: sb_batch_norm, ROUTED_EXPERTS: sb_routed_experts,
+                                             SDPA_ROWS: sb_sdpa_rows}
