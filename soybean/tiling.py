@@ -136,6 +136,16 @@ def chunk_range(n: int, p: int, k: int) -> tuple[int, int]:
     return start, min(start + c, n)
 
 
+def nested_range(n: int, members: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """[start, stop) of a length-``n`` dimension split on several mesh axes: ``members`` is each splitting axis'
+    ``(size, my index)`` in mesh order, and each axis cuts the chunk the axes before it left (``chunk_range``)."""
+    lo, hi = 0, n
+    for p, k in members:
+        s, e = chunk_range(hi - lo, p, k)
+        lo, hi = lo + s, lo + e
+    return lo, hi
+
+
 def chunk_lengths(n: int, p: int) -> set[int]:
     """The lengths of the ``p`` chunks of a length-``n`` dimension (``chunk_range``), without walking them: the
     first ``n // c`` are ``c = ceil(n / p)`` long, the next holds the rest, and any after it are empty."""

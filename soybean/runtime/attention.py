@@ -1,9 +1,9 @@
 """Causal attention on a tile of the query rows (``rules.attention``'s row split of an ``is_causal`` op).
 
-My rows are rows ``[a, b)`` of the whole query sequence (``tiling.chunk_range`` along the ``row_axes``, axis by
-axis in mesh order); keys and values are whole.  Row ``a + i`` attends to keys ``0 .. a + i``: the causal mask
-offset by ``a``, given as an explicit boolean mask (``tril(diagonal=a)``), so each row's softmax is the serial
-row's.  Backward is autograd's through ``scaled_dot_product_attention``.
+My rows are rows ``[a, b)`` of the whole query sequence (``tiling.nested_range`` over the ``row_axes``); keys
+and values are whole.  Row ``a + i`` attends to keys ``0 .. a + i``: the causal mask offset by ``a``, given as an
+explicit boolean mask (``tril(diagonal=a)``), so each row's softmax is the serial row's.  Backward is autograd's
+through ``scaled_dot_product_attention``.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..tiling import chunk_range
+from ..tiling import nested_range
 from .context import current_groups
 
 __all__ = ["sb_sdpa_rows"]
@@ -23,10 +23,7 @@ def sb_sdpa_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
                  enable_gqa: bool = False, *, row_axes: Sequence[int] = (), rows: int = 0) -> torch.Tensor:
     """``scaled_dot_product_attention`` of my query rows (module docstring): ``rows`` in the whole sequence."""
     groups = current_groups()
-    lo, hi = 0, rows
-    for a in row_axes:
-        s, e = chunk_range(hi - lo, groups[a].size, groups[a].index)
-        lo, hi = lo + s, lo + e
+    lo, _ = nested_range(rows, [(groups[a].size, groups[a].index) for a in row_axes])
     if not is_causal:
         return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, False, scale=scale,
                                               enable_gqa=enable_gqa)

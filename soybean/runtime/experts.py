@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from ..ir.experts import combine, expert_rows
-from ..tiling import chunk_range
+from ..tiling import nested_range
 from .collectives import move_rows
 from .comm import Group
 from .context import current_groups
@@ -44,11 +44,7 @@ def _owner(ids: torch.Tensor, experts: int, shard: Sequence[int], groups: Sequen
 
 def _mine(experts: int, shard: Sequence[int], groups: Sequence[Group]) -> tuple[int, int]:
     """My experts: ``[lo, hi)``."""
-    lo, hi = 0, experts
-    for a in shard:
-        s, e = chunk_range(hi - lo, groups[a].size, groups[a].index)
-        lo, hi = lo + s, lo + e
-    return lo, hi
+    return nested_range(experts, [(groups[a].size, groups[a].index) for a in shard])
 
 
 def _counts(send: list[int], group: Group, like: torch.Tensor) -> list[int]:
