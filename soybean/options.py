@@ -51,6 +51,7 @@ class PlanOptions:
     collectives: str = "auto"
     jobs: int | None = None
     expert_imbalance: float = 1.0
+    context_parallel: str | int = "auto"
 
     def __post_init__(self) -> None:
         mesh = self.mesh
@@ -69,6 +70,12 @@ class PlanOptions:
         if self.mesh is not None and self.devices is not None and math.prod(self.mesh) != self.devices:
             raise ValueError(f"mesh {Mesh(self.mesh)} (--mesh) has {math.prod(self.mesh)} devices, not {self.devices} "
                              f"(--devices): give a mesh whose sizes multiply to {self.devices}")
+        cp = self.context_parallel
+        if isinstance(cp, str) and cp.isdigit():
+            object.__setattr__(self, "context_parallel", cp := int(cp))
+        if cp not in ("auto", "none") and not (isinstance(cp, int) and cp >= 2):
+            raise ValueError(f"--context-parallel {cp!r}: use auto (the planner chooses), none, or a number N >= 2 "
+                             "(every attention op's query sequence split N ways)")
         if self.expert_imbalance < 1:
             raise ValueError("--expert-imbalance is the busiest rank's routed rows over the balanced share: at least "
                              f"1, got {self.expert_imbalance:g}")
@@ -139,6 +146,10 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                                 "help": "mixture of experts: price the busiest rank's routed rows "
                                                         "at F times the balanced share (default 1: balanced "
                                                         "routing); its all-to-alls and expert compute alike"}),
+    ("context_parallel", "--context-parallel", {"default": "auto", "metavar": "auto|none|N",
+                                                "help": "attention split along the query sequence: auto (default: "
+                                                        "the planner chooses), none, or N (every attention op's "
+                                                        "query rows split N ways)"}),
     ("precision", "--precision", {"choices": PRECISIONS, "default": "fp32",
                                   "help": "fp32, or bf16-mixed: bf16 compute from fp32 master weights and AdamW "
                                           "states, gradients reduced in bf16"}),

@@ -26,6 +26,7 @@ from .cost.memory import GIB, budget_bytes, budget_needed
 from .cost.pricing import PricingCache
 from .cost.profiles import Profile, load_profile
 from .graph import (
+    NoStrategyLeft,
     PlanGraph,
     SharedWork,
     attention_units,
@@ -117,10 +118,13 @@ class Search:
         """The candidate table of ``cap`` on ``mesh`` that ``solve_on`` solves (``work``: ``graph.SharedWork`` of
         the tables of other recomputation choices on ``mesh``)."""
         o = self.options
-        return build(cap, mesh, self.on_mesh(mesh), objective=o.objective,
-                     domains=_domains(cap, mesh, o.mode, o.local_batch), pin_params=o.mode in ("dp", "mp"),
-                     local_outputs=o.local_batch, divide_work=True if o.mode in ("dp", "mp") else None,
-                     recompute=recompute, pricing=self.pricing, work=work)
+        try:
+            return build(cap, mesh, self.on_mesh(mesh), objective=o.objective,
+                         domains=_domains(cap, mesh, o.mode, o.local_batch), pin_params=o.mode in ("dp", "mp"),
+                         local_outputs=o.local_batch, divide_work=True if o.mode in ("dp", "mp") else None,
+                         recompute=recompute, pricing=self.pricing, work=work, context_parallel=o.context_parallel)
+        except NoStrategyLeft as e:  # an option rules this mesh out
+            raise SearchError(str(e)) from e
 
 
 # The best step time another mesh reached: a number, or read live when called (``mesh_pool``: another worker's

@@ -32,6 +32,7 @@ The package: ``types`` (``Var``, ``Edge``, ``PlanGraph``), ``build`` (``build`` 
 from ..cost.phases import freed_after, phase_memory, phase_peaks, rerun_freed
 from .build import (
     PINNED,
+    NoStrategyLeft,
     SharedWork,
     backend_only,
     build,
@@ -50,7 +51,8 @@ from .types import Edge, PlanGraph, Var, VarKind
 from .units import attention_units, layer_of, node_layer, node_module, recomputable_layers, unit_of
 from .writes import written_inputs
 
-__all__ = ["PINNED", "SharedWork", "Edge", "PlanGraph", "Var", "VarKind", "attention_units", "backend_only", "build",
+__all__ = ["PINNED", "NoStrategyLeft", "SharedWork", "Edge", "PlanGraph", "Var", "VarKind", "attention_units",
+           "backend_only", "build",
            "edge_profile", "fallback_ops", "gc_paused", "freed_after", "layer_of", "node_layer", "node_module",
            "op_key",
            "phase_memory", "phase_peaks", "pinned_use", "read_profile", "recomputable_layers", "rerun_freed",

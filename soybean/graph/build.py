@@ -265,6 +265,7 @@ def build(
     fixed: Plan | Program | None = None,
     gather_axes: tuple[int, ...] = (),
     gather_of: dict[str, tuple[int, ...]] | None = None,
+    context_parallel: str | int = "auto",
     share: bool = True,
     recompute: Collection[str] = (),
     pricing: PricingCache | None = None,
@@ -278,6 +279,9 @@ def build(
     costs ``PINNED``), except on the ``gather_axes``, where it is used whole: gathered for use and its
     gradient reduce-scattered back, as FSDP (ZeRO-3) does; ``gather_of`` gives some parameters (by FQN) their own
     gather axes (an expert weight split by expert parallelism on one axis, FSDP on the others).
+    ``context_parallel``: ``auto`` lets every attention op split its query rows or not; ``none`` forbids it; ``N``
+    keeps only the strategies that split them exactly ``N`` ways (``records.context_parallel_records``), and a mesh
+    with none raises ``NoStrategyLeft`` (the planner's ``SearchError`` for that mesh).
     ``divide_work`` (default: only for the ``comm`` objective) keeps only strategies
     that cut every op's work on every axis wherever the rules allow one.
     ``fixed``: every variable takes the one strategy ``fixed`` chose (and its output contract);
@@ -295,8 +299,26 @@ def build(
         fixed = (fixed.program if isinstance(fixed, Plan) else fixed).aligned(cap.keys)
     with gc_paused():
         return _Builder(PlanGraph(mesh, profile, pricing=pricing or PricingCache()), cap, objective, domains or {},
-                        pin_params, local_outputs, divide_work, fixed, tuple(gather_axes), dict(gather_of or {}), share,
+                        pin_params, local_outputs, divide_work, fixed, tuple(gather_axes), dict(gather_of or {}),
+                        context_parallel, share,
                         frozenset(fixed.recompute if fixed is not None else recompute), work).run()
+
+
+ATTENTION = "aten.scaled_dot_product_attention.default"
+
+
+class NoStrategyLeft(ValueError):
+    """An option left some op no strategy on this mesh (``--context-parallel N`` on a mesh without such axes)."""
+
+
+def _row_degree(op: OpSpec, s: Strategy, mesh: Mesh) -> int:
+    """How many ways ``s`` splits an attention op's query rows (dim ``-2`` of its query)."""
+    rows = len(op.inputs[0].shape) - 2
+    degree = 1
+    for a, pl in enumerate(s.inputs[0]):
+        if isinstance(pl, Shard) and pl.dim == rows:
+            degree *= mesh.shape[a]
+    return degree
 
 
 @contextmanager
@@ -318,12 +340,13 @@ class _Builder:
 
     def __init__(self, g: PlanGraph, cap: Captured, objective: str, domains: dict[str, list[tuple]],
                  pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Program | None,
-                 gather_axes: tuple[int, ...], gather_of: dict[str, tuple[int, ...]], share: bool,
+                 gather_axes: tuple[int, ...], gather_of: dict[str, tuple[int, ...]], context_parallel: str | int,
+                 share: bool,
                  recompute: frozenset[str],
                  work: SharedWork | None = None) -> None:
         self.g, self.cap, self.objective, self.domains = g, cap, objective, domains
         self.pin_params, self.divide_work, self.fixed, self.gather_axes = pin_params, divide_work, fixed, gather_axes
-        self.gather_of = gather_of
+        self.gather_of, self.context_parallel = gather_of, context_parallel
         self.mesh, self.profile = g.mesh, g.profile
         self.local_outputs = fixed.local_batch if fixed is not None else local_outputs
         self.rerun = _Rerun(cap.graph, recompute)
@@ -418,6 +441,12 @@ class _Builder:
                 strategies = expand(op, mesh, strategies_1d(op))
                 emits = [partial_axes(g.vars[u], k, mesh.ndim) for u, k in sources]
                 strategies = [s for s in strategies if not _needless_partial(s, emits)] or strategies
+                if self.context_parallel != "auto" and op.name == ATTENTION:
+                    want = 1 if self.context_parallel == "none" else int(self.context_parallel)
+                    strategies = [s for s in strategies if _row_degree(op, s, mesh) == want]
+                    if not strategies:
+                        raise NoStrategyLeft(f"mesh {mesh}: no axes split attention {node.name}'s query sequence "
+                                             f"{want} ways (--context-parallel {want}): use a mesh with such axes")
                 if self.divide_work if self.divide_work is not None else self.objective == "comm":
                     # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
                     whole = [s for s in strategies if all(s.divides_work())]
