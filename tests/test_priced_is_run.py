@@ -53,10 +53,19 @@ pytestmark = pytest.mark.sim
 # statistics are written back to their stored tiles), and a U-Net's at batch 1 (halo exchanges, batch
 # norm's summed statistics; 12 rows over 3 members: uneven windows).  Not its forced-DP plan on 2x2: that plan takes
 # a forbidden resharding of a pinned parameter, so its recorded cost is the 1e30 penalty, not bytes.
+def _causal() -> tuple[torch.nn.Module, tuple]:
+    """One head of causal attention over a batch of one sequence: under ``comm`` its query rows split (the keys and
+    values gathered whole by their edges, the mask offset in the op)."""
+    from tests.test_context_parallel import CausalAttention
+
+    torch.manual_seed(0)
+    return CausalAttention(), (torch.randn(1, 30, 16),)
+
+
 MODELS = {**EQUIVALENCE_MODELS, "resnet": lambda: resnet(batch=4, image=32, width=0.125, classes=10),
-          "unet": lambda: unet(batch=1, image=12, channels=2)}
+          "unet": lambda: unet(batch=1, image=12, channels=2), "causal": _causal}
 CASES = EQUIVALENCE_CASES + [("resnet", (2,), "auto"), ("resnet", (2, 2), "auto"), ("unet", (3,), "auto"),
-                             ("unet", (2, 2), "auto")]
+                             ("unet", (2, 2), "auto"), ("causal", (2,), "auto"), ("causal", (2, 2), "auto")]
 
 Call = tuple[str, int, int]  # (collective, mesh axis, message bytes)
 Run = tuple[str, int, int, str]  # a Call with its phase, forward or backward
