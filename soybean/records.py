@@ -6,6 +6,7 @@ and ``layer_rows`` (one row per module for the report: ``Plan.layers``).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,10 +17,12 @@ from .graph import Edge, PlanGraph, edge_profile, layer_of, phase_peaks, rerun_f
 from .ir.experts import OP as ROUTED_EXPERTS
 from .mesh import Mesh
 from .reshard import Step, phase
+from .rules.attention import row_axes
 from .rules.base import OpSpec, Strategy
+from .rules.experts import expert_axes
 from .rules.window import halo_step, halos, windows_of
 from .search import Solution
-from .tiling import Shard, fmt
+from .tiling import fmt
 
 
 def reshard_records(g: PlanGraph, choice: Sequence[int]) -> list[dict[str, Any]]:
@@ -148,16 +151,11 @@ def context_parallel_records(g: PlanGraph, sol: Solution) -> list[dict[str, Any]
     ``degree``."""
     out = []
     for vi, V in enumerate(g.vars):
-        if V.op is None or V.op.name != "aten.scaled_dot_product_attention.default":
-            continue
-        q = V.strategies[sol.choice[vi]].inputs[0]
-        rows = len(V.op.inputs[0].shape) - 2
-        axes = [a for a, pl in enumerate(q) if isinstance(pl, Shard) and pl.dim == rows]
-        if axes:
-            degree = 1
-            for a in axes:
-                degree *= g.mesh.shape[a]
-            out.append({"op": V.name, "method": "all_gather_kv", "axes": axes, "degree": degree})
+        if V.op is not None and V.op.name == "aten.scaled_dot_product_attention.default":
+            axes = list(row_axes(V.op, V.strategies[sol.choice[vi]]))
+            if axes:
+                out.append({"op": V.name, "method": "all_gather_kv", "axes": axes,
+                            "degree": math.prod(g.mesh.shape[a] for a in axes)})
     return out
 
 
@@ -171,14 +169,10 @@ def moe_records(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
         if V.op is None or V.op.target is not ROUTED_EXPERTS:
             continue
         st = V.strategies[sol.choice[vi]]
-        x, weights = st.inputs[0], st.inputs[3:]
-        axes = [a for a in range(g.mesh.ndim) if weights and isinstance(weights[0][a], Shard)]
-        degree = 1
-        for a in axes:
-            degree *= g.mesh.shape[a]
+        axes, dispatch = map(list, expert_axes(st))
+        degree = math.prod(g.mesh.shape[a] for a in axes)
         out.append({"layer": layer_of(V.module) or V.module, "node": V.name, "experts": int(V.op.args[4]),
                     "top_k": int(V.op.inputs[1].shape[1]), "axes": axes, "degree": degree,
-                    "dispatch": [a for a in axes if isinstance(x[a], Shard)],
-                    "partial": [a for a in axes if not isinstance(x[a], Shard)],
+                    "dispatch": dispatch, "partial": [a for a in axes if a not in dispatch],
                     "imbalance": g.profile.expert_imbalance})
     return out

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 import operator
 from collections.abc import Collection, Hashable, Iterator
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from ..mesh import Mesh
 from ..pinning import PINNED, pinned_use, use_tiling
 from ..plan import Plan, Program
 from ..precision import policy
+from ..rules.attention import row_axes
 from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, node_spec, strategies_1d, tensor_args
 from ..tiling import Partial, R, Replicate, Shard, is_valid
 from .types import Edge, PlanGraph, Var
@@ -311,16 +313,6 @@ class NoStrategyLeft(ValueError):
     """An option left some op no strategy on this mesh (``--context-parallel N`` on a mesh without such axes)."""
 
 
-def _row_degree(op: OpSpec, s: Strategy, mesh: Mesh) -> int:
-    """How many ways ``s`` splits an attention op's query rows (dim ``-2`` of its query)."""
-    rows = len(op.inputs[0].shape) - 2
-    degree = 1
-    for a, pl in enumerate(s.inputs[0]):
-        if isinstance(pl, Shard) and pl.dim == rows:
-            degree *= mesh.shape[a]
-    return degree
-
-
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector: building a table allocates millions of small objects and
@@ -443,7 +435,7 @@ class _Builder:
                 strategies = [s for s in strategies if not _needless_partial(s, emits)] or strategies
                 if self.context_parallel != "auto" and op.name == ATTENTION:
                     want = 1 if self.context_parallel == "none" else int(self.context_parallel)
-                    strategies = [s for s in strategies if _row_degree(op, s, mesh) == want]
+                    strategies = [s for s in strategies if math.prod(mesh.shape[a] for a in row_axes(op, s)) == want]
                     if not strategies:
                         raise NoStrategyLeft(f"mesh {mesh}: no axes split attention {node.name}'s query sequence "
                                              f"{want} ways (--context-parallel {want}): use a mesh with such axes")

@@ -32,25 +32,27 @@ def sdpa_flops(op: OpSpec) -> float:
     return 4.0 * math.prod(q.shape) * k.shape[-2]
 
 
-def _row_axes(op: OpSpec, st: Strategy) -> tuple[int, ...]:
-    """The mesh axes splitting a causal attention's query rows under ``st`` (none without ``is_causal``)."""
-    if not Args(op)["is_causal"]:
-        return ()
-    q = st.inputs[0]
-    nd = len(op.inputs[0].shape)
-    return tuple(a for a, pl in enumerate(q) if isinstance(pl, Shard) and pl.dim == nd - 2)
+def row_axes(op: OpSpec, st: Strategy) -> tuple[int, ...]:
+    """The mesh axes splitting an attention op's query rows (dim ``-2`` of its query) under ``st``."""
+    rows = len(op.inputs[0].shape) - 2
+    return tuple(a for a, pl in enumerate(st.inputs[0]) if isinstance(pl, Shard) and pl.dim == rows)
+
+
+def _causal_row_axes(op: OpSpec, st: Strategy) -> tuple[int, ...]:
+    """``row_axes`` of a causal attention (none without ``is_causal``: its tiles need no offset)."""
+    return row_axes(op, st) if Args(op)["is_causal"] else ()
 
 
 def sdpa_sync_args(op: OpSpec, st: Strategy) -> dict[str, Any]:
     """A causal attention whose query rows ``st`` splits: ``row_axes`` and ``rows``, the whole sequence's length,
     with which the program offsets its causal mask (``runtime.attention``); ``{}`` otherwise."""
-    axes = _row_axes(op, st)
+    axes = _causal_row_axes(op, st)
     return {"row_axes": axes, "rows": op.inputs[0].shape[-2]} if axes else {}
 
 
 def sdpa_skew(op: OpSpec, st: Strategy, mesh: Any, profile: Any) -> float:
     """Causal rows split over ``p`` ranks: the busiest rank's share of the causal work over ``1 / p``."""
-    axes = _row_axes(op, st)
+    axes = _causal_row_axes(op, st)
     parts = math.prod(mesh.shape[a] for a in axes)
     return causal_skew(op.inputs[0].shape[-2], op.inputs[1].shape[-2], parts) if axes else 1.0
 

@@ -37,7 +37,7 @@ def _flops(op: OpSpec) -> float:
     return float(x.shape[0] * idx.shape[1] * sum(2 * math.prod(t.shape) / experts for t in weights))
 
 
-def _axes(st: Strategy) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def expert_axes(st: Strategy) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(axes that split the experts, those of them that split the tokens too)."""
     x, weights = st.inputs[0], st.inputs[3:]
     shard = tuple(a for a in range(len(x)) if weights and isinstance(weights[0][a], Shard))
@@ -47,7 +47,7 @@ def _axes(st: Strategy) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def experts_sync_args(op: OpSpec, st: Strategy) -> dict[str, Any]:
     """``{}`` when the experts are whole on every axis (the op runs on its tiles alone); else ``shard``, the axes
     splitting the experts, and ``a2a``, those of them the rows move on (the others leave a pending sum)."""
-    shard, a2a = _axes(st)
+    shard, a2a = expert_axes(st)
     return {"shard": shard, "a2a": a2a} if shard else {}
 
 
@@ -55,7 +55,7 @@ def experts_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Mesh, imbala
                  ) -> list[tuple[str, int, float, int]]:
     """The all-to-alls of ``experts_sync_args``' ``a2a`` axes (module docstring), in program order; the rows a move
     carries ``imbalance`` times the balanced share (the busiest rank's: it sets the collective's time)."""
-    shard, a2a = _axes(st)
+    shard, a2a = expert_axes(st)
     if not a2a:
         return []
     x, idx = op.inputs[0], op.inputs[1]
@@ -76,7 +76,7 @@ def experts_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Mesh, imbala
 def experts_skew(op: OpSpec, st: Strategy, mesh: Mesh, profile: Any) -> float:
     """Where ``st`` splits the experts each rank's work follows the routing: the busiest rank's is
     ``Profile.expert_imbalance`` times the balanced share."""
-    return float(profile.expert_imbalance) if _axes(st)[0] else 1.0
+    return float(profile.expert_imbalance) if expert_axes(st)[0] else 1.0
 
 
 @register("soybean.routed_experts.default", family="experts",
