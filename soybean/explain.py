@@ -57,6 +57,7 @@ from .graph import (
 from .mesh import Mesh
 from .plan import Plan
 from .planner import BACKWARD_SHARE, Result, evaluate, with_collectives
+from .records import all_to_all_step
 from .reshard import Route
 from .search import Solution
 from .tiling import R, fmt
@@ -165,9 +166,9 @@ def plan_choice(g: PlanGraph, plan: Plan) -> list[int]:
     choice: list[int] = []
     for v in g.vars:
         if v.kind in ("param", "buffer"):
-            want: tuple = (((), (plan.param_tiling(v.fqn),)), ())
+            want: tuple = (((), (plan.param_tiling(v.fqn),), ""), ())
         elif v.kind == "input":
-            want = (((), (plan.input_tiling(v.name),)), ())
+            want = (((), (plan.input_tiling(v.name),), ""), ())
         elif v.kind == "output":
             want = _key(v, 0)
         else:
@@ -176,7 +177,7 @@ def plan_choice(g: PlanGraph, plan: Plan) -> list[int]:
                 [full] * len(v.strategies[0].inputs), [full] * len(v.strategies[0].outputs))
             pga = plan.grad_partial_axes(v.name) if v.kind == "reshard" and v.needs_grad and v.name in plan.nodes \
                 else ()
-            want = ((tuple(ins), tuple(outs)), tuple(pga))
+            want = ((tuple(ins), tuple(outs), plan.node_variant(v.name)), tuple(pga))
         keys = [_key(v, c) for c in range(len(v.strategies))]
         try:
             choice.append(keys.index(want))
@@ -188,7 +189,7 @@ def plan_choice(g: PlanGraph, plan: Plan) -> list[int]:
 
 def _key(v: Var, c: int) -> tuple:
     st = v.strategies[c]
-    return (st.inputs, st.outputs), tuple(v.grad_partial[c]) if v.kind == "reshard" else ()
+    return (st.inputs, st.outputs, st.variant), tuple(v.grad_partial[c]) if v.kind == "reshard" else ()
 
 
 # ---- rows ----
@@ -328,7 +329,7 @@ def op_collectives(g: PlanGraph, v: Var, c: int, grads: Sequence[bool]) -> list[
         k += phase == "forward"
         a, b = prof.ab(axis, kind)
         cost = Cost(m, n * a + m * b) if kind == "halo" else backend_call(kind, m, mesh.shape[axis], axis, prof)
-        step = {"halo": "halo", "all_to_all": "dispatch_combine"}.get(kind, "sum_statistics") + f"[axis {axis}]"
+        step = {"halo": "halo", "all_to_all": all_to_all_step(v.op)}.get(kind, "sum_statistics") + f"[axis {axis}]"
         out.append(Collective(step, kind, phase, "", cost.bytes, cost.seconds + prof.blocking_s))
     return out
 

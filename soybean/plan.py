@@ -39,6 +39,11 @@ def _node_tilings(nodes: Mapping[str, Mapping[str, Any]], name: str) -> tuple[li
             [tuple(parse_placement(s) for s in t) for t in rec["out"]])
 
 
+def _node_variant(nodes: Mapping[str, Mapping[str, Any]], name: str) -> str:
+    """The strategy variant ``nodes`` records for op ``name`` (``rules.base.Strategy1D.variant``; ``""``: plain)."""
+    return str(nodes[name].get("variant", "")) if name in nodes else ""
+
+
 def _grad_partial(nodes: Mapping[str, Mapping[str, Any]], name: str) -> tuple[int, ...]:
     """The axes over which reshard point ``name`` sums partial gradients (empty if none)."""
     return tuple(int(a) for a in nodes[name].get("grad_partial", [[]])[0])
@@ -88,7 +93,7 @@ class Program:
     mesh: tuple[int, ...]
     params: Mapping[str, list[str]]
     inputs: Mapping[str, list[str]]
-    nodes: Mapping[str, Mapping[str, list[list[Any]]]]
+    nodes: Mapping[str, Mapping[str, Any]]
     keys: tuple[tuple[str, str], ...] = ()
     local_batch: bool = False
     precision: str = "fp32"
@@ -121,6 +126,10 @@ class Program:
         """Op or reshard point ``name``'s input and output tilings."""
         return _node_tilings(self.nodes, name)
 
+    def node_variant(self, name: str) -> str:
+        """Op ``name``'s strategy variant (``""``: the plain way to run its tilings)."""
+        return _node_variant(self.nodes, name)
+
 
 def _sig(x: float) -> float:
     """Round to 6 significant digits: stable across platforms, precise enough to compare."""
@@ -136,7 +145,7 @@ class Plan:
     fingerprint: str
     params: dict[str, list[str]]
     inputs: dict[str, list[str]]
-    nodes: dict[str, dict[str, list[list[Any]]]]  # "in"/"out": placement strings; "grad_partial": mesh axes
+    nodes: dict[str, dict[str, Any]]  # "in"/"out": placement strings; "grad_partial": mesh axes; "variant": a name
     cost: dict[str, float]
     baselines: dict[str, dict[str, Any]] = field(default_factory=dict)  # bytes and seconds, or infeasible: why
     solver: dict[str, Any] = field(default_factory=dict)
@@ -202,6 +211,10 @@ class Plan:
     def node_tilings(self, name: str) -> tuple[list[Tiling], list[Tiling]]:
         """Op or reshard point ``name``'s input and output tilings."""
         return _node_tilings(self.nodes, name)
+
+    def node_variant(self, name: str) -> str:
+        """Op ``name``'s strategy variant (``""``: the plain way to run its tilings)."""
+        return _node_variant(self.nodes, name)
 
     def grad_partial_axes(self, name: str) -> tuple[int, ...]:
         """The axes over which reshard point ``name`` sums partial gradients (empty if none)."""

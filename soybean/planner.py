@@ -996,7 +996,7 @@ def to_plan(
     g, sol = r.graph, r.solution
     params: dict[str, list[str]] = {}
     inputs: dict[str, list[str]] = {}
-    nodes: dict[str, dict[str, list[list[Any]]]] = {}
+    nodes: dict[str, dict[str, Any]] = {}
     for v, c in zip(g.vars, sol.choice):
         st = v.strategies[c]
         if v.kind in ("param", "buffer"):
@@ -1006,6 +1006,8 @@ def to_plan(
         elif v.kind == "op":
             nodes[v.name] = {"in": [[str(p) for p in t] for t in st.inputs],
                              "out": [[str(p) for p in t] for t in st.outputs]}
+            if st.variant:
+                nodes[v.name]["variant"] = st.variant
         elif v.kind == "reshard":
             nodes[v.name] = {"in": [[str(p) for p in t] for t in st.inputs],
                              "out": [[str(p) for p in t] for t in st.outputs],

@@ -14,6 +14,7 @@ from . import rules
 from .cost.collectives import choose, route_calls
 from .cost.memory import PARAM_COPIES, stored_bytes, sync_bucket_bytes
 from .graph import Edge, PlanGraph, edge_profile, layer_of, phase_peaks, rerun_freed, value_name
+from .ir.attention import ZIGZAG
 from .ir.experts import OP as ROUTED_EXPERTS
 from .mesh import Mesh
 from .reshard import Step, phase
@@ -133,14 +134,22 @@ def layer_rows(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
     return out
 
 
+def all_to_all_step(op: OpSpec) -> str:
+    """What an op's own all-to-alls are called in the record: causal attention's rows moved to and from the
+    zig-zag layout, routed experts' dispatch and combine."""
+    return "zigzag_rows" if op.name == "aten.scaled_dot_product_attention.default" else "dispatch_combine"
+
+
 def op_steps(op: OpSpec, st: Strategy, mesh: Mesh) -> list[str]:
-    """The communication an op runs inside under ``st``: its halo steps and the axes its statistics sum over."""
+    """The communication an op runs inside under ``st``: its halo steps, the axes its statistics sum over and
+    those its own all-to-alls run on."""
     out = [str(halo_step(w, axis, mesh)) for axis, w in halos(windows_of(op), st)]
     entry = rules.lookup(op.target)
     if entry is not None and entry.sync_args is not None:
         sync = entry.sync_args(op, st)
         out += [f"sum_statistics[axis {a}]" for a in sync.get("axes", ())]
-        out += [f"dispatch_combine[axis {a}]" for a in sync.get("a2a", ())]  # routed experts' all-to-alls
+        a2a: Sequence[int] = sync.get("a2a") or (sync.get("row_axes", ()) if sync.get("zigzag") else ())
+        out += [f"{all_to_all_step(op)}[axis {a}]" for a in a2a]
     return out
 
 
@@ -148,14 +157,17 @@ def context_parallel_records(g: PlanGraph, sol: Solution) -> list[dict[str, Any]
     """One row per attention op whose query sequence the plan splits, in graph order: the op, the ``method`` (so
     far ``all_gather_kv``: query rows split, keys and values whole, gathered by their edges as the Llama 3 paper's
     context parallelism does; causal ones offset their mask, ``runtime.attention``), the mesh ``axes`` and their
-    ``degree``."""
+    ``degree``, and the rows' ``layout``: ``contiguous`` (each member its own chunk) or ``zigzag`` (computed as one
+    early and one late chunk per member: ``ir.attention``)."""
     out = []
     for vi, V in enumerate(g.vars):
         if V.op is not None and V.op.name == "aten.scaled_dot_product_attention.default":
-            axes = list(row_axes(V.op, V.strategies[sol.choice[vi]]))
+            st = V.strategies[sol.choice[vi]]
+            axes = list(row_axes(V.op, st))
             if axes:
                 out.append({"op": V.name, "method": "all_gather_kv", "axes": axes,
-                            "degree": math.prod(g.mesh.shape[a] for a in axes)})
+                            "degree": math.prod(g.mesh.shape[a] for a in axes),
+                            "layout": ZIGZAG if st.variant == ZIGZAG else "contiguous"})
     return out
 
 

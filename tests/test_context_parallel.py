@@ -1,7 +1,10 @@
-"""Causal attention split along the query sequence (issue 23, first part): each tile's causal mask offset by its
-first row (``runtime.attention``), priced with the last rows' extra work (``ir.attention.causal_skew``), recorded in
-the plan's ``context_parallel`` rows, and training equal to serial."""
+"""Causal attention split along the query sequence (issue 23): each tile's causal mask offset by its first row
+(``runtime.attention``), priced with the last rows' extra work (``ir.attention.causal_skew``), or computed in the
+zig-zag layout that evens the work (``ir.attention.zigzag_*``, the rule's ``"zigzag"`` variant); recorded in the
+plan's ``context_parallel`` rows, and training equal to serial."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -9,9 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from soybean.capture import capture
-from soybean.ir.attention import causal_skew
+from soybean.ir.attention import _work, causal_skew, zigzag_moves, zigzag_rows, zigzag_skew
+from soybean.mesh import Mesh
+from soybean.plan import Plan
 from soybean.planner import plan
+from soybean.rules.base import expand, make_opspec
+from soybean.runtime.launch import run_threads
 from soybean.testing import train_parallel_threads, train_serial
+from soybean.tiling import Shard
 
 pytestmark = pytest.mark.unit
 
@@ -34,6 +42,141 @@ def test_causal_skew_is_the_busiest_chunks_share_of_the_causal_work() -> None:
     assert causal_skew(4, 4, 2) == pytest.approx(1.4)
     assert causal_skew(4, 4, 1) == 1.0
     assert causal_skew(8, 8, 4) == pytest.approx((7 + 8) * 4 / 36)
+
+
+@pytest.mark.parametrize("rows", [8, 30, 66, 1000])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 8])
+def test_the_zigzag_layout_gives_each_member_an_early_and_a_late_chunk(rows: int, parts: int) -> None:
+    """``zigzag_moves`` is a partition: every row leaves its contiguous tile for exactly the member whose zig-zag
+    chunks (``r`` and ``2p - 1 - r`` of ``2p``) hold it; the work is then nearly even where contiguous tiles are
+    not, and the closed-form causal work is the sum it stands for."""
+    moves = zigzag_moves(rows, parts)
+    for d in range(parts):
+        got = sorted(i for s in range(parts) for a, b in moves[s][d] for i in range(a, b))
+        assert got == sorted(i for a, b in zigzag_rows(rows, parts, d) for i in range(a, b))
+    assert sorted(i for s in range(parts) for d in range(parts) for a, b in moves[s][d]
+                  for i in range(a, b)) == list(range(rows))
+    assert _work(3, 11, 7) == sum(min(i + 1, 7) for i in range(3, 11))
+    if rows >= 1000:
+        assert zigzag_skew(rows, rows, parts) < 1.02 and (causal_skew(rows, rows, parts) > 1.4 or parts == 1)
+
+
+def test_a_variant_owns_the_dims_it_splits() -> None:
+    """``expand``: the zig-zag variant appears on one axis only, never with another axis splitting the same rows;
+    with heads on the other axis it composes."""
+    q = torch.randn(1, 2, 8, 4)
+    op = make_opspec(torch.ops.aten.scaled_dot_product_attention.default, (q, q, q), {"is_causal": True},
+                     torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
+    zz = [s for s in expand(op, Mesh((2, 2))) if s.variant == "zigzag"]
+    assert zz and all(sum(pl == Shard(2) for pl in s.inputs[0]) == 1 for s in zz)
+    assert (Shard(1), Shard(2)) in [s.inputs[0] for s in zz]
+    plain = make_opspec(torch.ops.aten.scaled_dot_product_attention.default, (q, q, q), {},
+                        torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    assert not [s for s in expand(plain, Mesh((2,))) if s.variant]
+
+
+def _zigzag(p: Plan) -> Plan:
+    """``p`` with every causal attention whose rows one axis splits computed in the zig-zag layout."""
+    for name, node in p.nodes.items():
+        if name.startswith("scaled_dot_product_attention"):
+            rows = [a for a, pl in enumerate(node["in"][0]) if pl == "S(2)"]  # the query's rows
+            if len(rows) == 1:
+                node["variant"] = "zigzag"
+    return p
+
+
+class _Logged:
+    """A group that logs the rows each all-to-all of rows sends away (bytes) and delegates it."""
+
+    def __init__(self, inner: object, log: list[float]) -> None:
+        self.inner, self.log = inner, log
+        self.size, self.index = inner.size, inner.index  # type: ignore[attr-defined]
+
+    def all_to_all_rows(self, t: torch.Tensor, send: tuple, recv: tuple) -> torch.Tensor:
+        row = t[:1].numel() * t.element_size()
+        self.log.append(float(max(sum(send) - send[self.index], sum(recv) - recv[self.index]) * row))
+        return self.inner.all_to_all_rows(t, send, recv)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_zigzag_rows_move_the_bytes_priced(parts: int) -> None:
+    """The zig-zag variant on ``parts`` members, 30 rows (uneven), GQA heads: the all-to-alls it runs forward and
+    backward move, in order and for the busiest member, the bytes ``sdpa_comm`` prices (its message times
+    ``(p - 1) / p``), and its result and gradients are the serial op's."""
+    from soybean.cost.collectives import op_comm_calls
+    from soybean.runtime.attention import sb_sdpa_rows
+    from soybean.runtime.context import use_groups
+    from soybean.tiling import chunk_range
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, 30, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    cot = torch.randn_like(out)
+    want_grads = torch.autograd.grad(out, (q, k, v), cot)
+    op = make_opspec(torch.ops.aten.scaled_dot_product_attention.default, (q, k, v),
+                     {"is_causal": True, "enable_gqa": True}, out)
+    mesh = Mesh((parts,))
+    st = next(s for s in expand(op, mesh) if s.variant == "zigzag")
+    priced = [m * (parts - 1) / parts for _, _, m, _ in op_comm_calls(op, st, [True, True, True], mesh)]
+    logs: list[list[float]] = [[] for _ in range(parts)]
+    tiles: list = [None] * parts
+
+    def member(rank: int, groups: list) -> None:
+        a, b = chunk_range(30, parts, rank)
+        mine = q[:, :, a:b].detach().requires_grad_(True)
+        kk, vv = k.detach().requires_grad_(True), v.detach().requires_grad_(True)
+        with use_groups([_Logged(groups[0], logs[rank])]):
+            o = sb_sdpa_rows(mine, kk, vv, is_causal=True, enable_gqa=True, row_axes=(0,), rows=30, zigzag=True)
+            o.backward(cot[:, :, a:b])
+        tiles[rank] = (o.detach(), mine.grad, kk.grad, vv.grad)
+
+    run_threads(mesh, member)
+    assert [max(col) for col in zip(*logs)] == pytest.approx(priced)
+    torch.testing.assert_close(torch.cat([t[0] for t in tiles], 2), out.detach())
+    torch.testing.assert_close(torch.cat([t[1] for t in tiles], 2), want_grads[0])
+    torch.testing.assert_close(sum(t[2] for t in tiles), want_grads[1])
+    torch.testing.assert_close(sum(t[3] for t in tiles), want_grads[2])
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("mesh", [(2,), (3,), (4,), (2, 2)])
+def test_zigzag_rows_train_as_serial(mesh: tuple[int, ...]) -> None:
+    """The plans of ``test_query_rows_split_train_as_serial`` with the rows split on one axis computed in the
+    zig-zag layout (66 rows: uneven on 3 and 4; on 2x2 the rows split 2 ways, ``context_parallel=2``): a few AdamW
+    steps equal serial training in float64; the plan records the layout."""
+    torch.manual_seed(0)
+    model = CausalAttention().double()
+    x = torch.randn(1, 66, 16, dtype=torch.float64)
+    cap = capture(model, (x,))
+    p = _zigzag(plan(None, (), captured=cap, devices=math.prod(mesh), mesh=mesh, objective="comm", baselines=False,
+                     context_parallel=2 if len(mesh) > 1 else "auto"))
+    assert any(n.get("variant") == "zigzag" for n in p.nodes.values())
+    serial = train_serial(model, (x,), steps=3)
+    par, _ = train_parallel_threads(model, (x,), plan=p, steps=3)
+    torch.testing.assert_close(torch.tensor(par.losses), torch.tensor(serial.losses), rtol=1e-10, atol=1e-12)
+    for k, v in serial.params.items():
+        torch.testing.assert_close(par.params[k], v, rtol=1e-9, atol=1e-12)
+
+
+def test_the_planner_prices_zigzag_against_contiguous_rows() -> None:
+    """One head of width 64 over 2,048 causal tokens on 4 CPU processes (``cpu-gloo``): the planner splits the
+    rows 4 ways in the zig-zag layout (the contiguous split's last member would do 7/4 of an even share); the
+    plan, its JSON and ``explain`` say so.  Over 512 tokens split 2 ways the planner keeps contiguous rows: their
+    skew of 1.5 costs less there than moving half the rows each way twice."""
+    from soybean.explain import explain
+
+    model = CausalAttention(64)
+    cap = capture(model, (torch.randn(1, 2048, 64),))
+    p = plan(None, (), captured=cap, devices=4, mesh=(4,), baselines=False)
+    assert [r["layout"] for r in p.context_parallel] == ["zigzag"] and p.to_dict()["nodes"][
+        "scaled_dot_product_attention"]["variant"] == "zigzag"
+    steps = {(c.step, c.phase) for r in explain(cap, p).rows for c in r.collectives}
+    assert {("zigzag_rows[axis 0]", "forward"), ("zigzag_rows[axis 0]", "backward")} <= steps
+    back = Plan.from_dict(p.to_dict())
+    assert back.node_variant("scaled_dot_product_attention") == "zigzag"
+    short = capture(CausalAttention(64), (torch.randn(1, 512, 64),))
+    assert [r["layout"] for r in plan(None, (), captured=short, devices=2, baselines=False,
+                                      context_parallel=2).context_parallel] == ["contiguous"]
 
 
 @pytest.mark.sim
@@ -60,15 +203,42 @@ _LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               vocab_size=128, batch=1, seq=256)
 
 
-def _llama_rank(rank: int, world: int, context_parallel: object) -> tuple:
-    """One gloo rank: the tiny Llama parallelized with ``context_parallel``, trained; its trace and plan's rows."""
+# Issue 23's 1,024-token point: a tiny Llama whose attention is most of its work (2 heads of 64, one K/V head, so
+# its heads split 2 ways at most).
+_LONG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+             vocab_size=128, batch=1, seq=1024)
+
+
+@pytest.mark.sim
+def test_auto_splits_a_long_causal_llama_along_the_sequence_on_2x2() -> None:
+    """Issue 23's point: the tiny Llama above at batch 1 x 1,024 tokens on a 2x2 mesh under ``auto`` (the default
+    ``time`` objective, ``cpu-gloo`` profile): the planner splits both attention ops along the sequence on one axis,
+    and three AdamW steps with every rank a thread equal serial training (every loss, gradient and parameter,
+    judged against the float64 run: transformers computes the rotary embedding in float32 whatever the model's
+    dtype)."""
+    pytest.importorskip("transformers")
+    from soybean.models import load
+    from soybean.sweep import differences, exact_serial
+
+    model, inputs = load("hf:llama", _LONG)
+    cap = capture(model, inputs)
+    p = plan(None, (), captured=cap, devices=4, mesh=(2, 2), baselines=False)
+    assert len(p.context_parallel) == 2 and all(r["degree"] >= 2 for r in p.context_parallel)
+    serial = train_serial(model, inputs, steps=3, lr=1e-4)
+    par, _ = train_parallel_threads(model, inputs, plan=p, steps=3, lr=1e-4)
+    assert not differences(serial, exact_serial(model, inputs, serial, lr=1e-4), par, lr=1e-4)
+
+
+def _llama_rank(rank: int, world: int, config: dict, context_parallel: object, mesh: tuple | None) -> tuple:
+    """One gloo rank: the tiny Llama of ``config`` parallelized with ``context_parallel`` on ``mesh``, trained; its
+    trace and plan's rows."""
     import soybean
     from soybean.models import load
     from soybean.testing import Trace, _gather_grads, _train
 
     torch.set_num_threads(1)
-    model, inputs = load("hf:llama", _LLAMA)
-    pm = soybean.parallelize(model, inputs, devices=world, context_parallel=context_parallel)
+    model, inputs = load("hf:llama", config)
+    pm = soybean.parallelize(model, inputs, devices=world, mesh=mesh, context_parallel=context_parallel)
     losses, grads = _train(pm, inputs, 3, 1e-4, _gather_grads)
     full = pm.full_tensors()
     names = {k for k, _ in model.named_parameters()}
@@ -78,18 +248,22 @@ def _llama_rank(rank: int, world: int, context_parallel: object) -> tuple:
 
 
 @pytest.mark.dist
-def test_a_causal_llama_with_context_parallel_2_trains_as_serial_on_gloo() -> None:
-    """Issue 23's first point on 2 gloo processes: a tiny causal Llama (transformers, batch 1 x 256 tokens) with
-    ``context_parallel=2`` splits both attention ops' query sequence 2 ways, and three AdamW steps equal serial
-    training (every loss, gradient and parameter, judged against the float64 run)."""
+@pytest.mark.parametrize("config,world,context_parallel,mesh", [(_LLAMA, 2, 2, None), (_LONG, 4, "auto", (2, 2))],
+                         ids=["256-tokens-2-procs-cp2", "1024-tokens-2x2-auto"])
+def test_a_causal_llama_split_along_the_sequence_trains_as_serial_on_gloo(
+        config: dict, world: int, context_parallel: object, mesh: tuple | None) -> None:
+    """Issue 23's first acceptance point on gloo: a tiny causal Llama (transformers) at batch 1 x 256 tokens on 2
+    processes with ``context_parallel=2`` splits both attention ops' query sequence 2 ways; at 1 x 1,024 tokens on
+    4 processes (mesh 2x2) under ``auto`` the planner splits them along the sequence on one axis.  Three AdamW
+    steps equal serial training (every loss, gradient and parameter, judged against the float64 run)."""
     pytest.importorskip("transformers")
     from soybean.models import load
     from soybean.runtime.launch import spawn
     from soybean.sweep import differences, exact_serial
 
-    par, rows = spawn(_llama_rank, 2, 2, timeout_s=600)[0]
+    par, rows = spawn(_llama_rank, world, config, context_parallel, mesh, timeout_s=600)[0]
     assert len(rows) == 2 and all(r["degree"] == 2 and r["method"] == "all_gather_kv" for r in rows)
-    model, inputs = load("hf:llama", _LLAMA)
+    model, inputs = load("hf:llama", config)
     serial = train_serial(model, inputs, steps=3, lr=1e-4)
     assert not differences(serial, exact_serial(model, inputs, serial, lr=1e-4), par, lr=1e-4)
 

@@ -428,7 +428,7 @@ class _Builder:
             if fixed is not None:
                 ins, outs = fixed.node_tilings(node.name) if node.name in fixed.nodes else (
                     [self.full] * len(op.inputs), [self.full] * len(op.outputs))
-                strategies = [Strategy(tuple(ins), tuple(outs))]
+                strategies = [Strategy(tuple(ins), tuple(outs), fixed.node_variant(node.name))]
             else:
                 strategies = expand(op, mesh, strategies_1d(op))
                 emits = [partial_axes(g.vars[u], k, mesh.ndim) for u, k in sources]

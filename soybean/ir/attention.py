@@ -4,21 +4,67 @@ A rule names the synchronised call by ``SDPA_ROWS`` (a key of ``runtime.synced.S
 ``[a, b)`` of a causal attention over ``S`` keys attend to keys ``0 .. i`` for row ``i`` (top-left aligned, as
 ``is_causal``): row ``i``'s work is ``min(i + 1, S)`` key blocks, so the rank holding the last rows works the most
 (``causal_skew``).
+
+The zig-zag layout balances it: the rows cut into ``2p`` chunks, member ``r`` of ``p`` computes chunks ``r`` and
+``2p - 1 - r`` (one early, one late: ``zigzag_rows``), so every member's work is about ``1 / p`` of the whole
+(``zigzag_skew``).  The tiles stay contiguous outside the op: inside it, each member's rows move to the member that
+computes them and the results move back (``zigzag_moves``; ``runtime.attention``).
 """
 from __future__ import annotations
 
 from ..tiling import chunk_range
 
 SDPA_ROWS = "sdpa_rows"  # the synchronised call causal attention's rule asks for when it splits the query rows
+ZIGZAG = "zigzag"  # the strategy variant (``rules.base.Strategy1D.variant``) that computes them in zig-zag layout
+
+
+Range = tuple[int, int]  # [start, stop) of query rows
+
+
+def _work(a: int, b: int, keys: int) -> int:
+    """Causal work of rows ``[a, b)``: ``sum min(i + 1, keys)``, in closed form."""
+    full = max(0, min(b, keys) - a)  # rows below ``keys`` attend to ``i + 1`` keys
+    lo = min(a, keys)
+    ramp = (lo + 1 + lo + full) * full // 2 if full else 0
+    return ramp + max(0, b - max(a, keys)) * keys
 
 
 def causal_skew(rows: int, keys: int, parts: int) -> float:
     """The busiest of ``parts`` chunks of ``rows`` causal query rows over ``keys`` keys: its work (sum of
     ``min(i + 1, keys)``) over an even share of the whole."""
-    def work(a: int, b: int) -> int:
-        return sum(min(i + 1, keys) for i in range(a, b))
-
-    total = work(0, rows)
+    total = _work(0, rows, keys)
     if parts <= 1 or total == 0:
         return 1.0
-    return max(work(*chunk_range(rows, parts, r)) for r in range(parts)) * parts / total
+    return max(_work(*chunk_range(rows, parts, r), keys) for r in range(parts)) * parts / total
+
+
+def zigzag_rows(rows: int, parts: int, r: int) -> tuple[Range, Range]:
+    """Member ``r``'s rows in the zig-zag layout: chunks ``r`` and ``2 parts - 1 - r`` of ``2 parts``."""
+    return chunk_range(rows, 2 * parts, r), chunk_range(rows, 2 * parts, 2 * parts - 1 - r)
+
+
+def zigzag_skew(rows: int, keys: int, parts: int) -> float:
+    """``causal_skew`` in the zig-zag layout: the busiest member's work over an even share."""
+    total = _work(0, rows, keys)
+    if parts <= 1 or total == 0:
+        return 1.0
+    return max(sum(_work(a, b, keys) for a, b in zigzag_rows(rows, parts, r)) for r in range(parts)) * parts / total
+
+
+def zigzag_moves(rows: int, parts: int) -> list[list[list[Range]]]:
+    """``moves[s][d]``: the row ranges (ascending) that member ``s``, holding contiguous chunk ``s`` of ``parts``,
+    sends to member ``d``, which computes them in the zig-zag layout (``s == d``: the ones it keeps)."""
+    out: list[list[list[Range]]] = []
+    for s in range(parts):
+        a, b = chunk_range(rows, parts, s)
+        out.append([[(max(a, lo), min(b, hi)) for lo, hi in zigzag_rows(rows, parts, d) if max(a, lo) < min(b, hi)]
+                    for d in range(parts)])
+    return out
+
+
+def zigzag_leaving(rows: int, parts: int) -> int:
+    """The most rows any member sends away (or receives) in one zig-zag move."""
+    moves = zigzag_moves(rows, parts)
+    sent = [sum(b - a for d in range(parts) if d != s for a, b in moves[s][d]) for s in range(parts)]
+    got = [sum(b - a for s in range(parts) if s != d for a, b in moves[s][d]) for d in range(parts)]
+    return max(sent + got)

@@ -11,18 +11,22 @@ broadcastable to ``(..., L, S)``.  Exact one-axis strategies:
   dim when it has one.  With ``is_causal`` (and no mask) the local causal mask would start at local row 0, so the
   program calls ``runtime.attention.sb_sdpa_rows`` instead (``sync_args``: the axes splitting the rows and their
   count), which offsets it by the tile's first row; the rank holding the last rows works the most
-  (``ir.attention.causal_skew``, priced);
+  (``ir.attention.causal_skew``, priced).  Its ``"zigzag"`` variant (one mesh axis) computes the rows in the
+  zig-zag layout instead, each member one early and one late chunk, the query rows moved there and the results
+  back by all-to-alls inside the op (``ir.attention.zigzag_moves``, priced by ``sdpa_comm``), the work even;
 * never the key sequence ``S`` (the softmax normalises over it);
 * linear in ``v``: v ``P``, q, k, mask ``R`` -> out ``P`` (not with dropout,
   whose per-device masks would differ).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
-from ..ir.attention import SDPA_ROWS, causal_skew
-from ._common import Args, Shard, bcast, partial_strategies
+from ..ir.attention import SDPA_ROWS, ZIGZAG, causal_skew, zigzag_leaving, zigzag_skew
+from ..tiling import max_local_numel
+from ._common import Args, R, Shard, bcast, partial_strategies
 from .base import OpCost, OpSpec, Strategy, Strategy1D, register
 
 
@@ -45,20 +49,51 @@ def _causal_row_axes(op: OpSpec, st: Strategy) -> tuple[int, ...]:
 
 def sdpa_sync_args(op: OpSpec, st: Strategy) -> dict[str, Any]:
     """A causal attention whose query rows ``st`` splits: ``row_axes`` and ``rows``, the whole sequence's length,
-    with which the program offsets its causal mask (``runtime.attention``); ``{}`` otherwise."""
+    with which the program offsets its causal mask (``runtime.attention``), and ``zigzag`` for that variant;
+    ``{}`` otherwise."""
     axes = _causal_row_axes(op, st)
-    return {"row_axes": axes, "rows": op.inputs[0].shape[-2]} if axes else {}
+    if not axes:
+        return {}
+    return {"row_axes": axes, "rows": op.inputs[0].shape[-2], **({"zigzag": True} if st.variant == ZIGZAG else {})}
 
 
 def sdpa_skew(op: OpSpec, st: Strategy, mesh: Any, profile: Any) -> float:
-    """Causal rows split over ``p`` ranks: the busiest rank's share of the causal work over ``1 / p``."""
+    """Causal rows split over ``p`` ranks: the busiest rank's share of the causal work over ``1 / p`` (contiguous
+    chunks, or the zig-zag layout's)."""
     axes = _causal_row_axes(op, st)
     parts = math.prod(mesh.shape[a] for a in axes)
-    return causal_skew(op.inputs[0].shape[-2], op.inputs[1].shape[-2], parts) if axes else 1.0
+    skew = zigzag_skew if st.variant == ZIGZAG else causal_skew
+    return skew(op.inputs[0].shape[-2], op.inputs[1].shape[-2], parts) if axes else 1.0
+
+
+def sdpa_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any, imbalance: float = 1.0
+              ) -> list[tuple[str, int, float, int]]:
+    """The zig-zag variant's all-to-alls on its row axis ``a`` of ``p`` members, in program order: forward the
+    query rows out and the results back, backward the results' gradients out and the queries' back (if wanted).
+    Each moves at most ``zigzag_leaving`` rows in or out of a member; the cost model's all-to-all sends
+    ``(p - 1) / p`` of its message, so the message is that many rows' bytes times ``p / (p - 1)``."""
+    axes = _causal_row_axes(op, st)
+    if st.variant != ZIGZAG or not axes:
+        return []
+    (a,) = axes
+    q, v = op.inputs[0], op.inputs[2]
+    p, rows = mesh.shape[a], q.shape[-2]
+    per_row = list(st.inputs[0])
+    per_row[a] = R
+    one = max_local_numel(q.shape[:-2] + (1, q.shape[-1]), tuple(per_row), mesh)  # a query row's elements
+    moved = zigzag_leaving(rows, p) * p / (p - 1) * q.dtype.itemsize
+    q_bytes, out_bytes = moved * one, moved * one * v.shape[-1] / q.shape[-1]
+    out = [("all_to_all", a, q_bytes, 1), ("all_to_all", a, out_bytes, 1)]
+    if any(grads):  # the results' gradients come back whatever needs them; the queries' only if they need one
+        out.append(("all_to_all", a, out_bytes, 1))
+    if grads and grads[0]:
+        out.append(("all_to_all", a, q_bytes, 1))
+    return out
 
 
 @register("aten.scaled_dot_product_attention.default", family="attention",
-          cost=OpCost(flops=sdpa_flops, backward=2.5, skew=sdpa_skew), sync_args=sdpa_sync_args, sync_call=SDPA_ROWS)
+          cost=OpCost(flops=sdpa_flops, backward=2.5, skew=sdpa_skew), sync_args=sdpa_sync_args, sync_call=SDPA_ROWS,
+          comm=sdpa_comm)
 def sdpa(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     q, k, v, mask = a.spec("query"), a.spec("key"), a.spec("value"), a.spec("attn_mask")
@@ -74,6 +109,8 @@ def sdpa(op: OpSpec) -> list[Strategy1D]:
             found.append(a.strategy(roles, Shard(d)))
     if not a["is_causal"] or mask is None:  # causal: the program offsets the mask (``sdpa_sync_args``)
         found.append(a.strategy({"query": Shard(nd - 2), "attn_mask": bcast(mask, scores, nd - 2)}, Shard(nd - 2)))
+        if a["is_causal"] and not a["dropout_p"]:
+            found.append(dataclasses.replace(found[-1], variant=ZIGZAG))
     if not a["dropout_p"]:
         found += partial_strategies(a, [["value"]])
     return found

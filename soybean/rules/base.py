@@ -81,11 +81,16 @@ class Strategy1D:
     dimension is only a chunk of the merged dimension when every chunk is full.
     ``(i, dim, unit)`` asks more: the dim splits into whole units of ``unit``
     elements (``repeat``: every device's chunk is whole copies of the input).
+
+    ``variant`` names a second way to run the same placements (``""``: the plain one), priced and run differently
+    by the op's rule (causal attention's ``"zigzag"`` rows).  It owns the dims it shards: an N-D strategy carries
+    at most one variant, from one axis, and no other axis shards those dims of those tensors (``expand``).
     """
 
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement, ...]
     even: frozenset = frozenset()
+    variant: str = ""
 
     @property
     def redundant(self) -> bool:
@@ -94,10 +99,12 @@ class Strategy1D:
 
 @dataclass(frozen=True)
 class Strategy:
-    """An N-D strategy: per tensor input and output, a tiling (one placement per mesh axis)."""
+    """An N-D strategy: per tensor input and output, a tiling (one placement per mesh axis); ``variant``: that of
+    the one-axis strategy it was made with, if any (``Strategy1D``), recorded in the plan."""
 
     inputs: tuple[tuple[Placement, ...], ...]
     outputs: tuple[tuple[Placement, ...], ...]
+    variant: str = ""
 
     def divides_work(self) -> tuple[bool, ...]:
         """Per mesh axis: is the op's work cut (some tensor sharded there)?  A strategy that is only
@@ -306,11 +313,11 @@ def strategies_1d(op: OpSpec) -> list[Strategy1D]:
     entry = lookup(op.target)
     found = list(entry.fn(op)) if entry else []
     out: list[Strategy1D] = [replicate_1d(op)]
-    seen = {(out[0].inputs, out[0].outputs)}
+    seen = {(out[0].inputs, out[0].outputs, "")}
     for s in found:
         if len(s.inputs) != len(op.inputs) or len(s.outputs) != len(op.outputs):
             raise ValueError(f"rule for {op.name} returned a strategy of the wrong arity: {s}")
-        key = (s.inputs, s.outputs)
+        key = (s.inputs, s.outputs, s.variant)
         if key not in seen:
             seen.add(key)
             out.append(s)
@@ -376,9 +383,26 @@ def expand(op: OpSpec, mesh: Mesh, one_axis: list[Strategy1D] | None = None) -> 
                     m, u = specs[i].shape[d], (unit[0] if unit else 1)
                     if m % u or (m // u) % f:
                         good = False
-        if good:
-            out.append(Strategy(tuple(tilings[:nin]), tuple(tilings[nin:])))
+        variant = _variant(combo, nin) if good else None
+        if variant is not None:
+            out.append(Strategy(tuple(tilings[:nin]), tuple(tilings[nin:]), variant))
     return out
+
+
+def _variant(combo: Sequence[Strategy1D], nin: int) -> str | None:
+    """The variant of the N-D strategy made of ``combo`` (one per axis): ``""`` when none carries one, that one's
+    when one axis does and no other axis shards the dims it shards; ``None`` (no such strategy) otherwise."""
+    marked = [a for a, s in enumerate(combo) if s.variant]
+    if not marked:
+        return ""
+    if len(marked) > 1:
+        return None
+    v = combo[marked[0]]
+    for i, pl in enumerate(v.inputs + v.outputs):
+        if isinstance(pl, Shard) and any(
+                (s.inputs + s.outputs)[i] == pl for a, s in enumerate(combo) if a != marked[0]):
+            return None
+    return v.variant
 
 
 # ---- small helpers shared by rule files ------------------------------------------------

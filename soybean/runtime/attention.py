@@ -4,6 +4,11 @@ My rows are rows ``[a, b)`` of the whole query sequence (``tiling.nested_range``
 and values are whole.  Row ``a + i`` attends to keys ``0 .. a + i``: the causal mask offset by ``a``, given as an
 explicit boolean mask (``tril(diagonal=a)``), so each row's softmax is the serial row's.  Backward is autograd's
 through ``scaled_dot_product_attention``.
+
+``zigzag`` (one row axis of ``p`` members): my rows go to the members that compute them in the zig-zag layout
+(``ir.attention.zigzag_moves``), I compute chunks ``r`` and ``2p - 1 - r`` with the mask of their global positions,
+and the results come back to the contiguous tiles; both moves are ``collectives.move_rows``, whose backward is the
+inverse move.
 """
 from __future__ import annotations
 
@@ -12,7 +17,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..ir.attention import zigzag_moves
 from ..tiling import nested_range
+from .collectives import move_rows
+from .comm import Group
 from .context import current_groups
 
 __all__ = ["sb_sdpa_rows"]
@@ -20,9 +28,13 @@ __all__ = ["sb_sdpa_rows"]
 
 def sb_sdpa_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                 enable_gqa: bool = False, *, row_axes: Sequence[int] = (), rows: int = 0) -> torch.Tensor:
+                 enable_gqa: bool = False, *, row_axes: Sequence[int] = (), rows: int = 0,
+                 zigzag: bool = False) -> torch.Tensor:
     """``scaled_dot_product_attention`` of my query rows (module docstring): ``rows`` in the whole sequence."""
     groups = current_groups()
+    if zigzag and is_causal:
+        (axis,) = row_axes
+        return _zigzag(query, key, value, dropout_p, scale, enable_gqa, groups[axis], rows)
     lo, _ = nested_range(rows, [(groups[a].size, groups[a].index) for a in row_axes])
     if not is_causal:
         return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, False, scale=scale,
@@ -30,3 +42,24 @@ def sb_sdpa_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril(lo)
     return F.scaled_dot_product_attention(query, key, value, mask, dropout_p, False, scale=scale,
                                           enable_gqa=enable_gqa)
+
+
+def _zigzag(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float, scale: float | None,
+            enable_gqa: bool, group: Group, rows: int) -> torch.Tensor:
+    """Causal attention of my contiguous query rows, computed in the zig-zag layout (module docstring)."""
+    p, me = group.size, group.index
+    moves = zigzag_moves(rows, p)
+    mine = moves[me]                                    # my rows, by the member that computes them
+    lo = min((a for d in mine for a, _ in d), default=0)  # my contiguous tile's first row
+    order = torch.tensor([i - lo for d in mine for a, b in d for i in range(a, b)], dtype=torch.long,
+                         device=query.device)
+    send = tuple(sum(b - a for a, b in d) for d in mine)
+    recv = tuple(sum(b - a for a, b in moves[s][me]) for s in range(p))
+    rows_first = query.movedim(-2, 0)                   # (rows, ...): move_rows moves dim 0
+    q = move_rows(rows_first.index_select(0, order), group, send, recv).movedim(0, -2)
+    pos = torch.tensor([i for s in range(p) for a, b in moves[s][me] for i in range(a, b)], dtype=torch.long,
+                       device=query.device)  # the global rows I compute, ascending
+    mask = pos[:, None] >= torch.arange(key.shape[-2], device=query.device)[None, :]
+    out = F.scaled_dot_product_attention(q, key, value, mask, dropout_p, False, scale=scale, enable_gqa=enable_gqa)
+    back = move_rows(out.movedim(-2, 0).contiguous(), group, recv, send)  # by computing member, as sent
+    return back.index_select(0, torch.argsort(order)).movedim(0, -2)
