@@ -35,11 +35,13 @@ def _tiling(t: list[str] | None) -> str:
 
 
 def _node(rec: Mapping[str, Any] | None) -> str:
-    """An op's or shared use's record, in parentheses: ``(S(0) R -> S(0))``."""
+    """An op's or shared use's record, in parentheses: ``(S(0) R -> S(0))``, with its variant if any
+    (``(S(2) R R -> S(2) zigzag)``)."""
     if rec is None:
         return "(absent)"
     text = " ".join(",".join(t) for t in rec.get("in", [])) + " -> " + " ".join(",".join(t) for t in rec.get("out", []))
     axes = rec.get("grad_partial", [[]])[0] if rec.get("grad_partial") else []
+    text += f" {rec['variant']}" if rec.get("variant") else ""  # the same tilings run another way (zig-zag rows)
     return f"({text}" + (f", grad summed on axes {','.join(map(str, axes))})" if axes else ")")
 
 

@@ -90,3 +90,14 @@ def test_diff_lists_the_collective_algorithms_that_differ() -> None:
     changed = [line for line in lines if line.startswith("collective all_reduce[axis 0")]
     assert changed and all(line.endswith("-> lp") for line in changed)
     assert diff(forced, forced) == []
+
+
+def test_a_variant_alone_is_a_difference(plans: tuple[Plan, Plan]) -> None:
+    """Two plans whose op differs only in its strategy variant (the same tilings run another way: causal attention's
+    zig-zag rows) differ, and the line names the variant."""
+    _, best = plans
+    other = copy.deepcopy(best)
+    name = next(iter(other.nodes))
+    other.nodes[name]["variant"] = "zigzag"
+    lines = [ln for ln in diff(best, other) if ln.startswith(f"node {name}: ")]
+    assert len(lines) == 1 and lines[0].endswith(" zigzag)")
