@@ -32,7 +32,12 @@ with the plan, and on a mesh the planner searched the plan is never worse than i
   expert parallelism borrowed from data parallelism.  The experts split ``ep`` ways on axis 1 (``ep``: the largest
   divisor of the experts and the devices up to a node, 8 when the node size is not given), their rows moved by
   all-to-all, and FSDP-sharded across axis 0 (gathered there for use); every other parameter FSDP-sharded over
-  both axes; the batch split over both.
+  both axes; the batch split over both;
+* ``cp_tp_fsdp`` (a model with causal attention only; ``tp_fsdp``'s mesh): torchtitan's long-context layout,
+  context parallelism across nodes with FSDP on the same axis (its ``dp_shard x cp`` sharding) and tensor
+  parallelism inside a node.  Every user input of 2+ dims split along its sequence (dim 1) on axis 0, the batch
+  whole; parameters as ``tp_fsdp``'s; the solver places the activations (the sequence split through the layers,
+  attention's query rows split with its keys and values gathered, as the plan's own table may).
 
 **Made to fit as experts make them fit.**  Under a memory budget, each of ``FITTED`` that does not fit is priced
 again with selective activation checkpointing, then with full (every layer), the way torchtitan's users turn on
@@ -70,8 +75,9 @@ from .tiling import R, Shard, is_valid
 NAMES = ("data_parallel", "model_parallel", "fsdp", "tp_fsdp", "megatron_tp_dp", "hsdp", "fsdp_recompute",
          "fsdp_selective_recompute")
 # The baselines made to fit a budget by activation checkpointing (selective, then full), as experts do.
-FITTED = ("data_parallel", "fsdp", "tp_fsdp", "megatron_tp_dp", "hsdp", "ep_fsdp")
+FITTED = ("data_parallel", "fsdp", "tp_fsdp", "megatron_tp_dp", "hsdp", "ep_fsdp", "cp_tp_fsdp")
 MOE_NAMES = ("ep_fsdp",)  # the baselines of a model with routed experts, beside ``NAMES``
+CP_NAMES = ("cp_tp_fsdp",)  # the baselines of a model with causal attention, beside ``NAMES``
 CHECKPOINTING = ("selective", "full")
 TP_MAX = 8  # tensor-parallel degree when the node size is not given: one 8-GPU node
 
@@ -284,6 +290,32 @@ def _ep_fsdp(cap: Captured, devices: int, gpus_per_node: int | None) -> Layout:
     return lay
 
 
+def causal_attention(cap: Captured) -> bool:
+    """Does the model run a causal attention op (``is_causal``), the one context parallelism splits?"""
+    return any(n.target is torch.ops.aten.scaled_dot_product_attention.default
+               and (n.kwargs.get("is_causal") or (len(n.args) > 5 and n.args[5] is True)) for n in cap.graph.nodes)
+
+
+def _cp_tp_fsdp(cap: Captured, devices: int, gpus_per_node: int | None) -> Layout:
+    """``cp_tp_fsdp`` (module docstring)."""
+    mesh, cp, tp, why = tp_mesh(devices, gpus_per_node)
+    if mesh is None or cp is None:
+        return Layout("cp_tp_fsdp", None, infeasible=why or "one node: no axis across nodes to split the sequence on")
+    vals = _placeholders(cap)
+    doms = {fqn: _param_tilings(tuple(vals[n].shape), mesh, (cp,), tp) for n, fqn in cap.params.items() if n in vals}
+    seq = tuple(Shard(1) if a == cp else R for a in range(mesh.ndim))
+    for name in cap.inputs:
+        v = vals.get(name)
+        doms[name] = [seq] if v is not None and v.dim() >= 2 and _splits(seq, tuple(v.shape), mesh) else \
+            [(R,) * mesh.ndim]
+    lay = Layout("cp_tp_fsdp", mesh, doms, pin=True, gather=(cp,), divide_work=None,
+                 cannot="tensor parallelism uses every weight in the split it is stored in, and some op cannot use "
+                        "one so")
+    if all(d == [(R,) * mesh.ndim] for n, d in doms.items() if n in cap.inputs):
+        lay.infeasible = f"no input has a sequence (dim 1) that splits over {mesh.shape[cp]} nodes"
+    return lay
+
+
 def layouts(cap: Captured, devices: int, gpus_per_node: int | None = None) -> dict[str, Layout]:
     """Every baseline's layout on ``devices`` (see the module docstring)."""
     flat = Mesh((devices,))
@@ -314,6 +346,8 @@ def layouts(cap: Captured, devices: int, gpus_per_node: int | None = None) -> di
         out[name].infeasible = out[name].infeasible or ("" if units else none)
     if expert_weights(cap):
         out["ep_fsdp"] = _ep_fsdp(cap, devices, gpus_per_node)
+    if causal_attention(cap):
+        out["cp_tp_fsdp"] = _cp_tp_fsdp(cap, devices, gpus_per_node)
     return out
 
 

@@ -144,7 +144,7 @@ def test_plan_is_never_worse_than_a_baseline_on_a_mesh_it_searched(which, object
     p = plan(None, (), 4, objective=objective, captured=cap, gpus_per_node=2)
     searched = {tuple(m["mesh"]) for m in p.meshes}
     key = "comm_bytes" if objective == "comm" else "step_time_s"
-    assert set(p.baselines) == set(baselines.NAMES)
+    assert set(p.baselines) == set(baselines.NAMES + baselines.CP_NAMES)  # both models are causal
     for name, base in p.baselines.items():
         assert "infeasible" not in base, (name, base)  # batch 4 splits over 4 devices and over 2 nodes
         assert tuple(base["mesh"]) in searched
@@ -201,7 +201,7 @@ def test_json_and_cli_table_carry_every_baseline(capsys) -> None:
         assert "/device/step" in line and "mesh" in line, line
     assert main(args + ["--format", "json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert set(d["baselines"]) == set(baselines.NAMES)
+    assert set(d["baselines"]) == set(baselines.NAMES + baselines.CP_NAMES)
     for base in d["baselines"].values():
         assert {"comm_bytes", "step_time_s", "mesh"} <= set(base)
 

@@ -19,7 +19,7 @@ from soybean.planner import plan
 from soybean.rules.base import expand, make_opspec
 from soybean.runtime.launch import run_threads
 from soybean.testing import train_parallel_threads, train_serial
-from soybean.tiling import Shard
+from soybean.tiling import R, Shard
 
 pytestmark = pytest.mark.unit
 
@@ -281,3 +281,24 @@ def test_context_parallel_none_forbids_and_n_forces_the_split() -> None:
         plan(None, (), captured=cap, devices=3, mesh=(3,), context_parallel=2, baselines=False)
     with pytest.raises(ValueError, match="--context-parallel"):
         plan(None, (), captured=cap, devices=2, context_parallel=1, baselines=False)
+
+
+def test_cp_tp_fsdp_is_torchtitans_long_context_layout_and_never_beats_the_plan() -> None:
+    """The ``cp_tp_fsdp`` baseline of a causal model on 2 nodes of 2: the input's sequence split across nodes (axis
+    0, the batch whole), every weight split inside a node and FSDP-sharded across; it is priced (not infeasible) on
+    a mesh the planner searched, and the plan is never slower.  A model without causal attention has none."""
+    pytest.importorskip("transformers")
+    from soybean import baselines
+    from soybean.models import load
+
+    model, inputs = load("hf:llama", {**_LLAMA, "seq": 64})
+    cap = capture(model, inputs)
+    lay = baselines.layouts(cap, 4, gpus_per_node=2)["cp_tp_fsdp"]
+    assert tuple(lay.mesh.shape) == (2, 2) and lay.gather == (0,)
+    assert cap.inputs and all(lay.domains[n] == [(Shard(1), R)] for n in cap.inputs)
+    p = plan(None, (), captured=cap, devices=4, gpus_per_node=2)
+    cp = p.baselines["cp_tp_fsdp"]
+    assert "infeasible" not in cp and tuple(cp["mesh"]) in {tuple(m["mesh"]) for m in p.meshes}
+    assert p.cost["step_time_s"] <= cp["step_time_s"] * (1 + 1e-9)
+    dense = capture(nn.Sequential(nn.Linear(8, 8)), (torch.randn(4, 8),))
+    assert "cp_tp_fsdp" not in baselines.layouts(dense, 4, gpus_per_node=2)

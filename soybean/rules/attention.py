@@ -78,6 +78,8 @@ def sdpa_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any, imbalance:
     (a,) = axes
     q, v = op.inputs[0], op.inputs[2]
     p, rows = mesh.shape[a], q.shape[-2]
+    if p == 1:  # one member keeps its rows: nothing moves
+        return []
     per_row = list(st.inputs[0])
     per_row[a] = R
     one = max_local_numel(q.shape[:-2] + (1, q.shape[-1]), tuple(per_row), mesh)  # a query row's elements
