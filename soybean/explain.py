@@ -57,7 +57,7 @@ from .graph import (
 from .mesh import Mesh
 from .plan import Plan
 from .planner import BACKWARD_SHARE, Result, evaluate, with_collectives
-from .records import all_to_all_step
+from .records import own_step
 from .reshard import Route
 from .search import Solution
 from .tiling import R, fmt
@@ -329,7 +329,7 @@ def op_collectives(g: PlanGraph, v: Var, c: int, grads: Sequence[bool]) -> list[
         k += phase == "forward"
         a, b = prof.ab(axis, kind)
         cost = Cost(m, n * a + m * b) if kind == "halo" else backend_call(kind, m, mesh.shape[axis], axis, prof)
-        step = {"halo": "halo", "all_to_all": all_to_all_step(v.op)}.get(kind, "sum_statistics") + f"[axis {axis}]"
+        step = own_step(v.op, kind) + f"[axis {axis}]"
         out.append(Collective(step, kind, phase, "", cost.bytes, cost.seconds + prof.blocking_s))
     return out
 

@@ -26,6 +26,7 @@ MODES = ("auto", "dp", "mp", "replicated")
 RECOMPUTE = ("none", "layers", "attention", "auto")
 COLLECTIVES = ("auto", *ALGORITHMS)
 PRECISIONS = tuple(POLICIES)
+CP_METHODS = ("auto", "all_gather_kv", "ring")  # ``rules.attention.cp_method``'s names
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class PlanOptions:
     jobs: int | None = None
     expert_imbalance: float = 1.0
     context_parallel: str | int = "auto"
+    context_parallel_method: str = "auto"
 
     def __post_init__(self) -> None:
         mesh = self.mesh
@@ -63,6 +65,7 @@ class PlanOptions:
         _choice("mode", self.mode, MODES)
         _choice("recompute", self.recompute, RECOMPUTE)
         _choice("collectives", self.collectives, COLLECTIVES)
+        _choice("context_parallel_method", self.context_parallel_method, CP_METHODS)
         if self.precision is not None:
             _choice("precision", self.precision, PRECISIONS)
         if self.devices is not None and self.devices < 1:
@@ -150,6 +153,11 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                                 "help": "attention split along the query sequence: auto (default: "
                                                         "the planner chooses), none, or N (every attention op's "
                                                         "query rows split N ways)"}),
+    ("context_parallel_method", "--context-parallel-method", {
+        "choices": CP_METHODS, "default": "auto",
+        "help": "how an attention op split along the sequence gets its keys and values: auto (default: the planner "
+                "chooses per op), all_gather_kv (gathered whole by an all-gather) or ring (split too, passed around "
+                "the members)"}),
     ("precision", "--precision", {"choices": PRECISIONS, "default": "fp32",
                                   "help": "fp32, or bf16-mixed: bf16 compute from fp32 master weights and AdamW "
                                           "states, gradients reduced in bf16"}),

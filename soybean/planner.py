@@ -122,7 +122,8 @@ class Search:
             return build(cap, mesh, self.on_mesh(mesh), objective=o.objective,
                          domains=_domains(cap, mesh, o.mode, o.local_batch), pin_params=o.mode in ("dp", "mp"),
                          local_outputs=o.local_batch, divide_work=True if o.mode in ("dp", "mp") else None,
-                         recompute=recompute, pricing=self.pricing, work=work, context_parallel=o.context_parallel)
+                         recompute=recompute, pricing=self.pricing, work=work, context_parallel=o.context_parallel,
+                         context_parallel_method=o.context_parallel_method)
         except NoStrategyLeft as e:  # an option rules this mesh out
             raise SearchError(str(e)) from e
 

@@ -18,7 +18,7 @@ from .ir.attention import ZIGZAG
 from .ir.experts import OP as ROUTED_EXPERTS
 from .mesh import Mesh
 from .reshard import Step, phase
-from .rules.attention import row_axes
+from .rules.attention import cp_method, row_axes
 from .rules.base import OpSpec, Strategy
 from .rules.experts import expert_axes
 from .rules.window import halo_step, halos, windows_of
@@ -134,10 +134,13 @@ def layer_rows(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
     return out
 
 
-def all_to_all_step(op: OpSpec) -> str:
-    """What an op's own all-to-alls are called in the record: causal attention's rows moved to and from the
-    zig-zag layout, routed experts' dispatch and combine."""
-    return "zigzag_rows" if op.name == "aten.scaled_dot_product_attention.default" else "dispatch_combine"
+def own_step(op: OpSpec, kind: str) -> str:
+    """What a collective an op runs inside itself is called in the record: causal attention's rows moved to and
+    from the zig-zag layout (``zigzag_rows``) or ring attention's key/value passes (``ring_kv``), routed experts'
+    dispatch and combine, a windowed op's halo exchange, batch norm's statistics."""
+    if op.name == "aten.scaled_dot_product_attention.default":
+        return {"all_to_all": "zigzag_rows", "halo": "ring_kv"}.get(kind, kind)
+    return {"halo": "halo", "all_to_all": "dispatch_combine"}.get(kind, "sum_statistics")
 
 
 def op_steps(op: OpSpec, st: Strategy, mesh: Mesh) -> list[str]:
@@ -149,23 +152,25 @@ def op_steps(op: OpSpec, st: Strategy, mesh: Mesh) -> list[str]:
         sync = entry.sync_args(op, st)
         out += [f"sum_statistics[axis {a}]" for a in sync.get("axes", ())]
         a2a: Sequence[int] = sync.get("a2a") or (sync.get("row_axes", ()) if sync.get("zigzag") else ())
-        out += [f"{all_to_all_step(op)}[axis {a}]" for a in a2a]
+        out += [f"{own_step(op, 'all_to_all')}[axis {a}]" for a in a2a]
+        out += [f"{own_step(op, 'halo')}[axis {a}]" for a in (sync.get("row_axes", ()) if sync.get("ring") else ())]
     return out
 
 
 def context_parallel_records(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
-    """One row per attention op whose query sequence the plan splits, in graph order: the op, the ``method`` (so
-    far ``all_gather_kv``: query rows split, keys and values whole, gathered by their edges as the Llama 3 paper's
+    """One row per attention op whose query sequence the plan splits, in graph order: the op, the ``method``
+    (``all_gather_kv``: query rows split, keys and values whole, gathered by their edges as the Llama 3 paper's
     context parallelism does; causal ones offset their mask, ``runtime.attention``), the mesh ``axes`` and their
     ``degree``, and the rows' ``layout``: ``contiguous`` (each member its own chunk) or ``zigzag`` (computed as one
-    early and one late chunk per member: ``ir.attention``)."""
+    early and one late chunk per member: ``ir.attention``).  ``method`` ``ring``: the keys and values split along
+    the sequence too, passed around the members (``runtime.ring``)."""
     out = []
     for vi, V in enumerate(g.vars):
         if V.op is not None and V.op.name == "aten.scaled_dot_product_attention.default":
             st = V.strategies[sol.choice[vi]]
             axes = list(row_axes(V.op, st))
             if axes:
-                out.append({"op": V.name, "method": "all_gather_kv", "axes": axes,
+                out.append({"op": V.name, "method": cp_method(V.op, st), "axes": axes,
                             "degree": math.prod(g.mesh.shape[a] for a in axes),
                             "layout": ZIGZAG if st.variant == ZIGZAG else "contiguous"})
     return out

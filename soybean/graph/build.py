@@ -32,7 +32,7 @@ from ..mesh import Mesh
 from ..pinning import PINNED, pinned_use, use_tiling
 from ..plan import Plan, Program
 from ..precision import policy
-from ..rules.attention import row_axes
+from ..rules.attention import cp_method, row_axes
 from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, node_spec, strategies_1d, tensor_args
 from ..tiling import Partial, R, Replicate, Shard, is_valid
 from .types import Edge, PlanGraph, Var
@@ -268,6 +268,7 @@ def build(
     gather_axes: tuple[int, ...] = (),
     gather_of: dict[str, tuple[int, ...]] | None = None,
     context_parallel: str | int = "auto",
+    context_parallel_method: str = "auto",
     share: bool = True,
     recompute: Collection[str] = (),
     pricing: PricingCache | None = None,
@@ -283,7 +284,9 @@ def build(
     gather axes (an expert weight split by expert parallelism on one axis, FSDP on the others).
     ``context_parallel``: ``auto`` lets every attention op split its query rows or not; ``none`` forbids it; ``N``
     keeps only the strategies that split them exactly ``N`` ways (``records.context_parallel_records``), and a mesh
-    with none raises ``NoStrategyLeft`` (the planner's ``SearchError`` for that mesh).
+    with none raises ``NoStrategyLeft`` (the planner's ``SearchError`` for that mesh).  ``context_parallel_method``
+    (``all_gather_kv`` or ``ring``; ``auto``: either) keeps, of the strategies splitting the query rows, those of
+    that method (``rules.attention.cp_method``).
     ``divide_work`` (default: only for the ``comm`` objective) keeps only strategies
     that cut every op's work on every axis wherever the rules allow one.
     ``fixed``: every variable takes the one strategy ``fixed`` chose (and its output contract);
@@ -302,7 +305,7 @@ def build(
     with gc_paused():
         return _Builder(PlanGraph(mesh, profile, pricing=pricing or PricingCache()), cap, objective, domains or {},
                         pin_params, local_outputs, divide_work, fixed, tuple(gather_axes), dict(gather_of or {}),
-                        context_parallel, share,
+                        (context_parallel, context_parallel_method), share,
                         frozenset(fixed.recompute if fixed is not None else recompute), work).run()
 
 
@@ -332,13 +335,14 @@ class _Builder:
 
     def __init__(self, g: PlanGraph, cap: Captured, objective: str, domains: dict[str, list[tuple]],
                  pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Program | None,
-                 gather_axes: tuple[int, ...], gather_of: dict[str, tuple[int, ...]], context_parallel: str | int,
+                 gather_axes: tuple[int, ...], gather_of: dict[str, tuple[int, ...]],
+                 context_parallel: tuple[str | int, str],
                  share: bool,
                  recompute: frozenset[str],
                  work: SharedWork | None = None) -> None:
         self.g, self.cap, self.objective, self.domains = g, cap, objective, domains
         self.pin_params, self.divide_work, self.fixed, self.gather_axes = pin_params, divide_work, fixed, gather_axes
-        self.gather_of, self.context_parallel = gather_of, context_parallel
+        self.gather_of, (self.context_parallel, self.cp_method) = gather_of, context_parallel
         self.mesh, self.profile = g.mesh, g.profile
         self.local_outputs = fixed.local_batch if fixed is not None else local_outputs
         self.rerun = _Rerun(cap.graph, recompute)
@@ -429,6 +433,10 @@ class _Builder:
                 ins, outs = fixed.node_tilings(node.name) if node.name in fixed.nodes else (
                     [self.full] * len(op.inputs), [self.full] * len(op.outputs))
                 strategies = [Strategy(tuple(ins), tuple(outs), fixed.node_variant(node.name))]
+                if strategies[0].variant and strategies[0] not in expand(op, mesh, strategies_1d(op)):
+                    # a variant runs another program on the same tilings: one its rule does not list would run wrong
+                    raise ValueError(f"the plan runs {node.name} as {strategies[0].variant!r} with tilings its rule "
+                                     "has no such variant for: was the plan edited, or made by another soybean?")
             else:
                 strategies = expand(op, mesh, strategies_1d(op))
                 emits = [partial_axes(g.vars[u], k, mesh.ndim) for u, k in sources]
@@ -439,6 +447,8 @@ class _Builder:
                     if not strategies:
                         raise NoStrategyLeft(f"mesh {mesh}: no axes split attention {node.name}'s query sequence "
                                              f"{want} ways (--context-parallel {want}): use a mesh with such axes")
+                if self.cp_method != "auto" and op.name == ATTENTION:
+                    strategies = [s for s in strategies if cp_method(op, s) in ("", self.cp_method)]
                 if self.divide_work if self.divide_work is not None else self.objective == "comm":
                     # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
                     whole = [s for s in strategies if all(s.divides_work())]

@@ -9,6 +9,9 @@ through ``scaled_dot_product_attention``.
 (``ir.attention.zigzag_moves``), I compute chunks ``r`` and ``2p - 1 - r`` with the mask of their global positions,
 and the results come back to the contiguous tiles; both moves are ``collectives.move_rows``, whose backward is the
 inverse move.
+
+``ring`` (one axis): keys and values split along the sequence too, passed around the members
+(``runtime.ring.ring_attention``).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from ..tiling import nested_range
 from .collectives import move_rows
 from .comm import Group
 from .context import current_groups
+from .ring import ring_attention
 
 __all__ = ["sb_sdpa_rows"]
 
@@ -29,9 +33,13 @@ __all__ = ["sb_sdpa_rows"]
 def sb_sdpa_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                  enable_gqa: bool = False, *, row_axes: Sequence[int] = (), rows: int = 0,
-                 zigzag: bool = False) -> torch.Tensor:
-    """``scaled_dot_product_attention`` of my query rows (module docstring): ``rows`` in the whole sequence."""
+                 zigzag: bool = False, ring: bool = False, keys: int = 0) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of my query rows (module docstring): ``rows`` in the whole sequence
+    (``keys``: the whole key sequence, for ``ring``)."""
     groups = current_groups()
+    if ring:
+        (axis,) = row_axes
+        return ring_attention(query, key, value, groups[axis], is_causal, scale, rows, keys)
     if zigzag and is_causal:
         (axis,) = row_axes
         return _zigzag(query, key, value, dropout_p, scale, enable_gqa, groups[axis], rows)

@@ -1,0 +1,143 @@
+"""Ring attention: query rows, keys and values all split along the sequence on one mesh axis of ``p`` members.
+
+Member ``r`` holds query rows ``Q_r``, keys ``K_r`` and values ``V_r`` (contiguous chunks, ``tiling.chunk_range``).
+Forward, in ``p`` steps ``j = 0 .. p - 1``, it holds block ``s = r - j (mod p)``, computes its rows against it and
+passes it on to member ``r + 1`` (``Group.exchange``, one neighbour: the halo pricing of ``rules.attention``).  Each
+block gives partial results ``O_s = softmax_s(Q K_s^T) V_s`` with their log-sum-exp ``l_s``; they merge exactly as
+
+    ``l = log(sum_s exp(l_s))``,   ``O = sum_s exp(l_s - l) O_s``
+
+(Liu et al., Ring Attention, 2023).  Causal attention over contiguous chunks skips the blocks after its own (all
+masked) and masks the diagonal one, so member ``p - 1`` works the most (``ir.attention.causal_skew``).
+
+Backward passes the blocks around again, each carrying the gradients of its keys and values: with the final ``O``
+and ``l``, block ``s``'s probabilities are ``P_s = exp(Q K_s^T * c - l)`` and
+
+    ``dV_s = P_s^T dO``,  ``dS = P_s * (dO V_s^T - rowsum(dO * O))``,  ``dQ += c dS K_s``,  ``dK_s = c dS^T Q``
+
+(FlashAttention's backward, blockwise), each member adding its rows' share to the block's ``dK_s, dV_s`` as it
+passes; after ``p - 1`` passes the sums are complete one member before their owner, and one more pass of the
+gradients alone brings them home.  Grouped-query heads are expanded per block and their gradients summed back.
+Everything is public tensor arithmetic: exact in any dtype on any device (half precision accumulates in float32).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd import Function
+
+from ..tiling import chunk_range
+from .comm import Group
+
+__all__ = ["ring_attention"]
+
+
+def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group, causal: bool,
+                   scale: float | None, rows: int, keys: int) -> torch.Tensor:
+    """My query rows' attention over every member's keys and values (module docstring); ``rows`` and ``keys``:
+    the whole sequences' lengths."""
+    c = scale if scale is not None else query.shape[-1] ** -0.5
+    return _Ring.apply(query, key, value, group, causal, c, rows, keys)
+
+
+def _spread(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query keys or values ``(..., h_kv, S, E)`` repeated to ``heads`` heads."""
+    return t if t.shape[-3] == heads else t.repeat_interleave(heads // t.shape[-3], dim=-3)
+
+
+def _gather_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``_spread``'s adjoint: the repeated heads' gradients summed back onto ``kv_heads``."""
+    if g.shape[-3] == kv_heads:
+        return g
+    return g.unflatten(-3, (kv_heads, g.shape[-3] // kv_heads)).sum(-3)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, c: float, causal: bool, me: int, src: int, p: int, rows: int,
+            keys: int) -> torch.Tensor:
+    """``Q K_src^T * c``, the diagonal block of causal attention masked (key after row: ``-inf``)."""
+    s = (q @ k.transpose(-1, -2)) * c
+    if causal and src == me:
+        a, _ = chunk_range(rows, p, me)
+        b, _ = chunk_range(keys, p, src)
+        i = torch.arange(q.shape[-2], device=q.device)[:, None] + a
+        j = torch.arange(k.shape[-2], device=q.device)[None, :] + b
+        s = s.masked_fill(j > i, float("-inf"))
+    return s
+
+
+def _pass(blocks: list[torch.Tensor], group: Group, incoming: int) -> list[torch.Tensor]:
+    """Send ``blocks`` (each ``(..., n, E_i)``, one sequence length ``n``) to the next member; receive the previous
+    member's, ``incoming`` rows long: one message, the blocks packed row by row."""
+    p, me = group.size, group.index
+    rows = [b.movedim(-2, 0).reshape(b.shape[-2], -1) for b in blocks]
+    widths = [r.shape[1] for r in rows]
+    packed = torch.cat(rows, 1)
+    got = group.exchange({(me + 1) % p: packed}, {(me - 1) % p: (incoming, packed.shape[1])}, packed)[(me - 1) % p]
+    out = []
+    for b, part in zip(blocks, got.split(widths, 1)):
+        shape = b.movedim(-2, 0).shape[1:]
+        out.append(part.reshape(incoming, *shape).movedim(0, -2))
+    return out
+
+
+class _Ring(Function):
+    """Ring attention's forward and backward (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, causal: bool, c: float,
+                rows: int, keys: int) -> torch.Tensor:
+        p, me = group.size, group.index
+        acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        qa = q.to(acc)
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        kb, vb = k, v
+        for j in range(p):
+            src = (me - j) % p
+            if not (causal and src > me):
+                s = _scores(qa, _spread(kb, q.shape[-3]).to(acc), c, causal, me, src, p, rows, keys)
+                ls = torch.logsumexp(s, -1)
+                os = torch.exp(s - ls[..., None]) @ _spread(vb, q.shape[-3]).to(acc)
+                new = torch.logaddexp(lse, ls)
+                out = out * torch.exp(lse - new)[..., None] + os * torch.exp(ls - new)[..., None]
+                lse = new
+            if j < p - 1:
+                nxt = (me - j - 1) % p
+                kb, vb = _pass([kb, vb], group, _length(keys, p, nxt))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.c, ctx.rows, ctx.keys = group, causal, c, rows, keys
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, c, rows, keys = ctx.group, ctx.causal, ctx.c, ctx.rows, ctx.keys
+        p, me, heads = group.size, group.index, q.shape[-3]
+        acc = out.dtype
+        qa, do = q.to(acc), dout.to(acc)
+        delta = (do * out).sum(-1, keepdim=True)  # rowsum(dO * O)
+        dq = torch.zeros_like(qa)
+        kb, vb = k, v
+        dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
+        for j in range(p):
+            src = (me - j) % p
+            if not (causal and src > me):
+                ke, ve = _spread(kb, heads).to(acc), _spread(vb, heads).to(acc)
+                prob = torch.exp(_scores(qa, ke, c, causal, me, src, p, rows, keys) - lse[..., None])
+                dv = dv + _gather_heads(prob.transpose(-1, -2) @ do, kb.shape[-3])
+                ds = prob * (do @ ve.transpose(-1, -2) - delta)
+                dq = dq + (ds @ ke) * c
+                dk = dk + _gather_heads((ds.transpose(-1, -2) @ qa) * c, kb.shape[-3])
+            nxt = (me - j - 1) % p
+            if j < p - 1:  # the block moves on with its gradients so far
+                kb, vb, dk, dv = _pass([kb, vb, dk, dv], group, _length(keys, p, nxt))
+            elif p > 1:  # the block's gradients are whole: home to its owner, the next member
+                dk, dv = _pass([dk, dv], group, _length(keys, p, me))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def _length(n: int, p: int, member: int) -> int:
+    """Member ``member``'s chunk length of a length-``n`` sequence split ``p`` ways."""
+    a, b = chunk_range(n, p, member)
+    return b - a
