@@ -18,7 +18,7 @@ from .ir.attention import ZIGZAG
 from .ir.experts import OP as ROUTED_EXPERTS
 from .mesh import Mesh
 from .reshard import Step, phase
-from .rules.attention import cp_method, row_axes
+from .rules.attention import cp_method, row_axes, zigzag_layout
 from .rules.base import OpSpec, Strategy
 from .rules.experts import expert_axes
 from .rules.window import halo_step, halos, windows_of
@@ -172,7 +172,7 @@ def context_parallel_records(g: PlanGraph, sol: Solution) -> list[dict[str, Any]
             if axes:
                 out.append({"op": V.name, "method": cp_method(V.op, st), "axes": axes,
                             "degree": math.prod(g.mesh.shape[a] for a in axes),
-                            "layout": ZIGZAG if st.variant == ZIGZAG else "contiguous"})
+                            "layout": ZIGZAG if zigzag_layout(st) else "contiguous"})
     return out
 
 

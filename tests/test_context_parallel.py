@@ -140,16 +140,22 @@ def test_zigzag_rows_move_the_bytes_priced(parts: int) -> None:
 
 
 class _Passes:
-    """A group that logs the bytes each neighbour exchange brings me (as ``halo`` is priced) and delegates it."""
+    """A group that logs the bytes each neighbour exchange brings me (``halo``, as priced) and each all-to-all of
+    rows moves in or out of me (``all_to_all``), and delegates them."""
 
-    def __init__(self, inner: object, log: list[float]) -> None:
+    def __init__(self, inner: object, log: list[tuple[str, float]]) -> None:
         self.inner, self.log = inner, log
         self.size, self.index = inner.size, inner.index  # type: ignore[attr-defined]
 
     def exchange(self, sends: dict, recv_shapes: dict, like: torch.Tensor) -> dict:
         got = self.inner.exchange(sends, recv_shapes, like)  # type: ignore[attr-defined]
-        self.log.append(float(sum(t.numel() * t.element_size() for t in got.values())))
+        self.log.append(("halo", float(sum(t.numel() * t.element_size() for t in got.values()))))
         return got
+
+    def all_to_all_rows(self, t: torch.Tensor, send: tuple, recv: tuple) -> torch.Tensor:
+        row = t[:1].numel() * t.element_size()
+        self.log.append(("all_to_all", float(max(sum(send) - send[self.index], sum(recv) - recv[self.index]) * row)))
+        return self.inner.all_to_all_rows(t, send, recv)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("causal,rows,keys,heads,kv_heads,parts", [
@@ -157,10 +163,11 @@ class _Passes:
     (True, 7, 7, 2, 1, 1)])
 def test_ring_attention_is_the_serial_op_and_passes_the_bytes_priced(
         causal: bool, rows: int, keys: int, heads: int, kv_heads: int, parts: int) -> None:
-    """Ring attention (``runtime.ring``) on ``parts`` members, float64, uneven chunks, grouped-query heads: every
-    member's output rows and its gradients of its query, key and value tiles are the serial op's (the backward's
-    passes bring each block's key and value gradients home: the adjoint of the forward's passes), and the passes
-    the members run, forward and backward, bring the bytes ``sdpa_comm`` prices, in order, for the busiest."""
+    """Ring attention (``runtime.ring``) on ``parts`` members, float64, uneven chunks, grouped-query heads, in
+    contiguous chunks and (causal) in the zig-zag layout: every member's output rows and its gradients of its query,
+    key and value tiles are the serial op's (the backward's passes bring each block's key and value gradients
+    home: the adjoint of the forward's passes), and the passes and moves the members run, forward and backward,
+    are the ones ``sdpa_comm`` prices, in order, with its bytes for the busiest."""
     from soybean.cost.collectives import op_comm_calls
     from soybean.runtime.attention import sb_sdpa_rows
     from soybean.runtime.context import use_groups
@@ -176,32 +183,39 @@ def test_ring_attention_is_the_serial_op_and_passes_the_bytes_priced(
     want = (out.detach(), *torch.autograd.grad(out, (q, k, v), cot))
     op = make_opspec(torch.ops.aten.scaled_dot_product_attention.default, (q, k, v), kw, out)
     mesh = Mesh((parts,))
-    st = next(s for s in expand(op, mesh) if s.variant == "ring")
-    priced = [m for _, _, m, _ in op_comm_calls(op, st, [True, True, True], mesh)]
-    logs: list[list[float]] = [[] for _ in range(parts)]
-    tiles: list = [None] * parts
+    for variant in ("ring", "ring_zigzag") if causal else ("ring",):
+        st = next(s for s in expand(op, mesh) if s.variant == variant)
+        priced = [(kind, m) for kind, _, m, _ in op_comm_calls(op, st, [True, True, True], mesh)]
+        logs: list[list[tuple[str, float]]] = [[] for _ in range(parts)]
+        tiles: list = [None] * parts
 
-    def member(rank: int, groups: list) -> None:
-        (a, b), (c, d) = chunk_range(rows, parts, rank), chunk_range(keys, parts, rank)
-        mine = [q[:, :, a:b], k[:, :, c:d], v[:, :, c:d]]
-        mine = [t.detach().requires_grad_(True) for t in mine]
-        with use_groups([_Passes(groups[0], logs[rank])]):
-            o = sb_sdpa_rows(*mine, **kw, row_axes=(0,), rows=rows, ring=True, keys=keys)
-            o.backward(cot[:, :, a:b])
-        tiles[rank] = (o.detach(), *(t.grad for t in mine))
+        def member(rank: int, groups: list) -> None:
+            (a, b), (c, d) = chunk_range(rows, parts, rank), chunk_range(keys, parts, rank)
+            mine = [q[:, :, a:b], k[:, :, c:d], v[:, :, c:d]]
+            mine = [t.detach().requires_grad_(True) for t in mine]
+            with use_groups([_Passes(groups[0], logs[rank])]):
+                o = sb_sdpa_rows(*mine, **kw, row_axes=(0,), rows=rows, ring=True, keys=keys,
+                                 zigzag=variant == "ring_zigzag")
+                o.backward(cot[:, :, a:b])
+            tiles[rank] = (o.detach(), *(t.grad for t in mine))
 
-    run_threads(mesh, member)
-    assert [max(col) for col in zip(*logs)] == priced
-    for i, w in enumerate(want):
-        torch.testing.assert_close(torch.cat([t[i] for t in tiles], 2), w)
+        run_threads(mesh, member)
+        ran = [(col[0][0], max(m for _, m in col)) for col in zip(*logs)]
+        assert [kind for kind, _ in ran] == [kind for kind, _ in priced]
+        assert [m for _, m in ran] == pytest.approx([m * ((parts - 1) / parts if kind == "all_to_all" else 1)
+                                                     for kind, m in priced])
+        for i, w in enumerate(want):
+            torch.testing.assert_close(torch.cat([t[i] for t in tiles], 2), w)
 
 
 @pytest.mark.sim
+@pytest.mark.parametrize("variant", ["ring", "ring_zigzag"])
 @pytest.mark.parametrize("mesh", [(2,), (4,), (2, 2)])
-def test_ring_attention_trains_as_serial(mesh: tuple[int, ...]) -> None:
+def test_ring_attention_trains_as_serial(mesh: tuple[int, ...], variant: str) -> None:
     """``context_parallel_method="ring"``: the plan splits the causal attention's queries, keys and values along
     the sequence (``method: ring``; on 2x2 on one axis, ``context_parallel=2``), ``explain`` shows its passes, and a
-    few AdamW steps equal serial training in float64 (66 tokens: uneven on 4)."""
+    few AdamW steps equal serial training in float64 (66 tokens: uneven on 4), run in contiguous chunks and in the
+    zig-zag layout (the plan's node set to that variant)."""
     from soybean.explain import explain
 
     torch.manual_seed(0)
@@ -211,6 +225,7 @@ def test_ring_attention_trains_as_serial(mesh: tuple[int, ...]) -> None:
     p = plan(None, (), captured=cap, devices=math.prod(mesh), mesh=mesh, objective="comm", baselines=False,
              context_parallel=2 if len(mesh) > 1 else "auto", context_parallel_method="ring")
     assert [r["method"] for r in p.context_parallel] == ["ring"]
+    p.nodes["scaled_dot_product_attention"]["variant"] = variant
     if len(mesh) == 1:  # (``explain`` rebuilds the table without the options: on 2x2 under ``comm`` it lacks the
         # one-axis split ``context_parallel=2`` forced)
         assert ("ring_kv[axis 0]", "backward") in {(c.step, c.phase) for r in explain(cap, p).rows

@@ -17,6 +17,7 @@ from ..tiling import chunk_range
 SDPA_ROWS = "sdpa_rows"  # the synchronised call causal attention's rule asks for when it splits the query rows
 ZIGZAG = "zigzag"  # the strategy variant (``rules.base.Strategy1D.variant``) that computes them in zig-zag layout
 RING = "ring"  # the variant splitting the keys and values too, passed around the members (``runtime.ring``)
+RING_ZIGZAG = "ring_zigzag"  # ring attention computed in the zig-zag layout (causal)
 
 
 Range = tuple[int, int]  # [start, stop) of query rows

@@ -17,7 +17,8 @@ broadcastable to ``(..., L, S)``.  Exact one-axis strategies:
 * the key sequence ``S`` only with the query rows on the same axis, as ring attention (the ``"ring"`` variant: q,
   k, v and out all split along the sequence; the key/value blocks passed from member to member, the partial
   results merged by their log-sum-exp: ``runtime.ring``; causal only where ``L == S``), priced by ``sdpa_comm``
-  as one neighbour exchange per pass; never alone (the softmax normalises over it);
+  as one neighbour exchange per pass; causal, also in the zig-zag layout (``"ring_zigzag"``: q, k, v moved there
+  and the results back, the work even); never alone (the softmax normalises over it);
 * linear in ``v``: v ``P``, q, k, mask ``R`` -> out ``P`` (not with dropout,
   whose per-device masks would differ).
 """
@@ -27,8 +28,8 @@ import dataclasses
 import math
 from typing import Any
 
-from ..ir.attention import RING, SDPA_ROWS, ZIGZAG, causal_skew, zigzag_leaving, zigzag_skew
-from ..tiling import max_local_numel
+from ..ir.attention import RING, RING_ZIGZAG, SDPA_ROWS, ZIGZAG, causal_skew, zigzag_leaving, zigzag_rows, zigzag_skew
+from ..tiling import chunk_lengths, max_local_numel
 from ._common import Args, R, Shard, bcast, partial_strategies
 from .base import OpCost, OpSpec, Strategy, Strategy1D, register
 
@@ -48,7 +49,12 @@ def row_axes(op: OpSpec, st: Strategy) -> tuple[int, ...]:
 def cp_method(op: OpSpec, st: Strategy) -> str:
     """How ``st`` gives an attention op split along the query rows its keys and values: ``ring`` (split too,
     passed around) or ``all_gather_kv`` (whole, gathered by their edges); ``""`` when the rows are whole."""
-    return "" if not row_axes(op, st) else RING if st.variant == RING else "all_gather_kv"
+    return "" if not row_axes(op, st) else RING if st.variant in (RING, RING_ZIGZAG) else "all_gather_kv"
+
+
+def zigzag_layout(st: Strategy) -> bool:
+    """Does ``st`` compute the rows in the zig-zag layout?"""
+    return st.variant in (ZIGZAG, RING_ZIGZAG)
 
 
 def _causal_row_axes(op: OpSpec, st: Strategy) -> tuple[int, ...]:
@@ -60,9 +66,9 @@ def sdpa_sync_args(op: OpSpec, st: Strategy) -> dict[str, Any]:
     """A causal attention whose query rows ``st`` splits: ``row_axes`` and ``rows``, the whole sequence's length,
     with which the program offsets its causal mask (``runtime.attention``), and ``zigzag`` for that variant;
     ring attention (causal or not): ``ring`` and ``keys``, the whole key sequence's length; ``{}`` otherwise."""
-    if st.variant == RING:
+    if st.variant in (RING, RING_ZIGZAG):
         return {"row_axes": row_axes(op, st), "rows": op.inputs[0].shape[-2], "ring": True,
-                "keys": op.inputs[1].shape[-2]}
+                "keys": op.inputs[1].shape[-2], **({"zigzag": True} if st.variant == RING_ZIGZAG else {})}
     axes = _causal_row_axes(op, st)
     if not axes:
         return {}
@@ -74,55 +80,66 @@ def sdpa_skew(op: OpSpec, st: Strategy, mesh: Any, profile: Any) -> float:
     chunks, or the zig-zag layout's)."""
     axes = _causal_row_axes(op, st)
     parts = math.prod(mesh.shape[a] for a in axes)
-    skew = zigzag_skew if st.variant == ZIGZAG else causal_skew
+    skew = zigzag_skew if zigzag_layout(st) else causal_skew
     return skew(op.inputs[0].shape[-2], op.inputs[1].shape[-2], parts) if axes else 1.0
 
 
 def sdpa_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any, imbalance: float = 1.0
               ) -> list[tuple[str, int, float, int]]:
-    """The zig-zag variant's all-to-alls on its row axis ``a`` of ``p`` members, in program order: forward the
-    query rows out and the results back, backward the results' gradients out and the queries' back (if wanted).
-    Each moves at most ``zigzag_leaving`` rows in or out of a member; the cost model's all-to-all sends
-    ``(p - 1) / p`` of its message, so the message is that many rows' bytes times ``p / (p - 1)``.
+    """The collectives inside an attention op split along the sequence on axis ``a`` of ``p`` members, in program
+    order (forward, then backward in autograd's order when an input needs a gradient):
 
-    The ring variant's passes (``runtime.ring``), each a message to one neighbour (``halo``: ``m`` bytes from one
-    member): forward ``p - 1`` of my key and value blocks; backward (when an input needs a gradient) ``p - 1`` of
-    the blocks with their gradients, and one of the gradients alone; the longest block's bytes."""
-    if st.variant == RING:
-        return _ring_comm(op, st, grads, mesh)
-    axes = _causal_row_axes(op, st)
-    if st.variant != ZIGZAG or not axes:
-        return []
+    * zig-zag rows: the query rows out and the results back by all-to-alls; backward the results' gradients out and
+      the queries' back (if wanted).  Each moves at most ``zigzag_leaving`` rows in or out of a member; the cost
+      model's all-to-all sends ``(p - 1) / p`` of its message, so the message is that many rows' bytes times
+      ``p / (p - 1)``;
+    * ring (``runtime.ring``): each pass a message to one neighbour (``halo``: ``m`` bytes from one member),
+      forward ``p - 1`` of my key and value blocks; backward ``p - 1`` of the blocks with their gradients and one
+      of the gradients alone; the longest block's bytes;
+    * ring in the zig-zag layout: the queries, keys and values moved there, the ring over the zig-zag blocks, the
+      results moved back; backward the results' gradients there, the ring's, then the values', keys' and queries'
+      gradients home."""
+    axes = row_axes(op, st)
+    if not axes or not (zigzag_layout(st) or st.variant == RING) or mesh.shape[axes[0]] == 1:
+        return []  # (one member keeps its rows: nothing moves)
     (a,) = axes
-    q, v = op.inputs[0], op.inputs[2]
-    p, rows = mesh.shape[a], q.shape[-2]
-    if p == 1:  # one member keeps its rows: nothing moves
-        return []
-    per_row = list(st.inputs[0])
-    per_row[a] = R
-    one = max_local_numel(q.shape[:-2] + (1, q.shape[-1]), tuple(per_row), mesh)  # a query row's elements
-    moved = zigzag_leaving(rows, p) * p / (p - 1) * q.dtype.itemsize
-    q_bytes, out_bytes = moved * one, moved * one * v.shape[-1] / q.shape[-1]
-    out = [("all_to_all", a, q_bytes, 1), ("all_to_all", a, out_bytes, 1)]
-    if any(grads):  # the results' gradients come back whatever needs them; the queries' only if they need one
-        out.append(("all_to_all", a, out_bytes, 1))
-    if grads and grads[0]:
-        out.append(("all_to_all", a, q_bytes, 1))
-    return out
-
-
-def _ring_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any) -> list[tuple[str, int, float, int]]:
-    """``sdpa_comm`` of the ring variant."""
-    (a,) = row_axes(op, st)
-    p = mesh.shape[a]
-    if p == 1:
-        return []
-    k, v = op.inputs[1], op.inputs[2]
-    kv = float(max_local_numel(k.shape, st.inputs[1], mesh) * k.dtype.itemsize
-               + max_local_numel(v.shape, st.inputs[2], mesh) * v.dtype.itemsize)
-    out = [("halo", a, kv, 1)] * (p - 1)
+    p, rows = mesh.shape[a], op.inputs[0].shape[-2]
+    if st.variant == RING:
+        return _ring_passes(op, st, grads, mesh, a, max(chunk_lengths(op.inputs[1].shape[-2], p)))
+    moved = zigzag_leaving(rows, p) * p / (p - 1)  # rows, as the message the all-to-all's pricing wants
+    q, k, v, out = (("all_to_all", a, moved * _row_bytes(op, st, i, a, mesh), 1) for i in range(4))
+    if st.variant == ZIGZAG:
+        calls = [q, out]
+        if any(grads):  # the results' gradients come back whatever needs them; the queries' only if they need one
+            calls.append(out)
+        if grads and grads[0]:
+            calls.append(q)
+        return calls
+    block = max(sum(e - b for b, e in zigzag_rows(rows, p, m)) for m in range(p))
+    ring = _ring_passes(op, st, grads, mesh, a, block)
+    calls = [q, k, v, *ring[:p - 1], out]
     if any(grads):
-        out += [("halo", a, 2 * kv, 1)] * (p - 1) + [("halo", a, kv, 1)]
+        calls += [out, *ring[p - 1:], v, k, q]
+    return calls
+
+
+def _row_bytes(op: OpSpec, st: Strategy, i: int, axis: int, mesh: Any) -> float:
+    """Bytes of one sequence row (dim ``-2``) of the tile of input ``i`` (``3``: the output, its rows as the query's,
+    its last dim the value's), the split on ``axis`` left aside."""
+    t = op.outputs[0] if i == 3 else op.inputs[i]
+    tiling = list(st.outputs[0] if i == 3 else st.inputs[i])
+    tiling[axis] = R
+    return float(max_local_numel(t.shape[:-2] + (1, t.shape[-1]), tuple(tiling), mesh) * t.dtype.itemsize)
+
+
+def _ring_passes(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any, axis: int, block: int
+                 ) -> list[tuple[str, int, float, int]]:
+    """The ring's passes on ``axis`` of key/value blocks of at most ``block`` rows (``sdpa_comm``)."""
+    p = mesh.shape[axis]
+    kv = block * (_row_bytes(op, st, 1, axis, mesh) + _row_bytes(op, st, 2, axis, mesh))
+    out = [("halo", axis, kv, 1)] * (p - 1)
+    if any(grads):
+        out += [("halo", axis, 2 * kv, 1)] * (p - 1) + [("halo", axis, kv, 1)]
     return out
 
 
@@ -149,6 +166,8 @@ def sdpa(op: OpSpec) -> list[Strategy1D]:
     if mask is None and not a["dropout_p"] and (not a["is_causal"] or q.shape[-2] == k.shape[-2]):
         seq = Shard(nd - 2)
         found.append(dataclasses.replace(a.strategy({"query": seq, "key": seq, "value": seq}, seq), variant=RING))
+        if a["is_causal"]:
+            found.append(dataclasses.replace(found[-1], variant=RING_ZIGZAG))
     if not a["dropout_p"]:
         found += partial_strategies(a, [["value"]])
     return found

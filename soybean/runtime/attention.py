@@ -11,7 +11,8 @@ and the results come back to the contiguous tiles; both moves are ``collectives.
 inverse move.
 
 ``ring`` (one axis): keys and values split along the sequence too, passed around the members
-(``runtime.ring.ring_attention``).
+(``runtime.ring.ring_attention``); with ``zigzag`` too, the queries, keys and values move to the zig-zag layout
+first and the ring runs there (torchtitan's load-balanced ring).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from ..tiling import nested_range
 from .collectives import move_rows
 from .comm import Group
 from .context import current_groups
-from .ring import ring_attention
+from .ring import contiguous, ring_attention
 
 __all__ = ["sb_sdpa_rows"]
 
@@ -37,9 +38,14 @@ def sb_sdpa_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     """``scaled_dot_product_attention`` of my query rows (module docstring): ``rows`` in the whole sequence
     (``keys``: the whole key sequence, for ``ring``)."""
     groups = current_groups()
+    if ring and zigzag and is_causal:
+        (axis,) = row_axes
+        return _ring_zigzag(query, key, value, scale, groups[axis], rows)
     if ring:
         (axis,) = row_axes
-        return ring_attention(query, key, value, groups[axis], is_causal, scale, rows, keys)
+        g = groups[axis]
+        return ring_attention(query, key, value, g, is_causal, scale, contiguous(rows, g.size, query.device),
+                              contiguous(keys, g.size, query.device))
     if zigzag and is_causal:
         (axis,) = row_axes
         return _zigzag(query, key, value, dropout_p, scale, enable_gqa, groups[axis], rows)
@@ -52,22 +58,50 @@ def sb_sdpa_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
                                           enable_gqa=enable_gqa)
 
 
+class _ZigZag:
+    """Member ``me``'s moves between its contiguous tile of a ``rows``-long sequence and its zig-zag rows
+    (``ir.attention.zigzag_moves``): ``there`` sends a tensor's rows (dim ``-2``) to the members that compute them
+    and returns mine, ascending; ``back`` returns results to their contiguous tiles.  Both are
+    ``collectives.move_rows`` (backward: the inverse move)."""
+
+    def __init__(self, group: Group, rows: int, device: torch.device) -> None:
+        p, me = group.size, group.index
+        moves = zigzag_moves(rows, p)
+        mine = moves[me]                                      # my rows, by the member that computes them
+        lo = min((a for d in mine for a, _ in d), default=0)  # my contiguous tile's first row
+        self.group = group
+        self.order = torch.tensor([i - lo for d in mine for a, b in d for i in range(a, b)], dtype=torch.long,
+                                  device=device)
+        self.send = tuple(sum(b - a for a, b in d) for d in mine)
+        self.recv = tuple(sum(b - a for a, b in moves[s][me]) for s in range(p))
+        self.positions = [torch.tensor([i for s in range(p) for a, b in moves[s][m] for i in range(a, b)],
+                                       dtype=torch.long, device=device) for m in range(p)]  # each member's rows
+        self.mine = self.positions[me]
+
+    def there(self, t: torch.Tensor) -> torch.Tensor:
+        rows_first = t.movedim(-2, 0)  # (rows, ...): move_rows moves dim 0
+        return move_rows(rows_first.index_select(0, self.order), self.group, self.send, self.recv).movedim(0, -2)
+
+    def back(self, t: torch.Tensor) -> torch.Tensor:
+        moved = move_rows(t.movedim(-2, 0).contiguous(), self.group, self.recv, self.send)  # as sent
+        return moved.index_select(0, torch.argsort(self.order)).movedim(0, -2)
+
+
 def _zigzag(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float, scale: float | None,
             enable_gqa: bool, group: Group, rows: int) -> torch.Tensor:
     """Causal attention of my contiguous query rows, computed in the zig-zag layout (module docstring)."""
-    p, me = group.size, group.index
-    moves = zigzag_moves(rows, p)
-    mine = moves[me]                                    # my rows, by the member that computes them
-    lo = min((a for d in mine for a, _ in d), default=0)  # my contiguous tile's first row
-    order = torch.tensor([i - lo for d in mine for a, b in d for i in range(a, b)], dtype=torch.long,
-                         device=query.device)
-    send = tuple(sum(b - a for a, b in d) for d in mine)
-    recv = tuple(sum(b - a for a, b in moves[s][me]) for s in range(p))
-    rows_first = query.movedim(-2, 0)                   # (rows, ...): move_rows moves dim 0
-    q = move_rows(rows_first.index_select(0, order), group, send, recv).movedim(0, -2)
-    pos = torch.tensor([i for s in range(p) for a, b in moves[s][me] for i in range(a, b)], dtype=torch.long,
-                       device=query.device)  # the global rows I compute, ascending
-    mask = pos[:, None] >= torch.arange(key.shape[-2], device=query.device)[None, :]
-    out = F.scaled_dot_product_attention(q, key, value, mask, dropout_p, False, scale=scale, enable_gqa=enable_gqa)
-    back = move_rows(out.movedim(-2, 0).contiguous(), group, recv, send)  # by computing member, as sent
-    return back.index_select(0, torch.argsort(order)).movedim(0, -2)
+    zz = _ZigZag(group, rows, query.device)
+    mask = zz.mine[:, None] >= torch.arange(key.shape[-2], device=query.device)[None, :]
+    out = F.scaled_dot_product_attention(zz.there(query), key, value, mask, dropout_p, False, scale=scale,
+                                         enable_gqa=enable_gqa)
+    return zz.back(out)
+
+
+def _ring_zigzag(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, group: Group,
+                 rows: int) -> torch.Tensor:
+    """Causal ring attention computed in the zig-zag layout: my query, key and value rows moved to their zig-zag
+    members, the ring run there with every block's positions, the results moved back."""
+    zz = _ZigZag(group, rows, query.device)
+    out = ring_attention(zz.there(query), zz.there(key), zz.there(value), group, True, scale, zz.positions,
+                         zz.positions)
+    return zz.back(out)

@@ -1,14 +1,17 @@
 """Ring attention: query rows, keys and values all split along the sequence on one mesh axis of ``p`` members.
 
-Member ``r`` holds query rows ``Q_r``, keys ``K_r`` and values ``V_r`` (contiguous chunks, ``tiling.chunk_range``).
+Member ``r`` holds query rows ``Q_r``, keys ``K_r`` and values ``V_r``: contiguous chunks (``contiguous``) or any
+rows whose global positions every member knows (the zig-zag layout's two chunks, ``runtime.attention``).
 Forward, in ``p`` steps ``j = 0 .. p - 1``, it holds block ``s = r - j (mod p)``, computes its rows against it and
 passes it on to member ``r + 1`` (``Group.exchange``, one neighbour: the halo pricing of ``rules.attention``).  Each
 block gives partial results ``O_s = softmax_s(Q K_s^T) V_s`` with their log-sum-exp ``l_s``; they merge exactly as
 
     ``l = log(sum_s exp(l_s))``,   ``O = sum_s exp(l_s - l) O_s``
 
-(Liu et al., Ring Attention, 2023).  Causal attention over contiguous chunks skips the blocks after its own (all
-masked) and masks the diagonal one, so member ``p - 1`` works the most (``ir.attention.causal_skew``).
+(Liu et al., Ring Attention, 2023).  Causal attention masks each key after a row by the positions and skips a block
+whose keys all come after my rows; over contiguous chunks member ``p - 1`` works the most
+(``ir.attention.causal_skew``), over zig-zag ones every member about the same.  A row none of whose keys in a block
+comes before it gets nothing from that block; my own block comes first, so every row's sum starts non-empty.
 
 Backward passes the blocks around again, each carrying the gradients of its keys and values: with the final ``O``
 and ``l``, block ``s``'s probabilities are ``P_s = exp(Q K_s^T * c - l)`` and
@@ -34,11 +37,16 @@ __all__ = ["ring_attention"]
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group, causal: bool,
-                   scale: float | None, rows: int, keys: int) -> torch.Tensor:
-    """My query rows' attention over every member's keys and values (module docstring); ``rows`` and ``keys``:
-    the whole sequences' lengths."""
+                   scale: float | None, rows: list[torch.Tensor], keys: list[torch.Tensor]) -> torch.Tensor:
+    """My query rows' attention over every member's keys and values (module docstring); ``rows[m]`` and
+    ``keys[m]``: the global positions of member ``m``'s query rows and keys, in its tiles' order."""
     c = scale if scale is not None else query.shape[-1] ** -0.5
     return _Ring.apply(query, key, value, group, causal, c, rows, keys)
+
+
+def contiguous(n: int, p: int, device: torch.device) -> list[torch.Tensor]:
+    """Every member's positions when a length-``n`` sequence is split in ``p`` contiguous chunks."""
+    return [torch.arange(*chunk_range(n, p, m), device=device) for m in range(p)]
 
 
 def _spread(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -53,17 +61,19 @@ def _gather_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g.unflatten(-3, (kv_heads, g.shape[-3] // kv_heads)).sum(-3)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, c: float, causal: bool, me: int, src: int, p: int, rows: int,
-            keys: int) -> torch.Tensor:
-    """``Q K_src^T * c``, the diagonal block of causal attention masked (key after row: ``-inf``)."""
+def _scores(q: torch.Tensor, k: torch.Tensor, c: float, causal: bool, rows: torch.Tensor, keys: torch.Tensor
+            ) -> torch.Tensor:
+    """``Q K^T * c`` of my rows at positions ``rows`` and a block of keys at ``keys``; causal: a key after its row
+    masked (``-inf``)."""
     s = (q @ k.transpose(-1, -2)) * c
-    if causal and src == me:
-        a, _ = chunk_range(rows, p, me)
-        b, _ = chunk_range(keys, p, src)
-        i = torch.arange(q.shape[-2], device=q.device)[:, None] + a
-        j = torch.arange(k.shape[-2], device=q.device)[None, :] + b
-        s = s.masked_fill(j > i, float("-inf"))
+    if causal and int(keys.max()) > int(rows.min()):
+        s = s.masked_fill(keys[None, :] > rows[:, None], float("-inf"))
     return s
+
+
+def _skipped(causal: bool, rows: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Causal, and every key of the block comes after every row of mine: nothing to compute."""
+    return causal and (not len(keys) or not len(rows) or int(keys.min()) > int(rows.max()))
 
 
 def _pass(blocks: list[torch.Tensor], group: Group, incoming: int) -> list[torch.Tensor]:
@@ -86,7 +96,7 @@ class _Ring(Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, causal: bool, c: float,
-                rows: int, keys: int) -> torch.Tensor:
+                rows: list[torch.Tensor], keys: list[torch.Tensor]) -> torch.Tensor:
         p, me = group.size, group.index
         acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         qa = q.to(acc)
@@ -95,16 +105,17 @@ class _Ring(Function):
         kb, vb = k, v
         for j in range(p):
             src = (me - j) % p
-            if not (causal and src > me):
-                s = _scores(qa, _spread(kb, q.shape[-3]).to(acc), c, causal, me, src, p, rows, keys)
+            if not _skipped(causal, rows[me], keys[src]):
+                s = _scores(qa, _spread(kb, q.shape[-3]).to(acc), c, causal, rows[me], keys[src])
                 ls = torch.logsumexp(s, -1)
-                os = torch.exp(s - ls[..., None]) @ _spread(vb, q.shape[-3]).to(acc)
+                finite = ls.masked_fill(torch.isinf(ls), 0.0)  # a row with no key here: its terms are all 0
+                os = torch.exp(s - finite[..., None]) @ _spread(vb, q.shape[-3]).to(acc)
                 new = torch.logaddexp(lse, ls)
                 out = out * torch.exp(lse - new)[..., None] + os * torch.exp(ls - new)[..., None]
                 lse = new
             if j < p - 1:
                 nxt = (me - j - 1) % p
-                kb, vb = _pass([kb, vb], group, _length(keys, p, nxt))
+                kb, vb = _pass([kb, vb], group, len(keys[nxt]))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.c, ctx.rows, ctx.keys = group, causal, c, rows, keys
         return out.to(q.dtype)
@@ -122,22 +133,16 @@ class _Ring(Function):
         dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
         for j in range(p):
             src = (me - j) % p
-            if not (causal and src > me):
+            if not _skipped(causal, rows[me], keys[src]):
                 ke, ve = _spread(kb, heads).to(acc), _spread(vb, heads).to(acc)
-                prob = torch.exp(_scores(qa, ke, c, causal, me, src, p, rows, keys) - lse[..., None])
+                prob = torch.exp(_scores(qa, ke, c, causal, rows[me], keys[src]) - lse[..., None])
                 dv = dv + _gather_heads(prob.transpose(-1, -2) @ do, kb.shape[-3])
                 ds = prob * (do @ ve.transpose(-1, -2) - delta)
                 dq = dq + (ds @ ke) * c
                 dk = dk + _gather_heads((ds.transpose(-1, -2) @ qa) * c, kb.shape[-3])
             nxt = (me - j - 1) % p
             if j < p - 1:  # the block moves on with its gradients so far
-                kb, vb, dk, dv = _pass([kb, vb, dk, dv], group, _length(keys, p, nxt))
+                kb, vb, dk, dv = _pass([kb, vb, dk, dv], group, len(keys[nxt]))
             elif p > 1:  # the block's gradients are whole: home to its owner, the next member
-                dk, dv = _pass([dk, dv], group, _length(keys, p, me))
+                dk, dv = _pass([dk, dv], group, len(keys[me]))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
-
-
-def _length(n: int, p: int, member: int) -> int:
-    """Member ``member``'s chunk length of a length-``n`` sequence split ``p`` ways."""
-    a, b = chunk_range(n, p, member)
-    return b - a
