@@ -24,7 +24,7 @@ from soybean.capture import Captured, capture
 from soybean.models import hf  # imports transformers only when a model is built
 from soybean.planner import plan as make_plan
 from soybean.report import table
-from soybean.testing import Trace, compare, train_parallel_threads, train_serial
+from soybean.testing import Trace, train_parallel_threads, train_serial
 
 pytest.importorskip("transformers", reason="Hugging Face tests need transformers: pip install -e '.[hf]'")
 
@@ -60,9 +60,15 @@ CASES = [(n, (2,), "auto", "comm") for n in CONFIGS] + [(n, (2,), "dp", "time") 
 @pytest.mark.sim
 @pytest.mark.parametrize("name,mesh,mode,objective", CASES, ids=[f"{n}-{'x'.join(map(str, m))}-{md}-{o}" for n, m, md, o in CASES])
 def test_parallel_training_equals_serial(name: str, mesh: tuple, mode: str, objective: str) -> None:
+    """Training under the plan equals serial training: every loss, gradient and parameter no further from the
+    float64 serial run than the float32 serial run is (``sweep.differences``: a parameter whose exact gradient is
+    rounding noise moves by AdamW's step on that noise, in unrelated directions in both runs; GPT-2's 2x2 plan
+    computes attention as a ring, whose blockwise float32 rounding differs from the serial kernel's)."""
+    from soybean.sweep import differences, exact_serial
+
     model, inputs, serial = tiny(name)
     par, plan = train_parallel_threads(model, inputs, mesh=mesh, mode=mode, objective=objective, steps=STEPS, lr=LR)
-    bad = compare(serial, par)
+    bad = differences(serial, exact_serial(model, inputs, serial, steps=STEPS, lr=LR), par, lr=LR, steps=STEPS)
     assert not bad, f"plan {plan.params}: " + "; ".join(bad[:5])
     assert any(t != ["R"] * len(mesh) for t in list(plan.params.values()) + list(plan.inputs.values())), "nothing was split"
 
