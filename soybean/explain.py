@@ -216,7 +216,7 @@ def explain_table(g: PlanGraph, choice: list[int], plan: Plan) -> Explanation:
         op_b, op_s = (float(v.op_comm[c, 0]), float(v.op_comm[c, 1])) if v.op_comm is not None else (0.0, 0.0)
         terms = [t for e in ins[vi] for t in edge_collectives(g, e, choice[e.src], c)]
         if v.op_comm is not None and op_b:
-            terms += op_collectives(g, v, c, _grads(v, ins[vi]))
+            terms += op_collectives(g, v, c, _grads(v, ins[vi]), any(e.rerun for e in ins[vi]))
         rows.append(Row(
             vi, v.name, v.kind, v.fqn if v.kind in ("param", "buffer") else v.module or v.fqn or v.name,
             _module_of(g, vi, ins[vi]), v.op.name if v.op is not None and v.kind == "op" else "",
@@ -315,16 +315,16 @@ def _grads(v: Var, ins: list[Edge]) -> list[bool]:
     return grads
 
 
-def op_collectives(g: PlanGraph, v: Var, c: int, grads: Sequence[bool]) -> list[Collective]:
+def op_collectives(g: PlanGraph, v: Var, c: int, grads: Sequence[bool], rerun: bool = False) -> list[Collective]:
     """The communication inside op ``v`` under strategy ``c`` (``cost.collectives.op_comm_calls``, priced as
     ``op_comm_costs``: their sums are ``v.op_comm[c]``); the calls a forward-only run makes are ``forward``,
-    the rest ``backward``."""
+    the rest ``backward`` (``rerun``: a recomputed op's forward calls, once more, among them)."""
     assert v.op is not None
     st, mesh, prof = v.strategies[c], g.mesh, g.profile
     fwd = op_comm_calls(v.op, st, [False] * len(grads), mesh, prof.expert_imbalance)
     out = []
     k = 0
-    for kind, axis, m, n in op_comm_calls(v.op, st, grads, mesh, prof.expert_imbalance):
+    for kind, axis, m, n in op_comm_calls(v.op, st, grads, mesh, prof.expert_imbalance, rerun):
         phase = "forward" if k < len(fwd) and fwd[k] == (kind, axis, m, n) else "backward"
         k += phase == "forward"
         a, b = prof.ab(axis, kind)

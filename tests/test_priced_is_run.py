@@ -205,12 +205,16 @@ def priced(cap: Any, plan: Plan) -> tuple[list[Call], Counter[int], float]:
                 calls.append((kind, axis, m))
     inside = 0.0
     grads: dict[int, list[bool]] = {}
+    rerun: set[int] = set()  # ops of recomputed layers: their reads are rerun
     for e in g.edges:
         if not e.write_back:
             grads.setdefault(e.dst, []).append(e.needs_grad)  # edges are in input order
-    for vi, v in enumerate(g.vars):  # communication inside ops: halo exchanges, summed statistics
+        if e.rerun:
+            rerun.add(e.dst)
+    for vi, v in enumerate(g.vars):  # communication inside ops: halo exchanges, summed statistics, own moves
         if v.op is not None and v.op_comm is not None:
-            calls += [(kind, axis, int(m)) for kind, axis, m, _ in op_comm_calls(v.op, v.strategies[0], grads[vi], mesh)]
+            calls += [(kind, axis, int(m)) for kind, axis, m, _ in op_comm_calls(v.op, v.strategies[0], grads[vi], mesh,
+                                                                                    rerun=vi in rerun)]
             inside += float(v.op_comm[0, 0])
     return calls, sync, float(sum(e.bytes[0, 0] for e in g.edges)) + inside
 

@@ -163,8 +163,19 @@ def reshard_cost(route: Route, shape: tuple, itemsize: int, mesh: Mesh, profile:
     return Cost(nb, ns, sync)
 
 
-def op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh, imbalance: float = 1.0
-                  ) -> list[tuple[str, int, float, int]]:
+def op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh, imbalance: float = 1.0,
+                  rerun: bool = False) -> list[tuple[str, int, float, int]]:
+    """``_op_comm_calls`` (below); ``rerun``: the op's layer is recomputed, so its forward calls run once more, in
+    backward, before its own backward ones."""
+    calls = _op_comm_calls(op, st, grads, mesh, imbalance)
+    if not rerun:
+        return calls
+    fwd = _op_comm_calls(op, st, [False] * len(grads), mesh, imbalance)
+    return fwd + calls if fwd else calls
+
+
+def _op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh, imbalance: float = 1.0
+                   ) -> list[tuple[str, int, float, int]]:
     """``(collective, mesh axis, message bytes, messages)`` of every call the communication inside ``op`` makes
     under ``st`` in one training step, in program order (module docstring):
 
@@ -205,7 +216,7 @@ def op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh, i
 
 
 def op_comm_costs(op: OpSpec, strategies: Sequence[Strategy], grads: Sequence[bool], mesh: Mesh,
-                  profile: Profile) -> np.ndarray | None:
+                  profile: Profile, rerun: bool = False) -> np.ndarray | None:
     """``[bytes, seconds]`` of the communication inside ``op`` under each strategy (None: it has none): its
     ``op_comm_calls``, a halo exchange of ``m`` bytes from ``n`` members taking ``n alpha + m beta``, any other
     collective priced as a ring (``collective``), each blocking (``blocking_s``)."""
@@ -214,7 +225,7 @@ def op_comm_costs(op: OpSpec, strategies: Sequence[Strategy], grads: Sequence[bo
         return None
     out = np.zeros((len(strategies), 2))
     for i, st in enumerate(strategies):
-        for kind, axis, m, n in op_comm_calls(op, st, grads, mesh, profile.expert_imbalance):
+        for kind, axis, m, n in op_comm_calls(op, st, grads, mesh, profile.expert_imbalance, rerun):
             a, b = profile.ab(axis, kind)
             c = Cost(m, n * a + m * b) if kind == "halo" else backend_call(kind, m, mesh.shape[axis], axis, profile)
             out[i] += (c.bytes, c.seconds + profile.blocking_s)

@@ -456,7 +456,7 @@ class _Builder:
             compute = op_seconds(op, strategies, grads, mesh, profile)
             if rerun.op(node.name):  # its forward runs again in backward
                 compute = compute + op_seconds(op, strategies, [False] * len(grads), mesh, profile)
-            op_comm = op_comm_costs(op, strategies, grads, mesh, profile)
+            op_comm = op_comm_costs(op, strategies, grads, mesh, profile, rerun.op(node.name))
             if op_comm is not None:
                 compute = compute + op_comm[:, 1]
             mem, buffer = rerun.memory(node, op, strategies, mesh)
