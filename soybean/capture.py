@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .experts import fuse_routed_experts
 from .functionalize import functionalize
 from .ir.losses import IGNORE_INDEX, class_count
+from .masks import CAUSAL, mask_meaning
 from .precision import compute_inputs, compute_model, policy
 
 
@@ -475,8 +476,10 @@ def fold_constant_masks(gm: fx.GraphModule) -> None:
     """Replace a constant boolean ``attn_mask`` of ``scaled_dot_product_attention`` by what it means.
 
     The mask is evaluated for the captured shapes and broadcast to the scores' ``(..., L, S)``:
-    all true -> no mask; ``tril`` (``L == S``) -> ``is_causal=True``.  Both are exact.  Other masks,
-    masks that depend on inputs and masks over ``MAX_FOLDED_MASK`` elements stay.  When a mask
+    all true -> no mask; ``tril`` (``L == S``) -> ``is_causal=True``.  Both are exact.  A mask whose scores are over
+    ``MAX_FOLDED_MASK`` elements is not built: its meaning is read from its small parts (``masks.mask_meaning``:
+    the comparison of key and query positions transformers builds).  Other masks and masks that depend on inputs
+    stay.  When a mask
     was folded, constant nodes left without users (the mask's subgraph) are erased.
     """
     g = gm.graph
@@ -493,22 +496,31 @@ def fold_constant_masks(gm: fx.GraphModule) -> None:
         if mask not in const or causal or mask.meta["val"].dtype != torch.bool:
             continue
         scores = tuple(q.meta["val"].shape[:-1]) + (k.meta["val"].shape[-2],)
-        if math.prod(scores) > MAX_FOLDED_MASK:
-            continue
-        try:
-            m = _evaluate(mask, memo)
-            m.expand(scores)  # a view: checks the mask broadcasts to the scores
-        except (RuntimeError, NotImplementedError, TypeError):  # an op that cannot run here: keep the mask
-            continue
         L, S = scores[-2], scores[-1]
-        # Tested on the mask as evaluated, not expanded: broadcasting repeats it, so it holds everywhere
-        # iff it holds on the mask (a GPT-2 mask expanded to batch x heads x 1024 x 1024 took 0.25 s).
-        if bool(m.all()):
-            is_causal = False
-        elif L == S and bool((m == torch.ones(L, S, dtype=torch.bool).tril()).all()):
-            is_causal = True
+        if math.prod(scores) > MAX_FOLDED_MASK:  # too large to build: read its meaning from its parts
+            try:
+                if torch.broadcast_shapes(tuple(mask.meta["val"].shape), scores) != scores:
+                    continue
+                meaning = mask_meaning(mask, lambda c: _evaluate(c, memo), MAX_FOLDED_MASK)
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            if meaning is None:
+                continue
+            is_causal = meaning == CAUSAL
         else:
-            continue
+            try:
+                m = _evaluate(mask, memo)
+                m.expand(scores)  # a view: checks the mask broadcasts to the scores
+            except (RuntimeError, NotImplementedError, TypeError):  # an op that cannot run here: keep the mask
+                continue
+            # Tested on the mask as evaluated, not expanded: broadcasting repeats it, so it holds everywhere
+            # iff it holds on the mask (a GPT-2 mask expanded to batch x heads x 1024 x 1024 took 0.25 s).
+            if bool(m.all()):
+                is_causal = False
+            elif L == S and bool((m == torch.ones(L, S, dtype=torch.bool).tril()).all()):
+                is_causal = True
+            else:
+                continue
         kwargs = {key: v for key, v in n.kwargs.items() if key not in ("attn_mask", "dropout_p", "is_causal")}
         dropout_p = args[4] if args[4] is not None else n.kwargs.get("dropout_p", 0.0)
         n.args = (q, k, args[2], None, dropout_p, is_causal)
