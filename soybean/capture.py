@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .experts import fuse_routed_experts
 from .functionalize import functionalize
 from .ir.losses import IGNORE_INDEX, class_count
-from .masks import CAUSAL, mask_meaning
+from .masks import CAUSAL, judged, mask_meaning
 from .precision import compute_inputs, compute_model, policy
 
 
@@ -497,30 +497,20 @@ def fold_constant_masks(gm: fx.GraphModule) -> None:
             continue
         scores = tuple(q.meta["val"].shape[:-1]) + (k.meta["val"].shape[-2],)
         L, S = scores[-2], scores[-1]
-        if math.prod(scores) > MAX_FOLDED_MASK:  # too large to build: read its meaning from its parts
-            try:
+        try:
+            if math.prod(scores) > MAX_FOLDED_MASK:  # too large to build: read its meaning from its parts
                 if torch.broadcast_shapes(tuple(mask.meta["val"].shape), scores) != scores:
                     continue
                 meaning = mask_meaning(mask, lambda c: _evaluate(c, memo), MAX_FOLDED_MASK)
-            except (RuntimeError, NotImplementedError, TypeError):
-                continue
-            if meaning is None:
-                continue
-            is_causal = meaning == CAUSAL
-        else:
-            try:
+            else:  # judged as evaluated, not expanded: a GPT-2 mask expanded to batch x heads x 1024 x 1024 took 0.25 s
                 m = _evaluate(mask, memo)
                 m.expand(scores)  # a view: checks the mask broadcasts to the scores
-            except (RuntimeError, NotImplementedError, TypeError):  # an op that cannot run here: keep the mask
-                continue
-            # Tested on the mask as evaluated, not expanded: broadcasting repeats it, so it holds everywhere
-            # iff it holds on the mask (a GPT-2 mask expanded to batch x heads x 1024 x 1024 took 0.25 s).
-            if bool(m.all()):
-                is_causal = False
-            elif L == S and bool((m == torch.ones(L, S, dtype=torch.bool).tril()).all()):
-                is_causal = True
-            else:
-                continue
+                meaning = judged(m, L, S)
+        except (RuntimeError, NotImplementedError, TypeError):  # an op that cannot run here: keep the mask
+            continue
+        if meaning is None:
+            continue
+        is_causal = meaning == CAUSAL
         kwargs = {key: v for key, v in n.kwargs.items() if key not in ("attn_mask", "dropout_p", "is_causal")}
         dropout_p = args[4] if args[4] is not None else n.kwargs.get("dropout_p", 0.0)
         n.args = (q, k, args[2], None, dropout_p, is_causal)

@@ -38,11 +38,20 @@ def mask_meaning(mask: fx.Node, evaluate: Callable[[fx.Node], Any], limit: int) 
     """``ALL``, ``CAUSAL`` or ``None`` for the constant boolean ``mask`` (module docstring); ``evaluate`` computes a
     constant node, called only on nodes whose whole cone has at most ``limit`` elements per node."""
     out = _meaning(mask, evaluate, limit, {})
-    if isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() >= 2:  # small enough to judge whole
-        L, S = out.shape[-2:]
-        return ALL if bool(out.all()) else CAUSAL if L == S and bool(
-            (out == torch.ones(L, S, dtype=torch.bool).tril()).all()) else None
+    if isinstance(out, torch.Tensor) and out.dim() >= 2:  # small enough to judge whole
+        return judged(out, *out.shape[-2:])
     return out if isinstance(out, str) else None
+
+
+def judged(m: torch.Tensor, L: int, S: int) -> str | None:
+    """The meaning of the built mask ``m`` over ``L`` queries and ``S`` keys: ``ALL`` when all true, ``CAUSAL`` when
+    ``tril`` (``L == S``), else None.  Judged on ``m`` as built, not broadcast: broadcasting repeats it, so it holds
+    everywhere iff it holds on ``m``."""
+    if m.dtype != torch.bool:
+        return None
+    if bool(m.all()):
+        return ALL
+    return CAUSAL if L == S and bool((m == torch.ones(L, S, dtype=torch.bool).tril()).all()) else None
 
 
 def _numel(n: fx.Node) -> int:

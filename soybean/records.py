@@ -14,7 +14,7 @@ from . import rules
 from .cost.collectives import choose, route_calls
 from .cost.memory import PARAM_COPIES, stored_bytes, sync_bucket_bytes
 from .graph import Edge, PlanGraph, edge_profile, layer_of, phase_peaks, rerun_freed, value_name
-from .ir.attention import ZIGZAG
+from .ir.attention import SDPA, ZIGZAG
 from .ir.experts import OP as ROUTED_EXPERTS
 from .mesh import Mesh
 from .reshard import Step, phase
@@ -138,7 +138,7 @@ def own_step(op: OpSpec, kind: str) -> str:
     """What a collective an op runs inside itself is called in the record: causal attention's rows moved to and
     from the zig-zag layout (``zigzag_rows``) or ring attention's key/value passes (``ring_kv``), routed experts'
     dispatch and combine, a windowed op's halo exchange, batch norm's statistics."""
-    if op.name == "aten.scaled_dot_product_attention.default":
+    if op.name == SDPA:
         return {"all_to_all": "zigzag_rows", "halo": "ring_kv"}.get(kind, kind)
     return {"halo": "halo", "all_to_all": "dispatch_combine"}.get(kind, "sum_statistics")
 
@@ -166,7 +166,7 @@ def context_parallel_records(g: PlanGraph, sol: Solution) -> list[dict[str, Any]
     the sequence too, passed around the members (``runtime.ring``)."""
     out = []
     for vi, V in enumerate(g.vars):
-        if V.op is not None and V.op.name == "aten.scaled_dot_product_attention.default":
+        if V.op is not None and V.op.name == SDPA:
             st = V.strategies[sol.choice[vi]]
             axes = list(row_axes(V.op, st))
             if axes:

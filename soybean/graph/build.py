@@ -28,6 +28,7 @@ from ..cost.memory import (
 from ..cost.phases import backward_transient, rerun_credit
 from ..cost.pricing import EdgeTables, PricingCache
 from ..cost.profiles import Profile
+from ..ir.attention import SDPA
 from ..mesh import Mesh
 from ..pinning import PINNED, pinned_use, use_tiling
 from ..plan import Plan, Program
@@ -305,11 +306,8 @@ def build(
     with gc_paused():
         return _Builder(PlanGraph(mesh, profile, pricing=pricing or PricingCache()), cap, objective, domains or {},
                         pin_params, local_outputs, divide_work, fixed, tuple(gather_axes), dict(gather_of or {}),
-                        (context_parallel, context_parallel_method), share,
+                        context_parallel, context_parallel_method, share,
                         frozenset(fixed.recompute if fixed is not None else recompute), work).run()
-
-
-ATTENTION = "aten.scaled_dot_product_attention.default"
 
 
 class NoStrategyLeft(ValueError):
@@ -336,13 +334,13 @@ class _Builder:
     def __init__(self, g: PlanGraph, cap: Captured, objective: str, domains: dict[str, list[tuple]],
                  pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Program | None,
                  gather_axes: tuple[int, ...], gather_of: dict[str, tuple[int, ...]],
-                 context_parallel: tuple[str | int, str],
+                 context_parallel: str | int, cp_method: str,
                  share: bool,
                  recompute: frozenset[str],
                  work: SharedWork | None = None) -> None:
         self.g, self.cap, self.objective, self.domains = g, cap, objective, domains
         self.pin_params, self.divide_work, self.fixed, self.gather_axes = pin_params, divide_work, fixed, gather_axes
-        self.gather_of, (self.context_parallel, self.cp_method) = gather_of, context_parallel
+        self.gather_of, self.context_parallel, self.cp_method = gather_of, context_parallel, cp_method
         self.mesh, self.profile = g.mesh, g.profile
         self.local_outputs = fixed.local_batch if fixed is not None else local_outputs
         self.rerun = _Rerun(cap.graph, recompute)
@@ -441,13 +439,13 @@ class _Builder:
                 strategies = expand(op, mesh, strategies_1d(op))
                 emits = [partial_axes(g.vars[u], k, mesh.ndim) for u, k in sources]
                 strategies = [s for s in strategies if not _needless_partial(s, emits)] or strategies
-                if self.context_parallel != "auto" and op.name == ATTENTION:
+                if self.context_parallel != "auto" and op.name == SDPA:
                     want = 1 if self.context_parallel == "none" else int(self.context_parallel)
                     strategies = [s for s in strategies if math.prod(mesh.shape[a] for a in row_axes(op, s)) == want]
                     if not strategies:
                         raise NoStrategyLeft(f"mesh {mesh}: no axes split attention {node.name}'s query sequence "
                                              f"{want} ways (--context-parallel {want}): use a mesh with such axes")
-                if self.cp_method != "auto" and op.name == ATTENTION:
+                if self.cp_method != "auto" and op.name == SDPA:
                     strategies = [s for s in strategies if cp_method(op, s) in ("", self.cp_method)]
                 if self.divide_work if self.divide_work is not None else self.objective == "comm":
                     # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.

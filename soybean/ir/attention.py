@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ..tiling import chunk_range
 
+SDPA = "aten.scaled_dot_product_attention.default"  # the attention op, as ``rules.base.op_name`` names it
 SDPA_ROWS = "sdpa_rows"  # the synchronised call causal attention's rule asks for when it splits the query rows
 ZIGZAG = "zigzag"  # the strategy variant (``rules.base.Strategy1D.variant``) that computes them in zig-zag layout
 RING = "ring"  # the variant splitting the keys and values too, passed around the members (``runtime.ring``)

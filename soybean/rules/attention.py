@@ -28,7 +28,17 @@ import dataclasses
 import math
 from typing import Any
 
-from ..ir.attention import RING, RING_ZIGZAG, SDPA_ROWS, ZIGZAG, causal_skew, zigzag_leaving, zigzag_rows, zigzag_skew
+from ..ir.attention import (
+    RING,
+    RING_ZIGZAG,
+    SDPA,
+    SDPA_ROWS,
+    ZIGZAG,
+    causal_skew,
+    zigzag_leaving,
+    zigzag_rows,
+    zigzag_skew,
+)
 from ..tiling import chunk_lengths, max_local_numel
 from ._common import Args, R, Shard, bcast, partial_strategies
 from .base import OpCost, OpSpec, Strategy, Strategy1D, register
@@ -143,7 +153,7 @@ def _ring_passes(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any, axis: i
     return out
 
 
-@register("aten.scaled_dot_product_attention.default", family="attention",
+@register(SDPA, family="attention",
           cost=OpCost(flops=sdpa_flops, backward=2.5, skew=sdpa_skew), sync_args=sdpa_sync_args, sync_call=SDPA_ROWS,
           comm=sdpa_comm)
 def sdpa(op: OpSpec) -> list[Strategy1D]:
