@@ -86,59 +86,6 @@ def _zigzag(p: Plan) -> Plan:
     return p
 
 
-class _Logged:
-    """A group that logs the rows each all-to-all of rows sends away (bytes) and delegates it."""
-
-    def __init__(self, inner: object, log: list[float]) -> None:
-        self.inner, self.log = inner, log
-        self.size, self.index = inner.size, inner.index  # type: ignore[attr-defined]
-
-    def all_to_all_rows(self, t: torch.Tensor, send: tuple, recv: tuple) -> torch.Tensor:
-        row = t[:1].numel() * t.element_size()
-        self.log.append(float(max(sum(send) - send[self.index], sum(recv) - recv[self.index]) * row))
-        return self.inner.all_to_all_rows(t, send, recv)  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize("parts", [2, 3, 4])
-def test_zigzag_rows_move_the_bytes_priced(parts: int) -> None:
-    """The zig-zag variant on ``parts`` members, 30 rows (uneven), GQA heads: the all-to-alls it runs forward and
-    backward move, in order and for the busiest member, the bytes ``sdpa_comm`` prices (its message times
-    ``(p - 1) / p``), and its result and gradients are the serial op's."""
-    from soybean.cost.collectives import op_comm_calls
-    from soybean.runtime.attention import sb_sdpa_rows
-    from soybean.runtime.context import use_groups
-    from soybean.tiling import chunk_range
-
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, h, 30, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    cot = torch.randn_like(out)
-    want_grads = torch.autograd.grad(out, (q, k, v), cot)
-    op = make_opspec(torch.ops.aten.scaled_dot_product_attention.default, (q, k, v),
-                     {"is_causal": True, "enable_gqa": True}, out)
-    mesh = Mesh((parts,))
-    st = next(s for s in expand(op, mesh) if s.variant == "zigzag")
-    priced = [m * (parts - 1) / parts for _, _, m, _ in op_comm_calls(op, st, [True, True, True], mesh)]
-    logs: list[list[float]] = [[] for _ in range(parts)]
-    tiles: list = [None] * parts
-
-    def member(rank: int, groups: list) -> None:
-        a, b = chunk_range(30, parts, rank)
-        mine = q[:, :, a:b].detach().requires_grad_(True)
-        kk, vv = k.detach().requires_grad_(True), v.detach().requires_grad_(True)
-        with use_groups([_Logged(groups[0], logs[rank])]):
-            o = sb_sdpa_rows(mine, kk, vv, is_causal=True, enable_gqa=True, row_axes=(0,), rows=30, zigzag=True)
-            o.backward(cot[:, :, a:b])
-        tiles[rank] = (o.detach(), mine.grad, kk.grad, vv.grad)
-
-    run_threads(mesh, member)
-    assert [max(col) for col in zip(*logs)] == pytest.approx(priced)
-    torch.testing.assert_close(torch.cat([t[0] for t in tiles], 2), out.detach())
-    torch.testing.assert_close(torch.cat([t[1] for t in tiles], 2), want_grads[0])
-    torch.testing.assert_close(sum(t[2] for t in tiles), want_grads[1])
-    torch.testing.assert_close(sum(t[3] for t in tiles), want_grads[2])
-
-
 class _Passes:
     """A group that logs the bytes each neighbour exchange brings me (``halo``, as priced) and each all-to-all of
     rows moves in or out of me (``all_to_all``), and delegates them."""
@@ -158,6 +105,70 @@ class _Passes:
         return self.inner.all_to_all_rows(t, send, recv)  # type: ignore[attr-defined]
 
 
+def _busiest(logs: list[list[tuple[str, float]]]) -> list[tuple[str, float]]:
+    """The members' logged calls, aligned: each call's kind and its largest bytes (the busiest member's)."""
+    return [(col[0][0], max(m for _, m in col)) for col in zip(*logs)]
+
+
+def _priced_moves(op: object, st: object, mesh: Mesh) -> list[tuple[str, float]]:
+    """``op_comm_calls``' calls as ``_Passes`` logs them: an all-to-all's message times ``(p - 1) / p`` (what
+    leaves the busiest member), a neighbour exchange's message whole."""
+    from soybean.cost.collectives import op_comm_calls
+
+    return [(kind, m * ((mesh.shape[axis] - 1) / mesh.shape[axis] if kind == "all_to_all" else 1))
+            for kind, axis, m, _ in op_comm_calls(op, st, [True, True, True], mesh)]
+
+
+def _trains_as_serial(model: nn.Module, x: torch.Tensor, p: Plan) -> None:
+    """Three AdamW steps under ``p`` (every rank a thread) equal serial training in float64."""
+    serial = train_serial(model, (x,), steps=3)
+    par, _ = train_parallel_threads(model, (x,), plan=p, steps=3)
+    torch.testing.assert_close(torch.tensor(par.losses), torch.tensor(serial.losses), rtol=1e-10, atol=1e-12)
+    for k, v in serial.params.items():
+        torch.testing.assert_close(par.params[k], v, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_zigzag_rows_move_the_bytes_priced(parts: int) -> None:
+    """The zig-zag variant on ``parts`` members, 30 rows (uneven), GQA heads: the all-to-alls it runs forward and
+    backward move, in order and for the busiest member, the bytes ``sdpa_comm`` prices (its message times
+    ``(p - 1) / p``), and its result and gradients are the serial op's."""
+    from soybean.runtime.attention import sb_sdpa_rows
+    from soybean.runtime.context import use_groups
+    from soybean.tiling import chunk_range
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, 30, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    cot = torch.randn_like(out)
+    want_grads = torch.autograd.grad(out, (q, k, v), cot)
+    op = make_opspec(torch.ops.aten.scaled_dot_product_attention.default, (q, k, v),
+                     {"is_causal": True, "enable_gqa": True}, out)
+    mesh = Mesh((parts,))
+    st = next(s for s in expand(op, mesh) if s.variant == "zigzag")
+    priced = _priced_moves(op, st, mesh)
+    logs: list[list[tuple[str, float]]] = [[] for _ in range(parts)]
+    tiles: list = [None] * parts
+
+    def member(rank: int, groups: list) -> None:
+        a, b = chunk_range(30, parts, rank)
+        mine = q[:, :, a:b].detach().requires_grad_(True)
+        kk, vv = k.detach().requires_grad_(True), v.detach().requires_grad_(True)
+        with use_groups([_Passes(groups[0], logs[rank])]):
+            o = sb_sdpa_rows(mine, kk, vv, is_causal=True, enable_gqa=True, row_axes=(0,), rows=30, zigzag=True)
+            o.backward(cot[:, :, a:b])
+        tiles[rank] = (o.detach(), mine.grad, kk.grad, vv.grad)
+
+    run_threads(mesh, member)
+    ran = _busiest(logs)
+    assert [kind for kind, _ in ran] == [kind for kind, _ in priced] == ["all_to_all"] * len(priced)
+    assert [m for _, m in ran] == pytest.approx([m for _, m in priced])
+    torch.testing.assert_close(torch.cat([t[0] for t in tiles], 2), out.detach())
+    torch.testing.assert_close(torch.cat([t[1] for t in tiles], 2), want_grads[0])
+    torch.testing.assert_close(sum(t[2] for t in tiles), want_grads[1])
+    torch.testing.assert_close(sum(t[3] for t in tiles), want_grads[2])
+
+
 @pytest.mark.parametrize("causal,rows,keys,heads,kv_heads,parts", [
     (True, 30, 30, 4, 2, 2), (True, 30, 30, 4, 2, 3), (False, 30, 22, 2, 2, 4), (True, 66, 66, 1, 1, 4),
     (True, 7, 7, 2, 1, 1)])
@@ -168,7 +179,6 @@ def test_ring_attention_is_the_serial_op_and_passes_the_bytes_priced(
     key and value tiles are the serial op's (the backward's passes bring each block's key and value gradients
     home: the adjoint of the forward's passes), and the passes and moves the members run, forward and backward,
     are the ones ``sdpa_comm`` prices, in order, with its bytes for the busiest."""
-    from soybean.cost.collectives import op_comm_calls
     from soybean.runtime.attention import sb_sdpa_rows
     from soybean.runtime.context import use_groups
     from soybean.tiling import chunk_range
@@ -185,11 +195,11 @@ def test_ring_attention_is_the_serial_op_and_passes_the_bytes_priced(
     mesh = Mesh((parts,))
     for variant in ("ring", "ring_zigzag") if causal else ("ring",):
         st = next(s for s in expand(op, mesh) if s.variant == variant)
-        priced = [(kind, m) for kind, _, m, _ in op_comm_calls(op, st, [True, True, True], mesh)]
+        priced = _priced_moves(op, st, mesh)
         logs: list[list[tuple[str, float]]] = [[] for _ in range(parts)]
         tiles: list = [None] * parts
 
-        def member(rank: int, groups: list) -> None:
+        def member(rank: int, groups: list, logs: list = logs, tiles: list = tiles, variant: str = variant) -> None:
             (a, b), (c, d) = chunk_range(rows, parts, rank), chunk_range(keys, parts, rank)
             mine = [q[:, :, a:b], k[:, :, c:d], v[:, :, c:d]]
             mine = [t.detach().requires_grad_(True) for t in mine]
@@ -200,10 +210,9 @@ def test_ring_attention_is_the_serial_op_and_passes_the_bytes_priced(
             tiles[rank] = (o.detach(), *(t.grad for t in mine))
 
         run_threads(mesh, member)
-        ran = [(col[0][0], max(m for _, m in col)) for col in zip(*logs)]
+        ran = _busiest(logs)
         assert [kind for kind, _ in ran] == [kind for kind, _ in priced]
-        assert [m for _, m in ran] == pytest.approx([m * ((parts - 1) / parts if kind == "all_to_all" else 1)
-                                                     for kind, m in priced])
+        assert [m for _, m in ran] == pytest.approx([m for _, m in priced])
         for i, w in enumerate(want):
             torch.testing.assert_close(torch.cat([t[i] for t in tiles], 2), w)
 
@@ -230,11 +239,7 @@ def test_ring_attention_trains_as_serial(mesh: tuple[int, ...], variant: str) ->
         # one-axis split ``context_parallel=2`` forced)
         assert ("ring_kv[axis 0]", "backward") in {(c.step, c.phase) for r in explain(cap, p).rows
                                                    for c in r.collectives}
-    serial = train_serial(model, (x,), steps=3)
-    par, _ = train_parallel_threads(model, (x,), plan=p, steps=3)
-    torch.testing.assert_close(torch.tensor(par.losses), torch.tensor(serial.losses), rtol=1e-10, atol=1e-12)
-    for k, v in serial.params.items():
-        torch.testing.assert_close(par.params[k], v, rtol=1e-9, atol=1e-12)
+    _trains_as_serial(model, x, p)
 
 
 def test_a_plan_whose_variant_its_rule_lacks_is_refused() -> None:
@@ -262,11 +267,7 @@ def test_zigzag_rows_train_as_serial(mesh: tuple[int, ...]) -> None:
     p = _zigzag(plan(None, (), captured=cap, devices=math.prod(mesh), mesh=mesh, objective="comm", baselines=False,
                      context_parallel=2 if len(mesh) > 1 else "auto", context_parallel_method="all_gather_kv"))
     assert any(n.get("variant") == "zigzag" for n in p.nodes.values())
-    serial = train_serial(model, (x,), steps=3)
-    par, _ = train_parallel_threads(model, (x,), plan=p, steps=3)
-    torch.testing.assert_close(torch.tensor(par.losses), torch.tensor(serial.losses), rtol=1e-10, atol=1e-12)
-    for k, v in serial.params.items():
-        torch.testing.assert_close(par.params[k], v, rtol=1e-9, atol=1e-12)
+    _trains_as_serial(model, x, p)
 
 
 def test_the_planner_prices_zigzag_against_contiguous_rows() -> None:
@@ -303,11 +304,7 @@ def test_query_rows_split_train_as_serial(mesh: tuple[int, ...]) -> None:
              baselines=False, context_parallel_method="all_gather_kv")
     assert p.context_parallel and all(r["method"] == "all_gather_kv" for r in p.context_parallel)
     assert max(r["degree"] for r in p.context_parallel) >= 2 and "context_parallel" in p.to_dict()
-    serial = train_serial(model, (x,), steps=3)
-    par, _ = train_parallel_threads(model, (x,), plan=p, steps=3)
-    torch.testing.assert_close(torch.tensor(par.losses), torch.tensor(serial.losses), rtol=1e-10, atol=1e-12)
-    for k, v in serial.params.items():
-        torch.testing.assert_close(par.params[k], v, rtol=1e-9, atol=1e-12)
+    _trains_as_serial(model, x, p)
 
 
 _LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
