@@ -137,10 +137,12 @@ def layer_rows(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
 def own_step(op: OpSpec, kind: str) -> str:
     """What a collective an op runs inside itself is called in the record: causal attention's rows moved to and
     from the zig-zag layout (``zigzag_rows``) or ring attention's key/value passes (``ring_kv``), routed experts'
-    dispatch and combine, a windowed op's halo exchange, batch norm's statistics."""
+    dispatch and combine, a windowed op's halo exchange, cross-entropy's per-row statistics gathered over its class
+    split (``class_statistics``), batch norm's statistics."""
     if op.name == SDPA:
         return {"all_to_all": "zigzag_rows", "halo": "ring_kv"}.get(kind, kind)
-    return {"halo": "halo", "all_to_all": "dispatch_combine"}.get(kind, "sum_statistics")
+    return {"halo": "halo", "all_to_all": "dispatch_combine", "all_gather": "class_statistics"}.get(kind,
+                                                                                                 "sum_statistics")
 
 
 def op_steps(op: OpSpec, st: Strategy, mesh: Mesh) -> list[str]:
@@ -154,6 +156,7 @@ def op_steps(op: OpSpec, st: Strategy, mesh: Mesh) -> list[str]:
         a2a: Sequence[int] = sync.get("a2a") or (sync.get("row_axes", ()) if sync.get("zigzag") else ())
         out += [f"{own_step(op, 'all_to_all')}[axis {a}]" for a in a2a]
         out += [f"{own_step(op, 'halo')}[axis {a}]" for a in (sync.get("row_axes", ()) if sync.get("ring") else ())]
+        out += [f"{own_step(op, 'all_gather')}[axis {a}]" for a in sync.get("class_axes", ())]
     return out
 
 

@@ -252,13 +252,16 @@ case(aten.log_softmax.int, X, 0)
 case(aten._log_softmax.default, X, -1, False)
 
 LOGITS, LABELS = randn(6, 5), torch.tensor([0, 4, 2, -100, 1, 3])
-for _r in (0, 1, 2):  # a mean (1) weighs uneven chunks differently: not a pending sum, so no split
-    case(aten.cross_entropy_loss.default, LOGITS, LABELS, pos(5), _r, splits=_r != 1)
+for _r in (0, 1, 2):  # a mean (1) splits only its classes: uneven row chunks weigh their means differently
+    case(aten.cross_entropy_loss.default, LOGITS, LABELS, pos(5), _r)
     case(aten.nll_loss_forward.default, LOGITS.log_softmax(1), LABELS, pos(5), _r, -100)
     case(aten.mse_loss.default, X, randn(6, 5, 7), _r, splits=_r != 1)
 case(aten.cross_entropy_loss.default, randn(4, 5, 7), ints(5, 4, 7), None, 2, -100, 0.1)
 case(aten.cross_entropy_loss.default, LOGITS, LOGITS.softmax(1), None, 2)
 case(aten.cross_entropy_loss.default, LOGITS, LOGITS.softmax(1), None, 0, -100, 0.2)
+case(aten.cross_entropy_loss.default, randn(3, 7, 2, dtype=torch.float64), torch.tensor([[6, 0], [-100, 3], [5, 5]]),
+     None, 1)  # classes split with more dims, an ignored row and a class on no 3-way member's edge
+case(aten.cross_entropy_loss.default, LOGITS, LABELS.clamp(0), None, 1, 2)  # another ignore_index
 case(aten.nll_loss.default, LOGITS, LABELS, None, 2)
 case(aten.nll_loss.default, LOGITS, LABELS, pos(5), 1)
 case(aten.nll_loss_nd.default, randn(4, 5, 7), ints(5, 4, 7), pos(5), 0)

@@ -7,10 +7,12 @@ from typing import Any
 
 from ..ir.attention import SDPA_ROWS
 from ..ir.experts import ROUTED_EXPERTS
+from ..ir.loss_parallel import CLASS_SPLIT_CROSS_ENTROPY
 from ..ir.syncnorm import SYNC_BATCH_NORM
 from .attention import sb_sdpa_rows
 from .experts import sb_routed_experts
 from .syncnorm import sb_batch_norm
+from .vocab_loss import sb_cross_entropy
 
 SYNC_CALLS: dict[str, Callable[..., Any]] = {SYNC_BATCH_NORM: sb_batch_norm, ROUTED_EXPERTS: sb_routed_experts,
-                                             SDPA_ROWS: sb_sdpa_rows}
+                                             SDPA_ROWS: sb_sdpa_rows, CLASS_SPLIT_CROSS_ENTROPY: sb_cross_entropy}
