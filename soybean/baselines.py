@@ -36,8 +36,8 @@ with the plan, and on a mesh the planner searched the plan is never worse than i
 * ``cp_tp_fsdp`` (a model with causal attention only; ``tp_fsdp``'s mesh): torchtitan's long-context layout,
   context parallelism across nodes with FSDP on the same axis (its ``dp_shard x cp`` sharding) and tensor
   parallelism inside a node.  Every user input of 2+ dims split along its sequence (dim 1) on axis 0, the batch
-  whole; parameters as ``tp_fsdp``'s; the solver places the activations (the sequence split through the layers,
-  attention's query rows split with its keys and values gathered, as the plan's own table may).
+  whole; parameters as ``tp_fsdp``'s; every attention op's query rows split on axis 0 (``sequence_axes``), its keys
+  and values gathered or passed around the ring as the solver chooses; the solver places the other activations.
 
 **Made to fit as experts make them fit.**  Under a memory budget, each of ``FITTED`` that does not fit is priced
 again with selective activation checkpointing, then with full (every layer), the way torchtitan's users turn on
@@ -94,6 +94,7 @@ class Layout:
     gather_of: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per-parameter gather axes (experts)
     divide_work: bool | None = True
     recompute: frozenset[str] = frozenset()  # units whose forward reruns in backward (``codegen.recompute``)
+    sequence_axes: tuple[int, ...] = ()  # the axes every attention op's query rows split on (context parallelism)
     cannot: str = ""        # why the layout has only forbidden reshardings, when it has
     infeasible: str = ""    # why it cannot run at all, known before building its table
 
@@ -104,11 +105,13 @@ class Layout:
         assert self.mesh is not None, self.infeasible
         return build(cap, self.mesh, profile.on_mesh(self.mesh, gpus_per_node), objective=objective,
                      domains=self.domains, pin_params=self.pin, gather_axes=self.gather, gather_of=self.gather_of,
-                     divide_work=self.divide_work, recompute=self.recompute, pricing=pricing)
+                     divide_work=self.divide_work, recompute=self.recompute, pricing=pricing,
+                     context_parallel=self.sequence_axes or "auto")
 
     def same_table(self, other: Layout) -> bool:
-        return (self.mesh, self.domains, self.pin, self.gather, self.gather_of, self.divide_work, self.recompute) == (
-            other.mesh, other.domains, other.pin, other.gather, other.gather_of, other.divide_work, other.recompute)
+        return (self.mesh, self.domains, self.pin, self.gather, self.gather_of, self.divide_work, self.recompute,
+                self.sequence_axes) == (other.mesh, other.domains, other.pin, other.gather, other.gather_of,
+                                        other.divide_work, other.recompute, other.sequence_axes)
 
 
 class Priced(Protocol):
@@ -308,7 +311,7 @@ def _cp_tp_fsdp(cap: Captured, devices: int, gpus_per_node: int | None) -> Layou
         v = vals.get(name)
         doms[name] = [seq] if v is not None and v.dim() >= 2 and _splits(seq, tuple(v.shape), mesh) else \
             [(R,) * mesh.ndim]
-    lay = Layout("cp_tp_fsdp", mesh, doms, pin=True, gather=(cp,), divide_work=None,
+    lay = Layout("cp_tp_fsdp", mesh, doms, pin=True, gather=(cp,), divide_work=None, sequence_axes=(cp,),
                  cannot="tensor parallelism uses every weight in the split it is stored in, and some op cannot use "
                         "one so")
     if all(d == [(R,) * mesh.ndim] for n, d in doms.items() if n in cap.inputs):

@@ -393,17 +393,23 @@ def test_context_parallel_none_forbids_and_n_forces_the_split() -> None:
 
 def test_cp_tp_fsdp_is_torchtitans_long_context_layout_and_never_beats_the_plan() -> None:
     """The ``cp_tp_fsdp`` baseline of a causal model on 2 nodes of 2: the input's sequence split across nodes (axis
-    0, the batch whole), every weight split inside a node and FSDP-sharded across; it is priced (not infeasible) on
+    0, the batch whole) and every attention op's query rows there, every weight split inside a node and
+    FSDP-sharded across; it is priced (not infeasible) on
     a mesh the planner searched, and the plan is never slower.  A model without causal attention has none."""
     pytest.importorskip("transformers")
     from soybean import baselines
+    from soybean.cost.profiles import load_profile
     from soybean.models import load
+    from soybean.rules.attention import row_axes
 
     model, inputs = load("hf:llama", {**_LLAMA, "seq": 64})
     cap = capture(model, inputs)
     lay = baselines.layouts(cap, 4, gpus_per_node=2)["cp_tp_fsdp"]
     assert tuple(lay.mesh.shape) == (2, 2) and lay.gather == (0,)
-    assert cap.inputs and all(lay.domains[n] == [(Shard(1), R)] for n in cap.inputs)
+    assert cap.inputs and all(lay.domains[n] == [(Shard(1), R)] for n in cap.inputs) and lay.sequence_axes == (0,)
+    g = lay.table(cap, load_profile(None), "time", 2)
+    sdpa = [v for v in g.vars if v.name.startswith("scaled_dot_product_attention")]
+    assert len(sdpa) == 2 and all(row_axes(v.op, st) == (0,) for v in sdpa for st in v.strategies)
     p = plan(None, (), captured=cap, devices=4, gpus_per_node=2)
     cp = p.baselines["cp_tp_fsdp"]
     assert "infeasible" not in cp and tuple(cp["mesh"]) in {tuple(m["mesh"]) for m in p.meshes}

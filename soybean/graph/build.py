@@ -268,7 +268,7 @@ def build(
     fixed: Plan | Program | None = None,
     gather_axes: tuple[int, ...] = (),
     gather_of: dict[str, tuple[int, ...]] | None = None,
-    context_parallel: str | int = "auto",
+    context_parallel: str | int | tuple[int, ...] = "auto",
     context_parallel_method: str = "auto",
     share: bool = True,
     recompute: Collection[str] = (),
@@ -285,9 +285,10 @@ def build(
     gather axes (an expert weight split by expert parallelism on one axis, FSDP on the others).
     ``context_parallel``: ``auto`` lets every attention op split its query rows or not; ``none`` forbids it; ``N``
     keeps only the strategies that split them exactly ``N`` ways (``records.context_parallel_records``), and a mesh
-    with none raises ``NoStrategyLeft`` (the planner's ``SearchError`` for that mesh).  ``context_parallel_method``
-    (``all_gather_kv`` or ``ring``; ``auto``: either) keeps, of the strategies splitting the query rows, those of
-    that method (``rules.attention.cp_method``).
+    with none raises ``NoStrategyLeft`` (the planner's ``SearchError`` for that mesh); a tuple of mesh axes (a
+    baseline's, ``baselines.cp_tp_fsdp``) keeps only those splitting them on exactly those axes.
+    ``context_parallel_method`` (``all_gather_kv`` or ``ring``; ``auto``: either) keeps, of the strategies
+    splitting the query rows, those of that method (``rules.attention.cp_method``).
     ``divide_work`` (default: only for the ``comm`` objective) keeps only strategies
     that cut every op's work on every axis wherever the rules allow one.
     ``fixed``: every variable takes the one strategy ``fixed`` chose (and its output contract);
@@ -334,7 +335,7 @@ class _Builder:
     def __init__(self, g: PlanGraph, cap: Captured, objective: str, domains: dict[str, list[tuple]],
                  pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Program | None,
                  gather_axes: tuple[int, ...], gather_of: dict[str, tuple[int, ...]],
-                 context_parallel: str | int, cp_method: str,
+                 context_parallel: str | int | tuple[int, ...], cp_method: str,
                  share: bool,
                  recompute: frozenset[str],
                  work: SharedWork | None = None) -> None:
@@ -439,12 +440,18 @@ class _Builder:
                 strategies = expand(op, mesh, strategies_1d(op))
                 emits = [partial_axes(g.vars[u], k, mesh.ndim) for u, k in sources]
                 strategies = [s for s in strategies if not _needless_partial(s, emits)] or strategies
-                if self.context_parallel != "auto" and op.name == SDPA:
-                    want = 1 if self.context_parallel == "none" else int(self.context_parallel)
-                    strategies = [s for s in strategies if math.prod(mesh.shape[a] for a in row_axes(op, s)) == want]
+                cp = self.context_parallel
+                if cp != "auto" and op.name == SDPA:
+                    if isinstance(cp, tuple):  # a baseline's own axes
+                        strategies = [s for s in strategies if tuple(row_axes(op, s)) == cp]
+                        why = f"does not split on mesh axes {list(cp)}"
+                    else:
+                        want = 1 if cp == "none" else int(cp)
+                        strategies = [s for s in strategies
+                                      if math.prod(mesh.shape[a] for a in row_axes(op, s)) == want]
+                        why = f"splits on no axes {want} ways (--context-parallel {want}): use a mesh with such axes"
                     if not strategies:
-                        raise NoStrategyLeft(f"mesh {mesh}: no axes split attention {node.name}'s query sequence "
-                                             f"{want} ways (--context-parallel {want}): use a mesh with such axes")
+                        raise NoStrategyLeft(f"mesh {mesh}: attention {node.name}'s query sequence {why}")
                 if self.cp_method != "auto" and op.name == SDPA:
                     strategies = [s for s in strategies if cp_method(op, s) in ("", self.cp_method)]
                 if self.divide_work if self.divide_work is not None else self.objective == "comm":
