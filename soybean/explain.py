@@ -39,7 +39,8 @@ import numpy as np
 
 from .baselines import batch_split
 from .capture import Captured
-from .cost.collectives import Cost, backend_call, choose, op_comm_calls, route_calls
+from .cost.collectives import choose, op_call_cost, op_comm_calls, route_calls
+from .cost.compute import op_seconds
 from .cost.memory import fmt_memory
 from .cost.profiles import Profile, load_profile
 from .graph import (
@@ -322,15 +323,15 @@ def op_collectives(g: PlanGraph, v: Var, c: int, grads: Sequence[bool], rerun: b
     assert v.op is not None
     st, mesh, prof = v.strategies[c], g.mesh, g.profile
     fwd = op_comm_calls(v.op, st, [False] * len(grads), mesh, prof.expert_imbalance)
+    own = float(op_seconds(v.op, [st], [False] * len(grads), mesh, prof)[0])  # the forward a call may run behind
     out = []
     k = 0
-    for kind, axis, m, n in op_comm_calls(v.op, st, grads, mesh, prof.expert_imbalance, rerun):
-        phase = "forward" if k < len(fwd) and fwd[k] == (kind, axis, m, n) else "backward"
+    for call in op_comm_calls(v.op, st, grads, mesh, prof.expert_imbalance, rerun):
+        phase = "forward" if k < len(fwd) and fwd[k][:4] == call[:4] else "backward"
         k += phase == "forward"
-        a, b = prof.ab(axis, kind)
-        cost = Cost(m, n * a + m * b) if kind == "halo" else backend_call(kind, m, mesh.shape[axis], axis, prof)
-        step = own_step(v.op, kind) + f"[axis {axis}]"
-        out.append(Collective(step, kind, phase, "", cost.bytes, cost.seconds + prof.blocking_s))
+        cost = op_call_cost(call, mesh, prof, own)
+        step = own_step(v.op, call.kind) + f"[axis {call.axis}]"
+        out.append(Collective(step, call.kind, phase, "", cost.bytes, cost.seconds))
     return out
 
 

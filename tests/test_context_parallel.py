@@ -115,8 +115,8 @@ def _priced_moves(op: object, st: object, mesh: Mesh) -> list[tuple[str, float]]
     leaves the busiest member), a neighbour exchange's message whole."""
     from soybean.cost.collectives import op_comm_calls
 
-    return [(kind, m * ((mesh.shape[axis] - 1) / mesh.shape[axis] if kind == "all_to_all" else 1))
-            for kind, axis, m, _ in op_comm_calls(op, st, [True, True, True], mesh)]
+    return [(c.kind, c.bytes * ((mesh.shape[c.axis] - 1) / mesh.shape[c.axis] if c.kind == "all_to_all" else 1))
+            for c in op_comm_calls(op, st, [True, True, True], mesh)]
 
 
 def _trains_as_serial(model: nn.Module, x: torch.Tensor, p: Plan) -> None:
@@ -215,6 +215,51 @@ def test_ring_attention_is_the_serial_op_and_passes_the_bytes_priced(
         assert [m for _, m in ran] == pytest.approx([m for _, m in priced])
         for i, w in enumerate(want):
             torch.testing.assert_close(torch.cat([t[i] for t in tiles], 2), w)
+
+
+def _ring_case(causal: bool) -> tuple:
+    """Queries (4 heads, 29 rows: uneven on 2), keys and values (2 heads) and an output gradient, float64."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, h, 29, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    return q, k, v, torch.randn(out.shape, dtype=torch.float64, generator=g)
+
+
+def _ring_rank(rank: int, world: int) -> dict:
+    """One gloo rank: ring attention on its tiles (``TorchGroup``: each pass started before the block's compute),
+    causal in both layouts and not; its output rows and gradients."""
+    from soybean.runtime import torch_groups, use_groups
+    from soybean.runtime.attention import sb_sdpa_rows
+    from soybean.tiling import chunk_range
+
+    torch.set_num_threads(1)
+    got = {}
+    with use_groups(torch_groups(Mesh((world,)))):
+        for causal, zigzag in ((True, False), (True, True), (False, False)):
+            q, k, v, cot = _ring_case(causal)
+            a, b = chunk_range(29, world, rank)
+            mine = [t[:, :, a:b].clone().requires_grad_(True) for t in (q, k, v)]
+            o = sb_sdpa_rows(*mine, is_causal=causal, enable_gqa=True, row_axes=(0,), rows=29, ring=True, keys=29,
+                             zigzag=zigzag)
+            o.backward(cot[:, :, a:b])
+            got[causal, zigzag] = (o.detach(), *(t.grad for t in mine))
+    return got
+
+
+@pytest.mark.dist
+def test_ring_attention_overlapping_its_passes_is_the_serial_op_on_gloo() -> None:
+    """Ring attention on 2 gloo processes, where each pass runs while the block before it computes
+    (``TorchGroup.exchange_start``): causal in contiguous and zig-zag chunks and not, uneven, grouped-query heads;
+    the output and every gradient are the serial op's in float64."""
+    from soybean.runtime.launch import spawn
+
+    ranks = spawn(_ring_rank, 2, timeout_s=300)
+    for (causal, zigzag) in ranks[0]:
+        q, k, v, cot = (t.requires_grad_(True) if i < 3 else t for i, t in enumerate(_ring_case(causal)))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        want = (out.detach(), *torch.autograd.grad(out, (q, k, v), cot))
+        for i, w in enumerate(want):
+            torch.testing.assert_close(torch.cat([r[causal, zigzag][i] for r in ranks], 2), w)
 
 
 @pytest.mark.sim

@@ -169,7 +169,7 @@ def test_the_plan_records_each_moe_layer_and_prices_its_all_to_alls() -> None:
     st = next(s for s in expand(op, mesh) if isinstance(s.inputs[0][0], Shard) and isinstance(s.inputs[3][0], Shard))
     calls = op_comm_calls(op, st, [True, False, True, True, True], mesh)
     rows = 3 * 2 * args[0].shape[1] * 8  # my 3 tokens x top-2 rows x hidden x float64
-    assert calls == [("all_to_all", 0, 16.0, 1), ("all_to_all", 0, rows, 1), ("all_to_all", 0, 3 * 2 * 8.0, 1),
+    assert [c[:4] for c in calls] == [("all_to_all", 0, 16.0, 1), ("all_to_all", 0, rows, 1), ("all_to_all", 0, 3 * 2 * 8.0, 1),
                      ("all_to_all", 0, rows, 1), ("all_to_all", 0, rows, 1), ("all_to_all", 0, rows, 1)]
 
 
@@ -178,8 +178,8 @@ def test_the_plan_records_each_moe_layer_and_prices_its_all_to_alls() -> None:
                                               ("deepseek_v3", (2, 2), "mp")])
 def test_training_with_the_experts_split_equals_serial(name: str, mesh: tuple[int, ...], mode: str) -> None:
     """A tiny MoE trained for a few AdamW steps with every rank a thread, under the plan that minimises
-    communication (its experts split: rows moved on one axis, on a 2x2 mesh a pending sum on the other): every
-    loss, gradient and parameter as serial."""
+    communication (its experts split: rows moved on one axis, on a 2x2 mesh a pending sum on the other for Mixtral,
+    rows moved on both for DeepSeek-V3): every loss, gradient and parameter as serial."""
     from soybean.planner import plan
     from soybean.sweep import LR, STEPS, differences, exact_serial
     from soybean.testing import train_parallel_threads, train_serial
@@ -189,7 +189,7 @@ def test_training_with_the_experts_split_equals_serial(name: str, mesh: tuple[in
     p = plan(None, (), captured=cap, devices=math.prod(mesh), mesh=mesh, mode=mode, objective="comm",
              baselines=False)
     assert p.moe and all(r["dispatch"] for r in p.moe) and all(r["degree"] == math.prod(mesh) for r in p.moe)
-    if len(mesh) > 1:
+    if len(mesh) > 1 and name == "mixtral":  # (DeepSeek-V3's, with its loss split by class, moves rows on both)
         assert all(r["partial"] for r in p.moe)
     serial = train_serial(model, inputs, steps=STEPS, lr=LR)
     par, _ = train_parallel_threads(model, inputs, plan=p, steps=STEPS, lr=LR)
@@ -303,7 +303,7 @@ def test_the_bytes_moved_are_the_bytes_priced_under_balanced_routing() -> None:
     op = make_opspec(OP, (x, idx, w, params, experts, body), {}, routed_experts(x, idx, w, params, experts, body))
     mesh = Mesh((2,))
     st = next(s for s in expand(op, mesh) if isinstance(s.inputs[0][0], Shard) and isinstance(s.inputs[3][0], Shard))
-    want = [m for _, _, m, _ in op_comm_calls(op, st, [True, False, True, True, True], mesh)]
+    want = [c.bytes for c in op_comm_calls(op, st, [True, False, True, True, True], mesh)]
     logs: list[list[float]] = [[], []]
 
     def member(rank: int, groups: list) -> None:

@@ -56,7 +56,7 @@ def test_class_split_cross_entropy_is_the_serial_loss_and_gathers_the_bytes_pric
     mesh = Mesh((parts,))
     st = next(s for s in expand(op, mesh) if s.inputs[0] == (Shard(1),))
     assert st.inputs[1] == (R,) and st.outputs[0] == (R,)
-    priced = [(kind, m) for kind, _, m, _ in cross_entropy_comm(op, st, [True, False, False], mesh)]
+    priced = [(c.kind, c.bytes) for c in cross_entropy_comm(op, st, [True, False, False], mesh)]
     logs: list[list[tuple[str, float]]] = [[] for _ in range(parts)]
     got: list = [None] * parts
 

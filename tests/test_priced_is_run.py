@@ -213,8 +213,8 @@ def priced(cap: Any, plan: Plan) -> tuple[list[Call], Counter[int], float]:
             rerun.add(e.dst)
     for vi, v in enumerate(g.vars):  # communication inside ops: halo exchanges, summed statistics, own moves
         if v.op is not None and v.op_comm is not None:
-            calls += [(kind, axis, int(m)) for kind, axis, m, _ in op_comm_calls(v.op, v.strategies[0], grads[vi], mesh,
-                                                                                    rerun=vi in rerun)]
+            calls += [(c.kind, c.axis, int(c.bytes)) for c in op_comm_calls(v.op, v.strategies[0], grads[vi], mesh,
+                                                                               rerun=vi in rerun)]
             inside += float(v.op_comm[0, 0])
     return calls, sync, float(sum(e.bytes[0, 0] for e in g.edges)) + inside
 

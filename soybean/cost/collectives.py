@@ -51,7 +51,7 @@ from ..ir.kinds import RING_FACTOR, Step
 from ..ir.syncnorm import stats_bytes
 from ..mesh import Mesh
 from ..reshard import Route
-from ..rules.base import OpSpec, Strategy, lookup
+from ..rules.base import OpCall, OpSpec, Strategy, lookup
 from ..rules.window import halos, windows_of
 from ..tiling import R, Shard, max_local_numel
 from .profiles import Profile
@@ -164,7 +164,7 @@ def reshard_cost(route: Route, shape: tuple, itemsize: int, mesh: Mesh, profile:
 
 
 def op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh, imbalance: float = 1.0,
-                  rerun: bool = False) -> list[tuple[str, int, float, int]]:
+                  rerun: bool = False) -> list[OpCall]:
     """``_op_comm_calls`` (below); ``rerun``: the op's layer is recomputed, so its forward calls run once more, in
     backward, before its own backward ones."""
     calls = _op_comm_calls(op, st, grads, mesh, imbalance)
@@ -175,8 +175,9 @@ def op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh, i
 
 
 def _op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh, imbalance: float = 1.0
-                   ) -> list[tuple[str, int, float, int]]:
-    """``(collective, mesh axis, message bytes, messages)`` of every call the communication inside ``op`` makes
+                   ) -> list[OpCall]:
+    """The ``OpCall`` (collective, mesh axis, message bytes, messages, compute behind it) of every call the
+    communication inside ``op`` makes
     under ``st`` in one training step, in program order (module docstring):
 
     * a halo exchange along each windowed dim the strategy splits: the busiest member's received rows
@@ -188,7 +189,7 @@ def _op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh, 
     * for an op whose rule lists its own collectives (``comm``: routed experts' all-to-alls, the busiest rank's at
       ``imbalance`` times the balanced rows), those.
     """
-    out: list[tuple[str, int, float, int]] = []
+    out: list[OpCall] = []
     grown: dict[int, tuple[list[int], list]] = {}  # input slot -> (shape, tiling) as the halos grow it
     for axis, w in halos(windows_of(op), st):
         p = mesh.shape[axis]
@@ -200,7 +201,7 @@ def _op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh, 
         for back in ((False, True) if grads[w.slot] else (False,)):
             h = w.halo_rows(p, back)
             if p > 1 and h:
-                out.append(("halo", axis, h * row, w.sources(p, back)))
+                out.append(OpCall("halo", axis, h * row, w.sources(p, back)))
         shape[w.dim] = max(e - s for s, e in w.members(p))  # later exchanges carry these rows
     entry = lookup(op.target)
     if entry is not None and entry.comm is not None:
@@ -211,24 +212,41 @@ def _op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh, 
             channels = max_local_numel((x.shape[1],), tuple(Shard(0) if pl == Shard(1) else R for pl in st.inputs[0]),
                                        mesh)  # my channels: dim 1's split, read as dim 0's
             if mesh.shape[axis] > 1:
-                out += [("all_reduce", axis, float(stats_bytes(channels, x.dtype)), 1)] * (2 if grads[0] else 1)
+                out += [OpCall("all_reduce", axis, float(stats_bytes(channels, x.dtype)), 1)] * (2 if grads[0] else 1)
     return out
 
 
-def op_comm_costs(op: OpSpec, strategies: Sequence[Strategy], grads: Sequence[bool], mesh: Mesh,
-                  profile: Profile, rerun: bool = False) -> np.ndarray | None:
-    """``[bytes, seconds]`` of the communication inside ``op`` under each strategy (None: it has none): its
-    ``op_comm_calls``, a halo exchange of ``m`` bytes from ``n`` members taking ``n alpha + m beta``, any other
-    collective priced as a ring (``collective``), each blocking (``blocking_s``)."""
+def op_call_cost(call: OpCall, mesh: Mesh, profile: Profile, compute_s: float) -> Cost:
+    """One call inside an op: a halo exchange of ``m`` bytes from ``n`` members takes ``n alpha + m beta``, any other
+    collective is priced as the backend runs it (``backend_call``); what ``call.behind`` times the op's forward
+    compute (``compute_s``: ``cost.compute.op_seconds`` without gradients) hides is taken off, and the wait for it
+    blocks (``blocking_s``)."""
+    a, b = profile.ab(call.axis, call.kind)
+    m = call.bytes
+    c = Cost(m, call.messages * a + m * b) if call.kind == "halo" else \
+        backend_call(call.kind, m, mesh.shape[call.axis], call.axis, profile)
+    return Cost(c.bytes, max(0.0, c.seconds - call.behind * compute_s) + profile.blocking_s)
+
+
+def has_comm(op: OpSpec) -> bool:
+    """May ``op`` communicate inside itself (a windowed op's halos, a synchronised op's calls)?"""
     entry = lookup(op.target)
-    if not windows_of(op) and (entry is None or entry.sync_args is None):
+    return bool(windows_of(op)) or (entry is not None and entry.sync_args is not None)
+
+
+def op_comm_costs(op: OpSpec, strategies: Sequence[Strategy], grads: Sequence[bool], mesh: Mesh,
+                  profile: Profile, rerun: bool = False, compute: np.ndarray | None = None) -> np.ndarray | None:
+    """``[bytes, seconds]`` of the communication inside ``op`` under each strategy (None: it has none): its
+    ``op_comm_calls``, each priced by ``op_call_cost`` (``compute``: the op's forward compute under each strategy,
+    ``cost.compute.op_seconds`` without gradients, which a call may run behind)."""
+    if not has_comm(op):
         return None
     out = np.zeros((len(strategies), 2))
     for i, st in enumerate(strategies):
-        for kind, axis, m, n in op_comm_calls(op, st, grads, mesh, profile.expert_imbalance, rerun):
-            a, b = profile.ab(axis, kind)
-            c = Cost(m, n * a + m * b) if kind == "halo" else backend_call(kind, m, mesh.shape[axis], axis, profile)
-            out[i] += (c.bytes, c.seconds + profile.blocking_s)
+        behind = float(compute[i]) if compute is not None else 0.0
+        for call in op_comm_calls(op, st, grads, mesh, profile.expert_imbalance, rerun):
+            c = op_call_cost(call, mesh, profile, behind)
+            out[i] += (c.bytes, c.seconds)
     return out
 
 

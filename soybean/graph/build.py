@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import rules
 from ..capture import RETURNED_SUM, Captured
-from ..cost.collectives import op_comm_costs, price_route_ids
+from ..cost.collectives import has_comm, op_comm_costs, price_route_ids
 from ..cost.compute import op_seconds, optimizer_step_seconds
 from ..cost.memory import (
     grad_phase_bytes,
@@ -459,9 +459,11 @@ class _Builder:
                     whole = [s for s in strategies if all(s.divides_work())]
                     strategies = whole or strategies
             compute = op_seconds(op, strategies, grads, mesh, profile)
-            if rerun.op(node.name):  # its forward runs again in backward
-                compute = compute + op_seconds(op, strategies, [False] * len(grads), mesh, profile)
-            op_comm = op_comm_costs(op, strategies, grads, mesh, profile, rerun.op(node.name))
+            forward = op_seconds(op, strategies, [False] * len(grads), mesh, profile) \
+                if rerun.op(node.name) or has_comm(op) else None
+            if forward is not None and rerun.op(node.name):  # its forward runs again in backward
+                compute = compute + forward
+            op_comm = op_comm_costs(op, strategies, grads, mesh, profile, rerun.op(node.name), forward)
             if op_comm is not None:
                 compute = compute + op_comm[:, 1]
             mem, buffer = rerun.memory(node, op, strategies, mesh)

@@ -28,6 +28,8 @@ import dataclasses
 import math
 from typing import Any
 
+import torch
+
 from ..ir.attention import (
     RING,
     RING_ZIGZAG,
@@ -41,7 +43,7 @@ from ..ir.attention import (
 )
 from ..tiling import chunk_lengths, max_local_numel
 from ._common import Args, R, Shard, bcast, partial_strategies
-from .base import OpCost, OpSpec, Strategy, Strategy1D, register
+from .base import OpCall, OpCost, OpSpec, Strategy, Strategy1D, register
 
 
 def sdpa_flops(op: OpSpec) -> float:
@@ -94,8 +96,7 @@ def sdpa_skew(op: OpSpec, st: Strategy, mesh: Any, profile: Any) -> float:
     return skew(op.inputs[0].shape[-2], op.inputs[1].shape[-2], parts) if axes else 1.0
 
 
-def sdpa_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any, imbalance: float = 1.0
-              ) -> list[tuple[str, int, float, int]]:
+def sdpa_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any, imbalance: float = 1.0) -> list[OpCall]:
     """The collectives inside an attention op split along the sequence on axis ``a`` of ``p`` members, in program
     order (forward, then backward in autograd's order when an input needs a gradient):
 
@@ -104,8 +105,10 @@ def sdpa_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any, imbalance:
       model's all-to-all sends ``(p - 1) / p`` of its message, so the message is that many rows' bytes times
       ``p / (p - 1)``;
     * ring (``runtime.ring``): each pass a message to one neighbour (``halo``: ``m`` bytes from one member),
-      forward ``p - 1`` of my key and value blocks; backward ``p - 1`` of the blocks with their gradients and one
-      of the gradients alone; the longest block's bytes;
+      the longest block's bytes.  Forward ``p - 1`` passes of a key and value block, each during one block's
+      compute (``behind``: ``1 / p`` of the op's forward); backward ``p - 1`` such passes, each during one block's
+      backward (``BACKWARD / p`` of its forward), each followed by the block's key and value gradients (in the
+      accumulation type: float32 for half types), and one more pass of the gradients home;
     * ring in the zig-zag layout: the queries, keys and values moved there, the ring over the zig-zag blocks, the
       results moved back; backward the results' gradients there, the ring's, then the values', keys' and queries'
       gradients home."""
@@ -117,7 +120,7 @@ def sdpa_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any, imbalance:
     if st.variant == RING:
         return _ring_passes(op, st, grads, mesh, a, max(chunk_lengths(op.inputs[1].shape[-2], p)))
     moved = zigzag_leaving(rows, p) * p / (p - 1)  # rows, as the message the all-to-all's pricing wants
-    q, k, v, out = (("all_to_all", a, moved * _row_bytes(op, st, i, a, mesh), 1) for i in range(4))
+    q, k, v, out = (OpCall("all_to_all", a, moved * _row_bytes(op, st, i, a, mesh), 1) for i in range(4))
     if st.variant == ZIGZAG:
         calls = [q, out]
         if any(grads):  # the results' gradients come back whatever needs them; the queries' only if they need one
@@ -142,20 +145,25 @@ def _row_bytes(op: OpSpec, st: Strategy, i: int, axis: int, mesh: Any) -> float:
     return float(max_local_numel(t.shape[:-2] + (1, t.shape[-1]), tuple(tiling), mesh) * t.dtype.itemsize)
 
 
-def _ring_passes(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any, axis: int, block: int
-                 ) -> list[tuple[str, int, float, int]]:
+def _ring_passes(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any, axis: int, block: int) -> list[OpCall]:
     """The ring's passes on ``axis`` of key/value blocks of at most ``block`` rows (``sdpa_comm``)."""
     p = mesh.shape[axis]
     kv = block * (_row_bytes(op, st, 1, axis, mesh) + _row_bytes(op, st, 2, axis, mesh))
-    out = [("halo", axis, kv, 1)] * (p - 1)
+    dtype = op.inputs[1].dtype
+    grad_kv = kv * (4 / dtype.itemsize if dtype in (torch.float16, torch.bfloat16) else 1)  # float32 gradients
+    out = [OpCall("halo", axis, kv, 1, 1 / p)] * (p - 1)
     if any(grads):
-        out += [("halo", axis, 2 * kv, 1)] * (p - 1) + [("halo", axis, kv, 1)]
+        out += [OpCall("halo", axis, kv, 1, BACKWARD / p), OpCall("halo", axis, grad_kv, 1)] * (p - 1)
+        out += [OpCall("halo", axis, grad_kv, 1)]
     return out
 
 
+BACKWARD = 2.5  # attention's backward in forward-equivalents (the fused kernels': recompute P, then dQ, dK, dV)
+
+
 @register(SDPA, family="attention",
-          cost=OpCost(flops=sdpa_flops, backward=2.5, skew=sdpa_skew), sync_args=sdpa_sync_args, sync_call=SDPA_ROWS,
-          comm=sdpa_comm)
+          cost=OpCost(flops=sdpa_flops, backward=BACKWARD, skew=sdpa_skew), sync_args=sdpa_sync_args,
+          sync_call=SDPA_ROWS, comm=sdpa_comm)
 def sdpa(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     q, k, v, mask = a.spec("query"), a.spec("key"), a.spec("value"), a.spec("attn_mask")

@@ -18,7 +18,7 @@ import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -162,10 +162,23 @@ WindowArgsFn = Callable[[OpSpec, tuple, dict, Sequence[tuple[Any, int]]], tuple]
 # sync_args(op, strategy) -> {} when the op's tiles run it alone, else the keyword arguments (``axes``: the
 # mesh axes its statistics are summed over, ...) with which the program calls the rule's ``sync_call``.
 SyncArgsFn = Callable[[OpSpec, "Strategy"], dict[str, Any]]
-# comm(op, strategy, grads, mesh, imbalance) -> [(collective, mesh axis, message bytes, messages), ...]: the calls
-# the communication inside the op makes in one training step (``cost.collectives.op_comm_calls``); ``imbalance``:
-# the busiest rank's routed rows over the balanced share (``Profile.expert_imbalance``).
-CommFn = Callable[[OpSpec, "Strategy", list[bool], Any, float], list[tuple[str, int, float, int]]]
+class OpCall(NamedTuple):
+    """One collective an op runs inside itself: its kind, mesh axis, message bytes (as ``cost.collectives`` prices
+    that kind) and messages; ``behind``: how much of the op's own compute runs while it is in flight, in multiples
+    of the op's forward (``cost.compute.op_seconds`` without gradients), which hides that much of its time (ring
+    attention's pass of the next block during this one's compute; 0: it blocks)."""
+
+    kind: str
+    axis: int
+    bytes: float
+    messages: int
+    behind: float = 0.0
+
+
+# comm(op, strategy, grads, mesh, imbalance) -> [OpCall, ...]: the calls the communication inside the op makes in one
+# training step, in program order (``cost.collectives.op_comm_calls``); ``imbalance``: the busiest rank's routed
+# rows over the balanced share (``Profile.expert_imbalance``).
+CommFn = Callable[[OpSpec, "Strategy", list[bool], Any, float], list[OpCall]]
 # The names of the arguments an op writes in place although its schema does not mark them (``Tensor(a!)``).
 WritesFn = Callable[[OpSpec], tuple[str, ...]]
 # localize(op, args, kwargs, local_input_shapes, local_output_shapes) -> (args, kwargs):

@@ -26,7 +26,7 @@ from ..ir.experts import ROUTED_EXPERTS
 from ..mesh import Mesh
 from ..tiling import Shard, max_local_numel
 from ._common import Args, P, R
-from .base import OpCost, OpSpec, Strategy, Strategy1D, register
+from .base import OpCall, OpCost, OpSpec, Strategy, Strategy1D, register
 
 
 def _flops(op: OpSpec) -> float:
@@ -51,8 +51,7 @@ def experts_sync_args(op: OpSpec, st: Strategy) -> dict[str, Any]:
     return {"shard": shard, "a2a": a2a} if shard else {}
 
 
-def experts_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Mesh, imbalance: float = 1.0
-                 ) -> list[tuple[str, int, float, int]]:
+def experts_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Mesh, imbalance: float = 1.0) -> list[OpCall]:
     """The all-to-alls of ``experts_sync_args``' ``a2a`` axes (module docstring), in program order; the rows a move
     carries ``imbalance`` times the balanced share (the busiest rank's: it sets the collective's time)."""
     shard, a2a = expert_axes(st)
@@ -62,14 +61,14 @@ def experts_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Mesh, imbala
     leave = math.prod(mesh.shape[a] for a in shard if a not in a2a)  # rows another partial group computes
     rows = max_local_numel(x.shape[:1], st.inputs[0], mesh) * idx.shape[1] / leave * imbalance  # tokens: S(0) or R
     row_bytes = x.shape[1] * x.dtype.itemsize
-    out: list[tuple[str, int, float, int]] = []
+    out: list[OpCall] = []
     for a in a2a:  # forward: the counts, the rows and their experts' ids (int64) out, the results back
-        out += [("all_to_all", a, 8.0 * mesh.shape[a], 1), ("all_to_all", a, rows * row_bytes, 1),
-                ("all_to_all", a, rows * 8.0, 1)]
-    out += [("all_to_all", a, rows * row_bytes, 1) for a in reversed(a2a)]
+        out += [OpCall("all_to_all", a, 8.0 * mesh.shape[a], 1), OpCall("all_to_all", a, rows * row_bytes, 1),
+                OpCall("all_to_all", a, rows * 8.0, 1)]
+    out += [OpCall("all_to_all", a, rows * row_bytes, 1) for a in reversed(a2a)]
     if any(grads):  # backward: the results' gradients out, the rows' gradients back
-        out += [("all_to_all", a, rows * row_bytes, 1) for a in a2a]
-        out += [("all_to_all", a, rows * row_bytes, 1) for a in reversed(a2a)]
+        out += [OpCall("all_to_all", a, rows * row_bytes, 1) for a in a2a]
+        out += [OpCall("all_to_all", a, rows * row_bytes, 1) for a in reversed(a2a)]
     return out
 
 

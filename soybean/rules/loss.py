@@ -27,7 +27,7 @@ from typing import Any
 from ..ir.loss_parallel import CLASS_SPLIT_CROSS_ENTROPY, gathered_bytes
 from ..tiling import Placement, max_local_numel
 from ._common import Args, P, R, Shard, partial_strategies
-from .base import ELEMENTWISE, OpSpec, Strategy, Strategy1D, register
+from .base import ELEMENTWISE, OpCall, OpSpec, Strategy, Strategy1D, register
 
 NONE, MEAN, SUM = 0, 1, 2
 
@@ -71,11 +71,11 @@ def cross_entropy_sync_args(op: OpSpec, st: Strategy) -> dict[str, Any]:
 
 
 def cross_entropy_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any, imbalance: float = 1.0
-                       ) -> list[tuple[str, int, float, int]]:
+                       ) -> list[OpCall]:
     """Forward, one all-gather of my rows' two statistics per class axis (``ir.loss_parallel``); backward nothing."""
     t = op.inputs[1]
     rows = max_local_numel(t.shape, st.inputs[1], mesh)
-    return [("all_gather", a, float(gathered_bytes(rows, mesh.shape[a], op.inputs[0].dtype)), 1)
+    return [OpCall("all_gather", a, float(gathered_bytes(rows, mesh.shape[a], op.inputs[0].dtype)), 1)
             for a in class_axes(st) if mesh.shape[a] > 1]
 
 

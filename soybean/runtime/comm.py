@@ -108,6 +108,12 @@ class AsyncGroup(Group, Protocol):
         """Start summing ``t`` in place; ``wait`` on the result before reading ``t``."""
         ...
 
+    def exchange_start(self, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
+                       like: torch.Tensor) -> Work:
+        """Start ``exchange``; ``wait()`` returns its received tensors.  The sent tensors must not change until
+        then."""
+        ...
+
 
 # ---- chunk arithmetic shared by both implementations ------------------------------
 
@@ -408,6 +414,10 @@ class TorchGroup:
 
     def exchange(self, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
                  like: torch.Tensor) -> dict[int, torch.Tensor]:
+        return self.exchange_start(sends, recv_shapes, like).wait()
+
+    def exchange_start(self, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
+                       like: torch.Tensor) -> _Exchanging:
         # Batched asynchronous point-to-point on this axis's own group (peers are group ranks).
         ops, out = [], {}
         for j, t in sends.items():
@@ -417,10 +427,20 @@ class TorchGroup:
             out[j] = like.new_empty(shape)
         for j, buf in out.items():
             ops.append(dist.P2POp(dist.irecv, buf, group=self.pg, group_peer=j))
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-        return out
+        return _Exchanging(dist.batch_isend_irecv(ops) if ops else [], out)
+
+
+class _Exchanging:
+    """A started ``TorchGroup.exchange``: its point-to-point works and the buffers they fill."""
+
+    def __init__(self, works: list[Any], out: dict[int, torch.Tensor]) -> None:
+        self.works, self.out = works, out
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return self.out
 
 
 def _resized(shape: Sequence[int], sizes: dict[int, int]) -> list[int]:

@@ -3,7 +3,9 @@
 Member ``r`` holds query rows ``Q_r``, keys ``K_r`` and values ``V_r``: contiguous chunks (``contiguous``) or any
 rows whose global positions every member knows (the zig-zag layout's two chunks, ``runtime.attention``).
 Forward, in ``p`` steps ``j = 0 .. p - 1``, it holds block ``s = r - j (mod p)``, computes its rows against it and
-passes it on to member ``r + 1`` (``Group.exchange``, one neighbour: the halo pricing of ``rules.attention``).  Each
+passes it on to member ``r + 1`` (``Group.exchange``, one neighbour: the halo pricing of ``rules.attention``),
+the pass started before the block's compute and waited for after it, so that on a group that starts exchanges
+(``TorchGroup.exchange_start``) the next block moves while this one computes.  Each
 block gives partial results ``O_s = softmax_s(Q K_s^T) V_s`` with their log-sum-exp ``l_s``; they merge exactly as
 
     ``l = log(sum_s exp(l_s))``,   ``O = sum_s exp(l_s - l) O_s``
@@ -13,7 +15,8 @@ whose keys all come after my rows; over contiguous chunks member ``p - 1`` works
 (``ir.attention.causal_skew``), over zig-zag ones every member about the same.  A row none of whose keys in a block
 comes before it gets nothing from that block; my own block comes first, so every row's sum starts non-empty.
 
-Backward passes the blocks around again, each carrying the gradients of its keys and values: with the final ``O``
+Backward passes the blocks around again (each pass, too, during the block's compute), their keys' and values'
+gradients following each block once computed (a second message, blocking): with the final ``O``
 and ``l``, block ``s``'s probabilities are ``P_s = exp(Q K_s^T * c - l)`` and
 
     ``dV_s = P_s^T dO``,  ``dS = P_s * (dO V_s^T - rowsum(dO * O))``,  ``dQ += c dS K_s``,  ``dK_s = c dS^T Q``
@@ -25,6 +28,7 @@ Everything is public tensor arithmetic: exact in any dtype on any device (half p
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,19 +80,39 @@ def _skipped(causal: bool, rows: torch.Tensor, keys: torch.Tensor) -> bool:
     return causal and (not len(keys) or not len(rows) or int(keys.min()) > int(rows.max()))
 
 
-def _pass(blocks: list[torch.Tensor], group: Group, incoming: int) -> list[torch.Tensor]:
-    """Send ``blocks`` (each ``(..., n, E_i)``, one sequence length ``n``) to the next member; receive the previous
-    member's, ``incoming`` rows long: one message, the blocks packed row by row."""
+def _start_pass(blocks: list[torch.Tensor], group: Group, incoming: int) -> Callable[[], list[torch.Tensor]]:
+    """Start sending ``blocks`` (each ``(..., n, E_i)``, one sequence length ``n``, one dtype) to the next member and
+    receiving the previous member's, ``incoming`` rows long: one message, the blocks packed row by row.  Returns
+    the wait for them: a group that can start an exchange (``TorchGroup.exchange_start``) moves them while the
+    caller computes; the thread tier's groups exchange at once."""
     p, me = group.size, group.index
     rows = [b.movedim(-2, 0).reshape(b.shape[-2], -1) for b in blocks]
     widths = [r.shape[1] for r in rows]
     packed = torch.cat(rows, 1)
-    got = group.exchange({(me + 1) % p: packed}, {(me - 1) % p: (incoming, packed.shape[1])}, packed)[(me - 1) % p]
-    out = []
-    for b, part in zip(blocks, got.split(widths, 1)):
-        shape = b.movedim(-2, 0).shape[1:]
-        out.append(part.reshape(incoming, *shape).movedim(0, -2))
-    return out
+    sends = {(me + 1) % p: packed}
+    shapes: dict[int, tuple[int, ...]] = {(me - 1) % p: (incoming, packed.shape[1])}
+    start = getattr(group, "exchange_start", None)
+    if start is not None:
+        pending = start(sends, shapes, packed)
+        received: Callable[[], dict[int, torch.Tensor]] = pending.wait
+    else:
+        got = group.exchange(sends, shapes, packed)
+        received = lambda: got  # noqa: E731
+
+    def wait() -> list[torch.Tensor]:
+        whole = received()[(me - 1) % p]
+        out = []
+        for b, part in zip(blocks, whole.split(widths, 1)):
+            shape = b.movedim(-2, 0).shape[1:]
+            out.append(part.reshape(incoming, *shape).movedim(0, -2))
+        return out
+
+    return wait
+
+
+def _pass(blocks: list[torch.Tensor], group: Group, incoming: int) -> list[torch.Tensor]:
+    """``_start_pass``, waited for at once."""
+    return _start_pass(blocks, group, incoming)()
 
 
 class _Ring(Function):
@@ -104,7 +128,9 @@ class _Ring(Function):
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kb, vb = k, v
         for j in range(p):
-            src = (me - j) % p
+            src, nxt = (me - j) % p, (me - j - 1) % p
+            # the next block moves while this one computes
+            arriving = _start_pass([kb, vb], group, len(keys[nxt])) if j < p - 1 else None
             if not _skipped(causal, rows[me], keys[src]):
                 s = _scores(qa, _spread(kb, q.shape[-3]).to(acc), c, causal, rows[me], keys[src])
                 ls = torch.logsumexp(s, -1)
@@ -113,9 +139,8 @@ class _Ring(Function):
                 new = torch.logaddexp(lse, ls)
                 out = out * torch.exp(lse - new)[..., None] + os * torch.exp(ls - new)[..., None]
                 lse = new
-            if j < p - 1:
-                nxt = (me - j - 1) % p
-                kb, vb = _pass([kb, vb], group, len(keys[nxt]))
+            if arriving is not None:
+                kb, vb = arriving()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.c, ctx.rows, ctx.keys = group, causal, c, rows, keys
         return out.to(q.dtype)
@@ -132,7 +157,8 @@ class _Ring(Function):
         kb, vb = k, v
         dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
         for j in range(p):
-            src = (me - j) % p
+            src, nxt = (me - j) % p, (me - j - 1) % p
+            arriving = _start_pass([kb, vb], group, len(keys[nxt])) if j < p - 1 else None
             if not _skipped(causal, rows[me], keys[src]):
                 ke, ve = _spread(kb, heads).to(acc), _spread(vb, heads).to(acc)
                 prob = torch.exp(_scores(qa, ke, c, causal, rows[me], keys[src]) - lse[..., None])
@@ -140,9 +166,9 @@ class _Ring(Function):
                 ds = prob * (do @ ve.transpose(-1, -2) - delta)
                 dq = dq + (ds @ ke) * c
                 dk = dk + _gather_heads((ds.transpose(-1, -2) @ qa) * c, kb.shape[-3])
-            nxt = (me - j - 1) % p
-            if j < p - 1:  # the block moves on with its gradients so far
-                kb, vb, dk, dv = _pass([kb, vb, dk, dv], group, len(keys[nxt]))
+            if arriving is not None:  # the block's gradients so far follow it, once computed
+                kb, vb = arriving()
+                dk, dv = _pass([dk, dv], group, len(keys[nxt]))
             elif p > 1:  # the block's gradients are whole: home to its owner, the next member
                 dk, dv = _pass([dk, dv], group, len(keys[me]))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
