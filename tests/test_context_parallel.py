@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -215,6 +216,35 @@ def test_ring_attention_is_the_serial_op_and_passes_the_bytes_priced(
         assert [m for _, m in ran] == pytest.approx([m for _, m in priced])
         for i, w in enumerate(want):
             torch.testing.assert_close(torch.cat([t[i] for t in tiles], 2), w)
+
+
+def test_ring_passes_are_priced_behind_the_block_they_follow() -> None:
+    """On 4 members: each forward pass of a key/value block runs behind ``1 / 4`` of the op's forward, each backward
+    one behind ``2.5 / 4`` of it, the gradients' passes behind nothing; the op's communication is priced as
+    ``max(0, pass - hidden) + blocking`` summed, less than the same passes blocking."""
+    from soybean.cost.collectives import Cost, op_call_cost, op_comm_calls, op_comm_costs
+    from soybean.cost.compute import op_seconds
+    from soybean.cost.profiles import load_profile
+
+    q, k, v = (torch.empty(1, h, 4096, 128, dtype=torch.bfloat16, device="meta") for h in (32, 8, 8))
+    out = torch.empty(1, 32, 4096, 128, dtype=torch.bfloat16, device="meta")
+    op = make_opspec(torch.ops.aten.scaled_dot_product_attention.default, (q, k, v),
+                     {"is_causal": True, "enable_gqa": True}, out)
+    mesh, prof = Mesh((4,)), load_profile("h100-nvlink")
+    st = next(s for s in expand(op, mesh) if s.variant == "ring")
+    grads = [True, True, True]
+    calls = op_comm_calls(op, st, grads, mesh)
+    assert [c.behind for c in calls] == [0.25] * 3 + [2.5 / 4, 0.0] * 3 + [0.0]
+    assert [c.bytes for c in calls[3:5]] == [calls[0].bytes, 2 * calls[0].bytes]  # float32 gradients of bf16
+    fwd = float(op_seconds(op, [st], [False] * 3, mesh, prof)[0])
+    costs = [op_call_cost(c, mesh, prof, fwd) for c in calls]
+    blocking = [op_call_cost(c._replace(behind=0.0), mesh, prof, fwd) for c in calls]
+    priced = op_comm_costs(op, [st], grads, mesh, prof, compute=np.array([fwd]))
+    assert priced[0, 1] == pytest.approx(sum(c.seconds for c in costs))
+    assert priced[0, 0] == pytest.approx(sum(c.bytes for c in costs))
+    assert sum(c.seconds for c in costs) < sum(c.seconds for c in blocking)
+    assert costs[0] == Cost(blocking[0].bytes, max(0.0, blocking[0].seconds - prof.blocking_s - fwd / 4)
+                            + prof.blocking_s)
 
 
 def _ring_case(causal: bool) -> tuple:
