@@ -4,7 +4,8 @@
 Llama on the meta device in ~2.5 s) and ``torch.export`` (1-4 s).  Neither changes while a user tries meshes,
 budgets, profiles or objectives.  The command line looks its capture up before it builds the model, by a key of
 everything the capture depends on: the model reference and its arguments, the factory's source (a file's bytes or
-a module's), the precision and the versions of soybean, torch and transformers (``capture_key``).  A hit skips
+a module's), the precision, soybean's own source (``code_digest``) and the versions of soybean, torch and
+transformers (``capture_key``).  A hit skips
 both; a miss captures and stores.  ``--no-cache`` (or ``SOYBEAN_NO_CACHE=1``) skips the cache.
 
 The captured graph is stored as data, not as pickled ``fx`` objects (those drop node metadata): each node's
@@ -15,6 +16,7 @@ tensors; the module stack; soybean's own marks).  Files live under ``$SOYBEAN_CA
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -77,20 +79,27 @@ def _source_digest(ref: str) -> str:
                 path = spec.origin if spec is not None else None
             except (ImportError, ValueError):
                 path = None
-    h = hashlib.sha256()
     if path is not None and os.path.isfile(path):
-        h.update(Path(path).read_bytes())
-    else:  # soybean's own factories: its source tree
-        root = Path(__file__).parent
-        for f in sorted(root.rglob("*.py")):
-            h.update(f.read_bytes())
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return code_digest()  # soybean's own factories: its source tree
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """A digest of every source file of the soybean package (names and bytes): an edit to soybean itself (how capture
+    folds a mask, which ops a pass fuses) is a new key, although its version string stays."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
     return h.hexdigest()
 
 
 def capture_key(ref: str, args: dict[str, Any], precision: str) -> str:
     """The cache key of capturing ``ref`` built with ``args`` under ``precision`` (module docstring)."""
     parts = {"ref": ref, "args": {k: repr(v) for k, v in sorted(args.items())}, "precision": precision,
-             "source": _source_digest(ref), **_versions()}
+             "source": _source_digest(ref), "code": code_digest(), **_versions()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 
-from .capture_cache import cache_root
+from .capture_cache import cache_root, code_digest
 from .cost.pricing import PricingCache
 
 FORMAT = 1  # bump when ``PricingCache.state`` changes form
@@ -35,14 +35,9 @@ KEEP = 4  # files of other code versions kept at most (the newest)
 
 @lru_cache(maxsize=1)
 def code_key() -> str:
-    """A digest of every source file of the soybean package and ``FORMAT``: the walks' code and their stored
-    form."""
-    h = hashlib.sha256(f"format {FORMAT}".encode())
-    root = Path(__file__).resolve().parent
-    for f in sorted(root.rglob("*.py")):
-        h.update(str(f.relative_to(root)).encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()[:32]
+    """A digest of every source file of the soybean package (``capture_cache.code_digest``) and ``FORMAT``: the
+    walks' code and their stored form."""
+    return hashlib.sha256(f"format {FORMAT} {code_digest()}".encode()).hexdigest()[:32]
 
 
 def path() -> Path:

@@ -66,7 +66,7 @@ def test_the_command_line_reads_the_cache_and_no_cache_skips_it(tmp_path: Path, 
     assert capture_cache.load(stored[0].stem) is not None
 
 
-def test_the_key_changes_with_what_the_capture_depends_on(tmp_path: Path) -> None:
+def test_the_key_changes_with_what_the_capture_depends_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     base = capture_cache.capture_key("examples.models:mlp", {"batch": 8}, "fp32")
     assert base == capture_cache.capture_key("examples.models:mlp", {"batch": 8}, "fp32")
     assert base != capture_cache.capture_key("examples.models:mlp", {"batch": 16}, "fp32")
@@ -76,4 +76,8 @@ def test_the_key_changes_with_what_the_capture_depends_on(tmp_path: Path) -> Non
     f.write_text("x = 1\n")
     one = capture_cache.capture_key(f"{f}:fn", {}, "fp32")
     f.write_text("x = 2\n")
-    assert one != capture_cache.capture_key(f"{f}:fn", {}, "fp32")  # the model's code changed
+    two = capture_cache.capture_key(f"{f}:fn", {}, "fp32")
+    assert one != two  # the model's code changed
+    # soybean's own code changed (its version string did not): a user's model is captured again
+    monkeypatch.setattr(capture_cache, "code_digest", lambda: "another soybean")
+    assert capture_cache.capture_key(f"{f}:fn", {}, "fp32") != two
