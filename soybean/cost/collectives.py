@@ -25,7 +25,7 @@ Communication inside an op is priced apart, by ``op_comm_costs``.  A windowed op
 own, ``h`` rows of ``r`` bytes at most, in one message from each of at most ``n`` owners, so forward
 takes ``n alpha + h r beta`` (+ ``blocking_s``); its adjoint (the halo gradients sent back to their
 owners, ``h`` and ``n`` counted for the busiest receiver alike) is priced too when the input needs a
-gradient.  Batch norm split along batch or space sums its statistics: one all-reduce each way.
+gradient.  Batch norm split along batch or space sums its statistics: one all-reduce each way (its rule's ``comm``).
 
 Each forward step has a backward (its adjoint, see ``ir.kinds``) that is priced
 too when the tensor needs a gradient: training comm per step = forward + backward.
@@ -48,12 +48,11 @@ import numpy as np
 
 from ..ir import algorithms as A
 from ..ir.kinds import RING_FACTOR, Step
-from ..ir.syncnorm import stats_bytes
 from ..mesh import Mesh
 from ..reshard import Route
 from ..rules.base import OpCall, OpSpec, Strategy, lookup
 from ..rules.window import halos, windows_of
-from ..tiling import R, Shard, max_local_numel
+from ..tiling import R, max_local_numel
 from .profiles import Profile
 
 
@@ -184,10 +183,9 @@ def _op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh, 
       (``Window.halo_rows``) times the row's bytes, from ``Window.sources`` members; backward (when the input
       needs a gradient) the rows' gradients go back.  The exchanges run one after another, each on the
       rows the ones before it grew (the longest window along their dims);
-    * for an op that sums statistics across tiles (its rule's ``sync_args``), one all-reduce of them per axis
-      (``ir.syncnorm.stats_bytes`` of my channels) forward, and one backward;
-    * for an op whose rule lists its own collectives (``comm``: routed experts' all-to-alls, the busiest rank's at
-      ``imbalance`` times the balanced rows), those.
+    * for an op whose rule lists its own collectives (``comm``: batch norm's statistics, routed experts' all-to-alls,
+      the busiest rank's at ``imbalance`` times the balanced rows, attention's moves and ring passes, a class-split
+      loss's statistics), those.
     """
     out: list[OpCall] = []
     grown: dict[int, tuple[list[int], list]] = {}  # input slot -> (shape, tiling) as the halos grow it
@@ -206,13 +204,6 @@ def _op_comm_calls(op: OpSpec, st: Strategy, grads: Sequence[bool], mesh: Mesh, 
     entry = lookup(op.target)
     if entry is not None and entry.comm is not None:
         return out + entry.comm(op, st, list(grads), mesh, imbalance)
-    if entry is not None and entry.sync_args is not None:
-        x = op.inputs[0]
-        for axis in entry.sync_args(op, st).get("axes", ()):
-            channels = max_local_numel((x.shape[1],), tuple(Shard(0) if pl == Shard(1) else R for pl in st.inputs[0]),
-                                       mesh)  # my channels: dim 1's split, read as dim 0's
-            if mesh.shape[axis] > 1:
-                out += [OpCall("all_reduce", axis, float(stats_bytes(channels, x.dtype)), 1)] * (2 if grads[0] else 1)
     return out
 
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..ir.syncnorm import SYNC_BATCH_NORM
+from ..ir.syncnorm import SYNC_BATCH_NORM, stats_bytes
+from ..tiling import max_local_numel
 from ._common import Args, R, Shard
-from .base import ELEMENTWISE, OpSpec, Strategy, Strategy1D, register
+from .base import ELEMENTWISE, OpCall, OpSpec, Strategy, Strategy1D, register
 
 
 @register("aten.layer_norm.default", "aten.rms_norm.default", family="norm", cost=ELEMENTWISE)
@@ -73,8 +74,19 @@ def batch_norm_writes(op: OpSpec) -> tuple[str, ...]:
     return ("running_mean", "running_var") if Args(op)["training"] else ()
 
 
+def batch_norm_comm(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any, imbalance: float = 1.0) -> list[OpCall]:
+    """One all-reduce of the statistics of my channels (``ir.syncnorm.stats_bytes``) per axis summing them, forward,
+    and one backward when the input needs a gradient."""
+    x = op.inputs[0]
+    channels = max_local_numel((x.shape[1],), tuple(Shard(0) if pl == Shard(1) else R for pl in st.inputs[0]),
+                               mesh)  # my channels: dim 1's split, read as dim 0's
+    return [OpCall("all_reduce", axis, float(stats_bytes(channels, x.dtype)), 1)
+            for axis in batch_norm_sync_args(op, st).get("axes", ()) if mesh.shape[axis] > 1
+            for _ in range(2 if grads[0] else 1)]
+
+
 @register("aten.batch_norm.default", family="norm", cost=ELEMENTWISE, sync_args=batch_norm_sync_args,
-          sync_call=SYNC_BATCH_NORM, writes=batch_norm_writes)
+          sync_call=SYNC_BATCH_NORM, writes=batch_norm_writes, comm=batch_norm_comm)
 def batch_norm(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.spec("input")
