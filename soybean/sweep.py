@@ -155,15 +155,11 @@ def _gloo_rank(rank: int, world: int, ref: str, objective: str, steps: int,
     """One gloo rank of ``train``: build the model (same seed on every rank), parallelize, train; rank 0's trace
     and plan's parameter tilings."""
     from .api import parallelize
-    from .testing import _gather_grads, _train
+    from .testing import train_parallel
 
     model, example = build(ref)
     pm = parallelize(model, example, devices=world, objective=objective)
-    losses, grads = _train(pm, example, steps, lr, _gather_grads)
-    full = pm.full_tensors()
-    names = {k for k, _ in model.named_parameters()}
-    return Trace(losses, grads, {k: v for k, v in full.items() if k in names},
-                 {k: v for k, v in full.items() if k not in names}), pm.plan.params
+    return train_parallel(pm, model, example, steps, lr), pm.plan.params
 
 
 def train(ref: str, objective: str, devices: int, tier: str, steps: int = STEPS,

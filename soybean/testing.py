@@ -129,15 +129,21 @@ def train_parallel_threads(model: torch.nn.Module, inputs: tuple | dict, plan: P
     m_shape = Mesh(tuple(plan.mesh))
 
     def rank_fn(rank: int, groups: list[Group]) -> Trace:
-        pm = parallelize(model, inputs, plan=plan, rank=rank, groups=groups, captured=cap)
-        losses, grads = _train(pm, inputs, steps, lr, _gather_grads)
-        full = pm.full_tensors()
-        names = {k for k, _ in model.named_parameters()}
-        return Trace(losses, grads, {k: v for k, v in full.items() if k in names},
-                     {k: v for k, v in full.items() if k not in names})
+        return train_parallel(parallelize(model, inputs, plan=plan, rank=rank, groups=groups, captured=cap), model,
+                              inputs, steps, lr)
 
     traces = run_threads(m_shape, rank_fn)
     return traces[0], plan
+
+
+def train_parallel(pm: ParallelModule, model: torch.nn.Module, inputs: tuple | dict, steps: int, lr: float) -> Trace:
+    """This rank's run of ``pm`` (``model`` parallelized): ``steps`` AdamW steps, then the full gradients after the
+    first backward and the full parameters and buffers after the last, named as ``model`` names them."""
+    losses, grads = _train(pm, inputs, steps, lr, _gather_grads)
+    full = pm.full_tensors()
+    names = {k for k, _ in model.named_parameters()}
+    return Trace(losses, grads, {k: v for k, v in full.items() if k in names},
+                 {k: v for k, v in full.items() if k not in names})
 
 
 def _gather_grads(pm: ParallelModule) -> Grads:

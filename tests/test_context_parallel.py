@@ -417,17 +417,12 @@ def _llama_rank(rank: int, world: int, config: dict, context_parallel: object, m
     trace and plan's rows."""
     import soybean
     from soybean.models import load
-    from soybean.testing import Trace, _gather_grads, _train
+    from soybean.testing import train_parallel
 
     torch.set_num_threads(1)
     model, inputs = load("hf:llama", config)
     pm = soybean.parallelize(model, inputs, devices=world, mesh=mesh, context_parallel=context_parallel)
-    losses, grads = _train(pm, inputs, 3, 1e-4, _gather_grads)
-    full = pm.full_tensors()
-    names = {k for k, _ in model.named_parameters()}
-    trace = Trace(losses, grads, {k: v for k, v in full.items() if k in names},
-                  {k: v for k, v in full.items() if k not in names})
-    return trace, pm.plan.context_parallel
+    return train_parallel(pm, model, inputs, 3, 1e-4), pm.plan.context_parallel
 
 
 @pytest.mark.dist

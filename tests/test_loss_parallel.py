@@ -112,17 +112,12 @@ def _vocab_rank(rank: int, world: int) -> tuple:
     """One gloo rank: the Llama above parallelized on ``world`` processes and trained; its trace and split losses."""
     import soybean
     from soybean.models import load
-    from soybean.testing import Trace, _gather_grads, _train
+    from soybean.testing import train_parallel
 
     torch.set_num_threads(1)
     model, inputs = load("hf:llama", _VOCAB)
     pm = soybean.parallelize(model, inputs, devices=world)
-    losses, grads = _train(pm, inputs, 3, 1e-4, _gather_grads)
-    full = pm.full_tensors()
-    names = {k for k, _ in model.named_parameters()}
-    trace = Trace(losses, grads, {k: v for k, v in full.items() if k in names},
-                  {k: v for k, v in full.items() if k not in names})
-    return trace, _loss_split(pm.plan)
+    return train_parallel(pm, model, inputs, 3, 1e-4), _loss_split(pm.plan)
 
 
 @pytest.mark.dist
