@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from .accumulation import widened
+
 CLASS_SPLIT_CROSS_ENTROPY = "cross_entropy_classes"  # the synchronised call cross-entropy's rule asks for
-
-
-def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Each row's statistics are computed and combined in float32 for half types, else in the logits' own type."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def gathered_bytes(rows: int, members: int, dtype: torch.dtype) -> int:
     """Bytes of one statistics all-gather (its whole result, as ``cost.collectives`` prices a gather): two values
-    per row from each of ``members``."""
-    return 2 * rows * members * torch.empty((), dtype=stats_dtype(dtype)).element_size()
+    per row from each of ``members``, in the logits' accumulation type (``accumulation.widened``)."""
+    return 2 * rows * members * widened(dtype).itemsize

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import torch
 
+from .accumulation import widened
+
 SYNC_BATCH_NORM = "batch_norm"  # the synchronised call batch norm's rule asks for (``rules.norm``)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics of ``dtype`` tiles are combined in float64 for float32 (float32 for half types)."""
-    return torch.float64 if dtype == torch.float32 else (torch.float32 if dtype in (torch.float16, torch.bfloat16)
-                                                         else dtype)
+    return torch.float64 if dtype == torch.float32 else widened(dtype)
 
 
 def stats_bytes(channels: int, dtype: torch.dtype) -> int:

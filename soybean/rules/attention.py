@@ -28,8 +28,7 @@ import dataclasses
 import math
 from typing import Any
 
-import torch
-
+from ..ir.accumulation import widened
 from ..ir.attention import (
     RING,
     RING_ZIGZAG,
@@ -150,7 +149,7 @@ def _ring_passes(op: OpSpec, st: Strategy, grads: list[bool], mesh: Any, axis: i
     p = mesh.shape[axis]
     kv = block * (_row_bytes(op, st, 1, axis, mesh) + _row_bytes(op, st, 2, axis, mesh))
     dtype = op.inputs[1].dtype
-    grad_kv = kv * (4 / dtype.itemsize if dtype in (torch.float16, torch.bfloat16) else 1)  # float32 gradients
+    grad_kv = kv * widened(dtype).itemsize / dtype.itemsize  # the gradients travel in the accumulation type
     out = [OpCall("halo", axis, kv, 1, 1 / p)] * (p - 1)
     if any(grads):
         out += [OpCall("halo", axis, kv, 1, BACKWARD / p), OpCall("halo", axis, grad_kv, 1)] * (p - 1)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
+from ..ir.accumulation import widened
 from ..tiling import chunk_range
 from .comm import Group
 
@@ -122,7 +123,7 @@ class _Ring(Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, causal: bool, c: float,
                 rows: list[torch.Tensor], keys: list[torch.Tensor]) -> torch.Tensor:
         p, me = group.size, group.index
-        acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        acc = widened(q.dtype)
         qa = q.to(acc)
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)

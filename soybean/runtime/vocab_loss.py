@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
-from ..ir.loss_parallel import stats_dtype
+from ..ir.accumulation import widened
 from ..ir.losses import mean_count
 from ..tiling import nested_range
 from .comm import Group
@@ -28,7 +28,7 @@ class _ClassSplitNLL(Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, target: torch.Tensor, lo: int, groups: Sequence[Group]) -> torch.Tensor:
-        acc, n = stats_dtype(x.dtype), x.shape[1]
+        acc, n = widened(x.dtype), x.shape[1]
         xa = x.to(acc)
         local = target - lo
         mine = (local >= 0) & (local < n)
