@@ -327,7 +327,7 @@ def op_collectives(g: PlanGraph, v: Var, c: int, grads: Sequence[bool], rerun: b
     out = []
     k = 0
     for call in op_comm_calls(v.op, st, grads, mesh, prof.expert_imbalance, rerun):
-        phase = "forward" if k < len(fwd) and fwd[k][:4] == call[:4] else "backward"
+        phase = "forward" if k < len(fwd) and fwd[k] == call else "backward"
         k += phase == "forward"
         cost = op_call_cost(call, mesh, prof, own)
         step = own_step(v.op, call.kind) + f"[axis {call.axis}]"

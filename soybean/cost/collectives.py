@@ -220,9 +220,9 @@ def op_call_cost(call: OpCall, mesh: Mesh, profile: Profile, compute_s: float) -
 
 
 def has_comm(op: OpSpec) -> bool:
-    """May ``op`` communicate inside itself (a windowed op's halos, a synchronised op's calls)?"""
+    """May ``op`` communicate inside itself (a windowed op's halos, the calls its rule's ``comm`` lists)?"""
     entry = lookup(op.target)
-    return bool(windows_of(op)) or (entry is not None and entry.sync_args is not None)
+    return bool(windows_of(op)) or (entry is not None and entry.comm is not None)
 
 
 def op_comm_costs(op: OpSpec, strategies: Sequence[Strategy], grads: Sequence[bool], mesh: Mesh,

@@ -65,11 +65,11 @@ def sb_cross_entropy(self: torch.Tensor, target: torch.Tensor, weight: torch.Ten
     nll = _ClassSplitNLL.apply(self, target, lo, split)
     valid = target != ignore_index
     # torch gives the class weights no gradient (nll_loss has no derivative for them): read them detached
-    w = valid.to(nll.dtype) if weight is None else torch.where(valid, weight.detach()[target.clamp(0)], 0.0)
+    fixed = None if weight is None else weight.detach()
+    w = valid.to(nll.dtype) if fixed is None else torch.where(valid, fixed[target.clamp(0)], 0.0)
     rows = nll * w
     if reduction == 0:
         return rows
     total = rows.sum()
     return total if reduction == 2 else total / mean_count("classes", self.numel(), target,
-                                                          {"ignore_index": ignore_index,
-                                                           "weight": None if weight is None else weight.detach()})
+                                                          {"ignore_index": ignore_index, "weight": fixed})
