@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["mlp", "alexnet", "vgg16", "resnet", "transformer", "unet", "volume_net", "FACTORIES"]
+__all__ = ["mlp", "alexnet", "vgg16", "resnet", "transformer", "unet", "volume_net", "towers", "inception",
+           "FACTORIES"]
 
 
 # --------------------------------------------------------------------------
@@ -681,6 +682,96 @@ def llama3(batch: int = 2, seq: int = 64, vocab: int = 256, dim: int = 64, layer
     return model, (tokens, torch.randint(0, vocab, (batch, seq)))
 
 
+
+# --------------------------------------------------------------------------
+# parallel branches (DLPlacer's case): towers and Inception-style blocks
+# --------------------------------------------------------------------------
+
+
+class Towers(nn.Module):
+    """``towers`` independent stacks of ``layers`` (Linear ``width`` -> ``width`` + tanh) reading the same input,
+    concatenated into a linear head: the branches DLPlacer places on their own devices."""
+
+    def __init__(self, towers: int, layers: int, width: int, classes: int):
+        super().__init__()
+        self.towers = nn.ModuleList(
+            nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())))
+            for _ in range(towers))
+        self.head = nn.Linear(towers * width, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None):
+        out = self.head(torch.cat([t(x) for t in self.towers], dim=-1))
+        return out if y is None else self.loss_fn(out, y)
+
+    def loss_fn(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The training loss, also for loops that compute it outside the model: ``model.loss_fn(model(x), y)``."""
+        return F.cross_entropy(out, y)
+
+
+def towers(batch: int = 8, width: int = 512, layers: int = 16, towers: int = 2, classes: int = 10, seed: int = 0):
+    """Two (``towers``) independent stacks of ``layers`` Linear+tanh layers of ``width``, concatenated into a
+    classifier head.  Inputs ``(x, y)``: x is (batch, width), y (batch,) labels."""
+    torch.manual_seed(seed)
+    model = Towers(towers, layers, width, classes)
+    return model, (torch.randn(batch, width), torch.randint(0, classes, (batch,)))
+
+
+class _InceptionBlock(nn.Module):
+    """Four branches of different widths on one input, concatenated on channels (Inception-v1/v3's block): 1x1;
+    1x1 then 3x3; 1x1 then two 3x3 (a 5x5's factorisation, v3); 3x3 max-pool then 1x1."""
+
+    def __init__(self, cin: int, c1: int, c3r: int, c3: int, c5r: int, c5: int, cp: int):
+        super().__init__()
+
+        def conv(a: int, b: int, k: int) -> nn.Module:
+            return nn.Sequential(nn.Conv2d(a, b, k, padding=k // 2), nn.ReLU())
+
+        self.b1 = conv(cin, c1, 1)
+        self.b3 = nn.Sequential(conv(cin, c3r, 1), conv(c3r, c3, 3))
+        self.b5 = nn.Sequential(conv(cin, c5r, 1), conv(c5r, c5, 3), conv(c5, c5, 3))
+        self.bp = nn.Sequential(nn.MaxPool2d(3, stride=1, padding=1), conv(cin, cp, 1))
+        self.out_channels = c1 + c3 + c5 + cp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.b1(x), self.b3(x), self.b5(x), self.bp(x)], dim=1)
+
+
+class Inception(nn.Module):
+    """A stem convolution, ``blocks`` Inception blocks (``_InceptionBlock``, GoogLeNet's 3a/3b widths scaled by
+    ``width``) and a classifier."""
+
+    def __init__(self, blocks: int, width: float, classes: int, in_channels: int = 3):
+        super().__init__()
+        stem = _scale(64, width)
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, stem, 3, padding=1), nn.ReLU())
+        mods, c = [], stem
+        widths = [(64, 96, 128, 16, 32, 32), (128, 128, 192, 32, 96, 64)]
+        for i in range(blocks):
+            w = [_scale(n, width) for n in widths[i % 2]]
+            block = _InceptionBlock(c, *w)
+            mods.append(block)
+            c = block.out_channels
+        self.blocks = nn.Sequential(*mods)
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None):
+        h = self.blocks(self.stem(x)).mean(dim=(2, 3))
+        out = self.fc(h)
+        return out if y is None else self.loss_fn(out, y)
+
+    def loss_fn(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The training loss, also for loops that compute it outside the model: ``model.loss_fn(model(x), y)``."""
+        return F.cross_entropy(out, y)
+
+
+def inception(batch: int = 8, image: int = 28, blocks: int = 2, width: float = 1.0, classes: int = 10,
+              in_channels: int = 3, seed: int = 0):
+    """Inception-style network (``Inception``): four branches of different widths per block.  Inputs ``(x,
+    y)``: x is (batch, in_channels, image, image), y (batch,) labels."""
+    torch.manual_seed(seed)
+    model = Inception(blocks, width, classes, in_channels)
+    return model, (torch.randn(batch, in_channels, image, image), torch.randint(0, classes, (batch,)))
+
 FACTORIES = {
     "mlp": mlp,
     "alexnet": alexnet,
@@ -690,4 +781,6 @@ FACTORIES = {
     "unet": unet,
     "volume_net": volume_net,
     "llama3": llama3,
+    "towers": towers,
+    "inception": inception,
 }

@@ -25,6 +25,7 @@ from .module import ParallelModule
 from .options import PlanOptions, options as merge_options
 from .outputs import OUTPUTS
 from .pipelined import PipelinedModule
+from .placed import PlacedModule
 from .plan import Plan
 from .planner import plan as make_plan
 from .precision import policy
@@ -75,7 +76,8 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
                 groups: Sequence[Group] | None = None, captured: Captured | None = None, outputs: str = "lazy",
                 share_params: bool = False, example_kwargs: dict | None = None, timeout_s: float | None = None,
                 pipeline: int | str | None = None, microbatches: int | None = None, schedule: str = "1f1b",
-                virtual_stages: int = 1, **option_fields: Any) -> ParallelModule | PipelinedModule:
+                virtual_stages: int = 1, placement: str | None = None,
+                **option_fields: Any) -> ParallelModule | PipelinedModule | PlacedModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
 
     ``example_inputs``: forward's positional arguments (a tuple, or one tensor), or a dict of its keyword
@@ -128,6 +130,12 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     loss_fn=fn)``; each stage runs on ``devices / pipeline`` devices.
     ``pipeline="auto"``: the faster of no stages and the best pipelined plan searched (``auto_plan``); the module
     is the one that plan runs as (``train_step`` serves both).
+
+    ``placement``: ``"auto"`` lets independent branches of the graph (towers, Inception blocks) run at the same
+    time on their own device groups, each group tiling its branches with its own plan (DLPlacer;
+    ``placement_plan``), where modelled faster than the plan without placement; the module is then a
+    ``placed.PlacedModule`` (inputs and outputs whole on every rank, ``loss.backward()`` on every rank).  ``None``
+    (default): every op on every device.  A plan saved with a placement runs as one.
     """
     if outputs not in OUTPUTS:
         raise ValueError(f"unknown outputs {outputs!r}: use one of {', '.join(OUTPUTS)}")
@@ -179,7 +187,21 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
         return _pipelined(model, example_inputs, example_kwargs, opts, world, rank, pipeline,
                           int(pipe.get("microbatches", microbatches or pipeline)), pipe.get("schedule", schedule),
                           prec, p, int(pipe.get("virtual_stages", virtual_stages)))
+    if placement not in (None, "auto", "none"):
+        raise ValueError(f"placement={placement!r}: use None (every op on every device) or 'auto'")
+    if p is not None and p.placement is not None:
+        placement = "auto"  # a saved placed plan runs as one
     cap = captured or capture(model, example_inputs, example_kwargs, precision=prec)
+    if placement == "auto":
+        if simulated:
+            raise ValueError("a placed plan runs on a torch.distributed process group (torchrun or soybean run), "
+                             "not on simulated groups: drop placement= or launch processes")
+        if p is None:
+            p = _from_rank0(lambda: placed_or_plain(cap, world, opts), rank) if world > 1 else \
+                make_plan(None, (), world, options=opts, baselines=False, captured=cap)
+        if p.placement is not None:
+            check_plan(p, cap.fingerprint, world, cap.precision)
+            return placed_module(model, cap, p, rank, world)
     if p is None:
         def make() -> Plan:
             return make_plan(None, (), world, options=opts, baselines=False, captured=cap)
@@ -192,6 +214,37 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
 
         groups = torch_groups(pmesh)
     return ParallelModule(model, cap, p, rank, groups, lazy_outputs=outputs == "lazy", share_params=share_params)
+
+
+def placed_or_plain(cap: Captured, world: int, opts: PlanOptions, say: Callable[[str], None] = lambda line: None,
+                    baselines: bool = False) -> Plan:
+    """``placement="auto"``: the faster of the plan without placement and the best placed plan
+    (``placement_plan.plan_placement``); the plan without placement records the placed plan's step
+    (``solver["placement_s"]``: None when the graph has no branches to place), a placed one the other's
+    (``placement["without_placement_s"]``)."""
+    from .placement_plan import plan_placement
+
+    plain = make_plan(None, (), world, options=opts, baselines=baselines, captured=cap)
+    say("placement")
+    placed = plan_placement(cap, world, opts, say)
+    if placed is None or placed.cost["step_time_s"] >= plain.cost["step_time_s"]:
+        plain.solver["placement_s"] = None if placed is None else placed.cost["step_time_s"]
+        return plain
+    assert placed.placement is not None
+    placed.placement["without_placement_s"] = plain.cost["step_time_s"]
+    placed.baselines = plain.baselines
+    return placed
+
+
+def placed_module(model: torch.nn.Module, cap: Captured, p: Plan, rank: int, world: int) -> PlacedModule:
+    """This rank's ``PlacedModule`` of the placed plan ``p`` (its regions cut from ``cap`` as the plan records)."""
+    from .placement_plan import region_nodes
+    from .regions import segments, split
+
+    assert p.placement is not None
+    rows = p.placement["regions"]
+    regions = split(cap, region_nodes(cap, segments(cap), [r["pieces"] for r in rows]))
+    return PlacedModule(model, cap, regions, [Plan.from_dict(r["plan"]) for r in rows], p, rank, world)
 
 
 def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions, world: int, rank: int,

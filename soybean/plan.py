@@ -173,6 +173,11 @@ class Plan:
     # layers (``units``: first and last), ranks, mesh, modelled seconds per microbatch and its own tiling plan (this
     # class's dict); None, and no ``pipeline`` key in the JSON, for a plan of one SPMD program
     pipeline: dict[str, Any] | None = None
+    # branches on their own device groups (``soybean.placement_plan``, ``soybean.placed``): every region (its module
+    # prefixes ``units``, the graph's (segment, branch) pairs it runs, its ranks and mesh, modelled seconds, what it
+    # sends and its own tiling plan), every placed segment's choice and the number of groups; None, and no
+    # ``placement`` key in the JSON, for a plan that runs every op on every device
+    placement: dict[str, Any] | None = None
     # routed experts (mixture of experts; ``records.moe_records``): per MoE layer its experts, the mesh axes
     # splitting them and their degree, the axes its rows move on (all-to-all) and those left a pending sum; no
     # ``moe`` key in the JSON for a model without routed experts
@@ -241,8 +246,9 @@ class Plan:
                 d["solver"][k] = _sig(d["solver"][k])
         # A mesh solved has its optimum; one pruned unsolved has the lower bound that ruled it out.
         d["meshes"] = [{**m, **{k: _sig(m[k]) for k in ("objective", "bound") if k in m}} for m in self.meshes]
-        if d["pipeline"] is None:
-            del d["pipeline"]
+        for key in ("pipeline", "placement"):
+            if d[key] is None:
+                del d[key]
         for key in ("moe", "context_parallel"):
             if not d[key]:
                 del d[key]

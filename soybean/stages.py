@@ -100,7 +100,6 @@ def split(cap: Captured, bounds: Sequence[tuple[int, int]]) -> list[Stage]:
     stage = stage_of_nodes(cap, bounds)
     nodes = list(cap.graph.nodes)
     state = {n.name for n in nodes if n.op == "placeholder" and (n.name in cap.params or n.name in cap.buffers)}
-    out_node = next(n for n in nodes if n.op == "output")
     # The latest stage that reads each value (a placeholder of state is copied, never passed on).
     last_reader: dict[str, int] = {}
     for n in nodes:
@@ -115,7 +114,9 @@ def split(cap: Captured, bounds: Sequence[tuple[int, int]]) -> list[Stage]:
         takes = [n.name for n in nodes if n.op == "placeholder" and n.name not in state] if s == 0 else carried
         returns = ([] if s == len(bounds) - 1 else
                    [n.name for n in value_nodes if made[n.name] <= s and last_reader.get(n.name, -1) > s])
-        out.append(Stage(first, last, _stage_capture(cap, s, stage, state, takes, returns, out_node), takes,
+        members = {n.name for n in nodes if n.op not in ("placeholder", "output") and stage[n.name] == s}
+        final = s == len(bounds) - 1
+        out.append(Stage(first, last, sub_capture(cap, f"stage {s}", members, takes, returns, final, s == 0), takes,
                          returns))
         carried = returns
     return out
@@ -137,13 +138,18 @@ def shared_params(cap: Captured, bounds: Sequence[tuple[int, int]]) -> dict[str,
     return {fqn: sorted(ss) for fqn, ss in readers.items() if len(ss) > 1}
 
 
-def _stage_capture(cap: Captured, s: int, stage: dict[str, int], state: set[str], takes: list[str],
-                   returns: list[str], out_node: fx.Node) -> Captured:
+def sub_capture(cap: Captured, tag: str, members: set[str], takes: Sequence[str], returns: Sequence[str],
+                last: bool, first: bool = False) -> Captured:
+    """The capture of a piece of ``cap`` (a pipeline stage, a placed region): the op nodes ``members``, copied
+    once each in graph order with their metadata, after the state placeholders they read (the capture's order)
+    and one placeholder per value of ``takes``.  It returns the model's outputs when ``last``, else the values
+    ``returns``; ``first``: it takes the model's own inputs, so it keeps their structure (``in_spec``)."""
     nodes = list(cap.graph.nodes)
+    state = {n.name for n in nodes if n.op == "placeholder" and (n.name in cap.params or n.name in cap.buffers)}
+    out_node = next(n for n in nodes if n.op == "output")
     g = fx.Graph()
     env: dict[str, fx.Node] = {}
-    used_state = {a.name for n in nodes if stage.get(n.name) == s and n.op != "placeholder"
-                  for a in n.all_input_nodes if a.name in state}
+    used_state = {a.name for n in nodes if n.name in members for a in n.all_input_nodes if a.name in state}
     for n in nodes:  # state placeholders first, in the capture's order
         if n.op == "placeholder" and n.name in used_state:
             env[n.name] = g.node_copy(n)
@@ -154,10 +160,8 @@ def _stage_capture(cap: Captured, s: int, stage: dict[str, int], state: set[str]
         p.meta = dict(src.meta)
         env[name] = p
     for n in nodes:
-        if n.op in ("placeholder", "output") or stage[n.name] != s:
-            continue
-        env[n.name] = g.node_copy(n, lambda a: env[a.name])
-    last = s == max(stage.values())
+        if n.name in members and n.op not in ("placeholder", "output"):
+            env[n.name] = g.node_copy(n, lambda a: env[a.name])
     if last:
         g.output(fx.map_arg(out_node.args[0], lambda a: env[a.name]))
     else:
@@ -170,9 +174,9 @@ def _stage_capture(cap: Captured, s: int, stage: dict[str, int], state: set[str]
         cap, graph_module=gm, params=params, buffers=buffers, inputs=list(takes),
         constants={k: v for k, v in cap.constants.items() if k in buffers.values()},
         aliases={k: v for k, v in cap.aliases.items() if v in params.values()},
-        fingerprint=hashlib.sha256(f"{cap.fingerprint} stage {s} {takes} {returns}".encode()).hexdigest()[:16],
-        out_spec=cap.out_spec if last else None, in_spec=cap.in_spec if s == 0 else None,
-        arg_names=cap.arg_names if s == 0 else (), keys=keys)
+        fingerprint=hashlib.sha256(f"{cap.fingerprint} {tag} {list(takes)} {list(returns)}".encode()).hexdigest()[:16],
+        out_spec=cap.out_spec if last else None, in_spec=cap.in_spec if first else None,
+        arg_names=cap.arg_names if first else (), keys=keys)
 
 
 def run_stages(cap: Captured, stages: Sequence[Stage], state: dict[str, torch.Tensor], inputs: Sequence[Any]) -> Any:

@@ -1,0 +1,248 @@
+"""Branches on their own device groups (DLPlacer): which branches run where, chosen with every region's tiling.
+
+The graph's series (``regions.segments``) run one after the other.  A serial segment runs on every device, tiled
+by its own plan.  The branches of a parallel segment may instead be split into parts, each part placed on a
+*group* of devices (contiguous ranks) that runs its branches one after the other, tiled by a plan of the part on
+the group's devices, while the other groups run theirs at the same time.  What a part returns (read by the next
+serial segment, on every device) moves to the devices outside its group by point-to-point messages, its gradient
+back in backward (``runtime.transfer``).
+
+The step's makespan is the sum over segments of each one's time: a serial segment's step (its plan's
+``step_time_s``, forward, backward, gradient sync and optimizer on its devices); a parallel segment's
+``max`` over its groups of (the sum of the part's branches' steps on ``d`` devices, each branch planned alone by
+``planner.plan`` on ``d`` devices, plus the part's sends).  Taking each group's forward and backward together
+is exact when the groups' backward-to-forward ratios agree (a forward barrier at the join and a backward one at
+the fork give ``max F + max B``; ``max (F + B)`` equals it then, and is its lower bound otherwise).
+
+For one segment with ``k`` branches, every set partition of the branches (Bell(k)) and every composition of the
+devices into as many group sizes is priced (``segment_options``): the minimum is exact, and a segment of more than
+``MAX_BRANCHES`` branches is left serial.  Segments are independent given that serial segments hand whole values
+to the next, so the placed plan is the per-segment minimum; the parts then planned together (a group's branches
+as one capture, consecutive serial segments as one) are priced again for the record, and ``api.placed_or_plain``
+keeps the cheaper of that and the plan without placement.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .capture import Captured
+from .cost.profiles import Profile, load_profile
+from .graph.units import _module_path
+from .options import PlanOptions
+from .plan import Plan
+from .regions import Region, Segment, params_read, segments, shape_key, split
+from .stages import value_facts
+
+MAX_BRANCHES = 8  # Bell(8) = 4,140 partitions of a segment's branches
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run a parallel segment: its parts (branch indices), each on a group of ``sizes[i]`` devices."""
+
+    parts: tuple[tuple[int, ...], ...]
+    sizes: tuple[int, ...]
+    seconds: float
+
+    @property
+    def placed(self) -> bool:
+        return len(self.parts) > 1
+
+
+def set_partitions(items: Sequence[int]) -> Iterator[list[list[int]]]:
+    """Every partition of ``items`` into non-empty parts (each part in ``items``' order, parts by first item)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for p in set_partitions(rest):
+        yield [[first], *p]
+        for i in range(len(p)):
+            yield [*p[:i], [first, *p[i]], *p[i + 1:]]
+
+
+def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every ordered way to write ``total`` as ``parts`` positive sizes."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def send_s(nbytes: int, grad: bool, group: int, devices: int, profile: Profile) -> float:
+    """Seconds to move a whole value of ``nbytes`` from a group of ``group`` devices to the ``devices - group``
+    others (each sender serves ``ceil(others / group)`` of them, one message each), and its gradient back when
+    ``grad``."""
+    others = devices - group
+    if others <= 0:
+        return 0.0
+    alpha, beta = profile.ab(0, "p2p", m=float(nbytes))
+    one = math.ceil(others / group) * (alpha + nbytes * beta)
+    return one * (2 if grad else 1)
+
+
+def segment_options(steps: Callable[[int, int], float], sends: Callable[[Sequence[int], int], float],
+                    branches: int, devices: int) -> list[Option]:
+    """Every way to run a segment of ``branches`` branches on ``devices`` devices (module docstring), cheapest
+    first; ``steps(b, d)``: branch ``b``'s step on ``d`` devices; ``sends(part, d)``: a part's sends from a group
+    of ``d``."""
+    out: list[Option] = []
+    for parts in set_partitions(list(range(branches))):
+        if len(parts) > devices:
+            continue
+        for sizes in compositions(devices, len(parts)):
+            t = max(sum(steps(b, d) for b in part) + (sends(part, d) if len(parts) > 1 else 0.0)
+                    for part, d in zip(parts, sizes))
+            out.append(Option(tuple(tuple(p) for p in parts), sizes, t))
+            if len(parts) == 1:
+                break
+    return sorted(out, key=lambda o: (o.seconds, len(o.parts)))
+
+
+def module_prefixes(cap: Captured, nodes: Sequence[str]) -> list[str]:
+    """What a region holds, for people: the innermost module holding all its ops, else its ops' top-level
+    modules in graph order."""
+    by_name = {n.name: n for n in cap.graph.nodes}
+    paths = [p for n in nodes if (p := _module_path(by_name[n]))]
+    if not paths:
+        return []
+    parts = [p.split(".") for p in paths]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    if common:
+        return [".".join(common)]
+    return list(dict.fromkeys(p[0] for p in parts))
+
+
+def placeable(cap: Captured, segs: Sequence[Segment]) -> list[bool]:
+    """Which segments may be placed: parallel, at most ``MAX_BRANCHES`` branches, and no trained parameter read by
+    two of its branches or by another segment (a copy per group would need its gradients summed)."""
+    reads = [[params_read(cap, b) for b in s.branches] for s in segs]
+    out = []
+    for i, s in enumerate(segs):
+        if not s.parallel or len(s.branches) > MAX_BRANCHES:
+            out.append(False)
+            continue
+        mine = reads[i]
+        others = set().union(*(r for j, rs in enumerate(reads) if j != i for r in rs))
+        shared = any(a & b for a, b in itertools.combinations(mine, 2)) or any(r & others for r in mine)
+        out.append(not shared)
+    return out
+
+
+def plan_placement(cap: Captured, devices: int, options: PlanOptions,
+                   say: Callable[[str], None] = lambda line: None) -> Plan | None:
+    """The best placed plan of ``cap`` on ``devices`` devices (module docstring), or None when no segment may be
+    placed (no parallel branches) or placing none is best."""
+    from .planner import plan
+
+    segs = segments(cap)
+    ok = placeable(cap, segs)
+    if devices < 2 or not any(ok):
+        return None
+    profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
+    facts = value_facts(cap)
+    fine_pieces = [list(b) for s in segs for b in s.branches]
+    fine = split(cap, fine_pieces)
+    at: dict[tuple[int, int], Region] = {}
+    k = 0
+    for i, s in enumerate(segs):
+        for j in range(len(s.branches)):
+            at[(i, j)] = fine[k]
+            k += 1
+    cache: dict[tuple[str, int], Plan] = {}
+
+    def planned(c: Captured, d: int) -> Plan:
+        key = (shape_key(c), d)
+        if key not in cache:
+            cache[key] = plan(None, (), d, options=options, baselines=False, captured=c)
+        return cache[key]
+
+    chosen: list[Option | None] = []
+    records: list[dict[str, Any]] = []
+    for i, s in enumerate(segs):
+        if not ok[i]:
+            chosen.append(None)
+            continue
+        say(f"segment {i}: {len(s.branches)} branches")
+
+        def steps(b: int, d: int, i: int = i) -> float:
+            return float(planned(at[(i, b)].cap, d).cost["step_time_s"])
+
+        def sends(part: Sequence[int], d: int, i: int = i) -> float:
+            return sum(send_s(facts[v][0], facts[v][1], d, devices, profile) for b in part for v in at[(i, b)].returns)
+
+        opts = segment_options(steps, sends, len(s.branches), devices)
+        best = opts[0]
+        chosen.append(best if best.placed else None)
+        records.append({"segment": i, "branches": len(s.branches), "placed": best.placed,
+                        "parts": [list(p) for p in best.parts], "sizes": list(best.sizes), "step_s": best.seconds,
+                        "unplaced_s": next(o.seconds for o in opts if not o.placed), "options": len(opts)})
+    if not any(o is not None for o in chosen):
+        return None
+    return _placed(cap, segs, chosen, records, devices, profile, facts, planned, options)
+
+
+def _placed(cap: Captured, segs: Sequence[Segment], chosen: Sequence[Option | None], records: list[dict[str, Any]],
+            devices: int, profile: Profile, facts: dict[str, tuple[int, bool]],
+            planned: Callable[[Captured, int], Plan], options: PlanOptions) -> Plan:
+    """The plan of the chosen options: the final regions planned, priced and recorded (``Plan.placement``)."""
+    pieces: list[list[tuple[int, int]]] = []  # each region's (segment, branch) pairs
+    ranks: list[list[int]] = []
+    placed_in: list[int | None] = []  # the placed segment a region is a part of (None: a serial region)
+    serial: list[tuple[int, int]] = []
+
+    def flush() -> None:
+        if serial:
+            pieces.append(list(serial))
+            ranks.append(list(range(devices)))
+            placed_in.append(None)
+            serial.clear()
+
+    for i, (s, o) in enumerate(zip(segs, chosen)):
+        if o is None:
+            serial.extend((i, j) for j in range(len(s.branches)))
+            continue
+        flush()
+        start = 0
+        for part, d in zip(o.parts, o.sizes):
+            pieces.append([(i, j) for j in part])
+            ranks.append(list(range(start, start + d)))
+            placed_in.append(i)
+            start += d
+    flush()
+    regions = split(cap, region_nodes(cap, segs, pieces))
+    rows: list[dict[str, Any]] = []
+    for r, piece, rk, seg in zip(regions, pieces, ranks, placed_in):
+        p = planned(r.cap, len(rk))
+        send = sum(send_s(facts[v][0], facts[v][1], len(rk), devices, profile) for v in r.returns) if seg is not None \
+            else 0.0
+        rows.append({"units": module_prefixes(cap, r.nodes), "segment": seg, "pieces": [list(x) for x in piece],
+                     "ranks": rk, "mesh": list(p.mesh), "step_s": float(p.cost["step_time_s"]), "transfer_s": send,
+                     "sends": list(r.returns), "send_bytes": sum(facts[v][0] for v in r.returns),
+                     "plan": p.to_dict()})
+    # serial regions one after the other; the groups of a placed segment at the same time
+    step = sum(row["step_s"] for row in rows if row["segment"] is None)
+    for seg in {row["segment"] for row in rows if row["segment"] is not None}:
+        step += max(row["step_s"] + row["transfer_s"] for row in rows if row["segment"] == seg)
+    record = {"regions": rows, "segments": records,
+              "groups": max(sum(1 for row in rows if row["segment"] == i) for i in set(placed_in) if i is not None)}
+    first = Plan.from_dict(rows[0]["plan"])
+    return Plan(devices=devices, mesh=[devices], objective=options.objective, profile=first.profile,
+                fingerprint=cap.fingerprint, params={}, inputs={}, nodes={},
+                cost={"step_time_s": step,
+                      "compute_s": sum(float(r["plan"]["cost"].get("compute_s", 0.0)) for r in rows)},
+                precision=cap.precision, placement=record)
+
+
+def region_nodes(cap: Captured, segs: Sequence[Segment], pieces: Sequence[Sequence[Sequence[int]]]) -> list[list[str]]:
+    """The node lists of regions given as (segment, branch) pairs (a plan's ``placement.regions[*].pieces``), each
+    in graph order."""
+    order = {n.name: i for i, n in enumerate(cap.graph.nodes)}
+    return [sorted((n for s, b in piece for n in segs[s].branches[b]), key=order.__getitem__) for piece in pieces]
