@@ -172,7 +172,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
         pipeline = p.mesh[0]  # a saved pipelined plan runs as one
     if pipeline == "auto" and p is None:
         def searched() -> Plan:
-            return auto_plan(model, example_inputs, example_kwargs, opts, world, prec)
+            return auto_plan(model, example_inputs, example_kwargs, opts, world, prec, placement=placement == "auto")
 
         p = searched() if simulated or world == 1 else _from_rank0(searched, rank)
         if p.pipeline is not None:
@@ -303,12 +303,14 @@ def micro_inputs(args: tuple, kwargs: dict, microbatches: int) -> tuple[tuple, d
 
 
 def auto_plan(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions, world: int,
-              precision: str, say: Callable[[str], None] = lambda line: None, baselines: bool = False) -> Plan:
+              precision: str, say: Callable[[str], None] = lambda line: None, baselines: bool = False,
+              placement: bool = False) -> Plan:
     """``pipeline="auto"``: the faster of the plan without stages (the whole batch on one mesh) and the best
     pipelined plan (``pipeline_plan.search_pipeline``); the plan without stages keeps every pipeline searched in
     ``solver["pipelines_searched"]``, a pipelined one in ``pipeline["searched"]`` with the other's step
     (``pipeline["without_stages_s"]``).  ``baselines``: the plan returned records every baseline, the one-mesh
-    layouts (``soybean.baselines``) and torchtitan's 3-D ones (``pipeline_baselines``)."""
+    layouts (``soybean.baselines``) and torchtitan's 3-D ones (``pipeline_baselines``).  ``placement``: the plan
+    without stages may place branches on device groups (``placed_or_plain``)."""
     from . import pipeline_baselines
     from .pipeline_plan import search_pipeline
     from .planner import MemoryBudgetError, SearchError
@@ -316,8 +318,9 @@ def auto_plan(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptio
     plain: Plan | None = None
     base: dict[str, dict[str, Any]] = {}
     try:
-        plain = make_plan(None, (), world, options=opts, baselines=baselines,
-                          captured=capture(model, args, kwargs, precision=precision))
+        whole = capture(model, args, kwargs, precision=precision)
+        plain = (placed_or_plain(whole, world, opts, say, baselines) if placement and world > 1 else
+                 make_plan(None, (), world, options=opts, baselines=baselines, captured=whole))
         base.update(plain.baselines)
     except (MemoryBudgetError, SearchError) as e:  # no stages fit: only stages may
         unfit: Exception = e

@@ -142,8 +142,19 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
     opts = plan_options(a)  # every option checked here, before the model is built
     if a.pipeline != "none":
+        if a.placement != "none":
+            raise ValueError("--placement and --pipeline are planned apart for now: give one of them")
         return _plan_pipelined(a, opts)
     model, inputs, cap = _captured(a, opts.precision)
+    if a.placement == "auto":
+        from .api import placed_or_plain
+        from .report import placement_table
+
+        with ProgressLine(sys.stderr, enabled=not a.quiet) as line:
+            p = placed_or_plain(cap, opts.world, opts, line, baselines=True)
+        _write_plan(a, p, p.to_json() if a.format == "json" else
+                    placement_table(p) if p.placement is not None else table(p))
+        return 0
     p = _planned(not a.quiet, model, inputs, options=opts, captured=cap, cache_routes=_caching(a))
     _write_plan(a, p, p.to_json() if a.format == "json" else table(p))
     if a.emit_code:
@@ -157,7 +168,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
-def _explained(a: argparse.Namespace) -> list[tuple[str, Explanation]]:
+def _explained(a: argparse.Namespace) -> list[tuple[str, Explanation, list[int] | None]]:
     """``explain`` and ``draw``: the model's plan (``--plan``: a saved one, checked against the model; else
     planned now as ``soybean plan`` would) and its rows on the plan's full candidate table; a pipelined plan
     (``--plan`` of one, or ``--pipeline S``), one per stage, each titled by its stage's row of the table."""
@@ -174,6 +185,8 @@ def _explained(a: argparse.Namespace) -> list[tuple[str, Explanation]]:
     given = Plan.load(a.plan) if a.plan else None
     if (given is not None and given.pipeline is not None) or (given is None and a.pipeline != "none"):
         return _explained_stages(a, model, inputs, given, profile)
+    if (given is not None and given.placement is not None) or (given is None and a.placement == "auto"):
+        return _explained_regions(a, model, inputs, given, profile)
     if a.plan:
         p = Plan.load(a.plan)
         if a.devices is not None and a.devices != p.devices:
@@ -188,11 +201,52 @@ def _explained(a: argparse.Namespace) -> list[tuple[str, Explanation]]:
         opts = plan_options(a)
         cap = capture(model, inputs, precision=policy(opts.precision).name)
         p = _planned(True, None, (), options=opts, captured=cap, baselines=False)
-    return [("", explain(cap, p, profile))]
+    return [("", explain(cap, p, profile), None)]
+
+
+def _explained_regions(a: argparse.Namespace, model: Any, inputs: Any, given: Plan | None,
+                       profile: Any) -> list[tuple[str, Explanation, list[int] | None]]:
+    """Each region of a placed plan explained on its own capture and plan, titled by its row of the table and
+    the regions it runs at the same time as (a plan without placement: explained whole)."""
+    from .api import placed_or_plain
+    from .capture import capture
+    from .explain import explain
+    from .options import plan_options
+    from .placement_plan import region_nodes
+    from .plan import Plan
+    from .precision import policy
+    from .regions import segments, split
+    from .report import placement_table
+
+    if given is None:
+        if a.devices is None:
+            raise ValueError("give --devices P to plan the model, or a saved plan with --plan")
+        opts = plan_options(a)
+        cap = capture(model, inputs, precision=policy(opts.precision).name)
+        p = placed_or_plain(cap, opts.world, opts)
+    else:
+        p = given
+        cap = capture(model, inputs, precision=p.precision)
+        if cap.fingerprint != p.fingerprint:
+            raise ValueError(f"the plan {a.plan} was made for another model or other input shapes (fingerprint "
+                             f"{p.fingerprint} != {cap.fingerprint}): give the model and --arg it was planned with")
+    if p.placement is None:
+        return [("", explain(cap, p, profile), None)]
+    rows = p.placement["regions"]
+    regions = split(cap, region_nodes(cap, segments(cap), [r["pieces"] for r in rows]))
+    table = placement_table(p).splitlines()
+    out: list[tuple[str, Explanation, list[int] | None]] = []
+    for k, (reg, row) in enumerate(zip(regions, rows)):
+        along = [j for j, r in enumerate(rows)
+                 if j != k and r["segment"] is not None and r["segment"] == row["segment"]]
+        overlap = f"runs at the same time as region {', '.join(map(str, along))}" if along else "runs alone"
+        out.append((f"{table[0]}\n{table[k + 1]}\n{overlap}", explain(reg.cap, Plan.from_dict(row["plan"]), profile),
+                    list(row["ranks"])))
+    return out
 
 
 def _explained_stages(a: argparse.Namespace, model: Any, inputs: Any, given: Plan | None,
-                      profile: Any) -> list[tuple[str, Explanation]]:
+                      profile: Any) -> list[tuple[str, Explanation, list[int] | None]]:
     """Each stage of a pipelined plan explained on its own capture and plan, titled by its row of the table."""
     from .api import micro_inputs
     from .capture import capture
@@ -225,29 +279,44 @@ def _explained_stages(a: argparse.Namespace, model: Any, inputs: Any, given: Pla
         plans = [Plan.from_dict(st["plan"]) for st in p.pipeline["stages"]]
     assert p.pipeline is not None
     rows = pipeline_table(p).splitlines()
-    return [(f"{rows[0]}\n{rows[k + 1]}\n{rows[-1]}", explain(st.cap, sp, profile))
+    return [(f"{rows[0]}\n{rows[k + 1]}\n{rows[-1]}", explain(st.cap, sp, profile), None)
             for k, (st, sp) in enumerate(zip(cut, plans))]
+
+
+def _part_kind(a: argparse.Namespace) -> str:
+    """What one part of an explained plan is: a placed plan's region or a pipelined plan's stage."""
+    from .plan import Plan
+
+    placed = a.placement == "auto" or (a.plan and Plan.load(a.plan).placement is not None)
+    return "region" if placed else "pipeline stage"
 
 
 def _cmd_explain(a: argparse.Namespace) -> int:
     from .explain import format_text
 
-    for k, (title, ex) in enumerate(_explained(a)):
+    kind = _part_kind(a)
+    for k, (title, ex, _) in enumerate(_explained(a)):
         if title:
-            sys.stdout.write(f"{'' if k == 0 else chr(10)}== pipeline stage {k}\n{title}\n\n")
+            sys.stdout.write(f"{'' if k == 0 else chr(10)}== {kind} {k}\n{title}\n\n")
         sys.stdout.write(format_text(ex, a.node))
     return 0
 
 
 def _cmd_draw(a: argparse.Namespace) -> int:
-    from .draw import page, stacked, svg
+    from .draw import group_colours, page, stacked, svg
 
     parts = _explained(a)
     with open(a.out, "w") as f:
         if len(parts) == 1 and not parts[0][0]:
             f.write(page(parts[0][1]) if a.out.endswith(".html") else svg(parts[0][1]))
         else:
-            f.write(stacked(parts, html_page=a.out.endswith(".html")))
+            kind = _part_kind(a)
+            colours = None
+            if kind == "region":  # each region's band in its device group's colour
+                ranks = [r or [] for _, _, r in parts]
+                colours = group_colours(ranks, max(max(r) for r in ranks) + 1)
+            f.write(stacked([(t, ex) for t, ex, _ in parts], html_page=a.out.endswith(".html"), kind=kind,
+                            colours=colours))
     print(f"wrote {a.out}", file=sys.stderr)
     return 0
 
@@ -276,8 +345,13 @@ def _add_explained_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
-    """``--pipeline`` and its schedule's options (``plan``, ``explain``, ``draw``)."""
+    """``--pipeline`` and its schedule's options, and ``--placement`` (``plan``, ``explain``, ``draw``)."""
     from .pipelined import SCHEDULES
+
+    p.add_argument("--placement", default="none", choices=["none", "auto"],
+                   help="independent branches (towers, Inception blocks) on their own device groups, each group "
+                        "tiling its branches (DLPlacer): auto (where modelled faster) or none (default: every op on "
+                        "every device)")
 
     p.add_argument("--pipeline", default="none", type=_pipeline_arg, metavar="none|auto|S",
                    help="pipeline stages: none (default: one SPMD program over every device), a number S (the layers "

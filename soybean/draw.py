@@ -324,12 +324,34 @@ def page(ex: Explanation) -> str:
             + html.escape(format_text(ex)) + "</pre></details>\n</body></html>\n")
 
 
-def stacked(parts: Sequence[tuple[str, Explanation]], html_page: bool = False) -> str:
-    """A pipelined plan: each stage's picture (``svg``) in a band of its own, one under the other in stage
-    order, headed by its row of the stage table (``title``: lines of text); ``html_page``: an HTML page with
-    each stage's ``soybean explain`` text folded under its picture."""
+# A placed plan's device groups: each group's regions headed in its colour (every device's regions in grey).
+GROUP_COLOURS = ("#cfe3f7", "#f9dcc4", "#d4edda", "#eadcf8", "#fbeaa5", "#f6d0d8", "#d0f0ef", "#e2e2c8")
+ALL_DEVICES = "#eef2f7"
+
+
+def group_colours(ranks: Sequence[Sequence[int]], devices: int) -> list[str]:
+    """The band colour of each region of a placed plan by its ranks: one colour per distinct group, grey for the
+    regions on every device."""
+    seen: dict[tuple[int, ...], str] = {}
+    out = []
+    for rk in ranks:
+        key = tuple(rk)
+        if len(key) == devices:
+            out.append(ALL_DEVICES)
+            continue
+        out.append(seen.setdefault(key, GROUP_COLOURS[len(seen) % len(GROUP_COLOURS)]))
+    return out
+
+
+def stacked(parts: Sequence[tuple[str, Explanation]], html_page: bool = False, kind: str = "pipeline stage",
+            colours: Sequence[str] | None = None) -> str:
+    """A pipelined or placed plan: each stage's (``kind``: or region's) picture (``svg``) in a band of its own,
+    one under the other in order, headed by its row of the plan's table (``title``: lines of text) in its
+    ``colours`` entry (a placed plan's device group, ``group_colours``); ``html_page``: an HTML page with each
+    one's ``soybean explain`` text folded under its picture."""
     if html_page:
-        body = "".join(f"<h3>Pipeline stage {k}</h3><pre>{html.escape(title)}</pre>" + svg(ex)
+        body = "".join(f"<h3 style=\"background:{colours[k] if colours else ALL_DEVICES}\">{kind.capitalize()} {k}"
+                       f"</h3><pre>{html.escape(title)}</pre>" + svg(ex)
                        + "<details><summary>Why each tiling (soybean explain)</summary><pre>"
                        + html.escape(format_text(ex)) + "</pre></details>\n" for k, (title, ex) in enumerate(parts))
         return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>soybean pipelined plan</title>"
@@ -342,8 +364,8 @@ def stacked(parts: Sequence[tuple[str, Explanation]], html_page: bool = False) -
         pic = svg(ex)
         w, h = (float(x) for x in re.findall(r'width="([\d.]+)" height="([\d.]+)"', pic)[0])
         out = _Svg()
-        out.rect(0, y, max(w, 900.0), head, "#eef2f7")
-        out.text(12, y + 17, f"pipeline stage {k}", 13, weight="bold")
+        out.rect(0, y, max(w, 900.0), head, colours[k] if colours else ALL_DEVICES)
+        out.text(12, y + 17, f"{kind} {k}", 13, weight="bold")
         for i, line in enumerate(lines):
             out.add(f'<text x="12" y="{y + 34 + 15 * i:.0f}" font-family="monospace" font-size="11" '
                     f'fill="#222" xml:space="preserve">{html.escape(line)}</text>')
@@ -354,4 +376,4 @@ def stacked(parts: Sequence[tuple[str, Explanation]], html_page: bool = False) -
             f'viewBox="0 0 {width:.0f} {y:.0f}" style="{FONT};background:#fff">' + "".join(pics) + "</svg>\n")
 
 
-__all__ = ["band_of", "layout", "page", "placement_colour", "stacked", "svg"]
+__all__ = ["band_of", "group_colours", "layout", "page", "placement_colour", "stacked", "svg"]

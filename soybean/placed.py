@@ -106,6 +106,11 @@ class PlacedModule(nn.Module):
         self._anchor = torch.zeros((), requires_grad=True)  # not a parameter: what makes autograd call ``_Step``
 
     @property
+    def sent_bytes(self) -> int:
+        """Bytes this rank sent to other groups so far, forward and backward (``runtime.transfer.Outbox``)."""
+        return self._outbox.sent_bytes
+
+    @property
     def regions(self) -> list[int]:
         """The indices of the regions this rank runs."""
         return [int(k) for k in self.parts]

@@ -4,8 +4,9 @@ The graph's series (``regions.segments``) run one after the other.  A serial seg
 by its own plan.  The branches of a parallel segment may instead be split into parts, each part placed on a
 *group* of devices (contiguous ranks) that runs its branches one after the other, tiled by a plan of the part on
 the group's devices, while the other groups run theirs at the same time.  What a part returns (read by the next
-serial segment, on every device) moves to the devices outside its group by point-to-point messages, its gradient
-back in backward (``runtime.transfer``).
+serial segment, on every device) moves to the devices outside its group by point-to-point messages
+(``ir.transfers``: priced as ``runtime.transfer`` sends them; no gradient comes back, since every device of the
+group computes it whole in the next segment).
 
 The step's makespan is the sum over segments of each one's time: a serial segment's step (its plan's
 ``step_time_s``, forward, backward, gradient sync and optimizer on its devices); a parallel segment's
@@ -24,14 +25,14 @@ keeps the cheaper of that and the plan without placement.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .capture import Captured
 from .cost.profiles import Profile, load_profile
-from .graph.units import _module_path
+from .graph.units import node_module
+from .ir.transfers import backward_pairs, busiest, forward_pairs
 from .options import PlanOptions
 from .plan import Plan
 from .regions import Region, Segment, params_read, segments, shape_key, split
@@ -72,16 +73,20 @@ def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
         yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
-def send_s(nbytes: int, grad: bool, group: int, devices: int, profile: Profile) -> float:
-    """Seconds to move a whole value of ``nbytes`` from a group of ``group`` devices to the ``devices - group``
-    others (each sender serves ``ceil(others / group)`` of them, one message each), and its gradient back when
-    ``grad``."""
-    others = devices - group
-    if others <= 0:
-        return 0.0
+def move_s(src: Sequence[int], dst: Sequence[int], nbytes: int, grad: bool, profile: Profile) -> float:
+    """Seconds to move a whole value of ``nbytes`` from the ranks ``src`` to the ranks ``dst`` and, when ``grad``,
+    its gradient back: the pairs ``ir.transfers`` defines (what ``runtime.transfer`` sends), the busiest rank's
+    messages one after the other, each ``alpha + bytes * beta`` of the profile's point-to-point link."""
     alpha, beta = profile.ab(0, "p2p", m=float(nbytes))
-    one = math.ceil(others / group) * (alpha + nbytes * beta)
-    return one * (2 if grad else 1)
+    messages = busiest(forward_pairs(src, dst)) + (busiest(backward_pairs(src, dst)) if grad else 0)
+    return messages * (alpha + nbytes * beta)
+
+
+def send_s(nbytes: int, grad: bool, group: int, devices: int, profile: Profile) -> float:
+    """``move_s`` of a value a group of ``group`` devices (the first ranks) hands to a region on every one of
+    ``devices`` devices (a placed segment's next serial region): its gradient is that region's on every device
+    of the group already, so nothing comes back."""
+    return move_s(range(group), range(devices), nbytes, grad, profile)
 
 
 def segment_options(steps: Callable[[int, int], float], sends: Callable[[Sequence[int], int], float],
@@ -106,7 +111,7 @@ def module_prefixes(cap: Captured, nodes: Sequence[str]) -> list[str]:
     """What a region holds, for people: the innermost module holding all its ops, else its ops' top-level
     modules in graph order."""
     by_name = {n.name: n for n in cap.graph.nodes}
-    paths = [p for n in nodes if (p := _module_path(by_name[n]))]
+    paths = [p for n in nodes if (p := node_module(by_name[n]))]
     if not paths:
         return []
     parts = [p.split(".") for p in paths]
@@ -137,9 +142,12 @@ def placeable(cap: Captured, segs: Sequence[Segment]) -> list[bool]:
 
 
 def plan_placement(cap: Captured, devices: int, options: PlanOptions,
-                   say: Callable[[str], None] = lambda line: None) -> Plan | None:
+                   say: Callable[[str], None] = lambda line: None, sizes: Sequence[int] | None = None) -> Plan | None:
     """The best placed plan of ``cap`` on ``devices`` devices (module docstring), or None when no segment may be
-    placed (no parallel branches) or placing none is best."""
+    placed (no parallel branches) or placing none is best.  ``sizes``: every placed segment on groups of these
+    sizes (summing to ``devices``), its parts still chosen, whether or not that is modelled faster."""
+    if sizes is not None and sum(sizes) != devices:
+        raise ValueError(f"groups of {list(sizes)} devices do not make {devices}: give sizes that sum to it")
     from .planner import plan
 
     segs = segments(cap)
@@ -179,7 +187,8 @@ def plan_placement(cap: Captured, devices: int, options: PlanOptions,
             return sum(send_s(facts[v][0], facts[v][1], d, devices, profile) for b in part for v in at[(i, b)].returns)
 
         opts = segment_options(steps, sends, len(s.branches), devices)
-        best = opts[0]
+        forced = [o for o in opts if sizes is not None and o.sizes == tuple(sizes)]
+        best = forced[0] if forced else opts[0]
         chosen.append(best if best.placed else None)
         records.append({"segment": i, "branches": len(s.branches), "placed": best.placed,
                         "parts": [list(p) for p in best.parts], "sizes": list(best.sizes), "step_s": best.seconds,

@@ -95,6 +95,37 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
+def placement_table(plan: Plan) -> str:
+    """A placed plan (``Plan.placement``): one row per region (its modules, the graph segment whose branches it
+    runs, ranks, mesh, modelled seconds, its sends), then which regions run at the same time and the modelled
+    step."""
+    place = plan.placement
+    assert place is not None
+    head = ["region", "units", "segment", "ranks", "mesh", "step", "sends"]
+    rows = [[str(k), ", ".join(r["units"]) or "-", "-" if r["segment"] is None else str(r["segment"]),
+             _ranks(r["ranks"]), "x".join(map(str, r["mesh"])), f"{r['step_s'] * 1e3:.4g} ms",
+             f"{len(r['sends'])} ({_bytes(r['send_bytes'])}, {r['transfer_s'] * 1e3:.3g} ms)" if r["sends"] else "-"]
+            for k, r in enumerate(place["regions"])]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    for seg in place["segments"]:
+        together = [k for k, r in enumerate(place["regions"]) if r["segment"] == seg["segment"]]
+        if seg["placed"]:
+            lines.append(f"segment {seg['segment']}: {seg['branches']} branches on {len(seg['parts'])} groups of "
+                         f"{'+'.join(map(str, seg['sizes']))} devices, regions {', '.join(map(str, together))} at the "
+                         f"same time: {seg['step_s'] * 1e3:.4g} ms against {seg['unplaced_s'] * 1e3:.4g} ms on every "
+                         f"device ({seg['options']} ways priced)")
+        else:
+            lines.append(f"segment {seg['segment']}: {seg['branches']} branches kept on every device "
+                         f"({seg['step_s'] * 1e3:.4g} ms)")
+    lines.append(f"step {plan.cost['step_time_s'] * 1e3:.4g} ms (modelled, {plan.profile})")
+    if place.get("without_placement_s") is not None:
+        lines.append(f"without placement: {place['without_placement_s'] * 1e3:.4g} ms")
+    lines += [_total(k, v) for k, v in plan.baselines.items()]
+    return "\n".join(lines) + "\n"
+
+
 def pipeline_table(plan: Plan) -> str:
     """A pipelined plan (``Plan.pipeline``): one row per stage (its layers, ranks, mesh, modelled seconds per
     microbatch, peak memory per device with its microbatches in flight, the values it sends on), then the schedule

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from examples.models import FACTORIES, alexnet, mlp, resnet, transformer, unet, vgg16, volume_net
+from examples.models import FACTORIES, alexnet, inception, mlp, resnet, towers, transformer, unet, vgg16, volume_net
 
 pytestmark = pytest.mark.unit
 
@@ -18,16 +18,20 @@ TINY = {
     "transformer_lm": dict(batch=2, seq=8, hidden=16, layers=2, heads=4, vocab=50),
     "unet": dict(batch=1, image=16, channels=2),
     "volume_net": dict(batch=1, volume=8, channels=2),
+    "towers": dict(batch=2, width=8, layers=2),
+    "inception": dict(batch=2, image=8, width=0.1, blocks=2),
 }
 FACTORY_OF = {
     "mlp": mlp, "mlp_cls": mlp, "alexnet": alexnet, "vgg16": vgg16,
     "resnet18": resnet, "resnet34": resnet,
     "transformer": transformer, "transformer_lm": transformer, "unet": unet, "volume_net": volume_net,
+    "towers": towers, "inception": inception,
 }
 
 
 def test_factories_registry():
-    assert set(FACTORIES) == {"mlp", "alexnet", "vgg16", "resnet", "transformer", "unet", "volume_net", "llama3"}
+    assert set(FACTORIES) == {"mlp", "alexnet", "vgg16", "resnet", "transformer", "unet", "volume_net", "llama3",
+                              "towers", "inception"}
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

@@ -305,6 +305,21 @@ def middle_layer(model: nn.Module) -> str:
     return blocks[len(blocks) // 2]
 
 
+def _on_a_chain(model: nn.Module, example: tuple, layer: str) -> None:
+    """``Unavailable`` when ``layer`` is one of the model's parallel branches (``regions.segments``: a tower of two):
+    a two-stage cut there leaves stage 1 reading the model's input and stage 0's branch, which torch's
+    ``pipeline()`` does not pass on (its ranks wait for each other for ever)."""
+    from ..capture import capture
+    from ..graph.units import node_module
+    from ..regions import segments
+
+    cap = capture(model, example)
+    by_name = {n.name: n for n in cap.graph.nodes}
+    for seg in segments(cap):
+        if seg.parallel and any(node_module(by_name[n]).startswith(layer) for n in seg.nodes):
+            raise Unavailable(f"{layer} is one of the model's parallel branches: no two-stage cut of a chain there")
+
+
 def _prepare_pp(ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
     """torch.distributed.pipelining by hand: ``pipeline()`` cut at the middle layer (``SplitPoint.BEGINNING``),
     one stage per rank, ``Schedule1F1B`` over ``PP_MICROBATCHES``; the loss outside the model, on the last stage
@@ -323,6 +338,7 @@ def _prepare_pp(ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
     if batch % PP_MICROBATCHES:
         raise Unavailable(f"batch {batch} does not split into {PP_MICROBATCHES} microbatches")
     micro = tuple(x[:batch // PP_MICROBATCHES] if isinstance(x, torch.Tensor) and x.dim() else x for x in example)
+    _on_a_chain(model, micro, middle_layer(model))
     try:
         pipe = pipeline(model, mb_args=micro, split_spec={middle_layer(model): SplitPoint.BEGINNING})
         stage = pipe.build_stage(ctx.rank, torch.device("cpu"))
@@ -356,11 +372,17 @@ _DIST_PREPARE: dict[str, Callable[[_Context, nn.Module, tuple], Prepared]] = {
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
-    """The part of a plan a reader compares: mesh, parameter tilings and pipeline stages (the pipeline's depth, its
+    """The part of a plan a reader compares: mesh, parameter tilings, placement (``placement_groups``: the most
+    device groups one segment's branches run on, 1 without; each region's modules, ranks and mesh), pipeline
+    stages (the pipeline's depth, its
     rank groups: 1 without; a pipelined plan's schedule, virtual stages per group and every stage with its layers,
     ranks and mesh), and its routed experts (``moe``: per MoE layer the axes splitting its experts, their degree,
     where the rows move by all-to-all), when it has any."""
-    out: dict[str, Any] = {"mesh": list(plan.mesh), "params": dict(plan.params), "stages": 1}
+    out: dict[str, Any] = {"mesh": list(plan.mesh), "params": dict(plan.params), "stages": 1,
+                           "placement_groups": plan.placement["groups"] if plan.placement is not None else 1}
+    if plan.placement is not None:
+        out["placement"] = {"regions": [{k: r[k] for k in ("units", "ranks", "mesh")}
+                                        for r in plan.placement["regions"]]}
     if plan.moe:
         out["moe"] = [{k: r[k] for k in ("layer", "experts", "axes", "degree", "dispatch")} for r in plan.moe]
     if plan.pipeline is not None:
@@ -412,20 +434,20 @@ def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any =
         if variant not in cfg.variants:
             plans[variant] = NOT_SELECTED
             continue
-        fields, stages = BY_NAME[variant].plan, BY_NAME[variant].pipeline
+        fields, stages, placed = BY_NAME[variant].plan, BY_NAME[variant].pipeline, BY_NAME[variant].placement
         try:
             if stages is None:
                 plans[variant] = plan(None, (), cfg.devices, objective="time", profile=profile or cfg.profile,
                                       baselines=False, captured=cap, **fields)
             else:
-                plans[variant] = _pipelined_plan(cfg, model, inputs, stages, profile, fields)
+                plans[variant] = _pipelined_plan(cfg, model, inputs, stages, profile, fields, placed)
         except Exception as e:
             plans[variant] = Measurement.failed(e).reason or "planning failed"
     return plans
 
 
 def _pipelined_plan(cfg: BenchConfig, model: nn.Module, inputs: tuple, stages: int | str, profile: Any,
-                    fields: dict[str, Any]) -> Plan:
+                    fields: dict[str, Any], placement: bool = False) -> Plan:
     """A variant planned with pipeline stages: ``auto`` (``api.auto_plan``: stages only where faster) or a
     number of stages with its microbatches and cut searched (``pipeline_plan.search_pipeline``)."""
     from ..api import auto_plan, micro_inputs
@@ -436,7 +458,7 @@ def _pipelined_plan(cfg: BenchConfig, model: nn.Module, inputs: tuple, stages: i
     example = inputs[:-1] if cfg.loss == "outside" else inputs
     opts = merge_options(None, devices=cfg.devices, objective="time", profile=profile or cfg.profile, **fields)
     if stages == "auto":
-        return auto_plan(model, example, {}, opts, cfg.devices, "fp32")
+        return auto_plan(model, example, {}, opts, cfg.devices, "fp32", placement=placement)
     _, _, batch = micro_inputs(example, {}, 1)
 
     def capture_at(m: int) -> Any:
@@ -456,7 +478,10 @@ def _same_plan(a: Plan, b: Plan) -> bool:
         stages = None if p.pipeline is None else (
             p.pipeline["schedule"], p.pipeline["microbatches"],
             [(st["units"], st["ranks"], st["plan"]["params"], st["plan"]["nodes"]) for st in p.pipeline["stages"]])
-        return p.mesh, p.params, p.nodes, p.local_batch, p.inputs if p.local_batch else None, algorithms, stages
+        placed = None if p.placement is None else [(r["pieces"], r["ranks"], r["plan"]["params"], r["plan"]["nodes"])
+                                                   for r in p.placement["regions"]]
+        return (p.mesh, p.params, p.nodes, p.local_batch, p.inputs if p.local_batch else None, algorithms, stages,
+                placed)
 
     return key(a) == key(b)
 

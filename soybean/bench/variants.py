@@ -7,7 +7,8 @@ variant whose first loss this one's must equal (serial's for a full batch; DDP's
 losses for soybean's local contract; None: not checked); ``replicates``: it may hold a whole replica of the
 parameters on every rank (the memory estimate that decides whether variants take turns); soybean's rows carry
 their planning options (``options.PlanOptions``' ``mode``, ``local_batch``, ``collectives``) and ``pipeline``: a
-number of stages or ``auto``, planned by ``pipeline_plan`` / ``api.auto_plan`` and trained through ``train_step``.
+number of stages or ``auto``, planned by ``pipeline_plan`` / ``api.auto_plan`` and trained through ``train_step``;
+``placement``: branches may run on their own device groups (``placement_plan``), where modelled faster.
 
 A new variant is one row here (and a ``_prepare_*`` in the harness when it wraps the model a new way).
 """
@@ -26,6 +27,7 @@ class Variant:
     loss_reference: str | None = None
     plan: dict[str, Any] = field(default_factory=dict)  # soybean's planning options (PlanOptions fields)
     pipeline: int | str | None = None  # soybean's pipeline stages: a number, auto, or None (none)
+    placement: bool = False  # soybean may place branches on device groups (``placement="auto"``)
 
     @property
     def soybean(self) -> bool:
@@ -39,7 +41,7 @@ TABLE: tuple[Variant, ...] = (
     Variant("tp", "tp", "full", False, loss_reference=SERIAL),
     Variant("fsdp", "fsdp", "local", False),
     Variant("pp", "pp", "full", False, loss_reference=SERIAL),
-    Variant("soybean", "soybean", "full", True, SERIAL, {"mode": "auto"}, pipeline="auto"),
+    Variant("soybean", "soybean", "full", True, SERIAL, {"mode": "auto"}, pipeline="auto", placement=True),
     Variant("soybean_dp", "soybean", "full", True, SERIAL, {"mode": "dp"}),
     Variant("soybean_mp", "soybean", "full", False, SERIAL, {"mode": "mp"}),
     Variant("soybean_local", "soybean", "local", True, "ddp", {"mode": "auto", "local_batch": True}),

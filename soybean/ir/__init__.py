@@ -5,6 +5,8 @@
 * :mod:`.algorithms` -- the collective algorithms' names and cost terms (rounds, bytes, lp chunks); they run
   in ``runtime.algorithms``.
 * :mod:`.syncnorm` -- synchronised batch norm's statistics bytes; the op runs in ``runtime.syncnorm``.
+* :mod:`.transfers` -- whole values moved between placed regions' device groups: the forward and the adjoint's
+  point-to-point pairs; priced by ``placement_plan``, sent by ``runtime.transfer``.
 * :mod:`.experts` -- the routed-experts op (mixture of experts): its serial meaning and its body as data; split
   over ranks it runs in ``runtime.experts``.
 

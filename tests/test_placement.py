@@ -1,0 +1,276 @@
+"""Branches on their own device groups (issue 19, DLPlacer): regions, their placement, the moves and their adjoints,
+and placed plans trained against the serial model on gloo processes."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+import examples.models as models
+from soybean.capture import capture
+from soybean.options import options
+from soybean.placement_plan import (
+    compositions,
+    plan_placement,
+    region_nodes,
+    segment_options,
+    send_s,
+    set_partitions,
+)
+from soybean.plan import Plan
+from soybean.regions import run_regions, segments, split
+from soybean.runtime.launch import spawn
+from soybean.ir.transfers import backward_pairs, forward_pairs
+from soybean.runtime.transfer import Move
+
+TOWERS = {"layers": 4, "width": 64, "batch": 8}  # the issue's small towers: 2 x 4 layers of 64, batch 8
+
+
+def _state(model: torch.nn.Module, cap) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers()), **cap.constants}
+
+
+@pytest.mark.unit
+def test_towers_are_two_branches_and_a_chain_is_none() -> None:
+    model, (x, _) = models.towers(**TOWERS)
+    segs = segments(capture(model, (x,)))
+    assert [len(s.branches) for s in segs] == [2, 1]  # the towers, then the head
+    assert all("linear" in " ".join(b) for b in segs[0].branches)
+    mlp, (xm, _) = models.mlp(batch=4, hidden=8, layers=3)
+    assert [s.parallel for s in segments(capture(mlp, (xm,)))] == [False]
+    llama, (tokens, _) = models.llama3()  # a residual stream: its q, k, v forks are inside one serial segment
+    assert not any(s.parallel for s in segments(capture(llama, (tokens,))))
+
+
+@pytest.mark.unit
+def test_inception_blocks_are_four_branches_each() -> None:
+    model, (x, _) = models.inception(image=8, width=0.1, blocks=2)
+    segs = segments(capture(model, (x,)))
+    assert [len(s.branches) for s in segs if s.parallel] == [4, 4]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("factory,kw", [(models.towers, TOWERS), (models.inception, {"image": 8, "width": 0.1})])
+def test_regions_run_one_after_the_other_are_the_model(factory, kw) -> None:
+    """Every branch its own region: run in order, forward and backward equal the model's (float64)."""
+    model, (x, _) = factory(**kw)
+    model = model.double()
+    x = x.double()
+    cap = capture(model, (x,))
+    regions = split(cap, [list(b) for s in segments(cap) for b in s.branches])
+    got = run_regions(cap, regions, _state(model, cap), [x])
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    want = model(x)
+    assert torch.equal(got, want)
+    w = torch.randn_like(want)
+    g1 = torch.autograd.grad((got * w).sum(), list(model.parameters()))
+    g2 = torch.autograd.grad((want * w).sum(), list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("src,dst", [((0,), (1,)), ((0,), (0, 1)), ((0, 1), (0, 1, 2, 3)), ((0, 1), (2, 3)),
+                                     ((2, 3), (0, 1, 2, 3)), ((0, 1, 2), (3,)), ((1,), (0, 1, 2, 3))])
+def test_a_move_and_its_adjoint_rank_by_rank(src: tuple[int, ...], dst: tuple[int, ...]) -> None:
+    """The dot-product test on every rank: the move hands each member of ``dst`` the value once; its adjoint
+    hands each member of ``src`` the gradient of the ``dst`` use exactly once (replicated on ``dst``), so
+    ``<M v, g>_dst = <v, M* g>_src`` with the replicated inner product, and no copy is summed twice."""
+    torch.manual_seed(0)
+    v, g = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    held = {r: v for r in src}  # forward
+    for s, d in forward_pairs(src, dst):
+        assert s in src and d not in held
+        held[d] = held[s]
+    assert all(torch.equal(held[h], v) for h in dst)
+    got: dict[int, torch.Tensor] = {r: g for r in src if r in dst}  # backward: the use's gradient, replicated on dst
+    for s, d in backward_pairs(src, dst):
+        assert s in dst and d not in got
+        got[d] = g
+    assert sorted(got) == sorted(src)
+    assert all(torch.equal(got[r], g) for r in src)
+    assert torch.dot(held[dst[0]], g) == torch.dot(v, got[src[0]])
+
+
+@pytest.mark.unit
+def test_every_partition_and_composition_is_priced() -> None:
+    bell = [1, 1, 2, 5, 15, 52]
+    for k in range(6):
+        parts = list(set_partitions(list(range(k))))
+        assert len(parts) == bell[k]
+        assert len({tuple(map(tuple, p)) for p in parts}) == bell[k]
+    assert len(list(compositions(6, 3))) == math.comb(5, 2)
+    # two equal branches that split badly (10 s on one device, 7 on two): each on its own device wins when the
+    # sends are cheap, not when they are dear
+    steps = {(b, d): (10.0, 7.0)[d - 1] for b in range(2) for d in (1, 2)}
+    cheap = segment_options(lambda b, d: steps[(b, d)], lambda part, d: 0.1, 2, 2)
+    assert cheap[0].placed and cheap[0].seconds == pytest.approx(10.1)
+    dear = segment_options(lambda b, d: steps[(b, d)], lambda part, d: 5.0, 2, 2)
+    assert not dear[0].placed and dear[0].seconds == pytest.approx(14.0)
+    # the minimum is over every (partition, sizes) pair: a brute force over assignments agrees
+    rng = torch.Generator().manual_seed(1)
+    t = torch.rand(3, 4, generator=rng).tolist()
+    opts = segment_options(lambda b, d: t[b][d - 1], lambda part, d: 0.0, 3, 4)
+    brute = min(max(sum(t[b][d - 1] for b in range(3) if a[b] == g) for g, d in enumerate(sizes) if d)
+                for a in itertools.product(range(3), repeat=3) for sizes in itertools.product(range(5), repeat=3)
+                if sum(sizes) == 4 and all(sizes[a[b]] for b in range(3)))
+    assert opts[0].seconds == pytest.approx(brute)
+
+
+@pytest.mark.unit
+def test_the_planner_places_the_towers_and_leaves_a_chain_alone() -> None:
+    model, (x, _) = models.towers(layers=16, width=512, batch=8)
+    cap = capture(model, (x,))
+    p = plan_placement(cap, 2, options(None, profile="cpu-gloo"))
+    assert p is not None and p.placement is not None
+    rows = p.placement["regions"]
+    assert [r["ranks"] for r in rows] == [[0], [1], [0, 1]]
+    assert [r["units"] for r in rows[:2]] == [["towers.0"], ["towers.1"]]
+    assert p.placement["groups"] == 2
+    # the step: the slower tower with its send, then the head
+    assert p.cost["step_time_s"] == pytest.approx(max(r["step_s"] + r["transfer_s"] for r in rows[:2])
+                                                  + rows[2]["step_s"])
+    again = Plan.from_dict(json.loads(p.to_json()))
+    assert again.placement == json.loads(p.to_json())["placement"]
+    # a send is priced as the messages the moves make: one per device outside the group, each way
+    assert rows[0]["transfer_s"] == pytest.approx(send_s(8 * 512 * 4, True, 1, 2, _gloo()))
+    mlp, (xm, _) = models.mlp(batch=4, hidden=8)
+    assert plan_placement(capture(mlp, (xm,)), 2, options(None, profile="cpu-gloo")) is None
+
+
+def _gloo():
+    from soybean.cost.profiles import load_profile
+
+    return load_profile("cpu-gloo")
+
+
+@pytest.mark.unit
+def test_moves_send_what_the_plan_prices() -> None:
+    """Each placed region's priced sends are the moves' messages: a whole value to every device outside its
+    group, its gradient back."""
+    from soybean.placed import region_moves
+    from soybean.stages import value_facts
+
+    model, (x, _) = models.towers(**TOWERS)
+    cap = capture(model, (x,))
+    for sizes in ((1, 1), (1, 2), (2, 2)):
+        devices = sum(sizes)
+        p = plan_placement(cap, devices, options(None, profile="cpu-gloo"), sizes=sizes)
+        assert p is not None and p.placement is not None
+        rows = p.placement["regions"]
+        regions = split(cap, region_nodes(cap, segments(cap), [r["pieces"] for r in rows]))
+        facts = value_facts(cap)
+        moves = region_moves(regions, [r["ranks"] for r in rows], {v: g for v, (_, g) in facts.items()})
+        for k, row in enumerate(rows):
+            if row["segment"] is None:
+                continue
+            mine = [m for ms in moves for m in ms if m.value in row["sends"]]
+            fwd = sum(len(m.forward_pairs()) * facts[m.value][0] for m in mine)
+            bwd = sum(len(m.backward_pairs()) * facts[m.value][0] for m in mine)
+            assert fwd == row["send_bytes"] * (devices - len(row["ranks"]))
+            assert bwd == 0  # the head on every device computes each tower's output gradient whole there
+            assert isinstance(mine[0], Move) and mine[0].grad
+            senders = math.ceil((devices - len(row["ranks"])) / len(row["ranks"]))  # the busiest rank's messages
+            alpha, beta = _gloo().ab(0, "p2p", m=float(facts[mine[0].value][0]))
+            assert row["transfer_s"] == pytest.approx(senders * (alpha + facts[mine[0].value][0] * beta))
+
+
+# ---- gloo processes ---------------------------------------------------------------------------------------
+
+
+def _serial(kw: dict, steps: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model, (x, y) = models.towers(**kw)
+    model = model.double()
+    x = x.double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], {}
+    for step in range(steps):
+        opt.zero_grad()
+        loss = model.loss_fn(model(x), y)  # the loss outside the model
+        loss.backward()
+        if step == 0:
+            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, grads, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def _placed(rank: int, world: int, kw: dict, steps: int, sizes: tuple[int, ...] | None) -> dict:
+    import soybean
+    from soybean.api import placed_module
+
+    torch.set_num_threads(1)
+    model, (x, y) = models.towers(**kw)
+    model = model.double()
+    x = x.double()
+    if sizes is None:
+        pm = soybean.parallelize(model, (x,), devices=world, placement="auto")
+    else:  # the groups given: 2 groups x 2-way tiling on 4 ranks
+        cap = capture(model, (x,))
+        p = plan_placement(cap, world, options(None, devices=world), sizes=sizes)
+        assert p is not None
+        pm = placed_module(model, cap, p, rank, world)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    losses, grads = [], {}
+    for step in range(steps):
+        opt.zero_grad()
+        loss = model.loss_fn(pm(x), y)
+        loss.backward()
+        if step == 0:
+            grads = _full_grads(pm)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "grads": grads, "params": pm.full_tensors(), "regions": pm.regions,
+            "plan": pm.plan.to_json(), "sent": pm.sent_bytes}
+
+
+def _full_grads(pm) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient by the model's names: each region's gradients swapped in for its tiles and
+    gathered like the parameters (every rank calls it)."""
+    saved = {k: p.detach().clone() for k, p in pm.named_parameters()}
+    with torch.no_grad():
+        for _, p in pm.named_parameters():
+            p.copy_(p.grad)
+    full = pm.full_tensors()
+    with torch.no_grad():
+        for k, p in pm.named_parameters():
+            p.copy_(saved[k])
+    return full
+
+
+def _check(got: list[dict], kw: dict, steps: int) -> None:
+    losses, grads, params = _serial(kw, steps)
+    for r in got:
+        assert r["losses"] == pytest.approx(losses, rel=1e-12)
+        for k, g in grads.items():
+            assert torch.allclose(r["grads"][k], g, rtol=1e-10, atol=1e-12), k
+        for k, v in params.items():
+            assert torch.allclose(r["params"][k], v, rtol=1e-10, atol=1e-12), k
+
+
+@pytest.mark.dist
+def test_towers_on_disjoint_processes_train_as_serial() -> None:
+    """The issue's acceptance: 2 towers x 4 layers of 64, batch 8, loss outside, ``placement="auto"`` on 2 gloo
+    processes: each tower on its own process, loss, first gradients and every parameter after 3 AdamW steps
+    equal to serial in float64; what each rank sent is what the plan priced."""
+    got = spawn(_placed, 2, TOWERS, 3, None, timeout_s=240)
+    _check(got, TOWERS, 3)
+    plan = Plan.from_dict(json.loads(got[0]["plan"]))
+    assert plan.placement is not None
+    assert [r["ranks"] for r in plan.placement["regions"]] == [[0], [1], [0, 1]]
+    assert [g["regions"] for g in got] == [[0, 2], [1, 2]]
+    for rank, g in enumerate(got):  # 3 steps: the tower's output forward, nothing back (priced so)
+        assert g["sent"] == 3 * plan.placement["regions"][rank]["send_bytes"]
+
+
+@pytest.mark.dist
+def test_two_groups_of_two_tile_their_towers_on_four_processes() -> None:
+    """4 processes as 2 groups x 2-way tiling: each tower planned on its group's 2 devices."""
+    got = spawn(_placed, 4, TOWERS, 2, (2, 2), timeout_s=300)
+    _check(got, TOWERS, 2)
+    plan = Plan.from_dict(json.loads(got[0]["plan"]))
+    assert plan.placement is not None
+    assert [r["ranks"] for r in plan.placement["regions"]] == [[0, 1], [2, 3], [0, 1, 2, 3]]
+    assert [r["mesh"] for r in plan.placement["regions"]][:2] == [[2], [2]]
