@@ -126,12 +126,13 @@ def module_prefixes(cap: Captured, nodes: Sequence[str]) -> list[str]:
 
 
 def placeable(cap: Captured, segs: Sequence[Segment]) -> list[bool]:
-    """Which segments may be placed: parallel, at most ``MAX_BRANCHES`` branches, and no trained parameter read by
+    """Which segments may be placed: parallel, at most ``MAX_BRANCHES`` branches, each branch with weights of its
+    own to train (the work placement spreads; not the two halves of a broadcast), and no trained parameter read by
     two of its branches or by another segment (a copy per group would need its gradients summed)."""
     reads = [[params_read(cap, b) for b in s.branches] for s in segs]
     out = []
     for i, s in enumerate(segs):
-        if not s.parallel or len(s.branches) > MAX_BRANCHES:
+        if not s.parallel or len(s.branches) > MAX_BRANCHES or not all(reads[i]):
             out.append(False)
             continue
         mine = reads[i]
@@ -232,7 +233,8 @@ def _placed(cap: Captured, segs: Sequence[Segment], chosen: Sequence[Option | No
         p = planned(r.cap, len(rk))
         send = sum(send_s(facts[v][0], facts[v][1], len(rk), devices, profile) for v in r.returns) if seg is not None \
             else 0.0
-        rows.append({"units": module_prefixes(cap, r.nodes), "segment": seg, "pieces": [list(x) for x in piece],
+        units = list(dict.fromkeys(u for s, b in piece for u in module_prefixes(cap, segs[s].branches[b])))
+        rows.append({"units": units, "segment": seg, "pieces": [list(x) for x in piece],
                      "ranks": rk, "mesh": list(p.mesh), "step_s": float(p.cost["step_time_s"]), "transfer_s": send,
                      "sends": list(r.returns), "send_bytes": sum(facts[v][0] for v in r.returns),
                      "plan": p.to_dict()})

@@ -3,8 +3,9 @@
 The graph is read as a directed acyclic graph of *values* (networkx): an edge ``a -> b`` when op ``b`` reads ``a``,
 and one source ``SOURCE`` before every value that reads nothing else.  *Free* nodes are left out of it: the
 placeholders (parameters, buffers and the model's inputs, which every rank holds under the full-batch contract)
-and whatever depends on no user input (a constant table, a weight's transpose), since they are computed where
-they are read (copied into every region that reads them, as a stage copies a weight).
+and whatever depends on no trained parameter (a constant table, an attention mask or a loss's count of targets
+made from the inputs), since they are computed where they are read (copied into every region that reads them, as
+a stage copies a weight; each copy priced in its region).
 
 A node ``c`` that dominates the output (every path from the source to the output passes ``c``: networkx's
 ``immediate_dominators``) is a *cut*: everything before it is done when it is.  The cuts, in dominance order, cut
@@ -22,6 +23,7 @@ the serial meaning the tests check).
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,30 +67,42 @@ class Region:
 
 
 def free_nodes(cap: Captured) -> set[str]:
-    """The placeholders, and every node that depends on no user input (module docstring)."""
+    """The placeholders, and every node that depends on no trained parameter (module docstring)."""
     free: set[str] = set()
-    users_input = set(cap.inputs)
+    trained = {n for n, fqn in cap.params.items() if fqn not in cap.frozen}
     for n in cap.graph.nodes:
         if n.op == "placeholder":
             free.add(n.name)
-        elif n.op != "output" and all(a.name in free and a.name not in users_input for a in n.all_input_nodes):
+        elif n.op != "output" and all(a.name in free and a.name not in trained for a in n.all_input_nodes):
             free.add(n.name)
     return free
 
 
+def owners(cap: Captured) -> dict[str, str]:
+    """Each node's owner: the op itself, or for an element of a multi-output op (``getitem``) that op, which
+    its elements never leave (a region returns whole values)."""
+    out: dict[str, str] = {}
+    for n in cap.graph.nodes:
+        src = n.args[0] if n.target is operator.getitem and n.args and isinstance(n.args[0], fx.Node) else None
+        out[n.name] = out[src.name] if src is not None else n.name
+    return out
+
+
 def value_graph(cap: Captured) -> nx.DiGraph:
-    """The graph of the values that are not free (``free_nodes``), from ``SOURCE`` to the output node."""
+    """The graph of the values that are not free (``free_nodes``), from ``SOURCE`` to the output node, an element
+    of a multi-output op standing for that op (``owners``)."""
     free = free_nodes(cap)
+    own = owners(cap)
     g = nx.DiGraph()
     g.add_node(SOURCE)
     for n in cap.graph.nodes:
-        if n.name in free:
+        if n.name in free or own[n.name] != n.name:
             continue
         g.add_node(n.name)
-        reads = [a.name for a in n.all_input_nodes if a.name not in free]
+        reads = {own[a.name] for a in n.all_input_nodes if a.name not in free}
         if not reads:
             g.add_edge(SOURCE, n.name)
-        for a in reads:
+        for a in sorted(reads):
             g.add_edge(a, n.name)
     return g
 
@@ -119,6 +133,12 @@ def segments(cap: Captured) -> list[Segment]:
         comps = [tuple(sorted(comp, key=order.__getitem__))
                  for comp in nx.weakly_connected_components(g.subgraph(interior))]
         pieces.append(tuple(sorted(comps, key=lambda b: order[b[0]])))
+    free, own = free_nodes(cap), owners(cap)
+    elements: dict[str, list[str]] = {}  # each multi-output op's elements go where it goes
+    for n in cap.graph.nodes:
+        if n.name not in free and own[n.name] != n.name:
+            elements.setdefault(own[n.name], []).append(n.name)
+    pieces = [tuple(tuple(x for n in b for x in (n, *elements.get(n, []))) for b in p) for p in pieces]
     out: list[Segment] = []
     for branches in pieces:
         if len(branches) == 1 and out and not out[-1].parallel:  # serial after serial: one segment

@@ -274,3 +274,38 @@ def test_two_groups_of_two_tile_their_towers_on_four_processes() -> None:
     assert plan.placement is not None
     assert [r["ranks"] for r in plan.placement["regions"]] == [[0, 1], [2, 3], [0, 1, 2, 3]]
     assert [r["mesh"] for r in plan.placement["regions"]][:2] == [[2], [2]]
+
+
+@pytest.mark.unit
+def test_the_command_line_plans_explains_and_draws_a_placement(capsys: pytest.CaptureFixture, tmp_path) -> None:
+    """``soybean plan --placement auto``: the regions in the JSON and the table; ``explain`` names each region and
+    what runs beside it; ``draw`` heads each region in its group's colour; a chain gets no placement."""
+    from soybean.cli import main
+    from soybean.draw import ALL_DEVICES, GROUP_COLOURS
+
+    args = ["plan", "examples.models:towers", "--arg", "layers=16", "--arg", "width=512", "--devices", "2",
+            "--profile", "cpu-gloo", "--quiet", "--placement", "auto"]
+    assert main([*args, "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [r["ranks"] for r in d["placement"]["regions"]] == [[0], [1], [0, 1]]
+    assert d["placement"]["without_placement_s"] > d["cost"]["step_time_s"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "towers.0" in text and "2 groups of 1+1 devices" in text and "without placement" in text
+    plan_path = tmp_path / "placed.json"
+    assert main([*args, "--out", str(plan_path)]) == 0
+    capsys.readouterr()
+    assert main(["explain", "examples.models:towers", "--arg", "layers=16", "--arg", "width=512",
+                 "--plan", str(plan_path)]) == 0
+    out = capsys.readouterr().out
+    assert "== region 0" in out and "runs at the same time as region 1" in out and "== region 2" in out
+    svg_path = tmp_path / "placed.svg"
+    assert main(["draw", "examples.models:towers", "--arg", "layers=16", "--arg", "width=512",
+                 "--plan", str(plan_path), "--out", str(svg_path)]) == 0
+    pic = svg_path.read_text()
+    assert GROUP_COLOURS[0] in pic and GROUP_COLOURS[1] in pic and ALL_DEVICES in pic
+    assert main(["plan", "examples.models:mlp", "--arg", "hidden=16", "--arg", "batch=4", "--devices", "2",
+                 "--quiet", "--placement", "auto", "--format", "json"]) == 0
+    assert "placement" not in json.loads(capsys.readouterr().out)
+    assert main([*args, "--pipeline", "2"]) != 0
+    assert "--placement and --pipeline" in capsys.readouterr().err
