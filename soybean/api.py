@@ -57,6 +57,11 @@ def check_plan(p: Plan, fingerprint: str, world: int, precision: str | None = No
 
 
 @overload
+def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, *, placement: str,
+                **kwargs: Any) -> ParallelModule | PlacedModule: ...
+
+
+@overload
 def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, *, pipeline: None = None,
                 **kwargs: Any) -> ParallelModule: ...
 

@@ -20,7 +20,9 @@ a region's replicated parameters are summed within its group only (its ``Paralle
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .capture import Captured
+from .checkpoint_view import CheckpointView
 from .mesh import Mesh
 from .module import ParallelModule
 from .plan import Plan
@@ -103,6 +106,13 @@ class PlacedModule(nn.Module):
         self._like = {m.value: cast(torch.empty(vals[m.value].shape, dtype=vals[m.value].dtype, device="meta"))
                       for ms in self._moves for m in ms}
         self._outbox = Outbox()
+        # what a checkpoint reads of the parts (``checkpoint_view.Parts``): no weight is in two regions
+        self._stage_caps = [r.cap for r in regions]
+        self._stage_ranks = self._ranks
+        self._plans = list(plans)
+        self._ties: list[tuple[str, list[ParallelModule], Any]] = []
+        self._groups = 1
+        self._checkpoint_view: CheckpointView | None = None
         self._anchor = torch.zeros((), requires_grad=True)  # not a parameter: what makes autograd call ``_Step``
 
     @property
@@ -243,9 +253,29 @@ class PlacedModule(nn.Module):
             out.update(box[0])
         return out
 
-    def save_sharded(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("sharded checkpoints of a placed plan are not written yet: save "
-                                  "pmodel.full_tensors() on rank 0, or plan with placement=None")
+    def local_parts(self) -> list[tuple[int, ParallelModule]]:
+        """This rank's regions with their indices (``checkpoint_view.Parts``)."""
+        return [(k, self._part(k)) for k in self.regions]
+
+    def _view(self) -> CheckpointView:
+        if self._checkpoint_view is None:
+            self._checkpoint_view = CheckpointView(self)
+        return self._checkpoint_view
+
+    def save_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+                     extra: Any = None, keep: int | None = None) -> Path:
+        """``ParallelModule.save_sharded`` across regions: every rank writes its regions' tiles as DTensors on their
+        group's submesh, so the checkpoint loads under any plan, placed or not (DCP reshards)."""
+        from .runtime.checkpoint import save
+
+        return save(self._view(), path, optimizer, extra, keep)
+
+    def load_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """``ParallelModule.load_sharded`` across regions: each region reads its own tiles from a checkpoint saved
+        under any plan."""
+        from .runtime.checkpoint import load
+
+        return load(self._view(), path, optimizer)
 
 
 def _leaf(v: Any, grad: bool) -> Any:

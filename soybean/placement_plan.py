@@ -196,37 +196,31 @@ def plan_placement(cap: Captured, devices: int, options: PlanOptions,
                         "unplaced_s": next(o.seconds for o in opts if not o.placed), "options": len(opts)})
     if not any(o is not None for o in chosen):
         return None
+    if shared_weights(cap, segs, chosen):
+        say("placement: a trained weight is read on both sides of a placed segment (tied): none placed")
+        return None
     return _placed(cap, segs, chosen, records, devices, profile, facts, planned, options)
+
+
+def shared_weights(cap: Captured, segs: Sequence[Segment], chosen: Sequence[Option | None]) -> set[str]:
+    """The trained weights that two regions of the chosen placement would read (a tied embedding and head on
+    both sides of a placed segment): each region would hold a copy stepped with its own gradient, so a placement
+    with any is not made."""
+    pieces, _, _ = region_pieces(segs, chosen, 1)
+    seen: dict[str, int] = {}
+    shared: set[str] = set()
+    for k, nodes in enumerate(region_nodes(cap, segs, pieces)):
+        for fqn in params_read(cap, nodes):
+            if seen.setdefault(fqn, k) != k:
+                shared.add(fqn)
+    return shared
 
 
 def _placed(cap: Captured, segs: Sequence[Segment], chosen: Sequence[Option | None], records: list[dict[str, Any]],
             devices: int, profile: Profile, facts: dict[str, tuple[int, bool]],
             planned: Callable[[Captured, int], Plan], options: PlanOptions) -> Plan:
     """The plan of the chosen options: the final regions planned, priced and recorded (``Plan.placement``)."""
-    pieces: list[list[tuple[int, int]]] = []  # each region's (segment, branch) pairs
-    ranks: list[list[int]] = []
-    placed_in: list[int | None] = []  # the placed segment a region is a part of (None: a serial region)
-    serial: list[tuple[int, int]] = []
-
-    def flush() -> None:
-        if serial:
-            pieces.append(list(serial))
-            ranks.append(list(range(devices)))
-            placed_in.append(None)
-            serial.clear()
-
-    for i, (s, o) in enumerate(zip(segs, chosen)):
-        if o is None:
-            serial.extend((i, j) for j in range(len(s.branches)))
-            continue
-        flush()
-        start = 0
-        for part, d in zip(o.parts, o.sizes):
-            pieces.append([(i, j) for j in part])
-            ranks.append(list(range(start, start + d)))
-            placed_in.append(i)
-            start += d
-    flush()
+    pieces, ranks, placed_in = region_pieces(segs, chosen, devices)
     regions = split(cap, region_nodes(cap, segs, pieces))
     rows: list[dict[str, Any]] = []
     for r, piece, rk, seg in zip(regions, pieces, ranks, placed_in):
@@ -250,6 +244,37 @@ def _placed(cap: Captured, segs: Sequence[Segment], chosen: Sequence[Option | No
                 cost={"step_time_s": step,
                       "compute_s": sum(float(r["plan"]["cost"].get("compute_s", 0.0)) for r in rows)},
                 precision=cap.precision, placement=record)
+
+
+def region_pieces(segs: Sequence[Segment], chosen: Sequence[Option | None], devices: int
+                  ) -> tuple[list[list[tuple[int, int]]], list[list[int]], list[int | None]]:
+    """The regions of the chosen options, in order: each one's (segment, branch) pairs, its ranks, and the placed
+    segment it is a part of (None: a serial region, on every device; consecutive serial segments are one)."""
+    pieces: list[list[tuple[int, int]]] = []
+    ranks: list[list[int]] = []
+    placed_in: list[int | None] = []
+    serial: list[tuple[int, int]] = []
+
+    def flush() -> None:
+        if serial:
+            pieces.append(list(serial))
+            ranks.append(list(range(devices)))
+            placed_in.append(None)
+            serial.clear()
+
+    for i, (s, o) in enumerate(zip(segs, chosen)):
+        if o is None:
+            serial.extend((i, j) for j in range(len(s.branches)))
+            continue
+        flush()
+        start = 0
+        for part, d in zip(o.parts, o.sizes):
+            pieces.append([(i, j) for j in part])
+            ranks.append(list(range(start, start + d)))
+            placed_in.append(i)
+            start += d
+    flush()
+    return pieces, ranks, placed_in
 
 
 def region_nodes(cap: Captured, segs: Sequence[Segment], pieces: Sequence[Sequence[Sequence[int]]]) -> list[list[str]]:

@@ -2,10 +2,10 @@
 
 The graph is read as a directed acyclic graph of *values* (networkx): an edge ``a -> b`` when op ``b`` reads ``a``,
 and one source ``SOURCE`` before every value that reads nothing else.  *Free* nodes are left out of it: the
-placeholders (parameters, buffers and the model's inputs, which every rank holds under the full-batch contract)
-and whatever depends on no trained parameter (a constant table, an attention mask or a loss's count of targets
-made from the inputs), since they are computed where they are read (copied into every region that reads them, as
-a stage copies a weight; each copy priced in its region).
+placeholders (parameters, buffers and the model's inputs, which every rank holds under the full-batch contract),
+whatever depends on no trained parameter (a constant table, an attention mask or a loss's count of targets made
+from the inputs) and whatever depends on no user input (a weight's transpose), since they are computed where they
+are read (copied into every region that reads them, as a stage copies a weight; each copy priced in its region).
 
 A node ``c`` that dominates the output (every path from the source to the output passes ``c``: networkx's
 ``immediate_dominators``) is a *cut*: everything before it is done when it is.  The cuts, in dominance order, cut
@@ -67,13 +67,22 @@ class Region:
 
 
 def free_nodes(cap: Captured) -> set[str]:
-    """The placeholders, and every node that depends on no trained parameter (module docstring)."""
-    free: set[str] = set()
+    """The placeholders, and every node that does not depend on both a user input and a trained parameter
+    (module docstring)."""
     trained = {n for n, fqn in cap.params.items() if fqn not in cap.frozen}
+    inputs = set(cap.inputs)
+    from_input: set[str] = set()
+    from_param: set[str] = set()
+    free: set[str] = set()
     for n in cap.graph.nodes:
-        if n.op == "placeholder":
-            free.add(n.name)
-        elif n.op != "output" and all(a.name in free and a.name not in trained for a in n.all_input_nodes):
+        if n.op == "output":
+            continue
+        reads = [a.name for a in n.all_input_nodes]
+        if n.name in inputs or any(a in from_input for a in reads):
+            from_input.add(n.name)
+        if n.name in trained or any(a in from_param for a in reads):
+            from_param.add(n.name)
+        if n.op == "placeholder" or not (n.name in from_input and n.name in from_param):
             free.add(n.name)
     return free
 

@@ -309,3 +309,80 @@ def test_the_command_line_plans_explains_and_draws_a_placement(capsys: pytest.Ca
     assert "placement" not in json.loads(capsys.readouterr().out)
     assert main([*args, "--pipeline", "2"]) != 0
     assert "--placement and --pipeline" in capsys.readouterr().err
+
+
+class _TiedTowers(torch.nn.Module):
+    """Token embedding, two towers, and a head tied to the embedding: the weight is read on both sides of the
+    towers."""
+
+    def __init__(self, vocab: int = 16, width: int = 8) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.towers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                                          for _ in range(2))
+        self.proj = torch.nn.Linear(2 * width, width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        return self.proj(torch.cat([t(h) for t in self.towers], dim=-1)) @ self.emb.weight.T
+
+
+@pytest.mark.unit
+def test_a_weight_tied_across_a_placed_segment_keeps_every_op_on_every_device() -> None:
+    """Each region would step its own copy of the tied weight with its own gradient: no placement is made (with
+    the towers forced apart, where placing them would otherwise be chosen)."""
+    from soybean.placement_plan import shared_weights
+    from soybean.placement_plan import Option
+
+    cap = capture(_TiedTowers(), (torch.randint(0, 16, (4, 3)),))
+    segs = segments(cap)
+    assert [s.parallel for s in segs] == [False, True, False]
+    chosen = [None, Option(((0,), (1,)), (1, 1), 0.0), None]
+    assert shared_weights(cap, segs, chosen) == {"emb.weight"}
+    assert plan_placement(cap, 2, options(None, profile="cpu-gloo"), sizes=(1, 1)) is None
+
+
+def _checkpointed(rank: int, world: int, kw: dict, root: str) -> dict:
+    """Train placed 2 steps and save; load into a plan without placement; both take one more step."""
+    import soybean
+
+    torch.set_num_threads(1)
+    model, (x, y) = models.towers(**kw)
+    model = model.double()
+    x = x.double()
+    placed = soybean.parallelize(model, (x,), devices=world, placement="auto")
+    opt = torch.optim.AdamW(placed.parameters(), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        model.loss_fn(placed(x), y).backward()
+        opt.step()
+    placed.save_sharded(root, optimizer=opt, extra={"step": 2})
+    saved = placed.full_tensors()
+    plain = soybean.parallelize(model, (x,), devices=world)  # every op on every device
+    opt2 = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    extra = plain.load_sharded(root, optimizer=opt2)
+    loaded = plain.full_tensors()
+    losses = []
+    for m, o in ((placed, opt), (plain, opt2)):
+        o.zero_grad()
+        loss = model.loss_fn(m(x), y)
+        loss.backward()
+        o.step()
+        losses.append(float(loss.detach()))
+    return {"saved": saved, "loaded": loaded, "extra": extra, "losses": losses,
+            "after": (placed.full_tensors(), plain.full_tensors())}
+
+
+@pytest.mark.dist
+def test_a_placed_checkpoint_loads_under_a_plan_without_placement(tmp_path) -> None:
+    """``save_sharded`` of a placed plan (each region's tiles on its group's submesh) loads into a plan without
+    placement on the same 2 processes: every tensor, and AdamW's moments (the next step equal)."""
+    got = spawn(_checkpointed, 2, TOWERS, str(tmp_path), timeout_s=240)
+    for r in got:
+        assert r["extra"] == {"step": 2}
+        assert r["losses"][0] == pytest.approx(r["losses"][1], rel=1e-12)
+        for k, v in r["saved"].items():
+            assert torch.allclose(r["loaded"][k], v, rtol=0, atol=0), k
+        placed, plain = r["after"]
+        for k, v in placed.items():  # AdamW's moments were carried over: the next step agrees
+            assert torch.allclose(plain[k], v, rtol=1e-10, atol=1e-12), k
