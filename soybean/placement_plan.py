@@ -16,7 +16,8 @@ is exact when the groups' backward-to-forward ratios agree (a forward barrier at
 the fork give ``max F + max B``; ``max (F + B)`` equals it then, and is its lower bound otherwise).
 
 For one segment with ``k`` branches, every set partition of the branches (Bell(k)) and every composition of the
-devices into as many group sizes is priced (``segment_options``): the minimum is exact, and a segment of more than
+devices into as many group sizes (``group_sizes``: any up to 8 devices, powers of two and divisors beyond) is priced
+(``segment_options``): the minimum is exact, and a segment of more than
 ``MAX_BRANCHES`` branches is left serial.  Segments are independent given that serial segments hand whole values
 to the next, so the placed plan is the per-segment minimum; the parts then planned together (a group's branches
 as one capture, consecutive serial segments as one) are priced again for the record, and ``api.placed_or_plain``
@@ -39,6 +40,7 @@ from .regions import Region, Segment, params_read, segments, shape_key, split
 from .stages import value_facts
 
 MAX_BRANCHES = 8  # Bell(8) = 4,140 partitions of a segment's branches
+SMALL_WORLD = 8  # up to this many devices, groups of any size
 
 
 @dataclass(frozen=True)
@@ -66,11 +68,26 @@ def set_partitions(items: Sequence[int]) -> Iterator[list[list[int]]]:
             yield [*p[:i], [first, *p[i]], *p[i + 1:]]
 
 
-def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
-    """Every ordered way to write ``total`` as ``parts`` positive sizes."""
-    for cuts in itertools.combinations(range(1, total), parts - 1):
-        bounds = (0, *cuts, total)
-        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+def group_sizes(devices: int) -> list[int]:
+    """The sizes a group may have: any up to ``SMALL_WORLD`` devices, else the powers of two and the divisors of
+    ``devices`` (a 64-device mesh splits 32 + 16 + 16, not 37 + 27)."""
+    if devices <= SMALL_WORLD:
+        return list(range(1, devices + 1))
+    return sorted({d for d in range(1, devices + 1) if devices % d == 0} | {1 << k for k in range(devices.bit_length())
+                                                                            if 1 << k <= devices})
+
+
+def compositions(total: int, parts: int, sizes: Sequence[int] | None = None) -> Iterator[tuple[int, ...]]:
+    """Every ordered way to write ``total`` as ``parts`` positive sizes (of ``sizes`` when given)."""
+    allowed = list(sizes) if sizes is not None else list(range(1, total + 1))
+    if parts == 1:
+        if total in allowed:
+            yield (total,)
+        return
+    for first in allowed:
+        if first < total:
+            for rest in compositions(total - first, parts - 1, allowed):
+                yield (first, *rest)
 
 
 def move_s(src: Sequence[int], dst: Sequence[int], nbytes: int, grad: bool, profile: Profile) -> float:
@@ -98,7 +115,7 @@ def segment_options(steps: Callable[[int, int], float], sends: Callable[[Sequenc
     for parts in set_partitions(list(range(branches))):
         if len(parts) > devices:
             continue
-        for sizes in compositions(devices, len(parts)):
+        for sizes in compositions(devices, len(parts), group_sizes(devices)):
             t = max(sum(steps(b, d) for b in part) + (sends(part, d) if len(parts) > 1 else 0.0)
                     for part, d in zip(parts, sizes))
             out.append(Option(tuple(tuple(p) for p in parts), sizes, t))

@@ -11,8 +11,10 @@ A node ``c`` that dominates the output (every path from the source to the output
 ``immediate_dominators``) is a *cut*: everything before it is done when it is.  The cuts, in dominance order, cut
 the graph into series; the nodes whose nearest dominating cut is ``c`` (``c``'s *interior*) form one or more
 weakly connected components.  Two or more components are *branches*: independent computations from one fork to
-one join (the towers of a two-tower model, the four of an Inception block, attention's q, k and v), which may run
-at the same time on disjoint device groups (DLPlacer).  Everything else is serial.
+one join (the towers of a two-tower model, the four of an Inception block), which may run at the same time on
+disjoint device groups (DLPlacer).  One component is a serial stretch, read again the same way on its own, from
+what it reads to what is read from it (``_series``): so the branches inside a residual block are found too
+(attention's q, k and v; an MLP's gate and up).
 
 ``segments`` lists the series in graph order, each a ``Segment``: its branches (one for a serial segment), each a
 tuple of node names.  ``split`` turns pieces of nodes (a segment, or some of a segment's branches) into
@@ -117,31 +119,12 @@ def value_graph(cap: Captured) -> nx.DiGraph:
 
 
 def segments(cap: Captured) -> list[Segment]:
-    """The graph's series in graph order (module docstring): adjacent serial ones merged into one."""
+    """The graph's series in graph order (module docstring), found again inside every serial stretch (a residual
+    block's branches sit between its input and its sum: ``_series`` on that stretch alone finds them); adjacent
+    serial ones merged into one."""
     g = value_graph(cap)
     order = {n.name: i for i, n in enumerate(cap.graph.nodes)}
-    out_name = next(n.name for n in cap.graph.nodes if n.op == "output")
-    idom = nx.immediate_dominators(g, SOURCE)
-    chain = [out_name]
-    while chain[-1] != SOURCE:
-        chain.append(idom[chain[-1]])
-    cuts = set(chain)
-    nearest: dict[str, str] = {}  # each node's nearest dominating cut
-    for n in sorted(g.nodes, key=lambda x: order.get(x, -1)):
-        if n in cuts:
-            continue
-        d = idom[n]
-        nearest[n] = d if d in cuts else nearest[d]
-    pieces: list[tuple[tuple[str, ...], ...]] = []
-    for c in reversed(chain):
-        if c != SOURCE:
-            pieces.append(((c,),))
-        interior = [n for n, d in nearest.items() if d == c]
-        if not interior:
-            continue
-        comps = [tuple(sorted(comp, key=order.__getitem__))
-                 for comp in nx.weakly_connected_components(g.subgraph(interior))]
-        pieces.append(tuple(sorted(comps, key=lambda b: order[b[0]])))
+    pieces = _series(g, set(g.nodes) - {SOURCE}, order)
     free, own = free_nodes(cap), owners(cap)
     elements: dict[str, list[str]] = {}  # each multi-output op's elements go where it goes
     for n in cap.graph.nodes:
@@ -156,6 +139,50 @@ def segments(cap: Captured) -> list[Segment]:
         else:
             out.append(Segment(branches if len(branches) > 1 else (tuple(sorted(branches[0], key=order.__getitem__)),)))
     return out
+
+
+SINK = "__sink__"
+
+
+def _series(g: nx.DiGraph, nodes: set[str], order: dict[str, int]) -> list[tuple[tuple[str, ...], ...]]:
+    """The series of the stretch ``nodes`` of the value graph ``g``, in order: each a tuple of branches (one for a
+    serial piece).  The stretch is read on its own, from a source before every node that reads from outside it to a
+    sink after every node read outside it (or read by none); its cuts are the nodes that dominate the sink, and a
+    serial piece of several nodes is read again the same way, so branches nested in a serial stretch are found."""
+    sub = nx.DiGraph(g.subgraph(nodes))
+    sub.add_edge(SOURCE, SINK)  # an empty stretch still has its two ends
+    for n in nodes:
+        if g.in_degree(n) == 0 or any(p not in nodes for p in g.predecessors(n)):
+            sub.add_edge(SOURCE, n)
+        if g.out_degree(n) == 0 or any(t not in nodes for t in g.successors(n)):
+            sub.add_edge(n, SINK)
+    sub.remove_edge(SOURCE, SINK)
+    idom = nx.immediate_dominators(sub, SOURCE)
+    chain = [idom[SINK]]
+    while chain[-1] != SOURCE:
+        chain.append(idom[chain[-1]])
+    cuts = set(chain)
+    nearest: dict[str, str] = {}  # each node's nearest dominating cut
+    for n in sorted(nodes, key=order.__getitem__):
+        if n in cuts:
+            continue
+        d = idom[n]
+        nearest[n] = d if d in cuts else nearest[d]
+    pieces: list[tuple[tuple[str, ...], ...]] = []
+    for c in reversed(chain):
+        if c != SOURCE:
+            pieces.append(((c,),))
+        interior = [n for n, d in nearest.items() if d == c]
+        if not interior:
+            continue
+        comps = [tuple(sorted(comp, key=order.__getitem__))
+                 for comp in nx.weakly_connected_components(g.subgraph(interior))]
+        comps.sort(key=lambda b: order[b[0]])
+        if len(comps) == 1 and len(comps[0]) > 1 and set(comps[0]) != nodes:
+            pieces.extend(_series(g, set(comps[0]), order))  # a serial stretch: read again on its own
+        else:
+            pieces.append(tuple(comps))
+    return pieces
 
 
 def _free_reads(cap: Captured, nodes: Sequence[str], free: set[str]) -> set[str]:

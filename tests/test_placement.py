@@ -41,8 +41,8 @@ def test_towers_are_two_branches_and_a_chain_is_none() -> None:
     assert all("linear" in " ".join(b) for b in segs[0].branches)
     mlp, (xm, _) = models.mlp(batch=4, hidden=8, layers=3)
     assert [s.parallel for s in segments(capture(mlp, (xm,)))] == [False]
-    llama, (tokens, _) = models.llama3()  # a residual stream: its q, k, v forks are inside one serial segment
-    assert not any(s.parallel for s in segments(capture(llama, (tokens,))))
+    llama, (tokens, _) = models.llama3()  # branches inside a residual block: q, k and v; the MLP's gate and up
+    assert [len(s.branches) for s in segments(capture(llama, (tokens,))) if s.parallel] == [3, 2, 3, 2]
 
 
 @pytest.mark.unit
@@ -53,14 +53,17 @@ def test_inception_blocks_are_four_branches_each() -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("factory,kw", [(models.towers, TOWERS), (models.inception, {"image": 8, "width": 0.1})])
+@pytest.mark.parametrize("factory,kw", [(models.towers, TOWERS), (models.inception, {"image": 8, "width": 0.1}),
+                                        (models.llama3, {}), (models.resnet, {"batch": 2, "image": 32, "depth": 18,
+                                                                              "width": 0.125})])
 def test_regions_run_one_after_the_other_are_the_model(factory, kw) -> None:
     """Every branch its own region: run in order, forward and backward equal the model's (float64)."""
     model, (x, _) = factory(**kw)
     model = model.double()
-    x = x.double()
+    x = x.double() if x.is_floating_point() else x
     cap = capture(model, (x,))
     regions = split(cap, [list(b) for s in segments(cap) for b in s.branches])
+    assert len(regions) > 2  # every model here has branches
     got = run_regions(cap, regions, _state(model, cap), [x])
     got = got[0] if isinstance(got, (tuple, list)) else got
     want = model(x)
