@@ -222,16 +222,16 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
 
 
 def placed_or_plain(cap: Captured, world: int, opts: PlanOptions, say: Callable[[str], None] = lambda line: None,
-                    baselines: bool = False) -> Plan:
+                    baselines: bool = False, cache_routes: bool = False) -> Plan:
     """``placement="auto"``: the faster of the plan without placement and the best placed plan
     (``placement_plan.plan_placement``); the plan without placement records the placed plan's step
     (``solver["placement_s"]``: None when the graph has no branches to place), a placed one the other's
-    (``placement["without_placement_s"]``)."""
+    (``placement["without_placement_s"]``).  ``cache_routes``: as ``planner.plan``'s."""
     from .placement_plan import plan_placement
 
-    plain = make_plan(None, (), world, options=opts, baselines=baselines, captured=cap)
+    plain = make_plan(None, (), world, options=opts, baselines=baselines, captured=cap, cache_routes=cache_routes)
     say("placement")
-    placed = plan_placement(cap, world, opts, say)
+    placed = plan_placement(cap, world, opts, say, cache_routes=cache_routes)
     if placed is None or placed.cost["step_time_s"] >= plain.cost["step_time_s"]:
         plain.solver["placement_s"] = None if placed is None else placed.cost["step_time_s"]
         return plain

@@ -151,7 +151,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         from .report import placement_table
 
         with ProgressLine(sys.stderr, enabled=not a.quiet) as line:
-            p = placed_or_plain(cap, opts.world, opts, line, baselines=True)
+            p = placed_or_plain(cap, opts.world, opts, line, baselines=True, cache_routes=_caching(a))
         _write_plan(a, p, p.to_json() if a.format == "json" else
                     placement_table(p) if p.placement is not None else table(p))
         return 0

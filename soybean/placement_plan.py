@@ -160,10 +160,13 @@ def placeable(cap: Captured, segs: Sequence[Segment]) -> list[bool]:
 
 
 def plan_placement(cap: Captured, devices: int, options: PlanOptions,
-                   say: Callable[[str], None] = lambda line: None, sizes: Sequence[int] | None = None) -> Plan | None:
+                   say: Callable[[str], None] = lambda line: None, sizes: Sequence[int] | None = None,
+                   cache_routes: bool = False) -> Plan | None:
     """The best placed plan of ``cap`` on ``devices`` devices (module docstring), or None when no segment may be
     placed (no parallel branches) or placing none is best.  ``sizes``: every placed segment on groups of these
-    sizes (summing to ``devices``), its parts still chosen, whether or not that is modelled faster."""
+    sizes (summing to ``devices``), its parts still chosen, whether or not that is modelled faster.
+    ``cache_routes``: every plan starts from the route walks stored on disk (``planner.plan``'s), as
+    ``soybean plan`` does."""
     if sizes is not None and sum(sizes) != devices:
         raise ValueError(f"groups of {list(sizes)} devices do not make {devices}: give sizes that sum to it")
     from .planner import plan
@@ -187,7 +190,7 @@ def plan_placement(cap: Captured, devices: int, options: PlanOptions,
     def planned(c: Captured, d: int) -> Plan:
         key = (shape_key(c), d)
         if key not in cache:
-            cache[key] = plan(None, (), d, options=options, baselines=False, captured=c)
+            cache[key] = plan(None, (), d, options=options, baselines=False, captured=c, cache_routes=cache_routes)
         return cache[key]
 
     chosen: list[Option | None] = []
