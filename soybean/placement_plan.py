@@ -256,8 +256,12 @@ def _placed(cap: Captured, segs: Sequence[Segment], chosen: Sequence[Option | No
     step = sum(row["step_s"] for row in rows if row["segment"] is None)
     for seg in {row["segment"] for row in rows if row["segment"] is not None}:
         step += max(row["step_s"] + row["transfer_s"] for row in rows if row["segment"] == seg)
+    # every way of every segment was priced: the choice is optimal for the model above (gap 0); each region's own
+    # tiling carries its solver's gap in its plan
+    gap = max(float(row["plan"]["solver"].get("gap", 0.0)) for row in rows)
     record = {"regions": rows, "segments": records,
-              "groups": max(sum(1 for row in rows if row["segment"] == i) for i in set(placed_in) if i is not None)}
+              "groups": max(sum(1 for row in rows if row["segment"] == i) for i in set(placed_in) if i is not None),
+              "options": sum(r["options"] for r in records), "gap": 0.0, "region_gap": gap}
     first = Plan.from_dict(rows[0]["plan"])
     return Plan(devices=devices, mesh=[devices], objective=options.objective, profile=first.profile,
                 fingerprint=cap.fingerprint, params={}, inputs={}, nodes={},

@@ -119,7 +119,8 @@ def placement_table(plan: Plan) -> str:
         else:
             lines.append(f"segment {seg['segment']}: {seg['branches']} branches kept on every device "
                          f"({seg['step_s'] * 1e3:.4g} ms)")
-    lines.append(f"step {plan.cost['step_time_s'] * 1e3:.4g} ms (modelled, {plan.profile})")
+    lines.append(f"step {plan.cost['step_time_s'] * 1e3:.4g} ms (modelled, {plan.profile}); {place['options']} ways "
+                 f"priced, the best proven (gap 0; the regions' own plans within {place['region_gap']:.2%})")
     if place.get("without_placement_s") is not None:
         lines.append(f"without placement: {place['without_placement_s'] * 1e3:.4g} ms")
     lines += [_total(k, v) for k, v in plan.baselines.items()]
