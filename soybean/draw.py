@@ -346,8 +346,8 @@ def group_colours(ranks: Sequence[Sequence[int]], devices: int) -> list[str]:
 def stacked(parts: Sequence[tuple[str, Explanation]], html_page: bool = False, kind: str = "pipeline stage",
             colours: Sequence[str] | None = None) -> str:
     """A pipelined or placed plan: each stage's (``kind``: or region's) picture (``svg``) in a band of its own,
-    one under the other in order, headed by its row of the plan's table (``title``: lines of text) in its
-    ``colours`` entry (a placed plan's device group, ``group_colours``); ``html_page``: an HTML page with each
+    one under the other in order, headed by its row of the plan's table (``title``: lines of text) and framed in
+    its ``colours`` entry (a placed plan's device group, ``group_colours``); ``html_page``: an HTML page with each
     one's ``soybean explain`` text folded under its picture."""
     if html_page:
         body = "".join(f"<h3 style=\"background:{colours[k] if colours else ALL_DEVICES}\">{kind.capitalize()} {k}"
@@ -369,7 +369,12 @@ def stacked(parts: Sequence[tuple[str, Explanation]], html_page: bool = False, k
         for i, line in enumerate(lines):
             out.add(f'<text x="12" y="{y + 34 + 15 * i:.0f}" font-family="monospace" font-size="11" '
                     f'fill="#222" xml:space="preserve">{html.escape(line)}</text>')
-        pics.append("".join(out.parts) + pic.replace("<svg ", f'<svg x="0" y="{y + head:.0f}" ', 1))
+        frame = ""
+        if colours:  # every box of the region inside its device group's colour
+            border = _Svg()
+            border.rect(2, y + 2, max(w, 900.0) - 4, head + h - 4, "none", colours[k], extra=' stroke-width="4"')
+            frame = "".join(border.parts)
+        pics.append("".join(out.parts) + pic.replace("<svg ", f'<svg x="0" y="{y + head:.0f}" ', 1) + frame)
         y += head + h + 12
         width = max(width, w, 900.0)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{y:.0f}" '
