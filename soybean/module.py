@@ -77,6 +77,19 @@ def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     return root.get_submodule(path), leaf
 
 
+def forward_backward(module: nn.Module, inputs: tuple, kwargs: dict[str, Any], loss_fn: Callable[..., torch.Tensor],
+                     target: torch.Tensor | None, reduction: str) -> torch.Tensor:
+    """``module(*inputs, **kwargs)``, ``loss_fn`` on its output (and ``target``), backward; the loss detached: the
+    ``train_step`` of a module whose forward returns the whole batch's output (``ParallelModule``,
+    ``placed.PlacedModule``); ``reduction`` is the contract's, checked, and changes nothing here."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"unknown reduction {reduction!r}: use mean or sum")
+    out = module(*inputs, **kwargs)
+    loss = loss_fn(out) if target is None else loss_fn(out, target)
+    loss.backward()
+    return loss.detach()
+
+
 class ParallelModule(nn.Module):
     """The per-rank program plus the local tiles it runs on."""
 
@@ -170,12 +183,7 @@ class ParallelModule(nn.Module):
         backpropagated, the loss returned detached (the same on every rank), gradients ready for ``opt.step()``.
         The training contract a pipelined plan shares (``pipelined.PipelinedModule.train_step``), so one loop
         serves both; ``reduction`` is that contract's and changes nothing here (the loss is the whole batch's)."""
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"unknown reduction {reduction!r}: use mean or sum")
-        out = self(*inputs, **kwargs)
-        loss = loss_fn(out) if target is None else loss_fn(out, target)
-        loss.backward()
-        return loss.detach()
+        return forward_backward(self, inputs, kwargs, loss_fn, target, reduction)
 
     def _returned(self, out: Any) -> Any:
         """Split outputs as the contract hands them: under ``local_batch`` the tile with DDP's mean gradient,

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .capture import Captured
 from .checkpoint_view import CheckpointView
 from .mesh import Mesh
-from .module import ParallelModule
+from .module import ParallelModule, forward_backward
 from .plan import Plan
 from .precision import policy
 from .regions import Region
@@ -158,7 +158,7 @@ class PlacedModule(nn.Module):
             got = self._part(k)(*ins)
             if reg.last:
                 out = got
-                saved[k] = (ins, [got])
+                saved[k] = (ins, [])  # its outputs: the tracked leaves of ``out`` (below)
                 continue
             outs = list(got) if isinstance(got, (tuple, list)) else [got]
             saved[k] = (ins, outs)
@@ -179,7 +179,7 @@ class PlacedModule(nn.Module):
         def run(grads: Sequence[torch.Tensor | None]) -> None:
             self._backward(saved, list(grads), device)
 
-        saved[len(self._regions) - 1] = (saved[len(self._regions) - 1][0], [leaves[i] for i in tracked])
+        saved[len(self._regions) - 1][1].extend(leaves[i] for i in tracked)
         stepped = _Step.apply(run, self._anchor, *(leaves[i].detach() for i in tracked))
         for i, t in zip(tracked, stepped):
             leaves[i] = t
@@ -231,12 +231,7 @@ class PlacedModule(nn.Module):
     def train_step(self, *inputs: Any, loss_fn: Callable[..., torch.Tensor], target: torch.Tensor | None = None,
                    reduction: str = "mean", **kwargs: Any) -> torch.Tensor:
         """Forward and backward of the whole batch, as ``ParallelModule.train_step``: the loss returned detached."""
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"unknown reduction {reduction!r}: use mean or sum")
-        out = self(*inputs, **kwargs)
-        loss = loss_fn(out) if target is None else loss_fn(out, target)
-        loss.backward()
-        return loss.detach()
+        return forward_backward(self, inputs, kwargs, loss_fn, target, reduction)
 
     @torch.no_grad()
     def full_tensors(self) -> dict[str, torch.Tensor]:

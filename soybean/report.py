@@ -95,6 +95,12 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
+def _columns(head: list[str], rows: list[list[str]]) -> list[str]:
+    """``head`` and ``rows`` as lines of left-aligned columns two spaces apart (a plan in parts, one row each)."""
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [head, *rows]]
+
+
 def placement_table(plan: Plan) -> str:
     """A placed plan (``Plan.placement``): one row per region (its modules, the graph segment whose branches it
     runs, ranks, mesh, modelled seconds, its sends), then which regions run at the same time and the modelled
@@ -106,9 +112,7 @@ def placement_table(plan: Plan) -> str:
              _ranks(r["ranks"]), "x".join(map(str, r["mesh"])), f"{r['step_s'] * 1e3:.4g} ms",
              f"{len(r['sends'])} ({_bytes(r['send_bytes'])}, {r['transfer_s'] * 1e3:.3g} ms)" if r["sends"] else "-"]
             for k, r in enumerate(place["regions"])]
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines = _columns(head, rows)
     for seg in place["segments"]:
         together = [k for k, r in enumerate(place["regions"]) if r["segment"] == seg["segment"]]
         if seg["placed"]:
@@ -138,9 +142,7 @@ def pipeline_table(plan: Plan) -> str:
              "x".join(map(str, st["mesh"])), f"{st['microbatch_s'] * 1e3:.4g} ms",
              fmt_memory(st.get("memory_bytes", 0.0)), str(len(st["sends"]))]
             for k, st in enumerate(pipe["stages"])]
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines = _columns(head, rows)
     lines.append(f"schedule {pipe['schedule']}, {pipe['microbatches']} microbatches, bubble {pipe['bubble']:.1%}; "
                  f"step {plan.cost['step_time_s'] * 1e3:.4g} ms (modelled, {plan.profile})")
     for t in pipe.get("tied", []):
