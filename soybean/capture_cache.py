@@ -210,7 +210,7 @@ def dumps(cap: Captured) -> bytes:
     state = {"format": FORMAT, "nodes": nodes, "constants": buf.getvalue(),
              "storages": [nbytes for _, nbytes in sorted(storages.values())],
              **{k: getattr(cap, k) for k in ("params", "buffers", "inputs", "aliases", "fingerprint", "precision",
-                                             "out_spec", "in_spec", "frozen", "arg_names", "keys")}}
+                                             "out_spec", "in_spec", "frozen", "arg_names", "keys", "views")}}
     return pickle.dumps(state)
 
 
@@ -243,7 +243,7 @@ def loads(data: bytes) -> Captured:
     gm = fx.GraphModule(torch.nn.Module(), g)
     return Captured(gm, state["params"], state["buffers"], state["inputs"], state["aliases"], state["fingerprint"],
                     state["precision"], state["out_spec"], state["in_spec"], constants, state["frozen"],
-                    state["arg_names"], state["keys"])
+                    state["arg_names"], state["keys"], state["views"])
 
 
 def load(key: str) -> Captured | None:

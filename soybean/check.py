@@ -97,8 +97,7 @@ def values(cap: Captured, model: torch.nn.Module, args: tuple, kwargs: dict) -> 
     state: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
     state.update(dict(model.named_buffers(remove_duplicate=False)))
     state.update(cap.constants)
-    names = {**cap.params, **cap.buffers}
-    feed = [state[names[n.name]].detach() for n in cap.graph.nodes if n.op == "placeholder" and n.name in names]
+    feed = [t.detach() for t in cap.feed(state)]
     env: dict[fx.Node, Any] = {}
 
     class Recorder(fx.Interpreter):

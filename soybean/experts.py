@@ -27,15 +27,14 @@ from typing import Any
 import torch
 from torch import fx
 
-from .ir.experts import OP
+from .ir.experts import GROUPED_MM, OP
 from .rules.base import lookup
 
 aten = torch.ops.aten
 
-GROUPED_MM = ("transformers::grouped_mm_fallback", "aten::_grouped_mm")
 _ROW_VIEWS = ("aten::chunk", "aten::split", "aten::split_with_sizes", "aten::slice", "aten::narrow",
               "aten::unsqueeze")  # on a dim other than the rows'
-_WEIGHT_OPS = ("aten::transpose", "aten::to", "aten::_to_copy", "aten::contiguous", "aten::clone")
+_WEIGHT_OPS = ("aten::transpose", "aten::to", "aten::_to_copy", "aten::contiguous", "aten::clone", "aten::flatten")
 
 
 @dataclass(frozen=True)
@@ -240,7 +239,9 @@ def _kind(n: fx.Node, kind: dict[fx.Node, str], offs: fx.Node, ids_g: fx.Node) -
         ok = isinstance(a, fx.Node) and isinstance(b, fx.Node) and kind[a] == "row" and kind[b] == "weight"
         return "row" if ok and o is offs and not extra else None
     if set(ins) <= {"weight"}:
-        if base in _WEIGHT_OPS and not (base == "aten::transpose" and 0 in (_args(n)[1] % rank, _args(n)[2] % rank)):
+        dims = [_args(n)[1] % len(_shape(n.args[0]) or (0,)), _args(n)[2] % len(_shape(n.args[0]) or (0,))] if (
+            base in ("aten::transpose", "aten::flatten")) else []
+        if base in _WEIGHT_OPS and 0 not in dims:  # dim 0 stays the experts
             return "weight"
         return None
     if base == "aten::index" and ins[0] == "weight" and list(_args(n)[1]) == [ids_g]:
@@ -290,8 +291,51 @@ def _encode(v: Any, ref: dict[fx.Node, int]) -> Any:
     return None
 
 
+def _packed_pairs(w: fx.Node) -> tuple[int, ...] | None:
+    """The shape ``(experts, 2, ffn, hidden)`` in which to store weight ``w`` when it is a gate and an up
+    projection packed along dim 1, ``(experts, 2 ffn, hidden)``: read only as ``chunk(grouped_mm(rows,
+    w.transpose(-2, -1)), 2, -1)`` (transformers' ``gate_up_proj``); else None."""
+    shape = _shape(w)
+    if shape is None or len(shape) != 3 or shape[1] % 2 or len(w.users) != 1:
+        return None
+    t = next(iter(w.users))
+    if _base(t) != "aten::transpose" or sorted(d % 3 for d in _args(t)[1:3]) != [1, 2] or len(t.users) != 1:
+        return None
+    mm = next(iter(t.users))
+    if _base(mm) not in GROUPED_MM or len(mm.args) < 2 or _args(mm)[1] is not t or len(mm.users) != 1:
+        return None
+    ch = next(iter(mm.users))
+    if _base(ch) != "aten::chunk" or _args(ch)[0] is not mm or _args(ch)[1:] not in ([2, -1], [2, 1]):
+        return None
+    return (shape[0], 2, shape[1] // 2, shape[2])
+
+
+def pack_pairs(gm: fx.GraphModule, w: fx.Node, shape: tuple[int, ...]) -> None:
+    """Store weight placeholder ``w`` as ``shape`` (``_packed_pairs``): the graph reads ``flatten(w, 1, 2)``,
+    the same elements in the same order.  Splitting the stored ``ffn`` dim then gives each rank the matching rows
+    of the gate and of the up projection, which tensor parallelism inside the experts needs (``rules.experts``);
+    ``Captured.views`` records it, so the model's tensor is fed and handed back in its own shape."""
+    val = w.meta["val"]
+    t = next(iter(w.users))
+    with gm.graph.inserting_before(t):
+        flat = gm.graph.call_function(aten.flatten.using_ints, (w, 1, 2))
+    flat.meta = {k: v for k, v in t.meta.items() if k not in ("val", "tensor_meta")}
+    flat.meta["val"] = val
+    t.replace_input_with(w, flat)
+    w.meta["val"] = val.view(shape)
+    w.meta.pop("tensor_meta", None)
+
+
 def fuse_routed_experts(gm: fx.GraphModule) -> None:
-    """Replace every routed-experts region (``find``) by one ``ir.experts.OP`` node, of the same value."""
+    """Replace every routed-experts region (``find``) by one ``ir.experts.OP`` node, of the same value; a packed
+    gate and up projection is stored as its pairs first (``pack_pairs``)."""
+    from .capture import STORED_VIEWS
+
+    for r in find(gm):
+        for w in r.weights:
+            if (shape := _packed_pairs(w)) is not None:
+                pack_pairs(gm, w, shape)
+                gm.meta.setdefault(STORED_VIEWS, {})[w.name] = shape
     for r in find(gm):
         g = gm.graph
         with g.inserting_before(r.out):

@@ -111,7 +111,12 @@ class ParallelModule(nn.Module):
         state.update(dict(model.named_buffers()))
         state.update(cap.constants)
         self._order: list[tuple[str, str]] = []  # (kind, fqn) in placeholder order; kind: param, buffer, constant
-        self._shapes: dict[str, tuple[int, ...]] = {}  # fqn -> the full (serial) shape of its tensor
+        self._shapes: dict[str, tuple[int, ...]] = {}  # fqn -> the full shape of its tensor, as the graph reads it
+        self._model_shapes: dict[str, tuple[int, ...]] = {}  # fqn -> as the model holds it (``Captured.views``)
+        # A shared parameter the graph reads in another shape (``Captured.views``): its place in ``_order`` -> the
+        # graph's shape; its FQN.
+        self._viewed: dict[int, tuple[int, ...]] = {}
+        self._held_whole: set[str] = set()
         for node in cap.graph.nodes:
             if node.op != "placeholder":
                 continue
@@ -124,14 +129,19 @@ class ParallelModule(nn.Module):
                 continue
             tiling = plan.param_tiling(fqn)
             if share_params and kind == "param" and all(p == R for p in tiling) and pol.name == "fp32":
-                # The model's own parameter: an optimizer built on the model updates what this module runs.
+                # The model's own parameter: an optimizer built on the model updates what this module runs (viewed
+                # as the graph reads it in ``forward``).
                 _attach(self, fqn, state[fqn], kind, shared=True)
+                if fqn in cap.views:
+                    self._viewed[len(self._order)] = cap.views[fqn]
+                    self._held_whole.add(fqn)
             else:
                 with torch.no_grad():
-                    tile = local_tile(state[fqn].detach(), tiling, mesh, self._coords)
+                    tile = local_tile(cap.stored(fqn, state[fqn].detach()), tiling, mesh, self._coords)
                     _attach(self, fqn, tile if kind == "param" else pol.cast(tile), kind, trains=fqn not in cap.frozen)
             self._order.append((kind, fqn))
             self._shapes[fqn] = tuple(node.meta["val"].shape)
+            self._model_shapes[fqn] = tuple(state[fqn].shape)
         self._skeleton: nn.Module | None
         object.__setattr__(self, "_skeleton", _skeleton(model))  # not a submodule: its meta tensors are not ours
         # not a submodule: no params of its own
@@ -158,6 +168,8 @@ class ParallelModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # The policy's compute copies: a parameter cast from its master (differentiable), inputs cast.
         state = [self._policy.cast(self._tensor(k, f)) if k == "param" else self._tensor(k, f) for k, f in self._order]
+        for i, shape in self._viewed.items():  # a shared parameter the graph reads in another shape
+            state[i] = state[i].view(shape)
         given = self._cap.flatten_inputs(args, kwargs)
         n_user = len(self._cap.inputs)
         if len(given) != n_user:
@@ -217,7 +229,9 @@ class ParallelModule(nn.Module):
         tied aliases included, gathered on every rank."""
         out: dict[str, torch.Tensor] = {}
         for kind, fqn in self._state():
-            out[fqn] = self.whole(fqn, self._tensor(kind, fqn).detach()).clone()
+            mine = self._tensor(kind, fqn).detach()
+            whole = self.whole(fqn, mine.view(self._shapes[fqn]) if fqn in self._held_whole else mine)
+            out[fqn] = self._cap.unstored(fqn, whole, self._model_shapes[fqn]).clone()
         for alias, fqn in self._cap.aliases.items():
             if fqn in out:
                 out[alias] = out[fqn]
@@ -298,4 +312,5 @@ class ParallelModule(nn.Module):
                 if kind == "buffer" and fqn not in sd and fqn not in missing:
                     continue  # non-persistent: not in any state dict
                 raise KeyError(f"state dict has no {fqn}")
-            self._tensor(kind, fqn).copy_(self.tile(fqn, full[fqn]))
+            mine = self._tensor(kind, fqn)  # (a shared parameter is whole, held as the model holds it)
+            mine.copy_(self.tile(fqn, self._cap.stored(fqn, full[fqn])).reshape(mine.shape))

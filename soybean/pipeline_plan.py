@@ -81,10 +81,11 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
         warnings.warn(f"soybean: pipeline stages {[k for k, _ in over]} need up to {max(b for _, b in over) / GIB:.3g} "
                       f"GiB per device with their microbatches in flight, over --memory-gb {options.memory_gb}: use "
                       "more microbatches or stages, or --pipeline auto", stacklevel=2)
+    moe, cp = Plan.part_rows(plans, "stage")
     top = Plan(devices=world, mesh=[stages, per], objective=options.objective, profile=plans[0].profile,
                fingerprint=cap.fingerprint, params={}, inputs={}, nodes={},
                cost={"step_time_s": step, "compute_s": sum(p.cost.get("compute_s", 0.0) for p in plans) * microbatches},
-               precision=cap.precision, pipeline=record)
+               precision=cap.precision, pipeline=record, moe=moe, context_parallel=cp)
     return cut, plans, top
 
 

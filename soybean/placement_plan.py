@@ -263,11 +263,12 @@ def _placed(cap: Captured, segs: Sequence[Segment], chosen: Sequence[Option | No
               "groups": max(sum(1 for row in rows if row["segment"] == i) for i in set(placed_in) if i is not None),
               "options": sum(r["options"] for r in records), "gap": 0.0, "region_gap": gap}
     first = Plan.from_dict(rows[0]["plan"])
+    moe, cp = Plan.part_rows([Plan.from_dict(row["plan"]) for row in rows], "region")
     return Plan(devices=devices, mesh=[devices], objective=options.objective, profile=first.profile,
                 fingerprint=cap.fingerprint, params={}, inputs={}, nodes={},
                 cost={"step_time_s": step,
                       "compute_s": sum(float(r["plan"]["cost"].get("compute_s", 0.0)) for r in rows)},
-                precision=cap.precision, placement=record)
+                precision=cap.precision, placement=record, moe=moe, context_parallel=cp)
 
 
 def region_pieces(segs: Sequence[Segment], chosen: Sequence[Option | None], devices: int

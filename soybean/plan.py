@@ -179,11 +179,12 @@ class Plan:
     # ``placement`` key in the JSON, for a plan that runs every op on every device
     placement: dict[str, Any] | None = None
     # routed experts (mixture of experts; ``records.moe_records``): per MoE layer its experts, the mesh axes
-    # splitting them and their degree, the axes its rows move on (all-to-all) and those left a pending sum; no
-    # ``moe`` key in the JSON for a model without routed experts
+    # splitting them and their degree, the axes its rows move on (all-to-all) and those left a pending sum, those
+    # splitting each expert inside; no ``moe`` key in the JSON for a model without routed experts.  A plan made of
+    # parts (``placement``, ``pipeline``) lists its parts' rows, each with its part's index (``part_rows``)
     moe: list[dict[str, Any]] = field(default_factory=list)
     # attention split along the query sequence (``records.context_parallel_records``): per op its method, mesh axes
-    # and degree; no ``context_parallel`` key in the JSON when no attention is split so
+    # and degree; no ``context_parallel`` key in the JSON when no attention is split so (a plan of parts: as ``moe``)
     context_parallel: list[dict[str, Any]] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
@@ -268,6 +269,14 @@ class Plan:
                              "re-run `soybean plan` with this soybean")
         keys = set(Plan.__dataclass_fields__)
         return Plan(**{k: d[k] for k in d if k in keys})
+
+    @staticmethod
+    def part_rows(parts: Sequence[Plan], tag: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The ``moe`` and ``context_parallel`` rows of a plan made of ``parts`` (placed regions, pipeline stages),
+        each part's rows in order, each row naming its part by index under ``tag`` (its axes are that part's)."""
+        moe, cp = ([{**row, tag: i} for i, part in enumerate(parts) for row in getattr(part, key)]
+                   for key in ("moe", "context_parallel"))
+        return moe, cp
 
     @staticmethod
     def load(path: str | Path) -> Plan:

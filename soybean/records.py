@@ -20,7 +20,7 @@ from .mesh import Mesh
 from .reshard import Step, phase
 from .rules.attention import cp_method, row_axes, zigzag_layout
 from .rules.base import OpSpec, Strategy
-from .rules.experts import expert_axes
+from .rules.experts import expert_axes, ffn_axes
 from .rules.window import halo_step, halos, windows_of
 from .search import Solution
 from .tiling import fmt
@@ -182,8 +182,9 @@ def context_parallel_records(g: PlanGraph, sol: Solution) -> list[dict[str, Any]
 def moe_records(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
     """One row per routed-experts op (``ir.experts``), in graph order: its layer, experts and choices per token,
     the mesh ``axes`` splitting the experts and their ``degree`` (how many ranks hold a share; 1 when none does),
-    those of them the rows move on by all-to-all (``dispatch``) and those leaving a pending sum (``partial``), and the
-    routing imbalance it was priced at (``Profile.expert_imbalance``)."""
+    those of them the rows move on by all-to-all (``dispatch``) and those leaving a pending sum (``partial``), the axes
+    splitting every expert inside along its FFN dim (``ffn_axes``: tensor parallelism inside the experts, a pending
+    sum too), and the routing imbalance it was priced at (``Profile.expert_imbalance``)."""
     out = []
     for vi, V in enumerate(g.vars):
         if V.op is None or V.op.target is not ROUTED_EXPERTS:
@@ -194,5 +195,6 @@ def moe_records(g: PlanGraph, sol: Solution) -> list[dict[str, Any]]:
         out.append({"layer": layer_of(V.module) or V.module, "node": V.name, "experts": int(V.op.args[4]),
                     "top_k": int(V.op.inputs[1].shape[1]), "axes": axes, "degree": degree,
                     "dispatch": dispatch, "partial": [a for a in axes if a not in dispatch],
+                    "ffn_axes": list(ffn_axes(st)),
                     "imbalance": g.profile.expert_imbalance})
     return out

@@ -257,8 +257,7 @@ def run_regions(cap: Captured, regions: Sequence[Region], state: dict[str, torch
     got: Any = None
     for r in regions:
         c = r.cap
-        args = [state[c.params[n.name] if n.name in c.params else c.buffers[n.name]]
-                for n in c.graph.nodes if n.op == "placeholder" and (n.name in c.params or n.name in c.buffers)]
+        args = c.feed(state)
         got = c.graph_module(*args, *(values[t] for t in r.takes))
         if not r.last:
             values.update(zip(r.returns, got))

@@ -185,8 +185,7 @@ def run_stages(cap: Captured, stages: Sequence[Stage], state: dict[str, torch.Te
     values: tuple[Any, ...] = tuple(inputs)
     for st in stages:
         c = st.cap
-        args = [state[c.params[n.name] if n.name in c.params else c.buffers[n.name]]
-                for n in c.graph.nodes if n.op == "placeholder" and (n.name in c.params or n.name in c.buffers)]
+        args = c.feed(state)
         got = c.graph_module(*args, *values)
         values = tuple(got) if isinstance(got, (tuple, list)) else (got,)
     return values

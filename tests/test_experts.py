@@ -5,6 +5,7 @@ training equal to serial with the experts split."""
 from __future__ import annotations
 
 import functools
+import json
 import math
 
 import pytest
@@ -39,11 +40,9 @@ def _fused(cap: Captured) -> list[torch.fx.Node]:
 def _run(cap: Captured, model: torch.nn.Module, inputs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The captured graph on ``model``'s own tensors: its floating outputs and, after backward of their sum, the
     gradients of the parameters it reads."""
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers()), **cap.constants}
     params = [state[cap.params[n.name]] for n in cap.graph.nodes if n.op == "placeholder" and n.name in cap.params]
-    flat = [state[cap.params[n.name]] if n.name in cap.params else
-            state[cap.buffers[n.name]] if cap.buffers.get(n.name) in state else cap.constants[n.name]
-            for n in cap.graph.nodes if n.op == "placeholder" and (n.name in cap.params or n.name in cap.buffers)]
+    flat = cap.feed(state)
     outs = [t for t in torch.utils._pytree.tree_leaves(cap.graph_module(*flat, *inputs.values()))
             if isinstance(t, torch.Tensor) and t.is_floating_point()]
     for p in params:
@@ -97,7 +96,7 @@ def _body_case(tokens: int, experts: int) -> tuple:
     body = node.args[5]
     w1, w2 = (n.meta["val"] for n in node.args[3])
     gen = torch.Generator().manual_seed(3)
-    h = w1.shape[2]
+    h = w1.shape[-1]
     x = torch.randn(tokens, h, dtype=torch.float64, generator=gen)
     idx = torch.randint(0, 2, (tokens, 2), generator=gen)
     idx[:, 1] = (idx[:, 0] + 1) % 2
@@ -119,11 +118,43 @@ def test_every_strategy_equals_the_serial_op(shape: tuple[int, ...]) -> None:
 
 
 def test_the_rule_lists_dispatch_and_pending_sum() -> None:
-    """On one axis: tokens split, experts split with the tokens (rows moved), experts split alone (``P``)."""
+    """On one axis: tokens split, experts split with the tokens (rows moved), experts split alone (``P``), and
+    every expert split inside along its FFN dim (``P``): the packed gate and up weight stored as pairs
+    ``(experts, 2, f, h)`` split along ``f``, the down projection along its ``f``."""
     args = _body_case(tokens=6, experts=4)
     op = make_opspec(OP, args, {}, routed_experts(*args))
-    got = {(str(s.inputs[0][0]), str(s.inputs[3][0]), str(s.outputs[0][0])) for s in expand(op, Mesh((2,)))}
-    assert got == {("R", "R", "R"), ("S(0)", "R", "S(0)"), ("S(0)", "S(0)", "S(0)"), ("R", "S(0)", "P")}
+    got = {(str(s.inputs[0][0]), str(s.inputs[3][0]), str(s.inputs[4][0]), str(s.outputs[0][0]))
+           for s in expand(op, Mesh((2,)))}
+    assert got == {("R", "R", "R", "R"), ("S(0)", "R", "R", "S(0)"), ("S(0)", "S(0)", "S(0)", "S(0)"),
+                   ("R", "S(0)", "S(0)", "P"), ("R", "S(2)", "S(2)", "P")}
+
+
+def test_the_op_is_priced_at_every_row_through_its_experts_matmuls() -> None:
+    """Forward FLOPs: each of the ``T k`` rows through its expert's gate and up (``2 h 2f``) and down (``2 f h``)
+    products; the routing weights ``w`` are no expert weight."""
+    from soybean.cost.compute import flops
+
+    args = _body_case(tokens=6, experts=4)
+    op = make_opspec(OP, args, {}, routed_experts(*args))
+    (_, two, f, h), k = args[3][0].shape, args[1].shape[1]
+    assert flops(op)[0] == 6 * k * (2 * h * two * f + 2 * f * h)
+
+
+def test_tensor_parallelism_inside_the_experts_is_offered_only_where_the_body_proves_it() -> None:
+    """``ffn_split`` proves the FFN split by propagation over the body: Mixtral's packed gate and up (stored as
+    pairs) then down splits; a bias added after the down projection (GPT-OSS) would be summed once per rank, so
+    there is no proof, and neither is there for the packed weight read without its pairs (a contiguous split of
+    ``2 f`` rows would give one rank all the gate's rows)."""
+    from soybean.rules.experts import ffn_split
+
+    x, idx, w, params, experts, body = _body_case(tokens=6, experts=4)
+    shapes = tuple(tuple(p.shape) for p in params)
+    assert ffn_split(body, shapes) == ((2, True), (2, False))
+    unpacked = body.replace('["aten::flatten.using_ints",[{"ref":3},1,2],{}]', '["aten::clone.default",[{"ref":3}],{}]')
+    assert unpacked != body and ffn_split(unpacked, ((4, 256, 64), shapes[1])) is None
+    oss = _fused(capture(*archs.build(next(a for a in archs.ARCHS if a.name == "gpt_oss"))))[0]
+    ws = tuple(tuple(v.meta["val"].shape) for v in oss.args[3])
+    assert ffn_split(oss.args[5], ws) is None
 
 
 @pytest.mark.parametrize("members", [2, 3])
@@ -194,6 +225,100 @@ def test_training_with_the_experts_split_equals_serial(name: str, mesh: tuple[in
     serial = train_serial(model, inputs, steps=STEPS, lr=LR)
     par, _ = train_parallel_threads(model, inputs, plan=p, steps=STEPS, lr=LR)
     assert not differences(serial, exact_serial(model, inputs, serial), par)  # judged against the float64 run
+
+
+def _ffn_split_plan(name: str, mesh: tuple[int, ...]) -> tuple[torch.nn.Module, dict, object]:
+    """A tiny MoE's plan with every expert weight stored split along its FFN dim on mesh axis 0 (and by expert on
+    axis 1 of a 2-D mesh), the rest chosen by the planner: tensor parallelism inside the experts, forced."""
+    from soybean import baselines, planner
+    from soybean.cost.profiles import load_profile
+    from soybean.graph.build import build
+
+    model, inputs = archs.build(next(a for a in archs.ARCHS if a.name == name))  # float32, as transformers runs it
+    cap = capture(model, inputs)
+    m = Mesh(mesh)
+    search = planner.Search(load_profile("cpu-gloo"))
+    inside = (Shard(2), Shard(0))[:len(mesh)]
+    doms = {f: [inside] for f in baselines.expert_weights(cap)}
+    g = build(cap, m, search.on_mesh(m), domains=doms, pin_params=True, pricing=search.pricing)
+    r = planner.solve_table_on(g, search)
+    return model, inputs, planner.to_plan(cap, r, "time", "cpu-gloo", m.size, {}, 0.0, "auto", [r])
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("name, mesh", [("mixtral", (2,)), ("deepseek_v3", (2,)), ("mixtral", (2, 2))])
+def test_training_with_the_experts_split_inside_equals_serial(name: str, mesh: tuple[int, ...]) -> None:
+    """Tensor parallelism inside the experts: the packed gate and up weight split along its pairs' FFN dim, the down
+    projection along its FFN dim, the output a pending sum; on a 2x2 mesh composed with expert parallelism on the
+    other axis.  Every loss, gradient and parameter as serial (the packed weight handed back in the model's own
+    ``(experts, 2 ffn, hidden)``), and the plan's ``moe`` rows say where the experts are split inside."""
+    from soybean.sweep import LR, STEPS, differences, exact_serial
+    from soybean.testing import train_parallel_threads, train_serial
+
+    model, inputs, p = _ffn_split_plan(name, mesh)
+    assert p.moe and all(r["ffn_axes"] == [0] for r in p.moe)
+    assert all(r["axes"] == ([1] if len(mesh) > 1 else []) for r in p.moe)
+    assert {tuple(v) for k, v in p.params.items() if k.endswith("experts.gate_up_proj")} == {
+        ("S(2)", "S(0)")[:len(mesh)]}
+    serial = train_serial(model, inputs, steps=STEPS, lr=LR)
+    par, _ = train_parallel_threads(model, inputs, plan=p, steps=STEPS, lr=LR)
+    assert par.params.keys() >= {k for k, _ in model.named_parameters() if k.endswith("gate_up_proj")}
+    assert not differences(serial, exact_serial(model, inputs, serial), par)  # judged against the float64 run
+
+
+def _save_inside_load_by_expert(rank: int, world: int, plan_path: str, ckpt: str) -> dict[str, object]:
+    """Train two steps with the experts split inside (``plan_path``), save; load into a fresh model planned with the
+    experts split by expert (rows moved), and step it on."""
+    import soybean
+    from soybean.plan import Plan
+    from soybean.testing import loss_of
+
+    def step(pm: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+        loss = loss_of(pm(**inputs))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    arch = next(a for a in archs.ARCHS if a.name == "mixtral")
+    model, inputs = archs.build(arch)
+    a = soybean.parallelize(model, inputs, plan=Plan.load(plan_path))
+    opt = torch.optim.AdamW(a.parameters(), lr=0.01)
+    [step(a, opt) for _ in range(2)]
+    want = a.full_state_dict()
+    a.save_sharded(ckpt, optimizer=opt)
+    went_on = step(a, opt)
+    out: dict[str, object] = {"went_on": went_on, "tiles": tuple(a.get_parameter(
+        "model.layers.0.mlp.experts.gate_up_proj").shape)}
+    fresh, _ = archs.build(arch)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(0.5)
+    b = soybean.parallelize(fresh, inputs, devices=world, objective="comm")
+    opt_b = torch.optim.AdamW(b.parameters(), lr=0.01)
+    b.load_sharded(ckpt, optimizer=opt_b)
+    got = b.full_state_dict()
+    out.update(equal=all(torch.equal(got[k], v) for k, v in want.items()), next=step(b, opt_b),
+               experts=[(r["axes"], r["ffn_axes"]) for r in b.plan.moe])
+    return out
+
+
+@pytest.mark.dist
+def test_a_checkpoint_saved_with_the_experts_split_inside_loads_under_expert_parallelism(tmp_path) -> None:
+    """A checkpoint (weights and AdamW's moments) of a plan splitting each expert inside along its FFN dim loads
+    under a plan splitting the experts by expert (DCP reshards the packed weight as the graph stores it,
+    ``(experts, 2, ffn, hidden)``): the same full state, in the model's own shapes, and the next step's loss is the
+    one the saving run took."""
+    from soybean.runtime.launch import spawn
+
+    model, _, p = _ffn_split_plan("mixtral", (2,))
+    path = str(tmp_path / "plan.json")
+    p.save(path)
+    got = spawn(_save_inside_load_by_expert, 2, path, str(tmp_path / "ckpt"), timeout_s=240)
+    for r in got:
+        assert r["tiles"] == (4, 2, 64, 64)  # this rank's half of every expert's pairs
+        assert r["equal"] and abs(r["next"] - r["went_on"]) <= 1e-5 * abs(r["went_on"]), r
+        assert r["experts"] == [([0], []), ([0], [])]  # loaded split by expert, not inside
 
 
 @pytest.mark.dist
@@ -362,3 +487,18 @@ def test_routing_imbalance_scales_the_split_experts_moves_and_work() -> None:
     assert {r["imbalance"] for r in p.moe} == {1.25}
     with pytest.raises(ValueError, match="--expert-imbalance"):
         PlanOptions(expert_imbalance=0.5)
+
+
+def test_a_plan_of_parts_lists_its_parts_moe_rows() -> None:
+    """A placed or pipelined plan holds its tilings in its parts' plans; its own ``moe`` (and ``context_parallel``)
+    rows are theirs, in order, each naming its part, so the record and the bench report the experts of such plans
+    too (``Plan.part_rows``), and they survive the JSON."""
+    from soybean.plan import Plan
+
+    _, _, p = _ffn_split_plan("mixtral", (2,))
+    moe, cp = Plan.part_rows([p, p], "region")
+    assert [r["region"] for r in moe] == [0, 0, 1, 1] and [r["layer"] for r in moe] == [r["layer"] for r in p.moe] * 2
+    assert cp == [] and all(r["ffn_axes"] == [0] for r in moe)
+    whole = Plan(devices=2, mesh=[2], objective="time", profile=p.profile, fingerprint=p.fingerprint, params={},
+                 inputs={}, nodes={}, cost={}, precision=p.precision, moe=moe, context_parallel=cp)
+    assert Plan.from_dict(json.loads(whole.to_json())).moe == moe and "context_parallel" not in whole.to_dict()

@@ -114,6 +114,8 @@ class BenchConfig:
     rounds: int | None = None
     variants: tuple[str, ...] = VARIANTS        # which to run; the others report "not selected"
     loss: str = "inside"                        # LOSS_STYLES
+    # PlanOptions fields every soybean variant plans with (``--plan-option expert_imbalance=2``); a variant's own win
+    plan_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def dist_variants(self) -> tuple[str, ...]:
@@ -377,14 +379,15 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
     stages (the pipeline's depth, its
     rank groups: 1 without; a pipelined plan's schedule, virtual stages per group and every stage with its layers,
     ranks and mesh), and its routed experts (``moe``: per MoE layer the axes splitting its experts, their degree,
-    where the rows move by all-to-all), when it has any."""
+    where the rows move by all-to-all, those splitting each expert inside along its FFN dim), when it has any."""
     out: dict[str, Any] = {"mesh": list(plan.mesh), "params": dict(plan.params), "stages": 1,
                            "placement_groups": plan.placement["groups"] if plan.placement is not None else 1}
     if plan.placement is not None:
         out["placement"] = {"regions": [{k: r[k] for k in ("units", "ranks", "mesh")}
                                         for r in plan.placement["regions"]]}
     if plan.moe:
-        out["moe"] = [{k: r[k] for k in ("layer", "experts", "axes", "degree", "dispatch")} for r in plan.moe]
+        out["moe"] = [{k: r.get(k, []) for k in ("layer", "experts", "axes", "degree", "dispatch", "ffn_axes")}
+                      for r in plan.moe]
     if plan.pipeline is not None:
         v = int(plan.pipeline.get("virtual_stages", 1))
         out["stages"] = len(plan.pipeline["stages"]) // v
@@ -435,6 +438,7 @@ def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any =
             plans[variant] = NOT_SELECTED
             continue
         fields, stages, placed = BY_NAME[variant].plan, BY_NAME[variant].pipeline, BY_NAME[variant].placement
+        fields = {**cfg.plan_options, **fields}
         try:
             if stages is None:
                 plans[variant] = plan(None, (), cfg.devices, objective="time", profile=profile or cfg.profile,
@@ -681,6 +685,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, required=True, help="number of local gloo processes N")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword for the model factory (repeatable)")
+    p.add_argument("--plan-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a PlanOptions field every soybean variant plans with, e.g. expert_imbalance=2 (repeatable)")
     p.add_argument("--steps", type=int, default=12, help="timed steps; the median is reported")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     p.add_argument("--profile", default="cpu-gloo",
@@ -717,7 +723,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     styles = LOSS_STYLES if a.loss == "both" else (a.loss,)
     cfgs = [BenchConfig(model=a.model, devices=a.devices, args=models.parse_args(a.arg), steps=a.steps,
                         warmup=a.warmup, profile=a.profile, timeout_s=a.timeout, rounds=a.rounds,
-                        variants=tuple(v.strip() for v in a.variants.split(",") if v.strip()), loss=style)
+                        variants=tuple(v.strip() for v in a.variants.split(",") if v.strip()), loss=style,
+                        plan_options=models.parse_args(a.plan_option))
             for style in styles]
     models.resolve(cfgs[0].model)  # a bad reference fails here, before anything runs
     reports = []

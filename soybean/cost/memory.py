@@ -214,12 +214,14 @@ def _indices(op: OpSpec) -> tuple[tuple[tuple[str, int], float], ...]:
 
 def _expert_rows(op: OpSpec) -> tuple[tuple[tuple[str, int], float], ...]:
     """Routed experts (``ir.experts``) keep, per (token, choice) row, the gathered row and, per expert weight
-    ``(experts, a, b)``, about two tensors of its wider dim (a matmul's output and the activation that reads it):
-    ``k (H + 2 sum_w max(a, b)) / H`` of the output.  An estimate: the exact set depends on the body (a bias keeps
-    nothing); under the pending-sum strategy each rank computes a share of the rows but is charged for all."""
-    x, idx, *weights = op.inputs
+    ``(experts, a, b)`` (a packed ``(experts, 2, f, b)`` counts as ``a = 2 f``), about two tensors of its wider dim
+    (a matmul's output and the activation that reads it): ``k (H + 2 sum_w max(a, b)) / H`` of the output.  An
+    estimate: the exact set depends on the body (a bias keeps nothing); under the pending-sum strategy and inside
+    experts split by their FFN dim each rank keeps a share of them but is charged for all."""
+    x, idx, _w, *weights = op.inputs
     h = x.shape[1]
-    return ((("out", 0), idx.shape[1] * (h + 2 * sum(max(w.shape[1:]) for w in weights if len(w.shape) == 3)) / h),)
+    wide = sum(max(math.prod(w.shape[1:-1]), w.shape[-1]) for w in weights if len(w.shape) >= 3)
+    return ((("out", 0), idx.shape[1] * (h + 2 * wide) / h),)
 
 
 _IN = _keep((0,))

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 ROUTED_EXPERTS = "routed_experts"  # the synchronised call the op's rule asks for (``runtime.experts``)
+GROUPED_MM = ("transformers::grouped_mm_fallback", "aten::_grouped_mm")  # a body's grouped matmuls (their bases)
 
 _lib = torch.library.Library("soybean", "DEF")
 _lib.define("routed_experts(Tensor x, Tensor idx, Tensor w, Tensor[] params, int experts, str body) -> Tensor")
