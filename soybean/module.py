@@ -113,10 +113,7 @@ class ParallelModule(nn.Module):
         self._order: list[tuple[str, str]] = []  # (kind, fqn) in placeholder order; kind: param, buffer, constant
         self._shapes: dict[str, tuple[int, ...]] = {}  # fqn -> the full shape of its tensor, as the graph reads it
         self._model_shapes: dict[str, tuple[int, ...]] = {}  # fqn -> as the model holds it (``Captured.views``)
-        # A shared parameter the graph reads in another shape (``Captured.views``): its place in ``_order`` -> the
-        # graph's shape; its FQN.
-        self._viewed: dict[int, tuple[int, ...]] = {}
-        self._held_whole: set[str] = set()
+        self._held_whole: set[str] = set()  # shared parameters the graph reads in another shape (``Captured.views``)
         for node in cap.graph.nodes:
             if node.op != "placeholder":
                 continue
@@ -129,11 +126,10 @@ class ParallelModule(nn.Module):
                 continue
             tiling = plan.param_tiling(fqn)
             if share_params and kind == "param" and all(p == R for p in tiling) and pol.name == "fp32":
-                # The model's own parameter: an optimizer built on the model updates what this module runs (viewed
-                # as the graph reads it in ``forward``).
+                # The model's own parameter: an optimizer built on the model updates what this module runs (read
+                # through ``_tensor``, as the graph reads it).
                 _attach(self, fqn, state[fqn], kind, shared=True)
                 if fqn in cap.views:
-                    self._viewed[len(self._order)] = cap.views[fqn]
                     self._held_whole.add(fqn)
             else:
                 with torch.no_grad():
@@ -163,13 +159,14 @@ class ParallelModule(nn.Module):
         return local_tile(x, self.plan.input_tiling(self._cap.inputs[input_index]), self._mesh, self._coords)
 
     def _tensor(self, kind: str, fqn: str) -> torch.Tensor:
-        return self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn)
+        """This rank's tile of ``fqn`` as the program reads it (a shared parameter held in the model's shape: viewed
+        in the graph's, ``Captured.views``)."""
+        t = self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn)
+        return t.view(self._shapes[fqn]) if fqn in self._held_whole else t
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # The policy's compute copies: a parameter cast from its master (differentiable), inputs cast.
         state = [self._policy.cast(self._tensor(k, f)) if k == "param" else self._tensor(k, f) for k, f in self._order]
-        for i, shape in self._viewed.items():  # a shared parameter the graph reads in another shape
-            state[i] = state[i].view(shape)
         given = self._cap.flatten_inputs(args, kwargs)
         n_user = len(self._cap.inputs)
         if len(given) != n_user:
@@ -229,8 +226,7 @@ class ParallelModule(nn.Module):
         tied aliases included, gathered on every rank."""
         out: dict[str, torch.Tensor] = {}
         for kind, fqn in self._state():
-            mine = self._tensor(kind, fqn).detach()
-            whole = self.whole(fqn, mine.view(self._shapes[fqn]) if fqn in self._held_whole else mine)
+            whole = self.whole(fqn, self._tensor(kind, fqn).detach())
             out[fqn] = self._cap.unstored(fqn, whole, self._model_shapes[fqn]).clone()
         for alias, fqn in self._cap.aliases.items():
             if fqn in out:
@@ -312,5 +308,4 @@ class ParallelModule(nn.Module):
                 if kind == "buffer" and fqn not in sd and fqn not in missing:
                     continue  # non-persistent: not in any state dict
                 raise KeyError(f"state dict has no {fqn}")
-            mine = self._tensor(kind, fqn)  # (a shared parameter is whole, held as the model holds it)
-            mine.copy_(self.tile(fqn, self._cap.stored(fqn, full[fqn])).reshape(mine.shape))
+            self._tensor(kind, fqn).copy_(self.tile(fqn, self._cap.stored(fqn, full[fqn])))

@@ -502,3 +502,24 @@ def test_a_plan_of_parts_lists_its_parts_moe_rows() -> None:
     whole = Plan(devices=2, mesh=[2], objective="time", profile=p.profile, fingerprint=p.fingerprint, params={},
                  inputs={}, nodes={}, cost={}, precision=p.precision, moe=moe, context_parallel=cp)
     assert Plan.from_dict(json.loads(whole.to_json())).moe == moe and "context_parallel" not in whole.to_dict()
+
+
+def test_a_shared_packed_weight_is_the_models_own_parameter_read_as_pairs() -> None:
+    """``share_params`` (torch.compile's backend): a weight stored whole is the model's own ``nn.Parameter``, so an
+    optimizer over the model trains it; the packed gate and up weight is read by the program as its pairs (a view)
+    and its gradient lands on the model's parameter, equal to the serial model's; ``full_state_dict`` is in the
+    model's shapes."""
+    import copy
+
+    import soybean
+    from soybean.testing import loss_of
+
+    model, inputs = archs.build(next(a for a in archs.ARCHS if a.name == "mixtral"))
+    serial = copy.deepcopy(model)
+    pm = soybean.parallelize(model, inputs, devices=1, share_params=True)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    assert pm.get_parameter(name) is model.get_parameter(name)
+    loss_of(pm(**inputs)).backward()
+    loss_of(serial(**inputs)).backward()
+    torch.testing.assert_close(model.get_parameter(name).grad, serial.get_parameter(name).grad)
+    assert pm.full_state_dict()[name].shape == serial.get_parameter(name).shape
