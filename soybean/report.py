@@ -69,7 +69,7 @@ def table(plan: Plan) -> str:
     for r in plan.moe:
         how = (f"split {r['degree']}-way over mesh axes {r['axes']}" + (f", rows moved by all-to-all on {r['dispatch']}"
                if r["dispatch"] else "") + (f", a pending sum on {r['partial']}" if r["partial"] else "")
-               if r["axes"] else "whole on every rank")
+               if r["axes"] else "every expert on every rank" if r.get("ffn_axes") else "whole on every rank")
         if r.get("ffn_axes"):
             how += f"; each split inside along its FFN dim on {r['ffn_axes']} (tensor parallelism, a pending sum)"
         lines.append(f"{'experts':<16} {r['layer']}: {r['experts']} experts (top-{r['top_k']}), {how}")

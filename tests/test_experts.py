@@ -377,6 +377,12 @@ def test_explain_and_draw_show_the_dispatch() -> None:
     assert "dispatch_combine[axis 0]" in svg(ex)
     assert "model.layers.0: 4 experts (top-2), split 2-way over mesh axes [0], rows moved by all-to-all on [0]" \
         in table(p)
+    # experts split inside: no op communication of their own (the pending sum is an edge's), the report says where
+    _, _, inside = _ffn_split_plan("mixtral", (2,))
+    ex = explain(cap, inside)
+    assert not [c for r in ex.rows for c in r.collectives if c.step.startswith("dispatch_combine")]
+    assert "model.layers.0: 4 experts (top-2), every expert on every rank; each split inside along its FFN dim on [0]" \
+        in table(inside) and svg(ex)
 
 
 def test_the_memory_model_counts_the_rows_the_op_keeps_for_backward() -> None:
