@@ -53,7 +53,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .experts import fuse_routed_experts
+from .experts import STORED_VIEWS, fuse_routed_experts
 from .functionalize import functionalize
 from .ir.losses import IGNORE_INDEX, class_count
 from .masks import CAUSAL, judged, mask_meaning
@@ -294,9 +294,6 @@ def _plain_outputs(model: torch.nn.Module) -> Iterator[None]:
 # ``torch.export`` lifts each into a placeholder; placeholder name -> its value.  Passes may read the values
 # (``fold_constant_masks`` evaluates masks built from them) and drop the ones they leave unused.
 CONSTANTS = "soybean_constants"
-# A pass that changes the shape a parameter placeholder reads (``Captured.views``) records it here, by placeholder
-# name: the graph's shape.
-STORED_VIEWS = "soybean_stored_views"
 
 
 def inline_empty_constants(gm: fx.GraphModule) -> None:

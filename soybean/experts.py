@@ -32,6 +32,9 @@ from .rules.base import lookup
 
 aten = torch.ops.aten
 
+# A pass that changes the shape a parameter placeholder reads (``Captured.views``: ``pack_pairs``) records it in the
+# graph module's meta under this key, by placeholder name: the graph's shape (``capture`` reads it).
+STORED_VIEWS = "soybean_stored_views"
 _ROW_VIEWS = ("aten::chunk", "aten::split", "aten::split_with_sizes", "aten::slice", "aten::narrow",
               "aten::unsqueeze")  # on a dim other than the rows'
 _WEIGHT_OPS = ("aten::transpose", "aten::to", "aten::_to_copy", "aten::contiguous", "aten::clone", "aten::flatten")
@@ -329,8 +332,6 @@ def pack_pairs(gm: fx.GraphModule, w: fx.Node, shape: tuple[int, ...]) -> None:
 def fuse_routed_experts(gm: fx.GraphModule) -> None:
     """Replace every routed-experts region (``find``) by one ``ir.experts.OP`` node, of the same value; a packed
     gate and up projection is stored as its pairs first (``pack_pairs``)."""
-    from .capture import STORED_VIEWS
-
     for r in find(gm):
         for w in r.weights:
             if (shape := _packed_pairs(w)) is not None:
