@@ -112,3 +112,23 @@ def test_the_ilp_by_columns_equals_brute_force(seed: int, budget: bool, monkeypa
     assert sol.bound <= best + 1e-9
     if budget:
         assert p.memory_of(sol.choice) <= p.budget + 1e-9  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_plan_is_a_point_of_its_formulation_and_starts_branch_and_bound(seed: int) -> None:
+    """``Formulation.values_of`` (what the ILP hands HiGHS as its first incumbent): a plan's vector meets every row,
+    costs what the problem prices the plan at, and reads back as the plan; the ILP started from any plan still
+    ends at the optimum (brute force)."""
+    rng = random.Random(seed)
+    p = dense_problem(rng, rng.randint(4, 7), 6)
+    f = formulate(p)
+    for _ in range(5):
+        choice = [rng.randrange(len(u)) for u in p.unary]
+        x = f.values_of(choice)
+        ax = f.matrix() @ x
+        assert np.all(ax >= f.row_lo - 1e-9) and np.all(ax <= f.row_hi + 1e-9)
+        assert float(f.cost @ x) + f.offset == pytest.approx(p.evaluate(choice), rel=1e-9)
+        assert f.choice(x) == choice
+        status, values, _ = solve_formulation(f, True, 60.0, 0.0, start=choice)
+        assert status == "optimal" and values is not None
+        assert p.evaluate(f.choice(values)) == pytest.approx(brute_force(p)[1], rel=1e-9)

@@ -71,6 +71,16 @@ class Formulation:
         """The strategy each variable takes in a solution vector (its largest ``x``)."""
         return [int(np.argmax(values[self.x_start[v]:self.x_start[v + 1]])) for v in range(len(self.x_start) - 1)]
 
+    def values_of(self, choice: list[int]) -> np.ndarray:
+        """``choice``'s solution vector (``choice``'s inverse): each variable's ``x`` of its strategy, each edge's pair
+        of the two classes taken."""
+        out = np.zeros(self.num_col)
+        out[self.x_start[:-1] + np.asarray(choice, dtype=np.int64)] = 1.0
+        for b in self.blocks:
+            u, v = b.edge
+            out[b.start + b.ri[choice[u]] * b.cols + b.ci[choice[v]]] = 1.0
+        return out
+
     def integral(self, values: np.ndarray, tol: float = 1e-6) -> bool:
         x = values[:self.x_start[-1]]
         return bool(np.all((x < tol) | (x > 1 - tol)))

@@ -87,16 +87,24 @@ def run(h: Any) -> None:
 
 
 def solve_formulation(f: Formulation, integer: bool, time_limit_s: float, gap: float,
-                      cutoff: float | None = None) -> tuple[str, np.ndarray | None, float]:
+                      cutoff: float | None = None, start: list[int] | None = None
+                      ) -> tuple[str, np.ndarray | None, float]:
     """Solve ``f`` (as an LP, or with integral ``x``) with HiGHS: (status, column values, proven bound).
     ``cutoff`` (the LP only): the dual simplex stops as soon as its objective, a lower bound at every iteration,
     reaches it (HiGHS's ``objective_bound``), status ``cutoff`` with the cutoff as the bound: the problem cannot
-    beat the plan the cutoff came from (half an LP solve on a Llama-3-8B 3-D core that the incumbent prunes)."""
+    beat the plan the cutoff came from (half an LP solve on a Llama-3-8B 3-D core that the incumbent prunes).
+    ``start`` (the ILP only): a plan branch and bound starts from as its incumbent, so it prunes from the first node
+    (GPT-2's 3-D core: 4-16 s a solve without one)."""
     import highspy
 
     h = lp_model(f, f.matrix(), integer=integer, time_limit_s=time_limit_s)
     if integer:
         h.setOptionValue("mip_rel_gap", float(gap))
+        if start is not None:
+            given = highspy.HighsSolution()
+            given.col_value = f.values_of(start).tolist()
+            given.value_valid = True
+            h.setSolution(given)
     elif cutoff is not None:
         h.setOptionValue("objective_bound", float(cutoff))
     run(h)

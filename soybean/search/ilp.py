@@ -107,7 +107,8 @@ def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP
         return _best(p, fits, lp_bound, name, t0)
     left = time_limit_s - (time.perf_counter() - t0)
     if left > 0.1:
-        status, values, bound = solve_formulation(f, True, left, gap)
+        start = min(fits, key=p.evaluate) if fits else None  # the rounded LP plan: an incumbent from the start
+        status, values, bound = solve_formulation(f, True, left, gap, start=start)
         if status == "infeasible":
             raise _infeasible(p, time_limit_s)
         if values is not None:
