@@ -53,7 +53,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .experts import STORED_VIEWS, fuse_routed_experts
+from .experts import PARAMETERS, STORED_VIEWS, fuse_routed_experts
 from .functionalize import functionalize
 from .ir.losses import IGNORE_INDEX, class_count
 from .masks import CAUSAL, judged, mask_meaning
@@ -238,7 +238,9 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
                 for q in params.values():
                     if q != fq and named.get(q) is named.get(fq):
                         aliases[fq] = q
+    gm.meta[PARAMETERS] = frozenset(params)
     run_passes(gm, passes)
+    gm.meta.pop(PARAMETERS)
     mark_returned_sums(gm)
     constants = constants_as_buffers(gm)
     buffers.update({name: name for name in constants})

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import operator
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,9 @@ aten = torch.ops.aten
 # A pass that changes the shape a parameter placeholder reads (``Captured.views``: ``pack_pairs``) records it in the
 # graph module's meta under this key, by placeholder name: the graph's shape (``capture`` reads it).
 STORED_VIEWS = "soybean_stored_views"
+# The placeholders that are the model's parameters (``capture`` writes them before the passes run): only those may
+# be stored in another shape, since only the model's state is fed through ``Captured.feed``.
+PARAMETERS = "soybean_parameter_placeholders"
 _ROW_VIEWS = ("aten::chunk", "aten::split", "aten::split_with_sizes", "aten::slice", "aten::narrow",
               "aten::unsqueeze")  # on a dim other than the rows'
 _WEIGHT_OPS = ("aten::transpose", "aten::to", "aten::_to_copy", "aten::contiguous", "aten::clone", "aten::flatten")
@@ -294,12 +298,12 @@ def _encode(v: Any, ref: dict[fx.Node, int]) -> Any:
     return None
 
 
-def _packed_pairs(w: fx.Node) -> tuple[int, ...] | None:
-    """The shape ``(experts, 2, ffn, hidden)`` in which to store weight ``w`` when it is a gate and an up
-    projection packed along dim 1, ``(experts, 2 ffn, hidden)``: read only as ``chunk(grouped_mm(rows,
-    w.transpose(-2, -1)), 2, -1)`` (transformers' ``gate_up_proj``); else None."""
+def _packed_pairs(w: fx.Node, params: Collection[str]) -> tuple[int, ...] | None:
+    """The shape ``(experts, 2, ffn, hidden)`` in which to store weight ``w`` when it is a parameter (its placeholder
+    among ``params``) holding a gate and an up projection packed along dim 1, ``(experts, 2 ffn, hidden)``: read
+    only as ``chunk(grouped_mm(rows, w.transpose(-2, -1)), 2, -1)`` (transformers' ``gate_up_proj``); else None."""
     shape = _shape(w)
-    if shape is None or len(shape) != 3 or shape[1] % 2 or len(w.users) != 1:
+    if shape is None or len(shape) != 3 or shape[1] % 2 or len(w.users) != 1 or w.name not in params:
         return None
     t = next(iter(w.users))
     if _base(t) != "aten::transpose" or sorted(d % 3 for d in _args(t)[1:3]) != [1, 2] or len(t.users) != 1:
@@ -334,7 +338,7 @@ def fuse_routed_experts(gm: fx.GraphModule) -> None:
     gate and up projection is stored as its pairs first (``pack_pairs``)."""
     for r in find(gm):
         for w in r.weights:
-            if (shape := _packed_pairs(w)) is not None:
+            if (shape := _packed_pairs(w, gm.meta.get(PARAMETERS, ()))) is not None:
                 pack_pairs(gm, w, shape)
                 gm.meta.setdefault(STORED_VIEWS, {})[w.name] = shape
     for r in find(gm):
