@@ -83,25 +83,24 @@ class Captured:
     frozen: frozenset[str] = frozenset()  # parameters (FQNs) whose ``requires_grad`` is False: never trained
     arg_names: tuple[str, ...] = ()   # forward's parameters that take a value by position or by name, in order
     keys: dict[str, str] = field(default_factory=dict)  # node name -> structural key (``structural_keys``)
-    # Parameters the graph reads in another shape than the model holds them (FQN -> the graph's shape): a view of
-    # the same elements in the same order (a routed-experts weight whose packed gate and up rows are stored as
-    # ``(experts, 2, ffn, hidden)``, so that splitting its ``ffn`` dim splits both: ``experts.pack_pairs``).
-    # Whoever feeds the graph the model's tensors or hands tensors back to the model goes through ``stored`` and
-    # ``unstored``.
-    views: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Parameters the graph reads in another shape than the model holds them (FQN -> (the model's shape, the graph's
+    # shape)): a view of the same elements in the same order (a routed-experts weight whose packed gate and up rows
+    # are stored as ``(experts, 2, ffn, hidden)``, so that splitting its ``ffn`` dim splits both:
+    # ``experts.pack_pairs``).  Whoever feeds the graph the model's tensors or hands tensors back to the model goes
+    # through ``stored`` and ``unstored``.
+    views: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
 
     def stored(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
-        """The model's tensor ``fqn`` as the graph reads it (a view; ``t`` itself when the shapes agree)."""
-        shape = self.views.get(fqn)
-        return t if shape is None or tuple(t.shape) == shape else t.view(shape)
+        """The model's tensor ``fqn`` as the graph reads it (a view; ``t`` itself for a tensor not in ``views``)."""
+        return t if fqn not in self.views else t.view(self.views[fqn][1])
 
-    def unstored(self, fqn: str, t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-        """``stored``'s inverse: the graph's whole tensor ``fqn`` in the model's ``shape``."""
-        return t if fqn not in self.views else t.reshape(shape)
+    def unstored(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
+        """``stored``'s inverse: the graph's whole tensor ``fqn`` in the model's shape."""
+        return t if fqn not in self.views else t.reshape(self.views[fqn][0])
 
     def feed(self, state: dict[str, Any]) -> list[Any]:
         """The graph's state placeholders' values, in order, from ``state`` (the model's tensors by FQN, the
@@ -246,7 +245,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
     buffers.update({name: name for name in constants})
     frozen = frozenset(fqn for fqn, p in named.items() if not p.requires_grad)
     keys = structural_keys(gm, {**params, **buffers})
-    views = {params[ph]: shape for ph, shape in gm.meta.pop(STORED_VIEWS, {}).items() if ph in params}
+    views = {params[ph]: shapes for ph, shapes in gm.meta.pop(STORED_VIEWS, {}).items()}  # (parameters only)
     return Captured(gm, params, buffers, inputs, aliases, _fingerprint(keys), out_spec=ep.call_spec.out_spec,
                     in_spec=ep.call_spec.in_spec, constants=constants, frozen=frozen, arg_names=_arg_names(model),
                     keys=keys, views=views)

@@ -34,7 +34,7 @@ from .rules.base import lookup
 aten = torch.ops.aten
 
 # A pass that changes the shape a parameter placeholder reads (``Captured.views``: ``pack_pairs``) records it in the
-# graph module's meta under this key, by placeholder name: the graph's shape (``capture`` reads it).
+# graph module's meta under this key, by placeholder name: (the model's shape, the graph's) (``capture`` reads it).
 STORED_VIEWS = "soybean_stored_views"
 # The placeholders that are the model's parameters (``capture`` writes them before the passes run): only those may
 # be stored in another shape, since only the model's state is fed through ``Captured.feed``.
@@ -246,8 +246,8 @@ def _kind(n: fx.Node, kind: dict[fx.Node, str], offs: fx.Node, ids_g: fx.Node) -
         ok = isinstance(a, fx.Node) and isinstance(b, fx.Node) and kind[a] == "row" and kind[b] == "weight"
         return "row" if ok and o is offs and not extra else None
     if set(ins) <= {"weight"}:
-        dims = [_args(n)[1] % len(_shape(n.args[0]) or (0,)), _args(n)[2] % len(_shape(n.args[0]) or (0,))] if (
-            base in ("aten::transpose", "aten::flatten")) else []
+        src = len(_shape(n.args[0]) or (0,))
+        dims = [d % src for d in _args(n)[1:3]] if base in ("aten::transpose", "aten::flatten") else []
         if base in _WEIGHT_OPS and 0 not in dims:  # dim 0 stays the experts
             return "weight"
         return None
@@ -336,12 +336,14 @@ def pack_pairs(gm: fx.GraphModule, w: fx.Node, shape: tuple[int, ...]) -> None:
 def fuse_routed_experts(gm: fx.GraphModule) -> None:
     """Replace every routed-experts region (``find``) by one ``ir.experts.OP`` node, of the same value; a packed
     gate and up projection is stored as its pairs first (``pack_pairs``)."""
-    for r in find(gm):
+    regions = find(gm)
+    packed = gm.meta.setdefault(STORED_VIEWS, {})
+    for r in regions:
         for w in r.weights:
             if (shape := _packed_pairs(w, gm.meta.get(PARAMETERS, ()))) is not None:
+                packed[w.name] = (tuple(w.meta["val"].shape), shape)
                 pack_pairs(gm, w, shape)
-                gm.meta.setdefault(STORED_VIEWS, {})[w.name] = shape
-    for r in find(gm):
+    for r in find(gm) if packed else regions:  # a region's body names its weights' reads: found again after packing
         g = gm.graph
         with g.inserting_before(r.out):
             fused = g.call_function(OP, (r.x, r.idx, r.w, list(r.weights), r.experts, r.body))

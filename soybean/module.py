@@ -112,7 +112,6 @@ class ParallelModule(nn.Module):
         state.update(cap.constants)
         self._order: list[tuple[str, str]] = []  # (kind, fqn) in placeholder order; kind: param, buffer, constant
         self._shapes: dict[str, tuple[int, ...]] = {}  # fqn -> the full shape of its tensor, as the graph reads it
-        self._model_shapes: dict[str, tuple[int, ...]] = {}  # fqn -> as the model holds it (``Captured.views``)
         self._held_whole: set[str] = set()  # shared parameters the graph reads in another shape (``Captured.views``)
         for node in cap.graph.nodes:
             if node.op != "placeholder":
@@ -137,7 +136,6 @@ class ParallelModule(nn.Module):
                     _attach(self, fqn, tile if kind == "param" else pol.cast(tile), kind, trains=fqn not in cap.frozen)
             self._order.append((kind, fqn))
             self._shapes[fqn] = tuple(node.meta["val"].shape)
-            self._model_shapes[fqn] = tuple(state[fqn].shape)
         self._skeleton: nn.Module | None
         object.__setattr__(self, "_skeleton", _skeleton(model))  # not a submodule: its meta tensors are not ours
         # not a submodule: no params of its own
@@ -162,7 +160,7 @@ class ParallelModule(nn.Module):
         """This rank's tile of ``fqn`` as the program reads it (a shared parameter held in the model's shape: viewed
         in the graph's, ``Captured.views``)."""
         t = self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn)
-        return t.view(self._shapes[fqn]) if fqn in self._held_whole else t
+        return self._cap.stored(fqn, t) if fqn in self._held_whole else t
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # The policy's compute copies: a parameter cast from its master (differentiable), inputs cast.
@@ -227,7 +225,7 @@ class ParallelModule(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for kind, fqn in self._state():
             whole = self.whole(fqn, self._tensor(kind, fqn).detach())
-            out[fqn] = self._cap.unstored(fqn, whole, self._model_shapes[fqn]).clone()
+            out[fqn] = self._cap.unstored(fqn, whole).clone()
         for alias, fqn in self._cap.aliases.items():
             if fqn in out:
                 out[alias] = out[fqn]

@@ -386,8 +386,8 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         out["placement"] = {"regions": [{k: r[k] for k in ("units", "ranks", "mesh")}
                                         for r in plan.placement["regions"]]}
     if plan.moe:
-        out["moe"] = [{k: r.get(k, []) for k in ("layer", "experts", "axes", "degree", "dispatch", "ffn_axes")}
-                      for r in plan.moe]
+        out["moe"] = [{**{k: r[k] for k in ("layer", "experts", "axes", "degree", "dispatch")},
+                       "ffn_axes": r.get("ffn_axes", [])} for r in plan.moe]  # (none in a plan of before)
     if plan.pipeline is not None:
         v = int(plan.pipeline.get("virtual_stages", 1))
         out["stages"] = len(plan.pipeline["stages"]) // v
