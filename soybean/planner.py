@@ -65,6 +65,7 @@ class Result:
     runs: list[Run] = field(default_factory=list)  # the repeated layers solved tied
     recompute: frozenset[str] = frozenset()  # the units whose forward reruns in backward
     cap_s: float = 0.0         # the most gradient-sync time backward can hide: BACKWARD_SHARE * op compute
+    peak_mu: float | None = None  # the cap search's member of the best bound (``capped_overlap``), if it ran
 
     @property
     def step_time_s(self) -> float:
@@ -106,6 +107,8 @@ class Search:
     pricing: PricingCache = field(default_factory=PricingCache, repr=False, compare=False)
     # the profile on each mesh (``Profile.on_mesh``: which axes cross nodes), worked out once per mesh
     placed: dict[Mesh, Profile] = field(default_factory=dict, repr=False, compare=False)
+    # the last cap search's peak member (``Result.peak_mu``), where the next mesh's starts (``capped_overlap``)
+    peaks: list[float] = field(default_factory=list, repr=False, compare=False)
 
     def on_mesh(self, mesh: Mesh) -> Profile:
         """The run's profile on ``mesh`` (``Profile.on_mesh`` with the run's ``gpus_per_node``)."""
@@ -157,10 +160,12 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: Incumbent = None,
         raise MemoryBudgetError(least, g.mesh)
     runs = find_repeats(g) if search.options.tie_layers and solver != "brute" else []
 
-    def solved(mu: float = 0.0, phase: str = "activations", cutoff: float | None = None) -> Result:
+    def solved(mu: float = 0.0, phase: str = "activations", cutoff: float | None = None,
+               enough: float | None = None) -> Result:
         ov = (1.0 - mu) * g.profile.grad_overlap
         problem = to_problem(g, objective, memory_bytes, overlap=ov, phase=phase, compute_credit=mu * BACKWARD_SHARE)
-        r = evaluate(g, solve(problem, solver, search.options.time_limit_s, search.options.gap, runs, cutoff=cutoff))
+        r = evaluate(g, solve(problem, solver, search.options.time_limit_s, search.options.gap, runs, cutoff=cutoff,
+                              enough=enough))
         r.runs, r.recompute = runs, recompute
         return r
 
@@ -174,7 +179,8 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: Incumbent = None,
     if memory_bytes is None or r.memory <= memory_bytes:
         if objective != "time" or (settle is not None and settle(r)):
             return r
-        return capped_overlap(r, lambda mu, cut: solved(mu, "activations", cut), search.options.gap, incumbent)
+        return _peaked(search, capped_overlap(r, lambda mu, cut, need: solved(mu, "activations", cut, need),
+                                              search.options.gap, incumbent, _hint(search)))
     relaxed = r.solution.bound  # below every plan that fits: the activations phase alone is a relaxation
     try:  # a sum solve's bound that reaches the incumbent says only that no plan of the sum's can beat it
         r = solved(phase="sum", cutoff=now(incumbent))
@@ -183,7 +189,8 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: Incumbent = None,
                           f"the step's bound is {relaxed:.4g}") from None
     if objective == "time" and not (settle is not None and settle(r)):
         try:
-            r = capped_overlap(r, lambda mu, cut: solved(mu, "sum", cut), search.options.gap, incumbent)
+            r = _peaked(search, capped_overlap(r, lambda mu, cut, need: solved(mu, "sum", cut, need),
+                                               search.options.gap, incumbent, _hint(search)))
         except Pruned:
             pass  # the sum's members cannot beat the incumbent: its first plan stands, with the bound below
     t = r.solution.objective if objective != "time" else r.step_time_s
@@ -200,8 +207,19 @@ OVERLAP_STEPS = 6
 MU_MET = 1e-4
 
 
-def capped_overlap(first: Result, solved: Callable[[float, float | None], Result], gap: float,
-                   incumbent: Incumbent = None) -> Result:
+def _hint(search: Search) -> float | None:
+    return search.peaks[-1] if search.peaks else None
+
+
+def _peaked(search: Search, r: Result) -> Result:
+    """``r``, its cap search's peak kept in ``search.peaks`` for the next mesh's."""
+    if r.peak_mu is not None:
+        search.peaks.append(r.peak_mu)
+    return r
+
+
+def capped_overlap(first: Result, solved: Callable[[float, float | None, float], Result], gap: float,
+                   incumbent: Incumbent = None, hint: float | None = None) -> Result:
     """The best plan under the capped overlap, with a lower bound of it.
 
     The step time is ``T(x) = L(x) - min(o S(x), b K(x))``: ``L`` the seconds with nothing hidden, ``S`` the
@@ -215,19 +233,24 @@ def capped_overlap(first: Result, solved: Callable[[float, float | None], Result
     dual's peak (slope ``o S - b K`` above and below 0) cross (Kelley's cutting planes in one dimension: a plan
     found again, or a member met again (within ``MU_MET``), ends it), each plan priced exactly and the best kept,
     until the best plan is within ``gap`` of the best bound or ``OVERLAP_STEPS`` members; ``Pruned`` once the
-    bound reaches ``incumbent`` (another mesh is better; read before each member).  The result's ``solution``
-    carries ``T`` of its plan as objective and the best bound."""
+    bound reaches ``incumbent`` (another mesh is better; read before each member).  Each member is told the bound
+    that would prove the best plan so far within ``gap`` (``search.solve``'s ``enough``): a member whose rounded
+    LP plan is below it keeps its LP bound, since no branch and bound of it could prove that.  ``hint``: a member
+    in (0, 1) tried before member 1 (another mesh's peak: Llama-3-8B's 3-D meshes peak near 0.64 alike); when the
+    dual still rises there, member 1 follows.  An order only: the same crossings, the same stops, and each bound
+    a bound.  The result's ``solution`` carries ``T`` of its plan as objective and the best bound, its ``peak_mu``
+    the member of that bound."""
     o = first.graph.profile.grad_overlap
 
     def line(r: Result) -> tuple[float, float]:  # T_mu of r's plan = a + mu * slope
         a = r.comm_s + r.compute_s - o * r.sync_s
         return a, o * r.sync_s - r.cap_s
 
-    best, bound = first, first.solution.bound
+    best, bound, peak = first, first.solution.bound, 0.0
     lo, hi = line(first), None
     if lo[1] > 0:
         seen = {tuple(first.solution.choice)}
-        mu, tried = 1.0, {0.0}
+        mu, tried = (hint if hint is not None and 0.0 < hint < 1.0 else 1.0), {0.0}
         for _ in range(OVERLAP_STEPS):
             if any(abs(mu - t) <= MU_MET for t in tried):
                 break  # the same member again (up to rounding): the same problem, the same plan and bound
@@ -238,14 +261,15 @@ def capped_overlap(first: Result, solved: Callable[[float, float | None], Result
             if relative_gap(best.step_time_s, bound) <= gap:
                 break
             try:
-                r = solved(mu, cut)
+                r = solved(mu, cut, best.step_time_s * (1.0 - gap))
             except Pruned as e:  # this member's bound already reaches the incumbent: so does T's
                 raise Pruned(max(bound, e.bound), cut if cut is not None else e.bound) from None
-            bound = max(bound, r.solution.bound)
+            if r.solution.bound > bound:
+                bound, peak = r.solution.bound, mu
             best = min(best, r, key=lambda x: x.step_time_s)
             key = tuple(r.solution.choice)
-            if key in seen:
-                break  # the envelope of the plans found is the dual at its peak
+            if key in seen and hi is not None:
+                break  # found again where two lines cross: the envelope of the plans found is the dual at its peak
             seen.add(key)
             a, slope = line(r)
             if slope > 0:
@@ -253,11 +277,15 @@ def capped_overlap(first: Result, solved: Callable[[float, float | None], Result
             else:
                 hi = (a, slope)
             if hi is None:
+                if mu < 1.0:
+                    mu = 1.0  # the dual still rises at the hint: member 1 next
+                    continue
                 break  # the dual rises all the way to member 1: its bound is the dual's best
             mu = min(1.0, max(0.0, (hi[0] - lo[0]) / (lo[1] - hi[1])))  # where the two lines cross
     t, bound = best.step_time_s, min(bound, best.step_time_s)
     status = best.solution.status if relative_gap(t, bound) <= gap else "feasible"
     best.solution = replace(best.solution, objective=t, bound=bound, status=status)
+    best.peak_mu = peak if lo[1] > 0 else None
     return best
 
 
@@ -829,8 +857,9 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
 
     def record(m: Mesh, outcome: Result | BaseException) -> None:
         """A mesh's plan kept in ``results``, or why there is none recorded."""
-        estimate[m] = (outcome.bound if isinstance(outcome, (_Floor, Pruned)) else
-                       outcome.value(objective) if isinstance(outcome, Result) else math.inf)
+        # from above where a plan was found (``by_promise``): a plan's value, also one that does not fit the budget
+        estimate[m] = (outcome.value if isinstance(outcome, _Floor) else outcome.bound if isinstance(outcome, Pruned)
+                       else outcome.value(objective) if isinstance(outcome, Result) else math.inf)
         if isinstance(outcome, _Floor):
             floors[m] = outcome.bound
             say(f"mesh {m}: its fastest plan needs recomputation or more memory: bound {outcome.bound:.4g}")
@@ -847,6 +876,7 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
             raise outcome
         else:
             outcome.graph.pricing = search.pricing  # a worker's table comes without it
+            _peaked(search, outcome)  # where the next stage's workers start their cap searches
             results.append(outcome)
             sol = outcome.solution
             lead = min(results, key=rank)
@@ -900,7 +930,7 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
         except SearchError:  # no plain plan in the time limit: the recomputation search still tries the mesh
             raise _Floor(-math.inf) from None
         if budget is not None and free.memory > budget:
-            raise _Floor(free.solution.bound)
+            raise _Floor(free.solution.bound, free.value(objective))
         return free
 
     if recompute == "auto" and budget is not None and objective == "time":
@@ -965,11 +995,12 @@ def _light(r: Result) -> Result:
 
 
 class _Floor(Exception):
-    """``_plan``'s first pass: this mesh's fastest plan does not fit; ``bound`` bounds every plan of it."""
+    """``_plan``'s first pass: this mesh's fastest plan does not fit; ``bound`` bounds every plan of it, ``value``
+    is the plan's step (inf: none found), an estimate from above of the mesh's plans without a budget."""
 
-    def __init__(self, bound: float) -> None:
-        super().__init__(bound)
-        self.bound = bound
+    def __init__(self, bound: float, value: float = math.inf) -> None:
+        super().__init__(bound, value)  # both, so a worker's pickled copy is rebuilt whole
+        self.bound, self.value = bound, value
 
 
 def solve_table(g: PlanGraph, objective: str, solver: str = "ilp", time_limit_s: float = 60.0,

@@ -118,13 +118,49 @@ def test_a_member_met_again_up_to_rounding_is_not_solved_again() -> None:
                       min(o * sync, cap), sync, cap_s=cap)
 
     mus: list[float] = []
+    seen = [plan(0, 0.0)]
 
-    def solved(mu: float, cut: float | None) -> Result:
+    def solved(mu: float, cut: float | None, enough: float) -> Result:
+        assert enough == pytest.approx(min(r.step_time_s for r in seen) * (1 - 1e-4))  # the bound that would do
         mus.append(mu)
-        return plan(min(range(len(lines)), key=lambda j: lines[j][0] + mu * lines[j][1]), mu)
+        seen.append(plan(min(range(len(lines)), key=lambda j: lines[j][0] + mu * lines[j][1]), mu))
+        return seen[-1]
 
-    best = capped_overlap(plan(0, 0.0), solved, gap=1e-4)
+    best = capped_overlap(seen[0], solved, gap=1e-4)
     assert len(mus) == 4  # 1, then three crossings; the fourth crossing is the third again, up to 1e-7
     assert all(abs(x - y) > MU_MET for i, x in enumerate(mus) for y in mus[:i])
     assert best.step_time_s == pytest.approx(min(plan(i, 0.0).step_time_s for i in range(len(lines))))
     assert best.solution.bound <= best.step_time_s
+
+
+def test_a_hint_starts_the_cap_search_nearer_its_peak() -> None:
+    """``hint``: another mesh's peak tried before member 1.  The dual's lines as above: started at the peak the
+    search ends in fewer members with the same plan, and its bound is as good; started where the dual still rises
+    (the first plan is best there again), member 1 follows, and the search reaches the same plan."""
+    cap, o = 0.1, 1.0
+    g = PlanGraph(Mesh((2,)), replace(load_profile("cpu-gloo"), grad_overlap=o))
+    lines = [(0.31402, 0.0499), (0.42230847, -0.06279276), (0.38792931, -0.02818713), (0.32215331, 0.04102435)]
+
+    def plan(i: int, mu: float) -> Result:
+        a, slope = lines[i]
+        sync = (slope + cap) / o
+        value = a + mu * slope
+        return Result(g, Solution([i], value, value, "optimal", 0.0, "test"), 0.0, a + o * sync, 0.0, 0.0,
+                      min(o * sync, cap), sync, cap_s=cap)
+
+    def search(hint: float | None) -> tuple[Result, list[float]]:
+        mus: list[float] = []
+
+        def solved(mu: float, cut: float | None, enough: float) -> Result:
+            mus.append(mu)
+            return plan(min(range(len(lines)), key=lambda j: lines[j][0] + mu * lines[j][1]), mu)
+
+        return capped_overlap(plan(0, 0.0), solved, gap=1e-4, hint=hint), mus
+
+    cold, cold_mus = search(None)
+    assert cold.peak_mu is not None and cold.peak_mu in cold_mus
+    warm, warm_mus = search(cold.peak_mu)
+    assert warm_mus[0] == cold.peak_mu and len(warm_mus) < len(cold_mus)
+    assert warm.solution.choice == cold.solution.choice and warm.solution.bound >= cold.solution.bound - 1e-12
+    rising, rising_mus = search(0.01)
+    assert rising_mus[:2] == [0.01, 1.0] and rising.solution.choice == cold.solution.choice

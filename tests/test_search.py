@@ -226,6 +226,16 @@ def test_fractional_lp_goes_on_to_branch_and_bound() -> None:
     assert sol.status == "optimal" and sol.bound == pytest.approx(1.0)
 
 
+def test_a_bound_the_caller_cannot_use_skips_branch_and_bound() -> None:
+    """``enough`` above the rounded LP plan (all 0: cost 3): branch and bound could lift the bound to 3 at most,
+    short of what the caller needs, so the plan comes back with the LP's bound (0)."""
+    p = frustrated_triangle()
+    sol = solve_ilp(p, gap=0.0, enough=3.5)
+    assert sol.objective == pytest.approx(3.0) and sol.bound == pytest.approx(0.0) and sol.status == "feasible"
+    sol = solve(p, "ilp", gap=0.0, enough=2.0)  # a bound of 2 may be proven: branch and bound runs, to the optimum
+    assert sol.objective == pytest.approx(1.0) == sol.bound and sol.status == "optimal"
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_budget_lagrangian_certificate_holds(seed: int) -> None:
     """Without the joint ILP's refinement (REFINE_MAX 0) the Lagrangian plan fits, and its bound is a

@@ -58,18 +58,20 @@ def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
 
 
 def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: float = TARGET_GAP,
-          runs: Sequence[Run] = (), cutoff: float | None = None) -> Solution:
+          runs: Sequence[Run] = (), cutoff: float | None = None, enough: float | None = None) -> Solution:
     """The best choice per variable of ``p`` with ``solver`` in {ilp, dp, brute}: the ILP stops once its
     plan is proven within relative ``gap`` of optimal, or after ``time_limit_s`` with the best plan
     found and its bound.  A memory budget is met by Lagrangian
     relaxation (``budget``), refined by the joint ILP on problems of at most ``REFINE_MAX`` pair costs.
     ``runs``: repeated layers solved tied (``tying``); the bound is then the tied problem's.
     ``cutoff``: raise ``Pruned`` once a lower bound reaches it: the reduction's cheap bound before the
-    solve, the ILP's LP relaxation, and under a budget also each Lagrangian bound (``budget.lagrangian``)."""
+    solve, the ILP's LP relaxation, and under a budget also each Lagrangian bound (``budget.lagrangian``).
+    ``enough`` (no budget): the bound the caller can use; a rounded LP plan whose value is below it skips branch
+    and bound (``ilp.solve_ilp``), since no bound branch and bound proves exceeds that plan's value."""
     t0 = time.perf_counter()
     if runs:
         q, to = tie(p, list(runs))
-        s = solve(q, solver, time_limit_s, gap, cutoff=cutoff)
+        s = solve(q, solver, time_limit_s, gap, cutoff=cutoff, enough=enough)
         choice = [s.choice[to[v]] for v in range(p.n)]
         obj = p.evaluate(choice)  # equal to s.objective: tying prices a plan exactly
         return Solution(choice, obj, obj - (s.objective - s.bound), s.status, time.perf_counter() - t0, s.solver)
@@ -80,11 +82,11 @@ def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: floa
         raise ValueError(f"unknown solver {solver!r}: use ilp or dp")
     if p.budget is not None and p.memory is not None:
         return _solve_budget(p, solver, time_limit_s, gap, t0, cutoff)
-    return _solve_free(p, solver, time_limit_s, gap, t0, cutoff)
+    return _solve_free(p, solver, time_limit_s, gap, t0, cutoff, enough)
 
 
 def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: float | None = None,
-                cutoff: float | None = None) -> Solution:
+                cutoff: float | None = None, enough: float | None = None) -> Solution:
     """Exact reductions, then the solver on the core, then the eliminated choices restored."""
     t0 = time.perf_counter() if t0 is None else t0
     red = reduce(p)
@@ -100,7 +102,8 @@ def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: fl
         shift = isolated(red, p)  # OPT(p) = OPT(core) + shift
         try:
             core = solve_ilp(red.core, time_limit_s=time_limit_s, gap=gap,
-                             cutoff=None if cutoff is None else cutoff - shift)
+                             cutoff=None if cutoff is None else cutoff - shift,
+                             enough=None if enough is None else enough - shift)
         except Pruned as e:  # raised only under a cutoff
             assert cutoff is not None
             raise Pruned(e.bound + shift, cutoff) from None

@@ -86,25 +86,33 @@ class Reduced:
         return choice
 
 
-def min_plus(A: np.ndarray, B: np.ndarray, block: int = 1 << 17,
+def min_plus(A: np.ndarray, B: np.ndarray, block: int = 1 << 16,
              argmin: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
     """``M[i, k] = min_j A[i, j] + B[j, k]`` and its argmin (None without ``argmin``), in row blocks of about
     ``block`` sums.
 
-    The sums are laid out ``[i, k, j]`` so the reductions run along contiguous memory (twice as fast
-    as reducing the middle axis), and a block of 2^17 sums (1 MiB) stays in a core's cache for both of them
-    (a 16 MiB block, read from main memory twice, took 40% longer); ties go to the smallest ``j``."""
+    The sums are laid out ``[i, k, j]`` so the reductions run along contiguous memory (twice as fast as reducing
+    the middle axis), written into one buffer of 2^16 sums (512 KiB) that stays in a core's cache: a new array per
+    block was mapped afresh by the allocator each time (a third of a Llama-3-8B 3-D reduction in page faults).
+    With ``argmin`` the minima are read at it, not found by a second pass over the sums; ties go to the smallest
+    ``j``."""
     n, m = A.shape
     k = B.shape[1]
     rows = max(1, block // max(1, m * k))
     Bt = np.ascontiguousarray(B.T)
     M = np.empty((n, k))
     arg = np.empty((n, k), dtype=np.int64) if argmin else None
+    buf = np.empty((min(rows, n), k, m))
     for i in range(0, n, rows):
-        T = A[i:i + rows, None, :] + Bt[None, :, :]
-        if arg is not None:
-            arg[i:i + rows] = T.argmin(axis=2)
-        M[i:i + rows] = T.min(axis=2)
+        r = min(rows, n - i)
+        T = buf[:r]
+        np.add(A[i:i + r, None, :], Bt[None, :, :], out=T)
+        if arg is None:
+            M[i:i + r] = T.min(axis=2)
+            continue
+        at = T.argmin(axis=2)
+        arg[i:i + r] = at
+        M[i:i + r] = T.reshape(r * k, m)[np.arange(r * k), at.ravel()].reshape(r, k)
     return M, arg
 
 
