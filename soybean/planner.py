@@ -848,7 +848,7 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     failed: list[SearchError] = []
     pruned: list[dict[str, Any]] = []
     floors: dict[Mesh, float] = {}  # a mesh's plain plan's bound, where that plan does not fit the budget
-    estimate: dict[Mesh, float] = {}  # what each mesh searched reached (its plan's value, else its bound)
+    estimate: dict[Mesh, float] = {}  # what each mesh searched reached: its plan's value (inf: no plan)
 
     def rank(r: Result) -> tuple[float, int]:  # the best mesh: cheapest, then fewest axes
         return r.value(objective), r.graph.mesh.ndim
@@ -857,9 +857,10 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
 
     def record(m: Mesh, outcome: Result | BaseException) -> None:
         """A mesh's plan kept in ``results``, or why there is none recorded."""
-        # from above where a plan was found (``by_promise``): a plan's value, also one that does not fit the budget
-        estimate[m] = (outcome.value if isinstance(outcome, _Floor) else outcome.bound if isinstance(outcome, Pruned)
-                       else outcome.value(objective) if isinstance(outcome, Result) else math.inf)
+        # from above, for ``by_promise``: a plan's value, also one that does not fit the budget; no plan, none (a
+        # pruned mesh's bound is from below: on 64 devices it put two children of a pruned 2x32 first, 10 s each)
+        estimate[m] = (outcome.value if isinstance(outcome, _Floor) else
+                       outcome.value(objective) if isinstance(outcome, Result) else math.inf)
         if isinstance(outcome, _Floor):
             floors[m] = outcome.bound
             say(f"mesh {m}: its fastest plan needs recomputation or more memory: bound {outcome.bound:.4g}")
