@@ -36,6 +36,23 @@ def _plan(params: dict) -> Plan:
     return Plan(devices=2, mesh=[2], objective="time", profile="cpu-gloo", fingerprint="f", params=params, inputs={}, nodes={}, cost={})
 
 
+def test_a_placed_or_pipelined_plan_is_summed_up_by_where_it_runs() -> None:
+    """The report's plan line: a placed plan tiles its parameters per region (its own list is empty), so the line
+    names its groups and what runs on each; a pipelined plan its stages; a plain one its tilings."""
+    from soybean.bench.report import brief_plan
+
+    placed = {"mesh": [2], "params": {}, "stages": 1, "placement_groups": 2,
+              "placement": {"regions": [{"units": ["towers.0"], "ranks": [0], "mesh": [1]},
+                                        {"units": ["towers.1"], "ranks": [1], "mesh": [1]},
+                                        {"units": ["head"], "ranks": [0, 1], "mesh": [2]}]}}
+    assert brief_plan(placed) == "2 groups: towers.0 on ranks [0]; towers.1 on ranks [1]; head on ranks [0, 1]"
+    piped = {"mesh": [2], "params": {}, "stages": 2, "placement_groups": 1,
+             "pipeline": {"schedule": "1f1b", "stages": [{"units": [0, 5], "ranks": [0]}, {"units": [6, 11], "ranks": [1]}]}}
+    assert brief_plan(piped) == "2 stages (1f1b): ranks [0]; ranks [1]"
+    assert brief_plan({"mesh": [2], "params": {"w": ["S(0)"]}, "stages": 1, "placement_groups": 1}) == "w S(0)"
+    assert brief_plan({"mesh": [2], "params": {}, "stages": 1, "placement_groups": 1}) == "no parameters"
+
+
 def test_candidates_merge_identical_plans() -> None:
     dp, mp = _plan({"w": ["R"]}), _plan({"w": ["S(0)"]})
     dp.inputs = {"x": ["S(0)"]}  # full inputs arrive whole: where they are sliced does not matter

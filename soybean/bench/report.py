@@ -28,6 +28,19 @@ def _brief_params(params: dict[str, list[str]], limit: int = 8) -> str:
     return ", ".join(items[:limit]) + more
 
 
+def brief_plan(p: dict[str, Any]) -> str:
+    """A plan summary (``harness.plan_summary``) in one line: its parameters' tilings, then where it places regions
+    or stages (a placed or pipelined plan tiles its parameters per region or stage, so its own list may be empty)."""
+    parts = [_brief_params(p["params"])] if p["params"] else []
+    if "placement" in p:
+        parts.append(f"{p['placement_groups']} groups: " + "; ".join(
+            f"{'+'.join(r['units'])} on ranks {r['ranks']}" for r in p["placement"]["regions"]))
+    if "pipeline" in p:
+        parts.append(f"{p['stages']} stages ({p['pipeline']['schedule']}): " + "; ".join(
+            f"ranks {st['ranks']}" for st in p["pipeline"]["stages"]))
+    return " | ".join(parts) or "no parameters"
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The human-readable report: one row per variant, then the plans and the rank correlation."""
     m = report["machine"]
@@ -53,7 +66,7 @@ def format_table(report: dict[str, Any]) -> str:
     if report["tp_layout"]:
         lines.append("tp layout: " + ", ".join(f"{k} {s}" for k, s in report["tp_layout"].items()))
     for v, p in report["plans"].items():
-        lines.append(f"{v} plan: mesh {p['mesh']}: {_brief_params(p['params'])}")
+        lines.append(f"{v} plan: mesh {p['mesh']}: {brief_plan(p)}")
     c = report["candidates"]
     for v, twin in c["same_plan"].items():
         lines.append(f"{v} runs the same plan as {twin}: the two count as one candidate, timed as the mean of both")
