@@ -237,9 +237,9 @@ def capped_overlap(first: Result, solved: Callable[[float, float | None, float],
     that would prove the best plan so far within ``gap`` (``search.solve``'s ``enough``): a member whose rounded
     LP plan is below it keeps its LP bound, since no branch and bound of it could prove that.  ``hint``: a member
     in (0, 1) tried before member 1 (another mesh's peak: Llama-3-8B's 3-D meshes peak near 0.64 alike); when the
-    dual still rises there, member 1 follows.  An order only: the same crossings, the same stops, and each bound
-    a bound.  The result's ``solution`` carries ``T`` of its plan as objective and the best bound, its ``peak_mu``
-    the member of that bound."""
+    dual still rises there, member 1 follows.  It moves only where the search starts: each bound is still a bound
+    and each plan priced exactly (16x8x8: 3 members, not 6, the same plan and bound).  The result's ``solution``
+    carries ``T`` of its plan as objective and the best bound, its ``peak_mu`` the member of that bound."""
     o = first.graph.profile.grad_overlap
 
     def line(r: Result) -> tuple[float, float]:  # T_mu of r's plan = a + mu * slope
