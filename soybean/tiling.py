@@ -136,6 +136,11 @@ def chunk_range(n: int, p: int, k: int) -> tuple[int, int]:
     return start, min(start + c, n)
 
 
+def intersect(x: tuple[int, int], y: tuple[int, int]) -> tuple[int, int]:
+    """``[max start, min stop)`` of two ``[start, stop)`` ranges: empty (stop <= start) when they do not meet."""
+    return max(x[0], y[0]), min(x[1], y[1])
+
+
 def nested_range(n: int, members: Sequence[tuple[int, int]]) -> tuple[int, int]:
     """[start, stop) of a length-``n`` dimension split on several mesh axes: ``members`` is each splitting axis'
     ``(size, my index)`` in mesh order, and each axis cuts the chunk the axes before it left (``chunk_range``)."""

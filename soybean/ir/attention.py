@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..tiling import chunk_range
+from ..tiling import chunk_range, intersect
 
 SDPA = "aten.scaled_dot_product_attention.default"  # the attention op, as ``rules.base.op_name`` names it
 SDPA_ROWS = "sdpa_rows"  # the synchronised call causal attention's rule asks for when it splits the query rows
@@ -64,13 +64,15 @@ def zigzag_moves(rows: int, parts: int) -> list[list[list[Range]]]:
     out: list[list[list[Range]]] = []
     for s in range(parts):
         a, b = chunk_range(rows, parts, s)
-        out.append([[(max(a, lo), min(b, hi)) for lo, hi in zigzag_rows(rows, parts, d) if max(a, lo) < min(b, hi)]
+        out.append([[(lo, hi) for lo, hi in (intersect((a, b), z) for z in zigzag_rows(rows, parts, d)) if lo < hi]
                     for d in range(parts)])
     return out
 
 
-def _overlap(x: Range, y: Range) -> int:
-    return max(0, min(x[1], y[1]) - max(x[0], y[0]))
+def _met(x: Range, y: Range) -> int:
+    """How many rows ranges ``x`` and ``y`` share."""
+    lo, hi = intersect(x, y)
+    return max(0, hi - lo)
 
 
 @lru_cache(maxsize=4096)
@@ -82,6 +84,6 @@ def zigzag_leaving(rows: int, parts: int) -> int:
     most = 0
     for m in range(parts):
         held, mine = chunk_range(rows, parts, m), zigzag_rows(rows, parts, m)
-        kept = sum(_overlap(held, z) for z in mine)
+        kept = sum(_met(held, z) for z in mine)
         most = max(most, held[1] - held[0] - kept, sum(b - a for a, b in mine) - kept)
     return most

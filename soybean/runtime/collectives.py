@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
-from ..tiling import chunk_range
+from ..tiling import chunk_range, intersect
 from . import algorithms as A
 from .algorithms import BACKEND_ALGO, Algo
 from .comm import Group, take_chunk
@@ -279,10 +279,6 @@ class _Reduce(Function):
 Windows = tuple[tuple[int, int], ...]
 
 
-def _overlap(w: tuple[int, int], r: tuple[int, int]) -> tuple[int, int]:
-    return max(w[0], r[0]), min(w[1], r[1])
-
-
 class _Halo(Function):
     """S(dim) -> windows:  member ``k`` holds chunk ``[lo_k, hi_k)`` of a length-``full`` dim and gets
     rows ``[s_k, e_k)`` (``windows[k]``) of the whole: its own rows, its neighbours' (point to point),
@@ -303,20 +299,20 @@ class _Halo(Function):
         s, e = windows[me]
         sends: dict[int, torch.Tensor] = {}
         for j in range(p):
-            a, b = _overlap(windows[j], chunks[me])
+            a, b = intersect(windows[j], chunks[me])
             if j != me and b > a:
                 sends[j] = x.narrow(dim, a - lo, b - a)
         recvs = {}
         for j in range(p):
-            a, b = _overlap((s, e), chunks[j])
+            a, b = intersect((s, e), chunks[j])
             if j != me and b > a:
                 recvs[j] = tuple(b - a if d == dim else n for d, n in enumerate(x.shape))
         # Every member knows every window: when no member needs another's rows, nobody exchanges.
-        ctx.moves = any(_overlap(windows[k], chunks[j])[1] > _overlap(windows[k], chunks[j])[0]
+        ctx.moves = any(intersect(windows[k], chunks[j])[1] > intersect(windows[k], chunks[j])[0]
                         for k in range(p) for j in range(p) if j != k)
         got = group.exchange(sends, recvs, x) if ctx.moves else {}
         out = x.new_full(tuple(e - s if d == dim else n for d, n in enumerate(x.shape)), fill)
-        a, b = _overlap((s, e), chunks[me])
+        a, b = intersect((s, e), chunks[me])
         if b > a:
             out.narrow(dim, a - s, b - a).copy_(x.narrow(dim, a - lo, b - a))
         for j, t in got.items():
@@ -331,17 +327,17 @@ class _Halo(Function):
         s, _ = windows[me]
         sends = {}
         for j in range(group.size):
-            a, b = _overlap(windows[me], chunks[j])
+            a, b = intersect(windows[me], chunks[j])
             if j != me and b > a:
                 sends[j] = g.narrow(dim, a - s, b - a).contiguous()
         recvs = {}
         for j in range(group.size):
-            a, b = _overlap(windows[j], chunks[me])
+            a, b = intersect(windows[j], chunks[me])
             if j != me and b > a:
                 recvs[j] = tuple(b - a if d == dim else n for d, n in enumerate(ctx.shape))
         got = group.exchange(sends, recvs, g) if ctx.moves else {}
         gx = g.new_zeros(ctx.shape)
-        a, b = _overlap(windows[me], chunks[me])
+        a, b = intersect(windows[me], chunks[me])
         if b > a:
             gx.narrow(dim, a - lo, b - a).add_(g.narrow(dim, a - s, b - a))
         for j, t in got.items():
@@ -432,7 +428,7 @@ def halo(x: torch.Tensor, group: Group, dim: int, full: int, windows: Windows, f
     out = _Halo.apply(x, group, dim, full, windows, fill)
     s, e = windows[group.index]
     lo, _ = chunk_range(full, group.size, group.index)
-    a, b = _overlap((s, e), chunk_range(full, group.size, group.index))
+    a, b = intersect((s, e), chunk_range(full, group.size, group.index))
     if b > a:  # the window is my rows [a, b) with others' rows and fill around them
         _WINDOWS[id(out)] = (weakref.ref(out), x, dim, a - lo, a - s, b - a)
         weakref.finalize(out, _forget, id(out))

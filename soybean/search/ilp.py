@@ -107,8 +107,9 @@ def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP
     lp_bound = bound if status == "optimal" else -float("inf")
     if cutoff is not None and lp_bound >= cutoff:
         raise Pruned(lp_bound, cutoff)
-    if fits and status == "optimal" and (relative_gap(p.evaluate(fits[0]), lp_bound) <= gap
-                                         or (enough is not None and p.evaluate(fits[0]) < enough)):
+    rounded = p.evaluate(fits[0]) if fits else None
+    if rounded is not None and status == "optimal" and (relative_gap(rounded, lp_bound) <= gap
+                                                        or (enough is not None and rounded < enough)):
         return _best(p, fits, lp_bound, name, t0)
     left = time_limit_s - (time.perf_counter() - t0)
     if left > 0.1:
