@@ -13,7 +13,10 @@ schedule splits every input along dim 0 into the microbatches, the last stage ca
 ``1 / microbatches`` (``scale_grads``), so for a loss that is a mean over its microbatch the gradients are those of
 the whole batch's mean; the loss returned on every rank is the mean of the microbatches' losses (``reduction=
 "sum"``: their sum, gradients unscaled).  That is ``fn`` on the whole batch, exactly as serial training computes
-it, for equal microbatches.
+it, for equal microbatches.  ``output`` is the microbatch's output in the model's own structure (a ``ModelOutput``,
+so ``fn`` reads ``out.logits``; a tuple, a dict, constants and ``None`` in place): torch's schedule handles the last
+stage's output as the tuple of its tensors (``_StageModule``), rebuilt for ``fn``.  ``pmodel(*inputs)`` (forward
+only) returns that structure over the whole batch (``_merged``).
 
 A stage tiled over several devices (``per_stage`` > 1) takes and returns whole tensors: each of its ranks sends
 the whole boundary value to the rank of the same index in the next stage (``torch.distributed.pipelining``'s
@@ -35,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from .capture import Captured
 from .checkpoint_view import CheckpointView
@@ -86,22 +89,40 @@ def batch_loss(losses: Sequence[torch.Tensor], last: bool, src: int, reduction: 
 
 
 class _StageModule(nn.Module):
-    """A stage's ``ParallelModule`` as ``PipelineStage`` calls it: boundary tensors in, a tuple of them out (the
-    last stage: the model's own output, for the loss)."""
+    """A stage's ``ParallelModule`` as ``PipelineStage`` calls it: boundary tensors in, a tuple of them out.
+
+    The last stage returns the tensors of the model's own output (a ``ModelOutput``, a tuple, a dict: its pytree
+    leaves that are tensors, in ``tree_flatten`` order, the order ``stages.boundary_examples`` gives torch), since
+    torch's schedule treats a stage's output as a tuple of tensors; ``rebuild`` puts them back in the model's
+    structure, with its other leaves (Python constants), for the loss and for forward."""
 
     def __init__(self, pm: ParallelModule, last: bool) -> None:
         super().__init__()
         self.pm = pm
         self.last = last
+        # The last output's structure and, per leaf, whether it is a tensor or else its value (a constant, ``None``:
+        # a leaf of torch's pytrees): the same for every microbatch, the captured program's structure and constants.
+        self._layout: tuple[TreeSpec, list[tuple[bool, Any]]] | None = None
 
-    def forward(self, *xs: torch.Tensor) -> Any:
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # torch's zero-bubble schedules detach a stage's outputs in place after the input-gradient pass: a view (a
         # returned tile, the loss's pending sum) is copied out first
         out = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t._base is not None else t,
                        self.pm(*xs))
         if self.last:
-            return out
+            flat, spec = tree_flatten(out)
+            self._layout = (spec, [(True, None) if isinstance(x, torch.Tensor) else (False, x) for x in flat])
+            return tuple(x for x in flat if isinstance(x, torch.Tensor))
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    def rebuild(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> Any:
+        """The model's own output from the tensors the last stage's ``forward`` returned (its structure, a single
+        tensor as the tensor itself); one tensor alone stands for the tuple of it (torch's metadata inference
+        unpacks a one-tensor output before it calls the loss)."""
+        assert self._layout is not None, "rebuild follows the last stage's forward"
+        spec, template = self._layout
+        given = iter((tensors,) if isinstance(tensors, torch.Tensor) else tensors)
+        return tree_unflatten([next(given) if is_tensor else x for is_tensor, x in template], spec)
 
 
 class PipelinedModule(nn.Module):
@@ -201,8 +222,18 @@ class PipelinedModule(nn.Module):
     def _schedule(self, loss_fn: Callable[..., torch.Tensor], with_target: bool, reduction: str) -> Any:
         key = (id(loss_fn), with_target, reduction)
         if key not in self._schedules:
-            def loss(out: Any, target: Any = None) -> torch.Tensor:
-                return loss_fn(out, target) if with_target else loss_fn(out)
+            last = next((m for m in self.stage_modules if isinstance(m, _StageModule) and m.last), None)
+
+            def loss(out: tuple[torch.Tensor, ...] | torch.Tensor, target: Any = None) -> torch.Tensor:
+                # torch calls this per microbatch with the last stage's tensors: the model's output is rebuilt
+                assert last is not None, "only the last stage computes the loss"
+                got = last.rebuild(out)
+                value = loss_fn(got, target) if with_target else loss_fn(got)
+                if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                    what = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise TypeError(f"loss_fn must return a scalar tensor (a microbatch's loss), got {what}: reduce "
+                                    "the model's output to one number, e.g. a mean")
+                return value
 
             cls = schedule_class(self._schedule_name)
             stage = self._pstages if self._schedule_name in MULTI_STAGE else self._pstages[0]
@@ -333,11 +364,11 @@ class PipelinedModule(nn.Module):
                             dist.send(t.contiguous(), here * per + rank % per)
                 if i in self.stage_indices:
                     k = self.stage_indices.index(i)
-                    values = self.stage_modules[k](*values)
+                    stage = self.stage_modules[k]
+                    assert isinstance(stage, _StageModule)
+                    values = stage(*values)
                     if i == n - 1:
-                        outs.append(values)
-                    elif not isinstance(values, tuple):
-                        values = (values,)
+                        outs.append(stage.rebuild(values))
         return outs if self.is_last else None
 
     def _recv(self, like: torch.Tensor, src: int) -> torch.Tensor:
@@ -356,13 +387,25 @@ class PipelinedModule(nn.Module):
         box: list[Any] = [None]
         if outs is not None:
             flat = [tree_flatten(o) for o in outs]
-            leaves = [torch.stack(xs).mean(0) if xs[0].dim() == 0 else torch.cat(xs) if isinstance(xs[0], torch.Tensor)
-                      else xs[0] for xs in zip(*(f[0] for f in flat))]
+            leaves = [_merged(xs) for xs in zip(*(f[0] for f in flat))]
             box = [tree_unflatten([x.cpu() if isinstance(x, torch.Tensor) else x for x in leaves], flat[0][1])]
         dist.broadcast_object_list(box, src=self._last_rank)
         token = torch.zeros((), requires_grad=True)
         return tree_map(lambda x: _NoBackward.apply(x.to(self._device), token) if isinstance(x, torch.Tensor)
                         and x.is_floating_point() else x, box[0])
+
+
+def _merged(parts: Sequence[Any]) -> Any:
+    """One leaf of the model's output over the whole batch from its value per microbatch: a tensor with a batch
+    dimension concatenated along it; a floating scalar (a loss computed inside) their mean, as ``train_step``
+    reads a loss; another scalar (a count) their sum; a Python constant as it is."""
+    first = parts[0]
+    if not isinstance(first, torch.Tensor):
+        return first
+    if first.dim():
+        return torch.cat(list(parts))
+    stacked = torch.stack(list(parts))
+    return stacked.mean(0) if first.is_floating_point() else stacked.sum(0)
 
 
 class _NoBackward(torch.autograd.Function):

@@ -1,0 +1,181 @@
+"""Pipelines of models as users hold them (issue 26): the last stage's output is whatever the model returns (a
+Hugging Face ``ModelOutput``, a tuple, a dict, with ``None`` and Python constants among its leaves), ``loss_fn``
+reads it in the model's own structure (``out.logits``), and 2 stages on 2 gloo processes train as serial training
+does (float32: each step's loss and every parameter after 3 SGD or AdamW steps); forward alone returns the model's
+own structure over the whole batch."""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from soybean.runtime.launch import spawn
+
+pytestmark = pytest.mark.dist
+
+STEPS = 3
+CASES = ("llama", "mixtral", "tuple", "dict")
+OPTIMIZER = {"llama": "sgd", "mixtral": "adamw", "tuple": "sgd", "dict": "adamw"}
+VOCAB, HIDDEN, BATCH, SEQ = 32, 16, 4, 5
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.tanh(self.up(h)))
+
+
+class _Net(nn.Module):
+    """Embedding, 3 blocks, a head; forward returns a tuple ``(logits, hidden mean, None, 2)`` (``kind="tuple"``)
+    or a dict ``{"logits", "hidden", "aux": None, "layers": 3}``: tensors the loss reads, and leaves no pipeline
+    sends."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> Any:
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = b(h)
+        logits = self.head(h)
+        if self.kind == "tuple":
+            return logits, h.pow(2).mean(), None, 2
+        return {"logits": logits, "hidden": h, "aux": None, "layers": 3}
+
+
+def _tuple_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    logits, square, none, two = out  # the model's own tuple, its constants in place
+    assert none is None and two == 2
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten()) + 0.1 * square
+
+
+def _dict_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    assert out["aux"] is None and out["layers"] == 3
+    return F.cross_entropy(out["logits"].flatten(0, 1), target.flatten()) + 0.1 * out["hidden"].pow(2).mean()
+
+
+def _logits_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """What a training loop over a Hugging Face causal LM computes outside the model."""
+    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+def _case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable[..., torch.Tensor], str]:
+    """``(model, input_ids, labels, loss_fn, optimizer)`` of one case, the same on every process."""
+    if name in ("tuple", "dict"):
+        torch.manual_seed(0)
+        net = _Net(name)
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+        labels = torch.randint(0, VOCAB, (BATCH, SEQ))
+        return net, ids, labels, _tuple_loss if name == "tuple" else _dict_loss, OPTIMIZER[name]
+    from soybean.models import archs
+
+    model, kwargs = archs.build(archs.BY_NAME[name])
+    labels = kwargs.pop("labels")
+    assert list(kwargs) == ["input_ids"]  # a causal LM's batch: its tokens, the labels kept for the loss outside
+    return model, kwargs["input_ids"], labels, _logits_loss, OPTIMIZER[name]
+
+
+LR = {"sgd": 0.1, "adamw": 1e-3}
+
+
+def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR[kind]) if kind == "sgd" else torch.optim.AdamW(params, lr=LR[kind])
+
+
+def _serial(name: str) -> tuple[Any, list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model's output before training, each step's loss, the parameters after the steps and the first step's
+    gradients."""
+    model, ids, labels, loss_fn, kind = _case(name)
+    first = copy.deepcopy(model)(ids)
+    opt = _optimizer(kind, model.parameters())
+    losses, grads = [], {}
+    for i in range(STEPS):
+        opt.zero_grad()
+        loss = loss_fn(model(ids), labels)
+        loss.backward()
+        if i == 0:
+            grads = {k: v.grad.clone() for k, v in model.named_parameters() if v.grad is not None}
+        opt.step()
+        losses.append(float(loss.detach()))
+    return first, losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, grads
+
+
+def _assert_params_close(name: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                         grads: dict[str, torch.Tensor]) -> None:
+    """Every tensor of ``want`` in ``got`` at float32's tolerance, except (AdamW) an element whose serial gradient
+    is zero up to rounding (``sweep.ZERO_GRADIENT`` of the largest): AdamW divides a gradient by its own size, so
+    rounding noise in another summation order (a microbatch's) moves it by up to the learning rate a step."""
+    from soybean.sweep import ZERO_GRADIENT
+
+    assert set(got) == set(want), name
+    largest = max(float(g.abs().max()) for g in grads.values())
+    kind = OPTIMIZER[name]
+    for k, v in want.items():
+        allowed = torch.full_like(v, 1e-6, dtype=torch.float64) + 1e-5 * v.abs()
+        if kind == "adamw" and k in grads:
+            allowed = torch.where(grads[k].abs() <= ZERO_GRADIENT * largest, allowed + LR[kind] * STEPS, allowed)
+        err = (got[k].double() - v.double()).abs()
+        assert bool((err <= allowed).all()), f"{name} {k}: {float((err - allowed).max()):.3g} beyond the tolerance"
+
+
+def _pipelined(rank: int, world: int) -> dict[str, tuple[Any, list[float], dict[str, torch.Tensor]]]:
+    import soybean
+
+    torch.set_num_threads(1)
+    got = {}
+    for name in CASES:
+        model, ids, labels, loss_fn, kind = _case(name)
+        pm = soybean.parallelize(model, {"input_ids": ids} if name not in ("tuple", "dict") else (ids,),
+                                 devices=world, pipeline=2, microbatches=2)
+        first = pm(ids)  # forward alone: the model's structure over the whole batch, on every rank
+        opt = _optimizer(kind, pm.parameters())
+        losses = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            losses.append(float(pm.train_step(ids, loss_fn=loss_fn, target=labels)))
+            opt.step()
+        got[name] = (_detached(first), losses, pm.full_state_dict())
+    return got
+
+
+def _detached(out: Any) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+
+
+def test_models_returning_their_own_structure_train_as_serial_in_two_stages() -> None:
+    """Llama and Mixtral as loaded (``CausalLMOutputWithPast``, the loss from ``out.logits`` outside), a model
+    returning a tuple and one returning a dict (``None`` and constants among the leaves), each 2 stages on 2
+    processes, 2 microbatches: forward returns the model's own structure, and training equals serial training."""
+    pytest.importorskip("transformers")
+    got = spawn(_pipelined, 2, timeout_s=400)
+    for name in CASES:
+        first, losses, params, grads = _serial(name)
+        for rank_got in got:
+            pfirst, plosses, pparams = rank_got[name]
+            assert type(pfirst) is type(first), name
+            if name in ("llama", "mixtral"):
+                torch.testing.assert_close(pfirst.logits, first.logits, rtol=1e-5, atol=1e-6)
+            elif name == "tuple":
+                assert pfirst[2:] == first[2:]
+                for a, b in zip(pfirst[:2], first[:2]):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            else:
+                assert pfirst.keys() == first.keys() and pfirst["aux"] is None and pfirst["layers"] == 3
+                for k in ("logits", "hidden"):
+                    torch.testing.assert_close(pfirst[k], first[k], rtol=1e-5, atol=1e-6)
+            assert plosses == pytest.approx(losses, rel=1e-5), name
+            _assert_params_close(name, pparams, params, grads)
