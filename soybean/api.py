@@ -4,7 +4,8 @@ Called on every rank after ``torch.distributed.init_process_group`` (or under
 ``torchrun``, which it initialises from the environment).  Rank 0 plans and
 broadcasts the plan, so ranks cannot diverge; every rank checks the plan
 against its own captured graph (fingerprint, device count) and fails with a
-clear error instead of hanging in a mismatched collective.
+clear error instead of hanging in a mismatched collective.  An error on any rank
+(capture, planning, lowering) is raised on every rank (``runtime.agree``).
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import functools
 import json
 import os
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, overload
 
@@ -29,12 +29,13 @@ from .placed import PlacedModule
 from .plan import Plan
 from .planner import plan as make_plan
 from .precision import policy
+from .runtime.agree import SETUP_WAIT_S, agreed_setup, current_setup
 from .runtime.comm import Group
 
 # The other ranks wait this long for rank 0's plan (planning 1,024 devices takes minutes): over a group of its
-# own, so the collective timeout (``timeout_s``) can stay short.  A rank 0 that dies closes its connections, so
-# the wait ends at once then.
-PLAN_WAIT_S = 3600.0
+# own (``runtime.agree.Setup``), so the collective timeout (``timeout_s``) can stay short.  A rank 0 that dies
+# closes its connections, so the wait ends at once then.
+PLAN_WAIT_S = SETUP_WAIT_S
 
 
 def _resolve_plan(plan: Plan | str | Path | None) -> Plan | None:
@@ -76,6 +77,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
                 **kwargs: Any) -> ParallelModule | PipelinedModule: ...
 
 
+@agreed_setup
 def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, *,
                 options: PlanOptions | None = None, plan: Plan | str | Path | None = None, rank: int | None = None,
                 groups: Sequence[Group] | None = None, captured: Captured | None = None, outputs: str = "lazy",
@@ -160,6 +162,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
 
             init_from_env(timeout_s=timeout_s)
         world, rank = dist.get_world_size(), dist.get_rank()
+        current_setup().open()  # from here an error on any rank is raised on every rank (``runtime.agree``)
     else:
         world = 1
         for g in groups:
@@ -276,15 +279,18 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
 
 
 def _from_rank0(make: Callable[[], Plan], rank: int) -> Plan:
-    """``make()`` on rank 0, broadcast to every rank (so ranks cannot diverge) over a gloo group of its own whose
-    timeout (``PLAN_WAIT_S``) covers planning."""
+    """``make()`` on rank 0, sent to every rank (so ranks cannot diverge) over the call's own gloo group
+    (``runtime.agree.Setup``), whose timeout (``PLAN_WAIT_S``) covers planning.  An error instead of the plan
+    (rank 0's planning, or another rank's own capture failing before it got here) is raised on every rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return make()
-    waiting = dist.new_group(backend="gloo", timeout=timedelta(seconds=PLAN_WAIT_S))
-    box: list[str | None] = [make().to_json() if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=waiting)
-    dist.destroy_process_group(waiting)
-    received = box[0]
+    setup = current_setup()
+    setup.open()
+    try:
+        mine = make().to_json() if rank == 0 else None
+    except Exception as e:  # sent instead of the plan: the others are waiting for it
+        setup.fail(e)
+    received = setup.share(mine)[0]
     assert received is not None  # rank 0 sent its plan
     return Plan.from_dict(json.loads(received))
 

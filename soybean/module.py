@@ -28,6 +28,7 @@ from .mesh import Mesh
 from .outputs import lazy_outputs, local_mean
 from .plan import Plan
 from .precision import policy
+from .runtime.agree import guarded
 from .runtime.comm import Group
 from .runtime.context import use_groups
 from .runtime.gradsync import GradSync
@@ -77,11 +78,14 @@ def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     return root.get_submodule(path), leaf
 
 
+@guarded()
 def forward_backward(module: nn.Module, inputs: tuple, kwargs: dict[str, Any], loss_fn: Callable[..., torch.Tensor],
                      target: torch.Tensor | None, reduction: str) -> torch.Tensor:
     """``module(*inputs, **kwargs)``, ``loss_fn`` on its output (and ``target``), backward; the loss detached: the
     ``train_step`` of a module whose forward returns the whole batch's output (``ParallelModule``,
-    ``placed.PlacedModule``); ``reduction`` is the contract's, checked, and changes nothing here."""
+    ``placed.PlacedModule``); ``reduction`` is the contract's, checked, and changes nothing here.  An error on any
+    rank ends every rank (``runtime.agree.guarded``): that rank's own exception there, ``RankFailedError`` naming
+    it on the others."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"unknown reduction {reduction!r}: use mean or sum")
     out = module(*inputs, **kwargs)
@@ -162,6 +166,7 @@ class ParallelModule(nn.Module):
         t = self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn)
         return self._cap.stored(fqn, t) if fqn in self._held_whole else t
 
+    @guarded()  # an error on one rank is one error on every rank, never a peer waiting in a collective
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # The policy's compute copies: a parameter cast from its master (differentiable), inputs cast.
         state = [self._policy.cast(self._tensor(k, f)) if k == "param" else self._tensor(k, f) for k, f in self._order]

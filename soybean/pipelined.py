@@ -45,6 +45,8 @@ from .checkpoint_view import CheckpointView
 from .module import ParallelModule
 from .plan import Plan
 from .precision import policy
+from .runtime.agree import guarded
+from .runtime.launch import group_timeout
 from .stages import Stage, boundary_examples, shared_params
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -160,7 +162,7 @@ class PipelinedModule(nn.Module):
                 mine[k] = got
         pp = None  # the ranks of one in-group index across the groups: the pipeline's point-to-point group
         for j in range(per):
-            g = dist.new_group(ranks=[k * per + j for k in range(groups)])
+            g = dist.new_group(ranks=[k * per + j for k in range(groups)], timeout=group_timeout())
             if rank % per == j:
                 pp = g
         self.stage_modules = nn.ModuleList()
@@ -198,7 +200,7 @@ class PipelinedModule(nn.Module):
             tie_group = None
             if len(holders) > 1:
                 for j in range(per):  # every rank makes every group, in order
-                    g = dist.new_group(ranks=[h * per + j for h in holders])
+                    g = dist.new_group(ranks=[h * per + j for h in holders], timeout=group_timeout())
                     if rank % per == j and gi in holders:
                         tie_group = g
             local = [m.pm for i, m in zip(self.stage_indices, self.stage_modules)
@@ -240,6 +242,7 @@ class PipelinedModule(nn.Module):
             self._schedules = {key: cls(stage, self._microbatches, loss_fn=loss, scale_grads=reduction == "mean")}
         return self._schedules[key]
 
+    @guarded()  # a stage failing on one rank is one error on every rank (``runtime.agree``)
     def train_step(self, *inputs: Any, loss_fn: Callable[..., torch.Tensor], target: torch.Tensor | None = None,
                    reduction: str = "mean") -> torch.Tensor:
         """Forward and backward of the whole batch ``inputs`` through the schedule (module docstring); the whole

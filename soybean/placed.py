@@ -37,6 +37,7 @@ from .module import ParallelModule, forward_backward
 from .plan import Plan
 from .precision import policy
 from .regions import Region
+from .runtime.agree import guarded
 from .runtime.transfer import Move, Outbox, receive
 from .stages import value_facts
 
@@ -134,6 +135,7 @@ class PlacedModule(nn.Module):
         m = self._like[value]
         return torch.empty(m.shape, dtype=m.dtype, device=device)
 
+    @guarded()  # an error on one rank is one error on every rank (``runtime.agree``)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         given = self._cap.flatten_inputs(args, kwargs)
         if len(given) != len(self._cap.inputs):
@@ -185,6 +187,7 @@ class PlacedModule(nn.Module):
             leaves[i] = t
         return tree_unflatten(leaves, spec)
 
+    @guarded()
     def _backward(self, saved: dict[int, tuple[list[Any], list[Any]]], last_grads: Sequence[torch.Tensor | None],
                   device: torch.device) -> None:
         """The regions' backward in reverse order (module docstring)."""

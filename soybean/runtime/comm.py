@@ -472,8 +472,12 @@ def torch_groups(mesh: Mesh, backend: str | None = None, ranks: Sequence[int] | 
 
     ``dist.new_group`` is collective over the whole world, so every rank creates
     every group of every axis in the same order and keeps the ones it belongs to.
-    ``backend=None`` inherits the default group's backend.
+    ``backend=None`` inherits the default group's backend; a collective waits ``launch.group_timeout()``.
     """
+    from .agree import checkpoint
+    from .launch import group_timeout  # launch imports this module
+
+    checkpoint()  # inside parallelize: a rank that failed meets the others here, not in ``new_group``
     world, rank = dist.get_world_size(), dist.get_rank()
     ranks = list(range(world)) if ranks is None else list(ranks)
     if len(ranks) != mesh.size:
@@ -484,7 +488,7 @@ def torch_groups(mesh: Mesh, backend: str | None = None, ranks: Sequence[int] | 
     for axis in range(mesh.ndim):
         for local in mesh.axis_groups(axis):
             members = [ranks[r] for r in local]
-            pg = dist.new_group(ranks=members, backend=backend)
+            pg = dist.new_group(ranks=members, backend=backend, timeout=group_timeout())
             if coords is not None and rank in members:
                 # members are sorted by coordinate, so the group rank is my coordinate.
                 mine.append(TorchGroup(pg, index=coords[axis]))

@@ -29,7 +29,7 @@ from .comm import Group, ThreadWorld
 from .context import use_groups
 
 __all__ = ["spawn", "init_from_env", "run_threads", "default_backend", "free_port", "collective_timeout",
-           "DEFAULT_TIMEOUT_S"]
+           "group_timeout", "DEFAULT_TIMEOUT_S"]
 
 # A rank that exited without posting a result may still have it in the pipe; wait this long.
 _DEAD_GRACE_S = 1.0
@@ -58,6 +58,14 @@ def collective_timeout(timeout_s: float | None = None) -> float:
     return value
 
 
+def group_timeout() -> datetime.timedelta:
+    """How long a collective on a group soybean makes waits: :func:`collective_timeout`, which a process group this
+    module initialised set to its own timeout.  ``dist.new_group`` without a timeout waits torch's default, 30
+    minutes for gloo, whatever the default group's is: a pipeline's ``recv`` from a peer that failed waited that
+    long."""
+    return datetime.timedelta(seconds=collective_timeout())
+
+
 def default_backend() -> str:
     """``"cpu:gloo,cuda:nccl"`` when CUDA is available, else ``"gloo"``.
 
@@ -82,6 +90,8 @@ def _init_process_group(backend: str, rank: int, world_size: int, local_rank: in
         # own setting is kept.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     timeout = datetime.timedelta(seconds=timeout_s)
+    # The groups made later (``group_timeout``: stages, mesh axes) wait as long as the default group.
+    os.environ[TIMEOUT_ENV] = repr(float(timeout_s))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
         # Under torchrun every attempt of an elastic restart reaches the same agent store, and env:// reads its
         # keys without telling attempts apart: a restarted rank can read the address a dead peer published in
@@ -171,19 +181,22 @@ def _stop(procs: list[Any]) -> None:
             p.join(2.0)
 
 
-def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 120.0, backend: str = "gloo") -> list[Any]:
+def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 120.0, backend: str = "gloo",
+          collective_timeout_s: float | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``nproc`` fresh processes; return their results by rank.
 
     Each process gets ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``RANK``,
     ``WORLD_SIZE`` and ``LOCAL_RANK``, and an initialised default process group.
     ``fn`` must be importable (module level) and its results picklable.  A failing
     rank raises ``RuntimeError`` with its traceback; exceeding ``timeout_s`` raises
-    ``TimeoutError``; either way the other ranks are killed.
+    ``TimeoutError``; either way the other ranks are killed.  ``collective_timeout_s``: how long a collective
+    waits for a peer (default ``timeout_s``).
     """
     ctx = mp.get_context("spawn")
     results_q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, nproc, port, backend, timeout_s, args, results_q),
+    waits = timeout_s if collective_timeout_s is None else collective_timeout_s
+    procs = [ctx.Process(target=_worker, args=(fn, r, nproc, port, backend, waits, args, results_q),
                          name=f"soybean-rank{r}") for r in range(nproc)]
     deadline = time.monotonic() + timeout_s
     results: dict[int, Any] = {}

@@ -1,0 +1,110 @@
+"""One error on every rank, never a hang (``soybean.runtime.agree``), on two gloo processes.
+
+- Planning: rank 0's error (an impossible memory budget) is raised on every rank as the same exception, and a
+  capture failing on rank 1 alone is raised on rank 0 too, not left waiting for a plan.
+- Steps: a ``loss_fn`` raising on rank 1 only ends both ranks, rank 1 with its own exception and rank 0 with
+  ``RankFailedError`` naming rank 1 and that exception, for a plain ``ParallelModule`` and a 2-stage
+  ``PipelinedModule``.
+
+Each rank catches its error and returns its text, so the test sees both; a rank left waiting would end the spawn
+with its ``TimeoutError`` instead.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from soybean.runtime.launch import spawn
+
+pytestmark = pytest.mark.dist
+
+BOOM = "boom on rank 1"
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)], nn.Linear(8, 3))
+    return model, torch.randn(8, 8)
+
+
+def _error(e: BaseException) -> tuple[str, str, list[str]]:
+    """What a rank saw: the exception's class, message and notes."""
+    return type(e).__name__, str(e), list(getattr(e, "__notes__", []))
+
+
+def _budget(rank: int, world: int) -> tuple[str, str, list[str]] | None:
+    import soybean
+
+    model, x = _mlp()
+    try:
+        soybean.parallelize(model, (x,), devices=world, memory_gb=1e-6)
+    except Exception as e:
+        return _error(e)
+    return None
+
+
+def test_an_impossible_budget_is_rank_0s_error_on_every_rank() -> None:
+    got = spawn(_budget, 2, timeout_s=120)
+    assert got[0] is not None and got[1] is not None, got
+    assert got[0][0] == got[1][0] == "MemoryBudgetError", got
+    assert got[0][1] == got[1][1] and got[0][1].startswith("no plan fits the memory budget"), got
+    assert any("rank 0" in n for n in got[1][2]), got  # rank 1's copy says whose it is
+
+
+def _boom(*args: object, **kwargs: object) -> None:
+    raise ValueError(BOOM)
+
+
+def _capture_fails(rank: int, world: int) -> tuple[str, str, list[str]] | None:
+    import soybean
+    import soybean.api
+
+    if rank == 1:
+        soybean.api.capture = _boom  # type: ignore[assignment]  # this process's capture fails, the other's not
+    model, x = _mlp()
+    try:
+        soybean.parallelize(model, (x,), devices=world)
+    except Exception as e:
+        return _error(e)
+    return None
+
+
+def test_a_capture_failing_on_rank_1_only_is_raised_on_rank_0_too() -> None:
+    got = spawn(_capture_fails, 2, timeout_s=120)
+    assert got[1] is not None and BOOM in got[1][1], got
+    assert got[0] is not None and got[0][:2] == got[1][:2], got  # the same exception, rebuilt on rank 0
+    assert any("rank 1" in n for n in got[0][2]), got
+
+
+def _loss_fails_on_rank_1(out: object, target: torch.Tensor | None = None) -> torch.Tensor:
+    if dist.get_rank() == 1:
+        raise ValueError(BOOM)
+    assert isinstance(out, torch.Tensor) or hasattr(out, "float")
+    return nn.functional.mse_loss(out.float(), target) if target is not None else out.float().sum()  # type: ignore
+
+
+def _step_fails(rank: int, world: int, pipeline: int | None) -> tuple[str, str, list[str]] | None:
+    import soybean
+
+    torch.set_num_threads(1)
+    model, x = _mlp()
+    y = torch.randn(8, 3)
+    extra = {"pipeline": pipeline, "microbatches": 2, "schedule": "gpipe"} if pipeline else {"mode": "mp"}
+    pm = soybean.parallelize(model, (x,), devices=world, **extra)
+    try:
+        for _ in range(3):  # a rank that finished its step meets the failure at the next one's collectives
+            pm.train_step(x, loss_fn=_loss_fails_on_rank_1, target=y)
+    except Exception as e:
+        return _error(e)
+    return None
+
+
+@pytest.mark.parametrize("pipeline", [None, 2], ids=["parallel", "pipelined"])
+def test_a_step_failing_on_rank_1_ends_every_rank_naming_it(pipeline: int | None) -> None:
+    got = spawn(_step_fails, 2, pipeline, timeout_s=120)
+    assert got[1] is not None and got[1][:2] == ("ValueError", BOOM), got  # rank 1: its own exception
+    assert any("rank 1" in n for n in got[1][2]), got
+    assert got[0] is not None and got[0][0] == "RankFailedError", got
+    assert got[0][1].startswith(f"rank 1 failed: ValueError: {BOOM}"), got
