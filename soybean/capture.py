@@ -89,6 +89,10 @@ class Captured:
     # ``experts.pack_pairs``).  Whoever feeds the graph the model's tensors or hands tensors back to the model goes
     # through ``stored`` and ``unstored``.
     views: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    # User inputs (placeholder names) whose example tensors require a gradient: a graph of a piece of a model (a
+    # dynamo piece, ``soybean.pieces``; a pipeline stage; a placed region) takes activations whose gradient its
+    # backward must return whole (``graph.build``: such an input needs a gradient, so partial sums are summed).
+    grad_inputs: frozenset[str] = frozenset()
 
     @property
     def graph(self) -> fx.Graph:
@@ -246,9 +250,29 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
     frozen = frozenset(fqn for fqn, p in named.items() if not p.requires_grad)
     keys = structural_keys(gm, {**params, **buffers})
     views = {params[ph]: shapes for ph, shapes in gm.meta.pop(STORED_VIEWS, {}).items()}  # (parameters only)
-    return Captured(gm, params, buffers, inputs, aliases, _fingerprint(keys), out_spec=ep.call_spec.out_spec,
-                    in_spec=ep.call_spec.in_spec, constants=constants, frozen=frozen, arg_names=_arg_names(model),
-                    keys=keys, views=views)
+    given, _ = tree_flatten((example_inputs, example_kwargs or {}))
+    grad_inputs = frozenset(name for name, x in zip(inputs, given) if isinstance(x, torch.Tensor)
+                            and x.requires_grad and x.is_floating_point()) if len(given) == len(inputs) else frozenset()
+    cap = Captured(gm, params, buffers, inputs, aliases, _fingerprint(keys), out_spec=ep.call_spec.out_spec,
+                   in_spec=ep.call_spec.in_spec, constants=constants, frozen=frozen, arg_names=_arg_names(model),
+                   keys=keys, views=views, grad_inputs=grad_inputs)
+    _record_sizes(cap, model, example_inputs, example_kwargs or {})
+    return cap
+
+
+def _record_sizes(cap: Captured, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Data-dependent sizes (``nonzero``, a mask, ``tolist()``: unbacked symbols) get the example run's values as
+    the sizes planning prices (``rules.datadep.record_sizes``, one run of the graph on copies of the buffers), and
+    every value's sizes become those numbers (``rules.datadep.concretize``: its data-dependent dims marked)."""
+    from .rules.datadep import concretize, record_sizes, unbacked_symbols
+
+    if not unbacked_symbols(cap.graph):
+        return
+    state: dict[str, Any] = {k: p.detach() for k, p in model.named_parameters(remove_duplicate=False)}
+    state.update({k: b.detach().clone() for k, b in model.named_buffers(remove_duplicate=False)})
+    state.update({k: c.clone() for k, c in cap.constants.items()})
+    record_sizes(cap.graph_module, [*cap.feed(state), *cap.flatten_inputs(args, kwargs)])
+    concretize(cap.graph_module)
 
 
 def _arg_names(model: torch.nn.Module) -> tuple[str, ...]:
@@ -561,7 +585,7 @@ def means_to_sums(gm: fx.GraphModule) -> None:
     """
     g = gm.graph
     for n in list(g.nodes):
-        if n.op != "call_function":
+        if n.op != "call_function" or _data_dependent(n):
             continue
         if n.target in (aten.mean.default, aten.mean.dim):
             _mean_to_sum(g, n)
@@ -571,6 +595,14 @@ def means_to_sums(gm: fx.GraphModule) -> None:
             _cross_entropy_mean_to_sum(g, n)
     g.lint()
     gm.recompile()
+
+
+def _data_dependent(n: fx.Node) -> bool:
+    """Whether an argument of ``n`` has a size that depends on values: its count is known only at run time, so a
+    mean of it stays a mean."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return any(free_unbacked_symbols(a.meta.get("val")) for a in n.all_input_nodes)
 
 
 def _mean_to_sum(g: fx.Graph, n: fx.Node) -> None:

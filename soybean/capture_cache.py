@@ -33,9 +33,11 @@ import torch
 from torch import fx
 
 from .capture import RETURNED_SUM, Captured
+from .rules.base import DYNAMIC, tensor_dynamic
+from .rules.datadep import SIZES
 
-FORMAT = 1  # bump when the stored form changes
-_META_KEYS = ("nn_module_stack", "stack_trace", RETURNED_SUM)
+FORMAT = 2  # bump when the stored form changes
+_META_KEYS = ("nn_module_stack", "stack_trace", RETURNED_SUM, SIZES)
 
 
 def cache_root() -> Path:
@@ -135,7 +137,7 @@ def _val(v: Any, storages: dict[int, list[int]]) -> Any:
         sid = storages.setdefault(key, [len(storages), 0])
         sid[1] = max(sid[1], int(v.untyped_storage().nbytes()))
         return ("tensor", tuple(int(s) for s in v.shape), tuple(int(s) for s in v.stride()), v.dtype,
-                bool(v.requires_grad), sid[0], int(v.storage_offset()))
+                bool(v.requires_grad), sid[0], int(v.storage_offset()), tensor_dynamic(v))
     if isinstance(v, (list, tuple)):
         return ("list" if isinstance(v, list) else "tuple", [_val(x, storages) for x in v])
     if v is None or isinstance(v, (int, float, bool)):
@@ -145,8 +147,10 @@ def _val(v: Any, storages: dict[int, list[int]]) -> Any:
 
 def _unval(v: tuple, storages: dict[int, Any]) -> Any:
     if v[0] == "tensor":
-        shape, stride, dtype, grad, sid, offset = v[1:]
+        shape, stride, dtype, grad, sid, offset, dynamic = v[1:]
         t = torch.empty(0, dtype=dtype, device="meta").set_(storages[sid], offset, shape, stride)
+        if dynamic:  # its data-dependent dims (``rules.datadep.concretize``)
+            setattr(t, DYNAMIC, dynamic)
         return t.requires_grad_(True) if grad else t
     if v[0] in ("list", "tuple"):
         xs = [_unval(x, storages) for x in v[1]]

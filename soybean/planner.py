@@ -44,6 +44,7 @@ from .options import PlanOptions, options as merge_options
 from .plan import Plan
 from .precision import policy
 from .records import context_parallel_records, layer_rows, memory_breakdown, moe_records, reshard_records
+from .rules.datadep import data_dependent_warning
 from .search import Pruned, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
 from .search.problem import Problem, lower_bound, reduce
 from .tiling import R
@@ -964,6 +965,8 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
             f"soybean: no sharding rule for {', '.join(best.graph.fallback_ops)}; these ops run replicated",
             stacklevel=2,
         )
+    if best.graph.data_dependent:
+        warnings.warn(data_dependent_warning(best.graph.data_dependent), stacklevel=2)
     out = to_plan(cap, best, objective, prof.name, devices, base, seconds, opts.solver, results, best.recompute)
     out.collectives = opts.collectives
     out.meshes += pruned

@@ -329,6 +329,25 @@ case(aten.pad.default, X, [0, 0, 1, 1], "circular")
 case(aten.constant_pad_nd.default, X, [0, 0, 2, 1])
 case(aten.constant_pad_nd.default, X, [1, 0], 1.5)
 case(aten.constant_pad_nd.default, randn(3, 9, 5), [0, 0, -2, 1])  # crops 2 rows before, pads 1 after
+
+# ---- data-dependent sizes (tests/test_datadep.py checks them on 1, 2 and 4 devices) ----------------------------
+_M = mask(6)
+_M[0] = True
+case(aten.index.Tensor, X, [_M])  # a boolean mask: the dims it does not cover split
+case(aten.index_put.default, X, [_M], randn(int(_M.sum()), 5, 7))
+case(aten.index_put.default, X, [ints(6, 4)], randn(4, 5, 7), True)
+case(aten.index_add.default, randn(6, 5), 0, ints(6, 9), randn(9, 5))
+case(aten.sym_size.int, X, 1)
+case(aten.div.Tensor_mode, X, pos(5, 7), rounding_mode="floor")
+case(aten.div.Scalar_mode, X, 2.0, rounding_mode="trunc")
+case(aten.remainder.Scalar, ints(9, 6, 5), 4)
+case(aten.remainder.Tensor, ints(9, 6, 5), ints(3, 5) + 1)
+for _op, _args in ((aten.masked_select.default, (X, X > 0.3)), (aten.nonzero.default, (_M,)),
+                   (aten.argwhere.default, (_M,)), (aten._unique2.default, (ints(4, 9),)),
+                   (aten.unique_dim.default, (ints(3, 6, 4), 0)), (aten.unique_consecutive.default, (ints(3, 9),)),
+                   (aten.repeat_interleave.Tensor, (ints(4, 5),)), (aten.bincount.default, (ints(5, 9),)),
+                   (aten.item.default, (randn(1),)), (aten._local_scalar_dense.default, (ints(9, 1),))):
+    case(_op, *_args, splits=False)  # values in, a data-dependent number out: replicated
 case(aten.pad.default, randn(2, 7, 6), [2, 1, 1, 3], "constant", -1.0)
 
 # ---- views and data movement -------------------------------------------------------------
@@ -417,7 +436,11 @@ case(aten.tril.default, randn(5, 6, 6))
 case(aten.triu.default, randn(3, 5, 6, 7), 1)
 
 # Ops whose rule deliberately lists nothing but all-R (see their family docstrings).
-REPLICATE_ONLY = {"aten.arange.default", "aten.arange.start", "aten.arange.start_step"}
+REPLICATE_ONLY = {"aten.arange.default", "aten.arange.start", "aten.arange.start_step",
+                  *(f"aten.{n}" for n in ("masked_select.default", "nonzero.default", "argwhere.default",
+                                          "_unique2.default", "unique_dim.default", "unique_consecutive.default",
+                                          "repeat_interleave.Tensor", "bincount.default", "item.default",
+                                          "_local_scalar_dense.default"))}
 
 
 @pytest.fixture(autouse=True, scope="module")

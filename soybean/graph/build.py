@@ -35,6 +35,7 @@ from ..plan import Plan, Program
 from ..precision import policy
 from ..rules.attention import cp_method, row_axes
 from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, node_spec, strategies_1d, tensor_args
+from ..rules.datadep import data_dependent
 from ..tiling import Partial, R, Replicate, Shard, is_valid
 from .types import Edge, PlanGraph, Var
 from .units import _module_path, _Rerun
@@ -360,6 +361,7 @@ class _Builder:
                 getattr(self, node.op)(node)
         g = self.g
         g.fallback_ops = sorted(self.fallback)
+        g.data_dependent = data_dependent(self.cap.graph)
         backward_transient(g)
         self.rerun.working_set(g)
         g.rerun_credit = rerun_credit(g)

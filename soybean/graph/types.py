@@ -106,6 +106,8 @@ class PlanGraph:
     edges: list[Edge] = field(default_factory=list)
     index: dict[str, int] = field(default_factory=dict)
     fallback_ops: list[str] = field(default_factory=list)
+    # Ops that make sizes depending on values, with those sizes as priced (``rules.datadep.data_dependent``).
+    data_dependent: dict[str, dict[str, int]] = field(default_factory=dict)
     shapes: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)  # placeholder outputs
     dtypes: dict[tuple[int, int], torch.dtype] = field(default_factory=dict)
     written: set[str] = field(default_factory=set)  # placeholders some op updates in place

@@ -131,6 +131,7 @@ ARCHS: list[Arch] = [
     Arch("qwen2_moe", "moe", "qwen2_moe"),
     Arch("granitemoe", "moe", "granitemoe"),
     Arch("olmoe", "moe", "olmoe"),
+    Arch("jetmoe", "moe", "jetmoe", overrides={"kv_channels": 16}),  # a head's width; its routing sizes are data
     Arch("deepseek_v3", "moe", "deepseek_v3", overrides={**_MLA, "first_k_dense_replace": 1}),
     Arch("gpt_oss", "moe", "gpt_oss", overrides={"sliding_window": 4}),
     Arch("qwen3_next", "moe", "qwen3_next",

@@ -136,7 +136,9 @@ def bcast(spec: TensorSpec | None, out_shape: Sequence[int], d: int) -> Placemen
     if spec is None:
         return R
     j = d - (len(out_shape) - spec.ndim)
-    if j >= 0 and spec.shape[j] == out_shape[d]:
+    # A data-dependent dim is taken to carry the output dim whatever its priced size: ``Shard`` there is then dropped
+    # (``base.splits_dynamic``) rather than ``R`` assumed a broadcast the run-time size may not be.
+    if j >= 0 and (spec.shape[j] == out_shape[d] or j in spec.dynamic):
         return Shard(j)
     return R
 
@@ -168,6 +170,13 @@ def set_arg(op: OpSpec, args: tuple, kwargs: dict, name: str, value: Any) -> tup
     return args, kwargs
 
 
+def get_arg(op: OpSpec, args: tuple, kwargs: dict, name: str) -> Any:
+    """Argument ``name`` (positional or keyword) of a call's ``args``/``kwargs`` (``set_arg``'s reader)."""
+    names = _schema_names(op.target)
+    pos = names.index(name) if name in names else -1
+    return args[pos] if 0 <= pos < len(args) else kwargs.get(name)
+
+
 def size_localizer(name: str, pick: Callable[[OpSpec, Sequence[int]], list[int]] | None = None) -> LocalizeFn:
     """``LocalizeFn`` setting shape argument ``name`` to the local output shape.
 
@@ -183,7 +192,14 @@ def size_localizer(name: str, pick: Callable[[OpSpec, Sequence[int]], list[int]]
         out_shapes: Sequence[tuple[int, ...]],
     ) -> tuple:
         shape = list(out_shapes[0])
-        return set_arg(op, args, kwargs, name, pick(op, shape) if pick else shape)
+        local: list[Any] = pick(op, shape) if pick else shape
+        if op.outputs[0].dynamic:
+            # Its shape holds only priced sizes, and a data-dependent dim is never split (``base.splits_dynamic``):
+            # every entry this tile does not cut keeps the argument's own (``-1``, the run-time size's node).
+            whole = list(op.outputs[0].shape)
+            given = list(get_arg(op, args, kwargs, name))
+            local = [g if n == w else n for g, n, w in zip(given, local, pick(op, whole) if pick else whole)]
+        return set_arg(op, args, kwargs, name, local)
 
     return localize
 

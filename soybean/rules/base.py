@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, optimization_hint
 
 from ..mesh import Mesh
 from ..tiling import Partial, Placement, R, Replicate, Shard, chunk_lengths, is_valid, split_factor
@@ -29,8 +30,14 @@ from ..tiling import Partial, Placement, R, Replicate, Shard, chunk_lengths, is_
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """A tensor as rules and the cost model see it.  ``dynamic``: the dims whose size depends on values (an
+    unbacked ``SymInt`` at capture: ``nonzero``, a boolean mask, ``split`` by ``tolist()`` sizes); ``shape`` holds
+    their priced sizes (``priced``).  ``expand`` never splits them: their run-time size is another step's, another
+    batch's, and tiles of the priced size would be wrong."""
+
     shape: tuple[int, ...]
     dtype: torch.dtype
+    dynamic: tuple[int, ...] = ()
 
     @property
     def ndim(self) -> int:
@@ -239,11 +246,52 @@ def lookup(target: Any) -> RuleEntry | None:
     return REGISTRY.get(op_name(target))
 
 
+def data_dependent(d: Any) -> bool:
+    """Whether a size (an ``int`` or a ``SymInt`` of a capture) depends on values: an unbacked symbol that no guard
+    specialised."""
+    return isinstance(d, torch.SymInt) and not is_concrete_int(d)
+
+
+def priced(d: Any) -> int:
+    """The one size planning uses for a dim or a scalar: ``d`` itself when static; a data-dependent one at the
+    example run's own value, which ``rules.datadep.record_sizes`` gives every unbacked symbol at capture as its
+    optimisation hint (its upper bound, ``ShapeEnv.var_to_range``, when the example could not run).  Never
+    ``int()`` of an unbacked ``SymInt``: that raises ``GuardOnDataDependentSymNode``."""
+    if not data_dependent(d):
+        return int(d)
+    return int(optimization_hint(d, fallback=UNBOUNDED_HINT))
+
+
+UNBOUNDED_HINT = 1 << 62  # a symbol without a recorded value: clamped to its bounds (``record_sizes`` records all)
+
+
+def priced_shape(shape: Sequence[Any]) -> tuple[int, ...]:
+    """``priced`` of every dim of ``shape``."""
+    return tuple(priced(d) for d in shape)
+
+
+# The attribute a captured value (``meta["val"]``) carries when capture made its sizes concrete
+# (``rules.datadep.concretize``): the dims whose size depends on values.
+DYNAMIC = "_soybean_dynamic"
+
+
+def tensor_dynamic(t: torch.Tensor) -> tuple[int, ...]:
+    """The data-dependent dims of a captured value: marked at capture (``DYNAMIC``), or still symbolic."""
+    marked = getattr(t, DYNAMIC, None)
+    return tuple(marked) if marked is not None else dynamic_dims(t.shape)
+
+
+def dynamic_dims(shape: Sequence[Any]) -> tuple[int, ...]:
+    """The dims of ``shape`` whose size depends on values (``data_dependent``)."""
+    return tuple(i for i, d in enumerate(shape) if data_dependent(d))
+
+
 def spec_of(x: Any) -> Any:
-    """A ``TensorSpec`` for a tensor (real or fake) or an fx node carrying ``meta['val']``."""
+    """A ``TensorSpec`` for a tensor (real or fake) or an fx node carrying ``meta['val']`` (data-dependent sizes
+    ``priced``, their dims in ``dynamic``)."""
     v = x.meta.get("val") if isinstance(x, torch.fx.Node) else x
     if isinstance(v, torch.Tensor):
-        return TensorSpec(tuple(int(d) for d in v.shape), v.dtype)
+        return TensorSpec(priced_shape(v.shape), v.dtype, tensor_dynamic(v))
     return None
 
 
@@ -355,8 +403,16 @@ def has_empty_tile(tiling: tuple[Placement, ...], shape: tuple[int, ...], mesh: 
     return False
 
 
+def splits_dynamic(tiling: Sequence[Placement], spec: TensorSpec) -> bool:
+    """Whether ``tiling`` splits a dim of ``spec`` whose size depends on values (``TensorSpec.dynamic``): never legal.
+    Its run-time size differs from the priced one, so tiles and collectives sized from the plan would be wrong, and
+    chunks of a run-time size differ between ranks (gloo's list ``all_gather`` rejects unequal sizes)."""
+    return bool(spec.dynamic) and any(isinstance(p, Shard) and p.dim in spec.dynamic for p in tiling)
+
+
 def expand(op: OpSpec, mesh: Mesh, one_axis: list[Strategy1D] | None = None) -> list[Strategy]:
-    """N-D strategies: the product of one-axis strategies, filtered for legality.  A windowed dim
+    """N-D strategies: the product of one-axis strategies, filtered for legality (valid tilings, no
+    empty tile, no split of a data-dependent dim: ``splits_dynamic``).  A windowed dim
     (``rules.window``) is split by one mesh axis at most, on its input and on the output.
 
     Legality of a tensor's tiling is looked up per tensor: each tensor's few distinct placements give at most
@@ -376,7 +432,7 @@ def expand(op: OpSpec, mesh: Mesh, one_axis: list[Strategy1D] | None = None) -> 
         code = np.array([distinct.index(p) for p in placed])
         shape = tuple(spec.shape)
         legal = np.array([is_valid(t, shape, mesh) and not has_empty_tile(t, shape, mesh)
-                          for t in itertools.product(distinct, repeat=n)])
+                          and not splits_dynamic(t, spec) for t in itertools.product(distinct, repeat=n)])
         ok &= legal[(code[combos] * len(distinct) ** np.arange(n - 1, -1, -1)).sum(axis=1)]
     out: list[Strategy] = []
     for row in combos[ok].tolist():
@@ -436,6 +492,8 @@ def is_float(spec: TensorSpec) -> bool:
 
 __all__ = [
     "TensorSpec", "OpSpec", "Strategy1D", "Strategy", "REGISTRY", "register", "lookup", "OpCost", "ELEMENTWISE", "VIEW",
-    "strategies_1d", "expand", "make_opspec", "spec_of", "op_name", "norm_dim", "shards_except", "is_float",
+    "strategies_1d", "expand", "make_opspec", "spec_of", "op_name", "priced", "priced_shape",
+    "dynamic_dims", "data_dependent", "splits_dynamic", "tensor_dynamic", "DYNAMIC", "norm_dim", "shards_except",
+    "is_float",
     "Partial", "Replicate", "Shard", "R",
 ]

@@ -138,6 +138,10 @@ TABLE: dict[str, LinearFn] = {
     "aten.div.Tensor": _self,
     "aten.div_.Tensor": _self,
     "aten.floor_divide.default": _none,
+    "aten.div.Tensor_mode": _none,  # rounded (floor, trunc): not linear
+    "aten.div.Scalar_mode": _none,
+    "aten.remainder.Scalar": _none,
+    "aten.remainder.Tensor": _none,
     "aten.maximum.default": _none,
     "aten.minimum.default": _none,
     "aten.logical_and.default": _none,

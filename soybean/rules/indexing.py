@@ -18,8 +18,8 @@ each element along ``dim`` only, at its own position elsewhere: every other dim 
 the same size splits, all alike (a router's top-k mask: DeepSeek-V3's group routing).
 
 ``index.Tensor``'s output puts the broadcast index shape where the indexed dims were when
-they are adjacent, and first otherwise (NumPy's rule).  Boolean indices select a
-data-dependent number of elements: no split is listed.
+they are adjacent, and first otherwise (NumPy's rule).  A boolean mask selects a data-dependent
+number of positions (one dim, ``TensorSpec.dynamic``, never split): only the dims no index addresses split.
 """
 from __future__ import annotations
 
@@ -46,8 +46,10 @@ def index(op: OpSpec) -> list[Strategy1D]:
     x = a.tensor("self")
     indices: list = list(a["indices"])
     used = [i for i, t in enumerate(indices) if isinstance(t, TensorSpec)]
-    if not used or any(indices[i].dtype == torch.bool for i in used):
+    if not used:
         return []
+    if any(indices[i].dtype == torch.bool for i in used):
+        return _masked(a, x, indices)
     b = _broadcast_shape([indices[i] for i in used])
     rest = [d for d in range(x.ndim) if d not in used]
     if used == list(range(used[0], used[-1] + 1)):  # adjacent: the broadcast block replaces the indexed dims
@@ -61,6 +63,30 @@ def index(op: OpSpec) -> list[Strategy1D]:
         pls: list[Placement] = [bcast(t, b, j) if isinstance(t, TensorSpec) else R for t in indices]
         if any(p != R for p in pls):
             found.append(a.strategy({"self": R, "indices": pls}, Shard(start + j)))
+    return found + partial_strategies(a, [["self"]])
+
+
+def _masked(a: Args, x: TensorSpec, indices: list) -> list[Strategy1D]:
+    """``self[indices]`` with a boolean mask among the indices: a mask of ``k`` dims addresses ``k`` dims of
+    ``self`` and puts one data-dependent dim (its ``True`` count) in their place.  A dim of ``self`` no index
+    addresses splits on ``self`` and the output (the masks and other indices ``R``: every rank selects the same
+    positions, so the selected count is the same everywhere); the selected dim is never split."""
+    covered: list[int] = []
+    d = 0
+    for t in indices:
+        k = (t.ndim if t.dtype == torch.bool else 1) if isinstance(t, TensorSpec) else 1
+        if isinstance(t, TensorSpec):
+            covered.extend(range(d, d + k))
+        d += k
+    rest = [d for d in range(x.ndim) if d not in covered]
+    out = a.op.outputs[0]
+    block = out.ndim - len(rest)  # the dims the indices' broadcast (a mask: its one selected dim) takes
+    if covered == list(range(covered[0], covered[-1] + 1)):  # adjacent: the block replaces the addressed dims
+        out_dim = {d: d if d < covered[0] else d - len(covered) + block for d in rest}
+    else:  # apart: the block comes first
+        out_dim = {d: block + k for k, d in enumerate(rest)}
+    found = [a.strategy({"self": Shard(d), "indices": [R] * len(indices)}, Shard(out_dim[d])) for d in rest
+             if 0 <= out_dim[d] < out.ndim and out.shape[out_dim[d]] == x.shape[d]]
     return found + partial_strategies(a, [["self"]])
 
 
