@@ -11,8 +11,9 @@ captured graph with one method per node kind:
   the kinds table's ``sb_*`` calls; a value with several uses is resharded once, at its shared
   reshard point); shape-carrying arguments are rewritten by the rule's ``localize`` to this
   device's tile shapes (so the program is per rank: uneven tiles depend on the coordinates); a
-  windowed op whose strategy splits a spatial dim reads its window of rows by a halo exchange
-  (``rules.window``), runs with that dim's padding 0 (the rule's ``window_args``) and keeps its
+  view whose input's tile may not allow it (``rules.views.may_copy``: the tile's layout need not be the serial
+  value's) runs as a reshape; a windowed op whose strategy splits a spatial dim reads its window of rows by a
+  halo exchange (``rules.window``), runs with that dim's padding 0 (the rule's ``window_args``) and keeps its
   own output rows (a ``narrow`` where it computed more); an op whose rule sums statistics across
   tiles (batch norm split along batch or space in training) calls the rule's ``sync_call``; a
   parameter or buffer an op updates in place through a resharded copy is written back along its
@@ -44,6 +45,7 @@ from ..ir.kinds import KINDS, Step
 from ..mesh import Mesh
 from ..plan import Plan, Program
 from ..reshard import Route, StepCall
+from ..rules.views import as_reshape, may_copy
 from ..rules.window import crops, halo_step, halos, local_rows, windows_of
 from ..runtime import context as rt
 from ..runtime.kinds import CALLS
@@ -163,7 +165,13 @@ def walk_order(cap: Captured, program: Program) -> list[fx.Node]:
 class Lowering:
     """One rank's program for ``plan``: placeholders as in ``cap`` (params and buffers as local tiles)."""
 
-    def __init__(self, cap: Captured, plan: Plan | Program, rank: int, tile_outputs: bool = False) -> None:
+    def __init__(self, cap: Captured, plan: Plan | Program, rank: int, tile_outputs: bool = False,
+                 summed_per_use: frozenset[str] = frozenset()) -> None:
+        # Parameters whose partial gradients are summed in the program's backward, each use's own contribution, not
+        # deferred to the runtime's bucketed sync of the accumulated gradient: the model's own parameter objects
+        # (``share_params``), whose ``grad`` may also accumulate what other programs and the user's code add
+        # (a parameter read by two pieces of a dynamo capture, ``soybean.pieces``): only a sum per use stays exact.
+        self.summed_per_use = summed_per_use
         # What runs, named as this capture names its nodes: the record (cost, baselines, ...) is never read.
         self.prog = prog = (plan.program if isinstance(plan, Plan) else plan).aligned(cap.keys)
         self.cap, self.rank = cap, rank
@@ -231,7 +239,7 @@ class Lowering:
     def read(self, e: Edge) -> fx.Node:
         """The value edge ``e``'s consumer reads: its source's value moved along the edge's route."""
         U, V = self.pg.vars[e.src], self.pg.vars[e.dst]
-        defer = self.grad_sync.setdefault(U.fqn, set()) if e.deferred else None
+        defer = self.grad_sync.setdefault(U.fqn, set()) if e.deferred and U.fqn not in self.summed_per_use else None
         x = self.value(e.src, e.src_out)
         # An op's slices of a placeholder's value that nothing writes may alias it.
         view = V.kind == "op" and x in self.readonly
@@ -298,6 +306,10 @@ class Lowering:
         if split and entry is not None and entry.window_args is not None:
             args, kwargs = entry.window_args(op, args, kwargs, local_rows(split, self.mesh, self.coords))
         target = node.target
+        if may_copy(node) and as_reshape(target) is not None:
+            # A view whose input's tile may be laid out so that no view exists (``rules.views.may_copy``): run as
+            # the reshape of the same meaning, a view where the tile allows one, else the priced copy.
+            target = as_reshape(target)
         sync = entry.sync_args(op, st) if entry is not None and entry.sync_args is not None else {}
         if sync and entry is not None and entry.sync_call is not None:  # statistics summed across tiles
             target, kwargs = SYNC_CALLS[entry.sync_call], {**kwargs, **sync}
@@ -365,10 +377,12 @@ class Lowering:
         self.g.output(tree_unflatten(res, spec))
 
 
-def lower(cap: Captured, plan: Plan | Program, rank: int, tile_outputs: bool = False) -> fx.GraphModule:
+def lower(cap: Captured, plan: Plan | Program, rank: int, tile_outputs: bool = False,
+          summed_per_use: frozenset[str] = frozenset()) -> fx.GraphModule:
     """Rank ``rank``'s program for ``plan`` (see ``Lowering``); ``tile_outputs``: split non-scalar outputs are
-    returned as tiles, their tilings in ``meta["output_tilings"]``, not gathered (``soybean.outputs``)."""
-    return Lowering(cap, plan, rank, tile_outputs).run()
+    returned as tiles, their tilings in ``meta["output_tilings"]``, not gathered (``soybean.outputs``);
+    ``summed_per_use``: parameters whose partial gradients the program sums itself, per use (``Lowering``)."""
+    return Lowering(cap, plan, rank, tile_outputs, summed_per_use).run()
 
 
 def emit_files(model: torch.nn.Module, inputs: tuple, plan: Plan, out_dir: str | Path) -> list[Path]:

@@ -13,6 +13,9 @@ times the arithmetic on them.  Each pass also costs the profile's fixed ``op_s``
 (dispatcher, autograd node, kernel launch: what decides the step of a deep model of small layers), not
 divided by the split: every device runs every pass of its tile.
 
+A view is free, except one the program may run as a copy of its tile (``rules.views.may_copy``: the tile's
+layout need not allow the view the serial value allowed): ``copy_seconds``, the tile read and written once.
+
 The optimizer (``optimizer_seconds``): an AdamW step on a local tile costs a fixed time per
 tensor plus its bytes at the optimizer's rate (see ``OPTIMIZER_PASSES``).
 """
@@ -38,8 +41,6 @@ OPTIMIZER_PASSES = 7
 # page-faulted in (``Profile.large_alloc``), which a 32 MiB parameter's step shows as ~1.5x the time.
 # A calibrated profile measures that rate instead (optimizer_large_bw).
 OPTIMIZER_TEMPS = 2
-
-
 
 
 def facts(op: OpSpec) -> OpCost:
@@ -108,16 +109,29 @@ def work_fraction(split_axes: Sequence[bool], mesh: Mesh) -> float:
 
 
 def op_seconds(
-    op: OpSpec, strategies: Sequence[Strategy], grads: list[bool], mesh: Mesh, profile: Profile
+    op: OpSpec, strategies: Sequence[Strategy], grads: list[bool], mesh: Mesh, profile: Profile,
+    copies: bool = False,
 ) -> np.ndarray:
-    """Training-step seconds of ``op`` under each strategy, given which tensor inputs need a gradient."""
+    """Training-step seconds of ``op`` under each strategy, given which tensor inputs need a gradient; ``copies``:
+    a view the program may run as a copy of its tile (``rules.views.may_copy``), priced by ``copy_seconds``."""
     n_flops, byts = flops(op)
     rate = replace(profile, flops=profile.conv_flops) if facts(op).conv and profile.conv_flops else profile
     n_pass = passes(op, grads)
     skew = facts(op).skew
-    return np.array([compute_seconds(n_flops * (skew(op, s, mesh, profile) if skew is not None else 1.0),
-                                     byts, work_fraction(s.divides_work(), mesh), rate, n_pass,
-                                     fresh_bytes(op, s, grads, mesh, profile)) for s in strategies])
+    seconds = np.array([compute_seconds(n_flops * (skew(op, s, mesh, profile) if skew is not None else 1.0),
+                                        byts, work_fraction(s.divides_work(), mesh), rate, n_pass,
+                                        fresh_bytes(op, s, grads, mesh, profile)) for s in strategies])
+    return seconds + copy_seconds(op, strategies, mesh, profile) if copies else seconds
+
+
+def copy_seconds(op: OpSpec, strategies: Sequence[Strategy], mesh: Mesh, profile: Profile) -> np.ndarray:
+    """Seconds of a reshape that copies its tile, under each strategy: the busiest rank's output tile read and
+    written once at ``mem_bw`` (a large one also first-touched: ``Profile.large_alloc``), plus one op's fixed cost.
+    Forward only: the copy's backward is a view of the gradient."""
+    out = op.outputs[0]
+    tiles = [max_local_numel(out.shape, s.outputs[0], mesh) * out.dtype.itemsize for s in strategies]
+    return np.array([compute_seconds(0.0, 2.0 * b, 1.0, profile, 1.0,
+                                     b if profile.large_alloc and b >= profile.large_alloc else 0.0) for b in tiles])
 
 
 def optimizer_step_seconds(

@@ -36,6 +36,7 @@ from ..precision import policy
 from ..rules.attention import cp_method, row_axes
 from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, node_spec, strategies_1d, tensor_args
 from ..rules.datadep import data_dependent
+from ..rules.views import RESHAPES, may_copy
 from ..tiling import Partial, R, Replicate, Shard, is_valid
 from .types import Edge, PlanGraph, Var
 from .units import _module_path, _Rerun
@@ -385,7 +386,10 @@ class _Builder:
             tilings = [t for t in tilings if is_valid(t, shape, mesh)] or [self.full]
         strategies = [Strategy((), (t,)) for t in tilings]
         # A frozen parameter (``requires_grad=False``) gets no gradient, no sync and no optimizer state.
-        ng = self.needs_grad[node.name] = kind == "param" and val.dtype.is_floating_point and fqn not in cap.frozen
+        # An input needs one when its example tensor requires it (``Captured.grad_inputs``: an activation entering a
+        # piece of a model), so that a split use's partial gradients are summed before they leave.
+        ng = self.needs_grad[node.name] = val.dtype.is_floating_point and (
+            (kind == "param" and fqn not in cap.frozen) or (kind == "input" and node.name in cap.grad_inputs))
         # Under a mixed policy a parameter is stored as its master (``g.master_itemsize``), frozen or not.
         master_b = g.master_itemsize if kind == "param" and val.dtype.is_floating_point and g.master_itemsize else 0
         foreach = self.profile.optimizer_foreach
@@ -423,9 +427,11 @@ class _Builder:
         sources = [value_source(g, a) for a in targs]
         grads = [self.needs_grad.get(a.name, False) for a in targs]
         okey = op_key(op) if memo is not None else None
+        copies = may_copy(node) if op.name in RESHAPES else False  # a view that may copy its tile: priced
         kid = None
         if memo is not None and okey is not None:
-            kid = memo.key_id(("op", okey, tuple((memo.cls[u], k) for u, k in sources), tuple(grads), rerun.key(node)))
+            kid = memo.key_id(("op", okey, tuple((memo.cls[u], k) for u, k in sources), tuple(grads), rerun.key(node),
+                               copies))
         hit = memo.vars.get(kid) if memo is not None and kid is not None else None
         if hit is not None:
             strategies, compute, mem, _, op_comm, buffer = hit
@@ -460,8 +466,8 @@ class _Builder:
                     # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
                     whole = [s for s in strategies if all(s.divides_work())]
                     strategies = whole or strategies
-            compute = op_seconds(op, strategies, grads, mesh, profile)
-            forward = op_seconds(op, strategies, [False] * len(grads), mesh, profile) \
+            compute = op_seconds(op, strategies, grads, mesh, profile, copies)
+            forward = op_seconds(op, strategies, [False] * len(grads), mesh, profile, copies) \
                 if rerun.op(node.name) or has_comm(op) else None
             if forward is not None and rerun.op(node.name):  # its forward runs again in backward
                 compute = compute + forward

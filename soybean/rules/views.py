@@ -20,14 +20,29 @@ only) and a sharded dim survives if it maps to one output dim:
 * **slice/narrow/select**: any dim but the indexed one; so for their inverses ``slice_scatter`` and
   ``select_scatter`` (what in-place updates of slices become), linear in the base and the source.
 * **cat/stack/split/chunk/unbind**: any dim but the joined/split one.
+
+**Layouts on tiles** (``may_copy``): whether a ``view`` is possible depends on its input's strides, and a rank's
+tile need not have the serial value's layout: a reshard collective returns a contiguous tile, and the runtime's
+attention calls (query rows, ring, zig-zag) return theirs in their own layout, where the serial op's output may
+be permuted (CPU attention returns ``(B, T, H, D)`` storage for a ``(B, H, T, D)`` result, so nanoGPT's
+``y.transpose(1, 2).contiguous().view(B, T, C)`` is captured without its ``contiguous``).  A view that merges dims
+the serial layout kept adjacent then fails on the tile.  ``may_copy`` marks, from the captured graph alone, every
+reshape-family op that may have to copy on a tile; the generated program runs those views as ``reshape`` (a view
+where the tile allows one, else a copy of the tile: torch decides from the strides the tile has), and the cost
+model prices them as that copy (``cost.compute.copy_seconds``).
 """
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
 
 from ._common import Args, P, Shard, bcast, norm_dim, outputs_float, partial_strategies, size_localizer
-from .base import ELEMENTWISE, VIEW, OpSpec, Strategy1D, register
+from .base import ELEMENTWISE, VIEW, OpSpec, Strategy1D, lookup, op_name, register
 
 
 def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, bool]]:
@@ -271,3 +286,111 @@ def stack(op: OpSpec) -> list[Strategy1D]:
     found = [a.strategy({"tensors": Shard(d)}, Shard(d if d < dim else d + 1)) for d in range(n)]
     return found + partial_strategies(a, [["tensors"]])
 
+
+
+# ---- layouts on tiles -----------------------------------------------------------------------------------------------
+
+# Ops that only re-describe their input's elements in the same order (or add or drop dims of size 1): a contiguous
+# input gives a contiguous output, so they never change whether a later view is possible on a contiguous tile.
+RESHAPES = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.flatten.using_ints",
+    "aten.unflatten.int", "aten.view_as.default", "aten.reshape_as.default", "aten.unsqueeze.default",
+    "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.alias.default", "aten.detach.default",
+})
+# A view that needs its input's layout: run on a tile as the reshape of the same meaning (``as_reshape``).
+_AS_RESHAPE = {
+    "aten.view.default": torch.ops.aten.reshape.default,
+    "aten._unsafe_view.default": torch.ops.aten.reshape.default,
+    "aten.view_as.default": torch.ops.aten.reshape_as.default,
+}
+# Reshapes that copy when the layout asks for it (in the serial run too: their traced value has its own storage).
+_COPYING = frozenset({"aten.reshape.default", "aten.flatten.using_ints", "aten.reshape_as.default"})
+# Rule families whose kernels write a fresh tensor in a layout of their own choosing, whatever their inputs' strides
+# (products, softmax, lookups, losses, factories, attention, routed experts): a layout does not pass through them.
+# Every other op (elementwise ops follow their inputs' strides; norms, convolutions and pools keep a memory format;
+# an op without a rule is not known) is taken to pass its inputs' layouts on.
+FRESH = frozenset({"matmul", "softmax", "embedding", "loss", "factory", "attention", "experts"})
+# Families the program may run by a runtime call of its own (``sb_sdpa_rows``, ``sb_routed_experts``), whose output
+# layout need not be the serial op's.
+RUNTIME_LAYOUT = frozenset({"attention", "experts"})
+MAY_COPY = "soybean_may_copy"  # node.meta key: ``may_copy``'s answer, set for every reshape-family op of a graph
+
+
+def as_reshape(target: Any) -> Any:
+    """The reshape that means what view ``target`` means, copying where the input's layout allows no view (``None``
+    for an op that is not such a view)."""
+    return _AS_RESHAPE.get(op_name(target))
+
+
+def may_copy(node: fx.Node) -> bool:
+    """Whether reshape-family op ``node`` of a captured graph may have to copy its input on some rank's tile: the
+    generated program runs it as a reshape (``as_reshape``) and the cost model prices the copy.
+
+    A value's tile is laid out as the serial value, or contiguous (what a reshard collective returns), except
+    after an op the program may run by a runtime call (attention, routed experts).  Where a value's layout may so
+    *diverge* from the serial one (its serial value is not contiguous, or it comes from such a call) and a
+    *layout-changing* view (a permutation, a slice, an expand: any view not in ``RESHAPES``) follows before the
+    reshape, with only ops that pass a layout on between them (``FRESH``), the reshape's input may be laid out
+    on the tile so that no view exists although the serial one did.  A reshape reading such a call's output
+    directly is marked too.  A reshape whose serial run copies (its traced value has its own storage) copies on
+    the tiles as well.  One forward pass over the graph computes the answer of every such op (``MAY_COPY``): a
+    captured graph does not change.
+    """
+    if MAY_COPY not in node.meta:
+        _mark_layouts(node.graph)
+    return bool(node.meta.get(MAY_COPY, False))
+
+
+def _family(node: fx.Node) -> str | None:
+    entry = lookup(node.target)
+    return entry.family if entry is not None else None
+
+
+def _contiguous(val: Any) -> bool:
+    """Whether every tensor of a traced value is contiguous (a value that is no tensor has no layout)."""
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return all(not isinstance(v, torch.Tensor) or v.is_contiguous() for v in vals)
+
+
+def _shares_storage(a: Any, b: Any) -> bool:
+    try:
+        return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
+    except Exception:  # a value without storage (a subclass, a non-tensor): say it may copy
+        return False
+
+
+def _layout_changing(node: fx.Node) -> bool:
+    """A view that changes which elements are adjacent (permutes, slices, expands); an op without a rule may."""
+    entry = lookup(node.target)
+    if entry is None:
+        return True
+    return entry.cost is not None and entry.cost.view and op_name(node.target) not in RESHAPES
+
+
+def _mark_layouts(graph: fx.Graph) -> None:
+    """``may_copy`` for every reshape-family op of ``graph``, by one pass in topological order that keeps, per
+    value, ``diverged``: its tile's layout may differ from the serial one, and ``broken``: a layout-changing view
+    ran after such a divergence, so the tile may not be viewable where the serial value is."""
+    diverged: dict[fx.Node, bool] = {}
+    broken: dict[fx.Node, bool] = {}
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        ins = [a for a in n.all_input_nodes if a in diverged]
+        fam = _family(n) if n.op == "call_function" and n.target is not operator.getitem else None
+        fresh = n.op != "call_function" or fam in FRESH or (
+            n.target is torch.ops.aten.clone.default and n.kwargs.get("memory_format") == torch.contiguous_format)
+        own = not _contiguous(val) or fam in RUNTIME_LAYOUT
+        if fresh:
+            diverged[n], broken[n] = own, False
+        else:
+            changing = n.target is not operator.getitem and _layout_changing(n)
+            diverged[n] = own or any(diverged[a] for a in ins)
+            broken[n] = any(broken[a] for a in ins) or (changing and any(diverged[a] for a in ins))
+        if n.op == "call_function" and op_name(n.target) in RESHAPES:
+            x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+            src = x.args[0] if x is not None and x.target is operator.getitem else x  # a multi-output op's value
+            copies = x is not None and (broken.get(x, False) or (
+                isinstance(src, fx.Node) and src.op == "call_function" and _family(src) in RUNTIME_LAYOUT))
+            if x is not None and op_name(n.target) in _COPYING and isinstance(val, torch.Tensor):
+                copies = copies or not _shares_storage(val, x.meta.get("val"))
+            n.meta[MAY_COPY] = copies
