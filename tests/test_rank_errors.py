@@ -108,3 +108,38 @@ def test_a_step_failing_on_rank_1_ends_every_rank_naming_it(pipeline: int | None
     assert any("rank 1" in n for n in got[1][2]), got
     assert got[0] is not None and got[0][0] == "RankFailedError", got
     assert got[0][1].startswith(f"rank 1 failed: ValueError: {BOOM}"), got
+
+
+class _SlicedFailsOnRank1(nn.Module):
+    """``examples.models.mlp`` (its loss inside) whose forward raises on rank 1 when given a slice of the batch: in
+    the bench's ``ddp`` variant, not in soybean's (which run the captured program on the whole batch)."""
+
+    def __init__(self, inner: nn.Module, batch: int) -> None:
+        super().__init__()
+        self.inner, self.batch = inner, batch
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < self.batch and dist.is_initialized() and dist.get_rank() == 1:
+            raise ValueError(BOOM)
+        return self.inner(x, y)
+
+
+def sliced_fails_on_rank_1(batch: int = 8, hidden: int = 16) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """The bench's model factory for the test below."""
+    from examples.models import mlp
+
+    model, inputs = mlp(batch=batch, hidden=hidden, layers=1)
+    return _SlicedFailsOnRank1(model, batch), inputs
+
+
+def test_the_bench_reports_a_variant_failing_on_one_rank_and_measures_the_others() -> None:
+    """``ddp`` fails on rank 1 while rank 0 waits in its gradient all-reduce: reported failed with rank 1's error,
+    and ``soybean_dp`` is still measured (in a group started again without ``ddp``)."""
+    from soybean.bench.harness import BenchConfig, run_bench
+
+    cfg = BenchConfig(model=f"{__name__}:sliced_fails_on_rank_1", devices=2, steps=2, warmup=1, timeout_s=240,
+                      variants=("ddp", "soybean_dp"), rounds=0, agree_grace_s=1.0)
+    report = run_bench(cfg)
+    assert report["step_s"]["ddp"] is None, report["reasons"]
+    assert report["reasons"]["ddp"] == f"ValueError: {BOOM} (rank 1)", report["reasons"]
+    assert report["step_s"]["soybean_dp"] is not None, report["reasons"]

@@ -43,7 +43,9 @@ the steps' scatter; more ``--steps`` narrow the intervals).  See :mod:`soybean.b
 soybean's plans are made once, in this process, before the spawn (exactly the call
 ``parallelize`` makes on rank 0), so a plan that cannot be made is a null with its reason rather
 than a hang.  A variant that fails, or a full-batch variant whose first loss differs from the
-serial one, reports null and the reason; the other variants still run.
+serial one, reports null and the reason (a failure on some ranks only: the first error met, naming its
+rank); the other variants still run.  A failure that leaves other ranks inside a collective ends that
+process group: the variants are measured again in a new one without it (``timing.GroupBroken``).
 
 Ratios are speedups: ``speedup vs serial = serial time / variant time`` (above 1 is faster).
 """
@@ -59,6 +61,7 @@ import platform
 import re
 import statistics
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -72,6 +75,8 @@ from ..plan import Plan
 from .report import format_table
 from .stats import fastest_verdict, spearman
 from .timing import (
+    AGREE_GRACE_S,
+    GroupBroken,
     Measurement,
     Prepared,
     Step,
@@ -116,6 +121,8 @@ class BenchConfig:
     loss: str = "inside"                        # LOSS_STYLES
     # PlanOptions fields every soybean variant plans with (``--plan-option expert_imbalance=2``); a variant's own win
     plan_options: dict[str, Any] = field(default_factory=dict)
+    # how long a rank whose variant failed waits for the others' reports before judging them stuck (``timing``)
+    agree_grace_s: float = AGREE_GRACE_S
 
     @property
     def dist_variants(self) -> tuple[str, ...]:
@@ -400,9 +407,12 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
 # ---- the spawned ranks -------------------------------------------------------------
 
 
-def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str]) -> dict[str, Measurement] | None:
+def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str]
+            ) -> dict[str, Measurement] | GroupBroken | None:
     """Body of every spawned rank: one thread, every distributed variant timed by the protocol ``cfg.rounds``
-    picks (``timing``: 1 ``sequential``, else ``interleaved``); rank 0 returns them."""
+    picks (``timing``: 1 ``sequential``, else ``interleaved``); rank 0 returns them, or the ``GroupBroken`` of a
+    variant that failed on some ranks while others were left in a collective (then every rank returns, which ends
+    its process and frees the stuck ones; ``run_bench`` starts again without that variant)."""
     torch.set_num_threads(1)
     # torch's advice about views; nothing here is in place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
@@ -412,11 +422,38 @@ def _worker(rank: int, world: int, cfg: BenchConfig, plans: dict[str, Plan | str
         torch.manual_seed(cfg.seed)
         return training_step(_prepared(functools.partial(_DIST_PREPARE[variant], ctx), cfg), cfg.lr)
 
-    if cfg.rounds == 1:
-        out = sequential(cfg.dist_variants, build, cfg.steps, cfg.warmup, world)
-    else:
-        out = interleaved(cfg.dist_variants, build, cfg.steps, cfg.warmup, cfg.rounds or 0, world)
+    try:
+        if cfg.rounds == 1:
+            out = sequential(cfg.dist_variants, build, cfg.steps, cfg.warmup, world, cfg.agree_grace_s)
+        else:
+            out = interleaved(cfg.dist_variants, build, cfg.steps, cfg.warmup, cfg.rounds or 0, world,
+                              cfg.agree_grace_s)
+    except GroupBroken as e:
+        return GroupBroken(e.variant, e.reason) if rank == 0 else None  # without its traceback's frames
     return out if rank == 0 else None
+
+
+def _spawned(cfg: BenchConfig, plans: dict[str, Plan | str]) -> dict[str, Measurement]:
+    """Every distributed variant measured by ``_worker`` in one spawned group; after a variant that broke the group
+    (``GroupBroken``), in a new group without it (the others measured again from the start), so a failure is that
+    variant's reason and never a hang.  ``TimeoutError`` past ``cfg.timeout_s`` in all."""
+    from ..runtime.launch import collective_timeout, spawn
+
+    broken: dict[str, Measurement] = {}
+    deadline = time.monotonic() + cfg.timeout_s
+    while True:
+        run = replace(cfg, variants=tuple(v for v in cfg.variants if v not in broken))
+        left = deadline - time.monotonic()
+        if not run.dist_variants:
+            return broken
+        if left <= 0:
+            raise TimeoutError(f"bench: the spawned ranks did not finish within {cfg.timeout_s:g} s")
+        got = spawn(_worker, cfg.devices, run, plans, timeout_s=left,
+                    collective_timeout_s=min(left, collective_timeout()))[0]
+        if isinstance(got, GroupBroken):
+            broken[got.variant] = Measurement(reason=got.reason)
+            continue
+        return {**got, **broken}
 
 
 # ---- planning, serial, report --------------------------------------------------------
@@ -620,8 +657,6 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     Raises ``ValueError`` for a bad config or model reference, and ``RuntimeError`` /
     ``TimeoutError`` when the spawned ranks fail outside a variant.
     """
-    from ..runtime.launch import spawn
-
     cfg.validate()
     prof = None
     if cfg.profile == CALIBRATE:
@@ -644,7 +679,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     del model, inputs
     gc.collect()
     if cfg.dist_variants:
-        ms.update(spawn(_worker, cfg.devices, cfg, plans, timeout_s=cfg.timeout_s)[0])
+        ms.update(_spawned(cfg, plans))
     notes: dict[str, str] = {}
     _check_losses(ms, notes)
     predicted = {v: (p.cost["step_time_s"] if isinstance(p, Plan) else None) for v, p in plans.items()}

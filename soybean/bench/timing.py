@@ -3,7 +3,10 @@
 One training step is ``loss = model(*inputs)`` (or ``loss_fn(model(*inputs[:-1]), inputs[-1])`` with the loss
 outside the model), ``loss.backward()``, an AdamW step and ``zero_grad``.  A variant is *built* once (a fresh
 model, prepared, with its optimizer: ``Build``), and every rank *agrees* on whether building or stepping it
-failed (the first rank's error decides for all, so no rank waits on a barrier another left).  Each timed step
+failed (``Agreement``, through the process group's store: the first error met decides for all, so no rank waits
+on a barrier another left; a rank whose variant failed while a peer's did not leaves that peer inside a collective
+that never completes, so the free ranks raise ``GroupBroken`` and leave, which closes their connections and frees
+it, and the caller starts a new group without that variant).  Each timed step
 starts and ends with a barrier and is timed on rank 0's clock.  The protocols differ only in their order:
 
 * ``sequential``: each variant built and timed in turn, twice, in order then in reverse (half the steps each);
@@ -15,10 +18,11 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -136,12 +140,73 @@ def measure(step: Step, steps: int, warmup: int, sync: Callable[[], None]) -> Me
     return Measurement(step_s=statistics.median(times), loss=float(local_value(first)), times=times)
 
 
-def agree(world: int, err: BaseException | None) -> str | None:
-    """Every rank's error (or None) for one variant; the first one decides for all."""
-    reports: list[Any] = [None] * world
-    dist.all_gather_object(reports, None if err is None else asdict(Measurement.failed(err)))
-    bad = [(r, rep["reason"]) for r, rep in enumerate(reports) if rep is not None]
-    return None if not bad else (bad[0][1] if world == 1 else f"{bad[0][1]} (rank {bad[0][0]})")
+class GroupBroken(Exception):
+    """``variant`` failed on some ranks while others did not come to agree (left inside a collective): the process
+    group cannot go on; ``reason`` is the first error met, naming its rank."""
+
+    def __init__(self, variant: str, reason: str) -> None:
+        self.variant, self.reason = variant, reason
+        super().__init__(f"{variant}: {reason}")
+
+    def __reduce__(self) -> tuple:  # rank 0 returns it through a pickle
+        return (GroupBroken, (self.variant, self.reason))
+
+
+# How long a rank whose variant failed waits for every rank's report before it judges the missing ones stuck in a
+# collective (``GroupBroken``).  Ranks failing alike (a variant unavailable for this model) report within moments.
+AGREE_GRACE_S = 10.0
+_POLL_S = 0.002
+
+
+class Agreement:
+    """Every rank's outcome of each attempt, through the default group's store, never a collective (a peer may be
+    stuck in one): each rank posts its error or none, errors numbered as met (``add``); once all posted, the first
+    error met decides for all.  When a rank failed and some rank has not posted within ``grace_s``, the attempt is
+    *broken* (``GroupBroken``); which of the two it is, is set once for all ranks (``compare_set``)."""
+
+    def __init__(self, world: int, grace_s: float = AGREE_GRACE_S) -> None:
+        self.world, self.grace_s, self.attempts = world, grace_s, 0
+        self.rank = dist.get_rank() if world > 1 else 0
+        self.store = dist.group.WORLD.get_group_store() if world > 1 and dist.group.WORLD is not None else None
+
+    def __call__(self, variant: str, err: BaseException | None) -> str | None:
+        """The agreed reason (``None``: every rank succeeded); ``GroupBroken`` when the attempt broke the group."""
+        self.attempts += 1
+        mine = None if err is None else Measurement.failed(err).reason or type(err).__name__
+        if self.store is None:
+            return mine
+        try:
+            return self._agree(f"soybean/bench/{self.attempts}/", mine)
+        except GroupBroken as e:
+            raise GroupBroken(variant, e.reason) from err
+        except Exception as e:  # the store's host (rank 0) left; what it met is in its own report
+            raise GroupBroken(variant, f"{mine} (rank {self.rank})" if mine else
+                              f"a rank left ({type(e).__name__})") from err
+
+    def _agree(self, key: str, mine: str | None) -> str | None:
+        store = self.store
+        assert store is not None
+        number = int(store.add(key + "errors", 1)) if mine is not None else 0
+        store.set(key + str(self.rank), json.dumps([number, mine]))
+        since = time.monotonic() if mine is not None else None
+        while True:
+            posted = {r: json.loads(store.get(key + str(r))) for r in range(self.world) if store.check([key + str(r)])}
+            errors = sorted((n, r, reason) for r, (n, reason) in posted.items() if reason is not None)
+            verdict = None
+            if len(posted) == self.world:
+                verdict = store.compare_set(key + "verdict", "", "agreed")
+            elif store.check([key + "verdict"]):
+                verdict = store.get(key + "verdict")
+            elif errors and since is None:
+                since = time.monotonic()  # another rank failed: the grace runs from here
+            elif since is not None and time.monotonic() - since > self.grace_s:
+                verdict = store.compare_set(key + "verdict", "", "broken")
+            first = f"{errors[0][2]} (rank {errors[0][1]})" if errors else None
+            if verdict == b"broken":
+                raise GroupBroken("", first or "a rank did not report")
+            if verdict is not None and len(posted) == self.world:
+                return first
+            time.sleep(_POLL_S)
 
 
 def mean_over_ranks(world: int, value: float) -> float:
@@ -163,24 +228,28 @@ def release_memory() -> None:
         pass
 
 
-def _attempt(world: int, fn: Callable[[], Any]) -> tuple[Any, str | None]:
-    """``fn()`` on every rank, and the reason agreed on when any rank's call failed."""
+def _attempt(agree: Agreement, variant: str, fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``fn()`` on every rank, and the reason agreed on when any rank's call failed (``GroupBroken`` when a rank
+    was left stuck)."""
     out, err = None, None
     try:
         out = fn()
     except Exception as e:  # a failing variant is reported, the others still run
         err = e
-    return out, agree(world, err)
+    return out, agree(variant, err)
 
 
-def sequential(variants: Sequence[str], build: Build, steps: int, warmup: int, world: int) -> dict[str, Measurement]:
-    """The ``sequential`` protocol (module docstring): each variant built and measured alone, twice."""
+def sequential(variants: Sequence[str], build: Build, steps: int, warmup: int, world: int,
+               grace_s: float = AGREE_GRACE_S) -> dict[str, Measurement]:
+    """The ``sequential`` protocol (module docstring): each variant built and measured alone, twice.  ``grace_s``:
+    ``Agreement``'s."""
+    agree = Agreement(world, grace_s)
     half = max(1, steps // 2)
     passes: list[dict[str, Measurement]] = [{}, {}]
     for p, order in enumerate((variants, variants[::-1])):
         for variant in order:
-            m, reason = _attempt(world, functools.partial(lambda v: measure(build(v), half, warmup, dist.barrier),
-                                                          variant))
+            m, reason = _attempt(agree, variant, functools.partial(
+                lambda v: measure(build(v), half, warmup, dist.barrier), variant))
             if reason is not None:
                 passes[p][variant] = Measurement(reason=reason)
             else:
@@ -199,8 +268,10 @@ def sequential(variants: Sequence[str], build: Build, steps: int, warmup: int, w
 
 
 def interleaved(variants: Sequence[str], build: Build, steps: int, warmup: int, rounds: int,
-                world: int) -> dict[str, Measurement]:
-    """The ``interleaved`` protocol (module docstring): ``rounds`` turns (0: one timed step per turn)."""
+                world: int, grace_s: float = AGREE_GRACE_S) -> dict[str, Measurement]:
+    """The ``interleaved`` protocol (module docstring): ``rounds`` turns (0: one timed step per turn).  ``grace_s``:
+    ``Agreement``'s."""
+    agree = Agreement(world, grace_s)
     built: dict[str, Step] = {}
     failed: dict[str, str] = {}
     first: dict[str, float] = {}
@@ -213,7 +284,7 @@ def interleaved(variants: Sequence[str], build: Build, steps: int, warmup: int, 
         return step
 
     for variant in variants:
-        step, reason = _attempt(world, functools.partial(warm, variant))
+        step, reason = _attempt(agree, variant, functools.partial(warm, variant))
         if reason is not None:
             failed[variant] = reason
         else:
@@ -223,8 +294,8 @@ def interleaved(variants: Sequence[str], build: Build, steps: int, warmup: int, 
     per_round = max(1, steps // rounds)
     for _ in range(rounds):
         for variant in list(built):
-            ts, reason = _attempt(world, functools.partial(lambda v: timed(built[v], per_round, dist.barrier)[0],
-                                                           variant))
+            ts, reason = _attempt(agree, variant, functools.partial(
+                lambda v: timed(built[v], per_round, dist.barrier)[0], variant))
             if reason is not None:
                 failed[variant] = reason
                 built.pop(variant)
