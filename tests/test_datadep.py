@@ -264,6 +264,56 @@ def test_jetmoe_trains_like_serial(objective: str) -> None:
     assert row.results == {objective: "ok"}, row.results
 
 
+class Routed(nn.Module):
+    """JetMoe's pattern: sizes read with ``tolist()`` split the rows, one weight per group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4, 6))
+
+    def forward(self, x: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+        order = group.argsort()
+        sizes = (group[:, None] == torch.arange(3)).sum(0).tolist()
+        parts = x[order].split(sizes)
+        return torch.cat([p @ self.w[i] for i, p in enumerate(parts)]).pow(2).sum()
+
+
+def test_numbers_the_graph_computes_are_priced_in_the_specs_and_pickle() -> None:
+    """A size read with ``tolist()`` reaches a split as a node; its spec holds the priced number (specs go to the
+    planner's workers pickled), and planning on 4 devices (two meshes, forked workers) succeeds."""
+    import pickle
+
+    from soybean.planner import plan as make_plan
+    from soybean.rules.base import node_spec
+
+    torch.manual_seed(0)
+    m, example = Routed(), (torch.randn(9, 4), torch.tensor([0, 2, 2, 1, 0, 2, 2, 1, 2]))
+    cap = capture(m, example)
+    split = next(n for n in cap.graph.nodes if n.target is aten.split_with_sizes.default)
+    assert node_spec(split).args[1] == [2, 2, 5]
+    for n in cap.graph.nodes:
+        if n.op == "call_function":
+            pickle.dumps(node_spec(n))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = make_plan(None, (), captured=cap, devices=4, objective="comm", baselines=False)
+    assert plan.devices == 4
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("devices", [2, 4])
+def test_rows_split_by_sizes_read_from_values_train_like_serial(devices: int) -> None:
+    from soybean.testing import compare, train_parallel_threads, train_serial
+
+    torch.manual_seed(0)
+    m, example = Routed(), (torch.randn(9, 4), torch.tensor([0, 2, 2, 1, 0, 2, 2, 1, 2]))
+    serial = train_serial(m, example, steps=3, lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        par, _ = train_parallel_threads(m, example, devices=devices, objective="comm", steps=3, lr=1e-2)
+    assert compare(serial, par) == []
+
+
 def test_no_strategy_list_changes_for_static_shapes() -> None:
     """Without marks nothing is filtered: the strategies of a plain op are those it always had."""
     x = randn(6, 4)

@@ -296,12 +296,19 @@ def spec_of(x: Any) -> Any:
 
 
 def make_opspec(target: Any, args: tuple, kwargs: dict, output: Any) -> OpSpec:
-    """Build an ``OpSpec``; tensors (or tensor-valued fx nodes) become ``TensorSpec``s."""
+    """Build an ``OpSpec``; tensors (or tensor-valued fx nodes) become ``TensorSpec``s, a node computing a number
+    (a data-dependent size, ``rules.datadep``) its priced value (another node, its name): specs are data, pickled
+    to planner workers (``mesh_pool``)."""
     from torch.utils._pytree import tree_flatten, tree_map
 
     def conv(x: Any) -> Any:
         s = spec_of(x)
-        return s if s is not None else x
+        if s is not None:
+            return s
+        if isinstance(x, torch.fx.Node):  # a number the graph computes (``item``, a size): as priced at capture
+            v = x.meta.get("val")
+            return v if isinstance(v, (int, float, bool)) else x.name
+        return x
 
     a, k = tree_map(conv, (tuple(args), dict(kwargs)))
     leaves, _ = tree_flatten((a, k))
