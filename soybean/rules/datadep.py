@@ -43,7 +43,6 @@ from .base import (
     OpCost,
     OpSpec,
     Strategy1D,
-    TensorSpec,
     dynamic_dims,
     norm_dim,
     op_name,
@@ -51,6 +50,7 @@ from .base import (
     priced_shape,
     register,
 )
+from .indexing import addressed
 
 NUMBER = OpCost(flops=lambda op: 1.0)  # reads one element
 
@@ -258,21 +258,6 @@ def sym_size(op: OpSpec) -> list[Strategy1D]:
     return [Strategy1D((p,), ()) for p in free_placements(x) if p != R and p != Shard(dim)]
 
 
-def _covered(indices: list[Any]) -> list[int] | None:
-    """The dims of ``self`` that ``indices`` (``index``/``index_put``'s list: ``None``, integer or boolean tensors)
-    address: a boolean mask covers as many dims as it has; ``None`` when a mask's dims cannot be told."""
-    dims: list[int] = []
-    d = 0
-    for t in indices:
-        if isinstance(t, TensorSpec):
-            k = t.ndim if t.dtype == torch.bool else 1
-            dims.extend(range(d, d + k))
-            d += k
-        else:
-            d += 1
-    return dims
-
-
 @register("aten.index_put.default", family="datadep", cost=ELEMENTWISE)
 def index_put(op: OpSpec) -> list[Strategy1D]:
     """``out = self`` with ``out[indices] = values`` (``+=`` with ``accumulate``).  A dim of ``self`` no index
@@ -282,9 +267,9 @@ def index_put(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x, v = a.tensor("self"), a.tensor("values")
     indices: list = list(a["indices"])
-    used = _covered(indices)
+    used = addressed(indices)
     found: list[Strategy1D] = []
-    if used is not None and used == list(range(len(used))):  # leading, adjacent: ``self[indices]`` = (*b, *rest)
+    if used == list(range(len(used))):  # leading, adjacent: ``self[indices]`` = (*b, *rest)
         for d in range(len(used), x.ndim):
             j = v.ndim - (x.ndim - d)  # values' dim lined up with self's dim d (from the right)
             vp = (Shard(j) if v.shape[j] == x.shape[d] else R) if j >= 0 else R

@@ -66,18 +66,25 @@ def index(op: OpSpec) -> list[Strategy1D]:
     return found + partial_strategies(a, [["self"]])
 
 
+def addressed(indices: list) -> list[int]:
+    """The dims of ``self`` that an index list (``index``/``index_put``'s: ``None``, integer or boolean tensors)
+    addresses: an integer index one dim, a boolean mask as many as it has."""
+    dims: list[int] = []
+    d = 0
+    for t in indices:
+        k = (t.ndim if t.dtype == torch.bool else 1) if isinstance(t, TensorSpec) else 1
+        if isinstance(t, TensorSpec):
+            dims.extend(range(d, d + k))
+        d += k
+    return dims
+
+
 def _masked(a: Args, x: TensorSpec, indices: list) -> list[Strategy1D]:
     """``self[indices]`` with a boolean mask among the indices: a mask of ``k`` dims addresses ``k`` dims of
     ``self`` and puts one data-dependent dim (its ``True`` count) in their place.  A dim of ``self`` no index
     addresses splits on ``self`` and the output (the masks and other indices ``R``: every rank selects the same
     positions, so the selected count is the same everywhere); the selected dim is never split."""
-    covered: list[int] = []
-    d = 0
-    for t in indices:
-        k = (t.ndim if t.dtype == torch.bool else 1) if isinstance(t, TensorSpec) else 1
-        if isinstance(t, TensorSpec):
-            covered.extend(range(d, d + k))
-        d += k
+    covered = addressed(indices)
     rest = [d for d in range(x.ndim) if d not in covered]
     out = a.op.outputs[0]
     block = out.ndim - len(rest)  # the dims the indices' broadcast (a mask: its one selected dim) takes
