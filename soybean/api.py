@@ -19,11 +19,12 @@ from typing import Any, overload
 import torch
 import torch.distributed as dist
 
-from .capture import Captured, capture, split_example
+from .capture import Captured, CaptureError, capture, split_example
 from .mesh import Mesh
 from .module import ParallelModule
 from .options import PlanOptions, options as merge_options
 from .outputs import OUTPUTS
+from .pieces import CAPTURES, PiecesModule
 from .pipelined import PipelinedModule
 from .placed import PlacedModule
 from .plan import Plan
@@ -83,8 +84,8 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
                 groups: Sequence[Group] | None = None, captured: Captured | None = None, outputs: str = "lazy",
                 share_params: bool = False, example_kwargs: dict | None = None, timeout_s: float | None = None,
                 pipeline: int | str | None = None, microbatches: int | None = None, schedule: str = "1f1b",
-                virtual_stages: int = 1, placement: str | None = None,
-                **option_fields: Any) -> ParallelModule | PipelinedModule | PlacedModule:
+                virtual_stages: int = 1, placement: str | None = None, capture_with: str = "auto",
+                **option_fields: Any) -> ParallelModule | PipelinedModule | PlacedModule | PiecesModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
 
     ``example_inputs``: forward's positional arguments (a tuple, or one tensor), or a dict of its keyword
@@ -143,9 +144,18 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     ``placement_plan``), where modelled faster than the plan without placement; the module is then a
     ``placed.PlacedModule`` (inputs and outputs whole on every rank, ``loss.backward()`` on every rank).  ``None``
     (default): every op on every device.  A plan saved with a placement runs as one.
+
+    ``capture_with``: how the model is captured.  ``auto`` (default): ``torch.export``, and where export cannot
+    capture the model (a graph break: data-dependent Python control flow, code that runs only when not compiling),
+    dynamo in pieces split at its graph breaks, with one warning saying why (``soybean.pieces``); ``export`` or
+    ``dynamo``: only that one.  A model captured in pieces runs as a ``pieces.PiecesModule`` (the same API; every
+    parameter stored whole, its use split; fp32, the full-batch contract, no pipeline stages or placement).  A plan
+    saved from pieces runs as one.
     """
     if outputs not in OUTPUTS:
         raise ValueError(f"unknown outputs {outputs!r}: use one of {', '.join(OUTPUTS)}")
+    if capture_with not in CAPTURES:
+        raise ValueError(f"unknown capture_with {capture_with!r}: use one of {', '.join(CAPTURES)}")
     opts = merge_options(options, **option_fields)
     devices, precision = opts.devices, opts.precision
     mesh_obj = Mesh(opts.mesh) if opts.mesh else None
@@ -199,7 +209,21 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
         raise ValueError(f"placement={placement!r}: use None (every op on every device) or 'auto'")
     if p is not None and p.placement is not None:
         placement = "auto"  # a saved placed plan runs as one
-    cap = captured or capture(model, example_inputs, example_kwargs, precision=prec)
+    if p is not None and p.pieces is not None:
+        capture_with = "dynamo"  # a plan saved from pieces runs as one
+    why = "capture_with='dynamo' was asked"
+    cap = None
+    if captured is not None:
+        cap = captured
+    elif capture_with != "dynamo":
+        try:
+            cap = capture(model, example_inputs, example_kwargs, precision=prec)
+        except CaptureError as e:
+            if capture_with == "export":
+                raise
+            why = str(e).split(". Fix:")[0]
+    if cap is None:
+        return _pieces(model, example_inputs, example_kwargs, opts, world, rank, simulated, prec, p, placement, why)
     if placement == "auto":
         if simulated:
             raise ValueError("a placed plan runs on a torch.distributed process group (torchrun or soybean run), "
@@ -222,6 +246,61 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
 
         groups = torch_groups(pmesh)
     return ParallelModule(model, cap, p, rank, groups, lazy_outputs=outputs == "lazy", share_params=share_params)
+
+
+def _pieces(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions, world: int, rank: int,
+            simulated: bool, precision: str, given: Plan | None, placement: str | None, why: str) -> PiecesModule:
+    """``parallelize`` of a model captured by dynamo in pieces (``soybean.pieces``): plan on rank 0 (or read
+    ``given``), every rank runs the model compiled with the pieces' plans."""
+    import warnings
+
+    from .pieces import pieces_fingerprint, plan_pieces
+
+    if precision != "fp32":
+        raise ValueError(f"{type(model).__name__} is captured by dynamo in pieces ({why}), whose parameters are the "
+                         f"model's own fp32 objects: precision {precision!r} is not offered there; train in fp32 or "
+                         "make forward exportable")
+    if placement == "auto":
+        raise ValueError(f"{type(model).__name__} is captured by dynamo in pieces ({why}): placement is not offered "
+                         "there; drop placement=")
+    if simulated and world > 1:
+        raise ValueError(f"{type(model).__name__} is captured by dynamo in pieces ({why}), which runs on a "
+                         "torch.distributed process group (torchrun or soybean run), not on simulated groups")
+    pm = PiecesModule(model, opts, parallelize)
+    # Every rank collects, not only rank 0 which plans: dynamo's caches then hold the same entries on every rank
+    # (it stops compiling a frame after ``recompile_limit`` entries, and a graph run as captured on one rank but as
+    # a program on another would pair mismatched collectives).
+    pieces = pm.collect(args, kwargs)
+    if given is None:
+        def make() -> Plan:
+            return plan_pieces(model, pieces, world, opts, why, _plan_piece)
+
+        given = _from_rank0(make, rank) if world > 1 else make()
+    elif given.pieces is None:
+        raise ValueError("this plan was made from one exported graph, but the model is captured by dynamo in pieces "
+                         f"({why}): plan again")
+    else:
+        from .capture import capture as capture_graph
+
+        seen = dict.fromkeys(capture_graph(piece, users).fingerprint for piece, users in pieces)
+        mine = pieces_fingerprint(list(seen))
+        if mine != given.fingerprint:
+            raise ValueError(f"plan was made for another model or other input shapes (fingerprint "
+                             f"{given.fingerprint} != {mine}): re-run `soybean plan` for this model and batch")
+    if given.devices != world:
+        raise ValueError(f"plan is for {given.devices} devices but the world size is {world}: "
+                         f"launch {given.devices} processes or re-plan with --devices {world}")
+    pm.use(given)
+    assert given.pieces is not None
+    warnings.warn(f"soybean: {type(model).__name__} captured by dynamo in {len(given.pieces['graphs'])} pieces split "
+                  f"at graph breaks, not by torch.export ({why}); parameters are stored whole, the pieces' work is "
+                  "split", stacklevel=3)
+    return pm
+
+
+def _plan_piece(cap: Captured, opts: PlanOptions, world: int) -> Plan:
+    """One piece's plan (``pieces.plan_pieces``): on every device, no baselines."""
+    return make_plan(None, (), world, options=opts, baselines=False, captured=cap)
 
 
 def placed_or_plain(cap: Captured, world: int, opts: PlanOptions, say: Callable[[str], None] = lambda line: None,

@@ -434,9 +434,14 @@ def inline_grad_regions(gm: fx.GraphModule) -> None:
             with g.inserting_before(n):
                 result = g.graph_copy(body.graph, env)
                 outs = list(result) if isinstance(result, (tuple, list)) else [result]
+                # ``module.to(its own dtype)`` inside ``no_grad`` (Switch Transformers' router casts its classifier on
+                # every call): ``p.set_(p.to(dtype))`` changes nothing, and the parameter read after it is the
+                # parameter itself, whose gradient must flow (detaching it would lose the classifier's gradient).
+                outs = [_unset(g, o) if isinstance(o, fx.Node) else o for o in outs]
                 if not enabled:
+                    # (a value the region only passes through is not made in it: it keeps its gradient)
                     outs = [_call(g, aten.detach.default, (o,), like=n)
-                            if isinstance(o, fx.Node) and _is_float(o) else o for o in outs]
+                            if isinstance(o, fx.Node) and _is_float(o) and o not in args else o for o in outs]
             for user in list(n.users):  # getitem(call, i)
                 user.replace_all_uses_with(outs[user.args[1]])
                 g.erase_node(user)
@@ -446,6 +451,45 @@ def inline_grad_regions(gm: fx.GraphModule) -> None:
                 delattr(gm, sub.target)
     g.lint()
     gm.recompile()
+
+
+_ALIASING = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.alias.default)
+
+
+def _aliased(n: Any) -> Any:
+    """The tensor ``n`` is the same tensor as: through ``to`` of its own dtype, shape and no copy, and ``alias``."""
+    while (isinstance(n, fx.Node) and n.op == "call_function" and n.target in _ALIASING
+           and not n.kwargs.get("copy", False) and isinstance(n.args[0], fx.Node)):
+        v, w = n.meta.get("val"), n.args[0].meta.get("val")
+        if not (isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) and v.dtype == w.dtype
+                and v.shape == w.shape and v.device == w.device):
+            break
+        n = n.args[0]
+    return n
+
+
+def _noop_set(n: fx.Node) -> bool:
+    """Is ``n`` a tensor set to itself: ``set_(x, y)`` with ``x`` and ``y`` the same tensor (``_aliased``:
+    ``x.set_(x.to(x.dtype))``, what ``module.to(its own dtype)`` does to a parameter)?"""
+    return (n.op == "call_function" and n.target is aten.set_.source_Tensor and len(n.args) == 2
+            and _aliased(n.args[0]) is _aliased(n.args[1]))
+
+
+def _unset(g: fx.Graph, n: fx.Node) -> fx.Node:
+    """``n``'s value with a no-op ``set_`` (``_noop_set``) erased: the tensor it set (before any alias), else
+    ``n``; aliases left unread are erased too."""
+    if not _noop_set(n):
+        return n
+    root = _aliased(n.args[0])
+    n.replace_all_uses_with(root)
+    dead = [a for a in n.args if isinstance(a, fx.Node)]
+    g.erase_node(n)
+    while dead:
+        d = dead.pop()
+        if d is not root and d.op == "call_function" and d.target in _ALIASING and not d.users:
+            dead += [a for a in d.args if isinstance(a, fx.Node)]
+            g.erase_node(d)
+    return root
 
 
 def _is_float(n: fx.Node) -> bool:
@@ -458,10 +502,15 @@ ASSERTIONS = (aten._assert_tensor_metadata.default,)
 
 
 def drop_assertions(gm: fx.GraphModule) -> None:
-    """Erase runtime metadata assertions: they return nothing and check what capture already fixed."""
+    """Erase runtime metadata assertions: they return nothing and check what capture already fixed.  Also a
+    tensor set to itself, ``set_(x, x)``: what ``module.to(its own dtype)`` leaves of ``p.data = p.to(dtype)``
+    (Switch Transformers' router casts its classifier on every call); it changes nothing, and run on a parameter
+    that requires a gradient it would raise."""
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and n.target in ASSERTIONS and not n.users:
             gm.graph.erase_node(n)
+        elif _noop_set(n):
+            _unset(gm.graph, n)
     gm.recompile()
 
 
@@ -720,7 +769,7 @@ class Pass(NamedTuple):
 PASSES: tuple[Pass, ...] = (
     Pass("inline_empty_constants", inline_empty_constants, "empty tensor constants -> aten.empty in the graph"),
     Pass("inline_grad_regions", inline_grad_regions, "inline torch.no_grad() regions, their float outputs detached"),
-    Pass("drop_assertions", drop_assertions, "erase _assert_tensor_metadata calls (no output, no effect)"),
+    Pass("drop_assertions", drop_assertions, "erase _assert_tensor_metadata calls and set_(x, x) (no effect)"),
     Pass("functionalize", functionalize, "in-place updates of values forward made -> out-of-place ops"),
     Pass("fold_constant_masks", fold_constant_masks, "constant causal/all-true attention masks -> is_causal or none"),
     Pass("means_to_sums", means_to_sums, "mean, mse_loss(mean), cross_entropy(mean) -> sum / count"),

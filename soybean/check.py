@@ -29,7 +29,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import rules
-from .capture import Captured, capture, split_example
+from .capture import Captured, CaptureError, capture, split_example
 from .graph import op_key
 from .mesh import Mesh, factorizations
 from .rules.base import expand, make_opspec, op_name
@@ -194,19 +194,41 @@ def check_model(model: torch.nn.Module, example_inputs: Any, example_kwargs: dic
                          "device (a small config or batch is enough: the rules are checked, not the size)")
     args, kwargs = split_example(example_inputs, example_kwargs)
     mesh_list = [m if isinstance(m, Mesh) else Mesh(tuple(m)) for m in meshes] if meshes else factorizations(devices)
+    model64 = copy.deepcopy(model).double()
+    args64, kwargs64 = tree_map(_float64, (args, kwargs))
     try:
-        model64 = copy.deepcopy(model).double()
-        args64, kwargs64 = tree_map(_float64, (args, kwargs))
-        cap = capture(model64, args64, kwargs64)
-        env = values(cap, model64, args64, kwargs64)
+        graphs = _graphs(model64, args64, kwargs64)
         dtype = "float64"
     except Exception:  # a model that breaks in float64 (a float32 constant it fills with float64's minimum)
-        cap = capture(model, args, kwargs)
-        env = values(cap, model, args, kwargs)
+        graphs = _graphs(model, args, kwargs)
         dtype = "the model's own dtypes (it does not run in float64)"
-    report = check_captured(cap, env, mesh_list, every_node=every_node, progress=progress, seen=seen)
-    report.dtype = dtype
+    report = CheckReport([m.shape for m in mesh_list], dtype)
+    for cap, env in graphs:
+        part = check_captured(cap, env, mesh_list, every_node=every_node, progress=progress, seen=seen)
+        report.ops, report.nodes, report.strategies = (report.ops + part.ops, report.nodes + part.nodes,
+                                                        report.strategies + part.strategies)
+        report.failures += part.failures
+        for mine, theirs in ((report.unruled, part.unruled), (report.forward_only, part.forward_only),
+                             (report.random, part.random)):
+            mine += [x for x in theirs if x not in mine]
     return report
+
+
+def _graphs(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[tuple[Captured, dict[fx.Node, Any]]]:
+    """The graphs ``parallelize`` would capture of ``model`` with every node's value: the one ``torch.export``
+    graph, or where export fails, each piece dynamo splits forward into (``soybean.pieces``) run on its own
+    example inputs."""
+    try:
+        cap = capture(model, args, kwargs)
+    except CaptureError:
+        from .pieces import collect
+
+        out = []
+        for piece, users in collect(model, args, kwargs):
+            piece_cap = capture(piece, users)
+            out.append((piece_cap, values(piece_cap, piece, users, {})))
+        return out
+    return [(cap, values(cap, model, args, kwargs))]
 
 
 __all__ = ["CheckReport", "Failure", "check_captured", "check_model", "values"]

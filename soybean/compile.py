@@ -5,7 +5,11 @@ Dynamo splits the model's forward at graph breaks (data-dependent Python control
 cannot trace) and hands each piece to the backend as an FX graph whose parameters are inputs (the user's own
 ``nn.Parameter`` objects).  For each piece the backend:
 
-1. wraps the graph as a module whose parameters are those very objects and whose inputs are the rest;
+1. wraps the graph as a module whose parameters are those very objects and whose inputs are the rest
+   (``soybean.pieces``: ``PieceBackend``, the machinery ``parallelize`` shares for a model export cannot capture);
+   dynamo reuses one graph for every module instance that runs the same code (T5's encoder and decoder share
+   ``T5LayerNorm.forward``'s graph, each with its own weight as an input), so a call runs on the parameters it is
+   given: other parameter objects get a program of the same plan bound to them, never the first call's;
 2. plans it with ``soybean.parallelize`` on the current process group (rank 0 plans, every rank runs the same
    plan) in mode ``replicated``: the optimum among plans that **store every parameter whole** on every device,
    while its use may still be split (a column-split matmul reads its slice of the whole weight; the gradient's
@@ -22,36 +26,12 @@ graph, planned anew.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import torch
-from torch import fx, nn
+from torch import fx
 
 from .options import PlanOptions, options as merge_options
-
-
-class _Piece(nn.Module):
-    """One captured graph as a module: its parameter inputs registered as the user's own objects."""
-
-    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
-        super().__init__()
-        self.gm = gm
-        self.slots: list[str | None] = []  # per graph input: a parameter's name here, or None (a user input)
-        for i, x in enumerate(example_inputs):
-            if isinstance(x, nn.Parameter):
-                self.register_parameter(f"p{i}", x)
-                self.slots.append(f"p{i}")
-            else:
-                self.slots.append(None)
-
-    def forward(self, *inputs: Any) -> Any:
-        it = iter(inputs)
-        args = [getattr(self, s) if s is not None else next(it) for s in self.slots]
-        return self.gm(*args)
-
-    def user_inputs(self, example_inputs: Sequence[Any]) -> tuple:
-        return tuple(x for x, s in zip(example_inputs, self.slots) if s is None)
 
 
 def compile_backend(options: PlanOptions | None = None, **option_fields: Any
@@ -63,29 +43,10 @@ def compile_backend(options: PlanOptions | None = None, **option_fields: Any
     ``replicated`` (the user's optimizer holds the parameters).  The backend's ``plans`` lists every piece's
     plan, in the order dynamo captured them."""
     from .api import parallelize
-    from .plan import Plan
+    from .pieces import PieceBackend
 
     opts = merge_options(options, **option_fields)
     if opts.mode not in ("auto", "replicated"):
         raise ValueError(f"compile_backend plans in mode replicated (parameters stored whole, the user's optimizer "
                          f"updates them), not {opts.mode!r}")
-    opts = opts.merged(mode="replicated")
-
-    plans: list[Plan] = []
-
-    def backend(gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
-        piece = _Piece(gm, example_inputs)
-        users = piece.user_inputs(example_inputs)
-        if not any(isinstance(x, torch.Tensor) for x in users):
-            return gm.forward  # nothing to split: a piece of parameter-only work runs as is
-        pm = parallelize(piece, users, options=opts, outputs="full", share_params=True)
-        plans.append(pm.plan)
-
-        def run(*args: Any) -> Any:
-            out = pm(*piece.user_inputs(args))
-            return out if isinstance(out, (tuple, list)) else (out,)
-
-        return run
-
-    backend.plans = plans  # type: ignore[attr-defined]  # every piece's plan, in the order dynamo captured them
-    return backend
+    return PieceBackend(opts, parallelize)

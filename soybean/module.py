@@ -143,7 +143,10 @@ class ParallelModule(nn.Module):
         self._skeleton: nn.Module | None
         object.__setattr__(self, "_skeleton", _skeleton(model))  # not a submodule: its meta tensors are not ours
         # not a submodule: no params of its own
-        object.__setattr__(self, "program", lower(cap, plan, rank, tile_outputs=lazy_outputs))
+        # A shared parameter's ``grad`` may accumulate what other code adds (another piece of a dynamo capture): its
+        # partial gradients are summed per use in the program, not by the bucketed sync of the accumulated total.
+        shared = frozenset(f for k, f in self._order if k == "param" and self.get_parameter(f) is state[f])
+        object.__setattr__(self, "program", lower(cap, plan, rank, tile_outputs=lazy_outputs, summed_per_use=shared))
         self._out_tilings: list = self.program.meta.get("output_tilings", [])
         self._out_shapes = [tuple(v.shape) if isinstance(v := getattr(a, "meta", {}).get("val"), torch.Tensor) else ()
                             for a in tree_flatten(next(n for n in cap.graph.nodes if n.op == "output").args[0])[0]]

@@ -186,6 +186,11 @@ class Plan:
     # attention split along the query sequence (``records.context_parallel_records``): per op its method, mesh axes
     # and degree; no ``context_parallel`` key in the JSON when no attention is split so (a plan of parts: as ``moe``)
     context_parallel: list[dict[str, Any]] = field(default_factory=list)
+    # a model torch.export could not capture, captured by dynamo in pieces split at graph breaks
+    # (``soybean.pieces``): how (``capture``: "dynamo"), why (``why``: export's error), and per piece (``graphs``)
+    # its fingerprint, op count, parameters (the piece's slot -> the model's name) and its own tiling plan (this
+    # class's dict); None, and no ``pieces`` key in the JSON, for a plan of one captured graph
+    pieces: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -247,7 +252,7 @@ class Plan:
                 d["solver"][k] = _sig(d["solver"][k])
         # A mesh solved has its optimum; one pruned unsolved has the lower bound that ruled it out.
         d["meshes"] = [{**m, **{k: _sig(m[k]) for k in ("objective", "bound") if k in m}} for m in self.meshes]
-        for key in ("pipeline", "placement"):
+        for key in ("pipeline", "placement", "pieces"):
             if d[key] is None:
                 del d[key]
         for key in ("moe", "context_parallel"):

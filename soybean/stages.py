@@ -176,7 +176,10 @@ def sub_capture(cap: Captured, tag: str, members: set[str], takes: Sequence[str]
         aliases={k: v for k, v in cap.aliases.items() if v in params.values()},
         fingerprint=hashlib.sha256(f"{cap.fingerprint} {tag} {list(takes)} {list(returns)}".encode()).hexdigest()[:16],
         out_spec=cap.out_spec if last else None, in_spec=cap.in_spec if first else None,
-        arg_names=cap.arg_names if first else (), keys=keys)
+        arg_names=cap.arg_names if first else (), keys=keys,
+        # A later piece's inputs are activations: a floating one sends its gradient back, whole (``graph.build``).
+        grad_inputs=cap.grad_inputs if first else frozenset(
+            t for t in takes if isinstance(v := by_name[t].meta.get("val"), torch.Tensor) and v.is_floating_point()))
 
 
 def run_stages(cap: Captured, stages: Sequence[Stage], state: dict[str, torch.Tensor], inputs: Sequence[Any]) -> Any:

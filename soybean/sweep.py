@@ -164,12 +164,20 @@ def _gloo_rank(rank: int, world: int, ref: str, objective: str, steps: int,
 
 def train(ref: str, objective: str, devices: int, tier: str, steps: int = STEPS,
           lr: float = LR) -> tuple[Trace, dict[str, list[str]]]:
-    """The parallel trace of the model ``ref`` names (``build``) and its plan's parameter tilings."""
+    """The parallel trace of the model ``ref`` names (``build``) and its plan's parameter tilings; a model
+    ``torch.export`` cannot capture trains on gloo processes whatever ``tier`` says (its pieces need a process
+    group)."""
     if tier == "gloo":
         from .runtime.launch import spawn
 
         return spawn(_gloo_rank, devices, ref, objective, steps, lr, timeout_s=600)[0]
+    from .capture import CaptureError, capture
+
     model, example = build(ref)
+    try:
+        capture(model, example)
+    except CaptureError:  # captured by dynamo in pieces (``soybean.pieces``), which runs on gloo processes only
+        return train(ref, objective, devices, "gloo", steps, lr)
     trace, plan = train_parallel_threads(model, example, devices=devices, objective=objective, steps=steps, lr=lr)
     return trace, plan.params
 
@@ -183,14 +191,14 @@ def sweep_arch(arch: archs.Arch, columns: tuple[str, ...] = ("check", *OBJECTIVE
 def sweep(ref: str, row: Row, columns: tuple[str, ...] = ("check", *OBJECTIVES), devices: int = 2,
           tier: str = "threads", say: Callable[[str], None] | None = None) -> Row:
     """The model ``ref`` names (``build``) through ``columns``, its results in ``row``."""
-    from .capture import capture
     from .check import check_model
     from .graph import fallback_ops
+    from .pieces import graphs
 
     t0 = time.perf_counter()
     try:
         model, example = build(ref)
-        row.no_rule = fallback_ops(capture(model, example))
+        row.no_rule = sorted({op for graph in graphs(model, example) for op in fallback_ops(graph)})
         serial = train_serial(model, example, steps=STEPS, lr=LR)
         exact = exact_serial(model, example, serial) if any(c in OBJECTIVES for c in columns) else serial
     except Exception as e:  # a model that does not build or capture: the row says why

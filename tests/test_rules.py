@@ -307,6 +307,14 @@ case(aten.topk.default, X, 3, 0, False)
 case(aten.sort.default, X, 1)
 case(aten.sort.stable, X, stable=True, dim=0, descending=True)
 case(aten.diff.default, X, 1, 1)
+case(aten.any.default, mask(6, 5), splits=False)  # over every dim: REPLICATE_ONLY
+case(aten.any.dim, mask(6, 5, 7), 1)
+case(aten.any.dims, mask(6, 5, 7), [0, 2], True)
+case(aten.all.default, mask(6, 5), splits=False)
+case(aten.all.dim, mask(6, 5, 7), -1)
+case(aten.flip.default, X, [1])
+case(aten.flip.default, X, [0, -1])
+case(aten.as_strided.default, randn(6, 8), [3, 4, 4], [8, 2, 1], splits=False)  # REPLICATE_ONLY: any elements
 case(aten.diff.default, ints(9, 5, 7), 1, -1, ints(9, 5, 1))  # integer (no P): dim 0 splits 2+2+1 on 3
 case(aten.diff.default, X, 2, 0, randn(2, 5, 7), randn(1, 5, 7))
 
@@ -440,7 +448,8 @@ REPLICATE_ONLY = {"aten.arange.default", "aten.arange.start", "aten.arange.start
                   *(f"aten.{n}" for n in ("masked_select.default", "nonzero.default", "argwhere.default",
                                           "_unique2.default", "unique_dim.default", "unique_consecutive.default",
                                           "repeat_interleave.Tensor", "bincount.default", "item.default",
-                                          "_local_scalar_dense.default"))}
+                                          "_local_scalar_dense.default", "as_strided.default", "any.default",
+                                          "all.default"))}
 
 
 @pytest.fixture(autouse=True, scope="module")

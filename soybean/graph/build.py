@@ -396,13 +396,14 @@ class _Builder:
         mem = param_bytes(node, shape, val.dtype.itemsize, tilings, mesh, kind if ng or kind != "param" else "frozen",
                           master_b, foreach)
         gp = None
-        if ng:
+        trained = ng and kind == "param"  # an input's gradient has no sync bucket, master or optimizer state
+        if trained:
             # Its gradient and its share of the gradient-sync buckets (reduced in the compute dtype) exist
             # only once backward has made them: the gradients phase (``phase_memory``).
             sync = sync_bucket_bytes(shape, val.dtype.itemsize, tilings, mesh)
             mem = mem + sync
             gp = grad_phase_bytes(node, shape, val.dtype.itemsize, tilings, mesh, master_b, foreach) + sync
-        opt_s = optimizer_step_seconds(shape, master_b or val.dtype.itemsize, tilings, mesh, self.profile, ng)
+        opt_s = optimizer_step_seconds(shape, master_b or val.dtype.itemsize, tilings, mesh, self.profile, trained)
         vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=ng, grad_phase=gp))
         g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
         g.vars[vi].pinned = self.pin_params and kind == "param" and fqn in self.domains

@@ -38,6 +38,12 @@ TABLE: dict[str, tuple[str | None, bool, bool]] = {
     "aten.std.dim": ("dim", False, False),
     "aten.linalg_vector_norm.default": ("dim", False, False),
     "aten.logsumexp.default": ("dim", False, False),
+    # boolean reductions (LED's ``is_global_attn = is_index_global_attn.flatten().any()``): not sums
+    "aten.any.default": (None, False, False),
+    "aten.any.dim": ("dim", False, False),
+    "aten.any.dims": ("dim", False, False),
+    "aten.all.default": (None, False, False),
+    "aten.all.dim": ("dim", False, False),
 }
 
 

@@ -138,6 +138,24 @@ def permute(op: OpSpec) -> list[Strategy1D]:
     return renumber(a, [dims.index(d) for d in range(n)])
 
 
+@register("aten.flip.default", family="views", cost=ELEMENTWISE)
+def flip(op: OpSpec) -> list[Strategy1D]:
+    """``flip(x, dims)``: a copy with ``dims`` reversed; a dim it does not reverse splits (each tile is flipped
+    where it lies), a reversed one stays whole (device k's rows would be device p-1-k's); linear."""
+    a = Args(op)
+    x = a.tensor("self")
+    flipped = {d % x.ndim for d in a["dims"]}
+    found = [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim) if d not in flipped]
+    return found + partial_strategies(a, [["self"]])
+
+
+@register("aten.as_strided.default", family="views", cost=VIEW)
+def as_strided(op: OpSpec) -> list[Strategy1D]:
+    """``as_strided(x, size, stride, offset)`` reads any elements of ``x``'s storage in any order (LED's sliding
+    chunks): nothing splits; it runs on the whole tensor."""
+    return []
+
+
 @register("aten.transpose.int", family="views", cost=VIEW)
 def transpose(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)

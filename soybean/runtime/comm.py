@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ..mesh import Mesh
 from ..tiling import chunk_range
+from .timeouts import group_timeout
 
 # torch 2.13 renamed the fixed-size collectives (the old names warn); torch >= 2.5 has the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -472,10 +473,9 @@ def torch_groups(mesh: Mesh, backend: str | None = None, ranks: Sequence[int] | 
 
     ``dist.new_group`` is collective over the whole world, so every rank creates
     every group of every axis in the same order and keeps the ones it belongs to.
-    ``backend=None`` inherits the default group's backend; a collective waits ``launch.group_timeout()``.
+    ``backend=None`` inherits the default group's backend; a collective waits ``timeouts.group_timeout()``.
     """
     from .agree import checkpoint
-    from .launch import group_timeout  # launch imports this module
 
     checkpoint()  # inside parallelize: a rank that failed meets the others here, not in ``new_group``
     world, rank = dist.get_world_size(), dist.get_rank()
