@@ -137,6 +137,7 @@ def _write_plan(a: argparse.Namespace, p: Plan, text: str) -> None:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
+    from .capture import CaptureError
     from .options import plan_options
     from .report import table
 
@@ -145,7 +146,14 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         if a.placement != "none":
             raise ValueError("--placement and --pipeline are planned apart for now: give one of them")
         return _plan_pipelined(a, opts)
-    model, inputs, cap = _captured(a, opts.precision)
+    try:
+        model, inputs, cap = _captured(a, opts.precision)
+    except CaptureError as e:  # captured by dynamo in pieces, as parallelize captures it
+        from .report import pieces_table
+
+        p = _pieces_plan(a, opts, e)[0]
+        _write_plan(a, p, p.to_json() if a.format == "json" else pieces_table(p))
+        return 0
     if a.placement == "auto":
         from .api import placed_or_plain
         from .report import placement_table
@@ -168,12 +176,41 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def _pieces_plan(a: argparse.Namespace, opts: Any, err: Exception, given: Plan | None = None
+                 ) -> tuple[Plan, list[Captured]]:
+    """A model ``torch.export`` could not capture (``err``), as ``parallelize`` plans it: its pieces captured by
+    dynamo (``soybean.pieces``) and planned each (or ``given``'s plans, checked against them); the plan and the
+    pieces' captures, one per plan."""
+    from . import models
+    from .capture import capture, split_example
+    from .pieces import collect, pieces_fingerprint, plan_pieces
+
+    if opts.precision not in (None, "fp32"):
+        raise ValueError(f"the model is captured by dynamo in pieces ({err}): only fp32 is offered there")
+    model, inputs = models.load(a.model, models.parse_args(a.arg))
+    args, kwargs = split_example(inputs, None)
+    pieces = collect(model, args, kwargs)
+    caps = list({c.fingerprint: c for c in (capture(piece, users) for piece, users in pieces)}.values())
+    why = str(err).split(". Fix:")[0]
+    if given is None:
+        p = plan_pieces(model, pieces, opts.world, opts, why,
+                        lambda cap, o, world: _planned(not a.quiet, None, (), world, options=o, captured=cap,
+                                                       baselines=False))
+    else:
+        p = given
+        mine = pieces_fingerprint([c.fingerprint for c in caps])
+        if given.pieces is None or mine != given.fingerprint:
+            raise ValueError(f"the plan was made for another model or other input shapes (fingerprint "
+                             f"{given.fingerprint} != {mine}): give the model and --arg it was planned with")
+    return p, caps
+
+
 def _explained(a: argparse.Namespace) -> list[tuple[str, Explanation, list[int] | None]]:
     """``explain`` and ``draw``: the model's plan (``--plan``: a saved one, checked against the model; else
     planned now as ``soybean plan`` would) and its rows on the plan's full candidate table; a pipelined plan
     (``--plan`` of one, or ``--pipeline S``), one per stage, each titled by its stage's row of the table."""
     from . import models
-    from .capture import capture
+    from .capture import CaptureError, capture
     from .cost.profiles import load_profile
     from .explain import explain
     from .options import plan_options
@@ -187,6 +224,17 @@ def _explained(a: argparse.Namespace) -> list[tuple[str, Explanation, list[int] 
         return _explained_stages(a, model, inputs, given, profile)
     if (given is not None and given.placement is not None) or (given is None and a.placement == "auto"):
         return _explained_regions(a, model, inputs, given, profile)
+    try:
+        capture(model, inputs)
+    except CaptureError as e:  # a plan made of pieces: one part per piece
+        from .pieces import piece_plans
+
+        if given is None and a.devices is None:
+            raise ValueError("give --devices P to plan the model, or a saved plan with --plan") from None
+        p, caps = _pieces_plan(a, plan_options(a), e, given)
+        assert p.pieces is not None
+        return [(f"{row['ops']} ops, {len(row['params'])} parameters", explain(cap, part, profile), None)
+                for row, cap, part in zip(p.pieces["graphs"], caps, piece_plans(p))]
     if a.plan:
         p = Plan.load(a.plan)
         if a.devices is not None and a.devices != p.devices:
@@ -287,7 +335,11 @@ def _part_kind(a: argparse.Namespace) -> str:
     """What one part of an explained plan is: a placed plan's region or a pipelined plan's stage."""
     from .plan import Plan
 
-    placed = a.placement == "auto" or (a.plan and Plan.load(a.plan).placement is not None)
+    given = Plan.load(a.plan) if a.plan else None
+    if given is not None and given.pieces is not None or (given is None and a.pipeline == "none"
+                                                           and a.placement != "auto"):
+        return "piece"  # (only a plan of parts is asked its kind: without stages or regions, it is made of pieces)
+    placed = a.placement == "auto" or (given is not None and given.placement is not None)
     return "region" if placed else "pipeline stage"
 
 

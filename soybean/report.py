@@ -154,3 +154,20 @@ def pipeline_table(plan: Plan) -> str:
         lines.append(f"without stages: {pipe['without_stages_s'] * 1e3:.4g} ms")
     lines += [_total(k, v) for k, v in plan.baselines.items()]
     return "\n".join(lines) + "\n"
+
+
+def pieces_table(plan: Plan) -> str:
+    """A plan made of pieces (``soybean.pieces``): why and how the model was captured, then each piece's ops,
+    parameters and modelled step, and its own table."""
+    from .pieces import piece_plans
+
+    assert plan.pieces is not None
+    rows = plan.pieces["graphs"]
+    lines = [f"soybean plan: {plan.devices} devices, captured by dynamo in {len(rows)} pieces ({plan.pieces['why']}); "
+             "parameters stored whole, each piece's work split", ""]
+    for k, (row, part) in enumerate(zip(rows, piece_plans(plan))):
+        lines.append(f"== piece {k}: {row['ops']} ops, {len(row['params'])} parameters, "
+                     f"{part.cost.get('step_time_s', 0.0) * 1e3:.3f} ms modelled")
+        lines.append(table(part))
+    lines.append(f"pieces together: {plan.cost.get('step_time_s', 0.0) * 1e3:.3f} ms modelled per step")
+    return "\n".join(lines) + "\n"

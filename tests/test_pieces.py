@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ def test_compile_backend_on_one_device_is_exact(name: str) -> None:
     assert _sgd(compiled, list(model.parameters()), ex, labels, steps=4) == pytest.approx(want, rel=1e-6)
 
 
-def _ranks(rank: int, world: int) -> dict[str, list[float]]:
+def _ranks(rank: int, world: int, path: str) -> dict[str, list[float]]:
     torch._dynamo.reset()
     out = {}
     for name, objective in (("switch_transformers", "comm"), ("longt5", "time"), ("led", "comm")):
@@ -124,6 +125,15 @@ def _ranks(rank: int, world: int) -> dict[str, list[float]]:
             warnings.simplefilter("ignore")
             pm = soybean.parallelize(model, ex, devices=world, objective=objective)
         out[f"{name} {objective}"] = _sgd(pm, list(pm.parameters()), ex, labels)
+        if name == "led":  # a sharded checkpoint of the trained pieces loads into a fresh model's
+            pm.save_sharded(path)
+            fresh, _, _ = _outside(name)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                again = soybean.parallelize(fresh, ex, devices=world, plan=pm.plan)
+            again.load_sharded(path)
+            trained, loaded = pm.full_state_dict(), again.full_state_dict()
+            assert trained.keys() == loaded.keys() and all(torch.equal(v, loaded[k]) for k, v in trained.items())
     model, ex, labels = _outside("switch_transformers")
     compiled = torch.compile(model, backend=soybean.compile_backend(objective="comm"), dynamic=False)
     out["switch_transformers compile comm"] = _sgd(compiled, list(model.parameters()), ex, labels)
@@ -131,15 +141,41 @@ def _ranks(rank: int, world: int) -> dict[str, list[float]]:
 
 
 @pytest.mark.dist
-def test_two_gloo_processes_train_as_serial() -> None:
+def test_two_gloo_processes_train_as_serial(tmp_path: Path) -> None:
     """``parallelize`` (both objectives among the three models: ``comm`` splits the pieces' work) and the compile
-    backend, 2 gloo processes, the loss outside from ``out.logits``: every step's loss equals serial."""
+    backend, 2 gloo processes, the loss outside from ``out.logits``: every step's loss equals serial; a sharded
+    checkpoint saved from one model's pieces loads into a fresh model run with the same plan."""
     from soybean.runtime.launch import spawn
 
     want = {}
     for name in ("switch_transformers", "longt5", "led"):
         model, ex, labels = _outside(name)
         want[name] = _sgd(model, list(model.parameters()), ex, labels)
-    for got in spawn(_ranks, 2, timeout_s=900):
+    for got in spawn(_ranks, 2, str(tmp_path / "ckpt"), timeout_s=900):
         for key, losses in got.items():
             assert losses == pytest.approx(want[key.split()[0]], rel=1e-5), key
+
+
+def led_model() -> tuple[torch.nn.Module, tuple]:
+    """LED as a model reference for the command line (``tests.test_pieces:led_model``): its input ids alone."""
+    model, ex = archs.build(archs.BY_NAME["led"])
+    return model, (ex["input_ids"],)
+
+
+@pytest.mark.unit
+def test_the_command_line_plans_explains_and_draws_pieces(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from soybean.cli import main
+
+    torch._dynamo.reset()
+    ref, out = "tests.test_pieces:led_model", tmp_path / "plan.json"
+    assert main(["plan", ref, "--devices", "2", "--objective", "comm", "--no-cache", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "captured by dynamo in" in text and "== piece 1:" in text and "GuardOnDataDependentSymNode" in text
+    assert main(["plan", ref, "--devices", "2", "--no-cache", "--quiet", "--format", "json", "--out", str(out)]) == 0
+    saved = Plan.load(out)
+    assert saved.pieces is not None and len(saved.pieces["graphs"]) >= 2
+    capsys.readouterr()
+    assert main(["explain", ref, "--plan", str(out)]) == 0
+    assert capsys.readouterr().out.count("== piece ") == len(saved.pieces["graphs"])
+    assert main(["draw", ref, "--plan", str(out), "--out", str(tmp_path / "plan.svg")]) == 0
+    assert (tmp_path / "plan.svg").read_text().startswith("<")
