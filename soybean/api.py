@@ -270,7 +270,13 @@ def _pieces(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions
     # Every rank collects, not only rank 0 which plans: dynamo's caches then hold the same entries on every rank
     # (it stops compiling a frame after ``recompile_limit`` entries, and a graph run as captured on one rank but as
     # a program on another would pair mismatched collectives).
-    pieces = pm.collect(args, kwargs)
+    try:
+        pieces = pm.collect(args, kwargs)
+    except Exception as e:  # dynamo failed too (transformers' LongT5 transient-global fails under torch.compile)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CaptureError(f"could not capture {type(model).__name__}: torch.export failed ({why}) and so did dynamo "
+                           f"({type(e).__name__}: {first}). Fix: run the model under torch.compile(model, "
+                           "backend='eager') to see dynamo's error, and make that code path traceable") from e
     if given is None:
         def make() -> Plan:
             return plan_pieces(model, pieces, world, opts, why, _plan_piece)
