@@ -169,10 +169,7 @@ class PipelinedModule(nn.Module):
         self._pstages = []
         # Static metadata (shapes, dtypes, which values carry gradients): torch would infer it by running each stage
         # on uninitialised tensors, which breaks a stage that indexes with a received integer tensor.
-        try:
-            examples: list[tuple[tuple, tuple]] | None = boundary_examples(stages, policy(plan.precision).cast)
-        except (NotImplementedError, RuntimeError):  # an op that reads data (MoE routing): torch infers it
-            examples = None
+        examples: list[tuple[tuple, tuple]] | None = boundary_examples(stages, policy(plan.precision).cast)
         self._device = device = next(model.parameters(), torch.empty(0)).device  # cpu (gloo); a rank's GPU (NCCL)
         # what each stage receives (shapes and dtypes), for the forward-only pass
         self._receives: list[tuple[torch.Tensor, ...]] = [

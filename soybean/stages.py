@@ -200,6 +200,35 @@ def boundary_examples(stages: Sequence[Stage], cast: Callable[[torch.Tensor], to
     pipeline schedule sends and receives), found by running the stages one after the other on the meta device
     with the trained parameters tracked; ``cast``: the precision policy's cast of parameters and inputs, as the
     stage's program applies it.  The last stage's outputs are the leaves of the model's output."""
+    try:
+        return _run_on_meta(stages, cast)
+    except (NotImplementedError, RuntimeError):  # an op that reads data (MoE routing): the captures' own shapes
+        return _from_captures(stages, cast)
+
+
+def _from_captures(stages: Sequence[Stage], cast: Callable[[torch.Tensor], torch.Tensor]
+                   ) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+    """``boundary_examples`` from each stage's capture (its values' shapes and dtypes, as capture priced them), where
+    the stages cannot run on the meta device; a floating value past the first stage's inputs carries a gradient
+    (``value_facts``' reading).  Without them torch would infer the metadata by running each stage on uninitialised
+    tensors, and a stage that reads a received integer tensor (the labels of a loss inside the model) fails on it."""
+    out = []
+    for k, st in enumerate(stages):
+        c = st.cap
+        ins = tuple(cast(_meta_like(n.meta["val"])).requires_grad_(k > 0 and n.meta["val"].is_floating_point())
+                    if isinstance(n.meta.get("val"), torch.Tensor) else n.meta.get("val")
+                    for n in c.graph.nodes if n.op == "placeholder" and n.name not in c.params
+                    and n.name not in c.buffers)
+        result = next(n for n in c.graph.nodes if n.op == "output").args[0]
+        outs = tuple(cast(_meta_like(v)).requires_grad_(v.is_floating_point())
+                     for a in tree_leaves(result) if isinstance(a, fx.Node)
+                     and isinstance(v := a.meta.get("val"), torch.Tensor))
+        out.append((ins, outs))
+    return out
+
+
+def _run_on_meta(stages: Sequence[Stage], cast: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
     out = []
     values: tuple[Any, ...] = ()
     for k, st in enumerate(stages):
