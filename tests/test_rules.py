@@ -134,7 +134,7 @@ case(aten.__and__.Tensor, torch.tensor(True), mask(4, 3, 5, 5))
 case(aten.__or__.Tensor, mask(6, 5), mask(6, 1))
 case(aten.bitwise_and.Tensor, ints(9, 6, 5), ints(9, 5))
 case(aten.bitwise_or.Tensor, ints(9, 6, 5), ints(9, 6, 1))
-for _c in ("eq", "ne", "lt", "le", "gt", "ge"):
+for _c in ("eq", "ne", "lt", "le", "gt", "ge", "greater", "greater_equal", "less", "less_equal", "not_equal"):
     case(getattr(aten, _c).Tensor, X.round(), Y.round())
     case(getattr(aten, _c).Scalar, X.round(), 0.0)
 case(aten.where.self, mask(5, 7), X, randn(6, 1, 7))
@@ -307,6 +307,7 @@ case(aten.topk.default, X, 3, 0, False)
 case(aten.sort.default, X, 1)
 case(aten.sort.stable, X, stable=True, dim=0, descending=True)
 case(aten.diff.default, X, 1, 1)
+case(aten.one_hot.default, ints(5, 6, 7), 5)
 case(aten.any.default, mask(6, 5), splits=False)  # over every dim: REPLICATE_ONLY
 case(aten.any.dim, mask(6, 5, 7), 1)
 case(aten.any.dims, mask(6, 5, 7), [0, 2], True)

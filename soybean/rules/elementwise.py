@@ -148,6 +148,9 @@ TABLE: dict[str, LinearFn] = {
     "aten.logical_or.default": _none,
     **{f"aten.{n}.Tensor": _none for n in ("__and__", "__or__", "bitwise_and", "bitwise_or")},
     **{f"aten.{c}.{o}": _none for c in ("eq", "ne", "lt", "le", "gt", "ge") for o in ("Tensor", "Scalar")},
+    # their long names (``torch.greater`` in Switch Transformers' router), separate overloads of the same ops
+    **{f"aten.{c}.{o}": _none for c in ("greater", "greater_equal", "less", "less_equal", "not_equal")
+       for o in ("Tensor", "Scalar")},
     # selection
     "aten.where.self": _where,
     "aten.where.ScalarOther": _where_scalar_other,

@@ -110,6 +110,15 @@ def gather(op: OpSpec) -> list[Strategy1D]:
     return found + partial_strategies(a, [["self"]])
 
 
+@register("aten.one_hot.default", family="indexing", cost=ELEMENTWISE)
+def one_hot(op: OpSpec) -> list[Strategy1D]:
+    """``out[..., c] = (self[...] == c)``: each index its own row of classes; every dim of ``self`` splits, the new
+    last dim (the classes) stays whole."""
+    a = Args(op)
+    x = a.tensor("self")
+    return [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim)]
+
+
 @register("aten.index_select.default", family="indexing", cost=ELEMENTWISE)
 def index_select(op: OpSpec) -> list[Strategy1D]:
     """``dim`` of the output is the 1-D ``index``; every other dim is self's."""
