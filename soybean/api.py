@@ -254,7 +254,7 @@ def _pieces(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions
     ``given``), every rank runs the model compiled with the pieces' plans."""
     import warnings
 
-    from .pieces import pieces_fingerprint, plan_pieces
+    from .pieces import distinct, pieces_fingerprint, plan_pieces
 
     if precision != "fp32":
         raise ValueError(f"{type(model).__name__} is captured by dynamo in pieces ({why}), whose parameters are the "
@@ -271,7 +271,7 @@ def _pieces(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions
     # (it stops compiling a frame after ``recompile_limit`` entries, and a graph run as captured on one rank but as
     # a program on another would pair mismatched collectives).
     try:
-        pieces = pm.collect(args, kwargs)
+        pieces = distinct(pm.collect(args, kwargs))
     except Exception as e:  # dynamo failed too (transformers' LongT5 transient-global fails under torch.compile)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CaptureError(f"could not capture {type(model).__name__}: torch.export failed ({why}) and so did dynamo "
@@ -286,10 +286,7 @@ def _pieces(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions
         raise ValueError("this plan was made from one exported graph, but the model is captured by dynamo in pieces "
                          f"({why}): plan again")
     else:
-        from .capture import capture as capture_graph
-
-        seen = dict.fromkeys(capture_graph(piece, users).fingerprint for piece, users in pieces)
-        mine = pieces_fingerprint(list(seen))
+        mine = pieces_fingerprint([cap.fingerprint for _, cap in pieces])
         if mine != given.fingerprint:
             raise ValueError(f"plan was made for another model or other input shapes (fingerprint "
                              f"{given.fingerprint} != {mine}): re-run `soybean plan` for this model and batch")

@@ -182,15 +182,15 @@ def _pieces_plan(a: argparse.Namespace, opts: Any, err: Exception, given: Plan |
     dynamo (``soybean.pieces``) and planned each (or ``given``'s plans, checked against them); the plan and the
     pieces' captures, one per plan."""
     from . import models
-    from .capture import capture, split_example
-    from .pieces import collect, pieces_fingerprint, plan_pieces
+    from .capture import split_example
+    from .pieces import collect, distinct, pieces_fingerprint, plan_pieces
 
     if opts.precision not in (None, "fp32"):
         raise ValueError(f"the model is captured by dynamo in pieces ({err}): only fp32 is offered there")
     model, inputs = models.load(a.model, models.parse_args(a.arg))
     args, kwargs = split_example(inputs, None)
-    pieces = collect(model, args, kwargs)
-    caps = list({c.fingerprint: c for c in (capture(piece, users) for piece, users in pieces)}.values())
+    pieces = distinct(collect(model, args, kwargs))
+    caps = [cap for _, cap in pieces]
     why = str(err).split(". Fix:")[0]
     if given is None:
         p = plan_pieces(model, pieces, opts.world, opts, why,

@@ -220,14 +220,14 @@ def collect(model: nn.Module, args: tuple, kwargs: dict) -> list[tuple[_Piece, t
 
 def graphs(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None) -> list[Captured]:
     """What ``parallelize`` captures of ``model``: its one ``torch.export`` graph, or where export fails, every
-    piece dynamo splits its forward into (``collect``)."""
+    distinct piece dynamo splits its forward into (``collect``, ``distinct``)."""
     from .capture import CaptureError, split_example
 
     args, kwargs = split_example(example_inputs, example_kwargs)
     try:
         return [capture(model, args, kwargs)]
     except CaptureError:
-        return [capture(piece, users) for piece, users in collect(model, args, kwargs)]
+        return [cap for _, cap in distinct(collect(model, args, kwargs))]
 
 
 def pieces_fingerprint(fingerprints: Sequence[str]) -> str:
@@ -235,22 +235,29 @@ def pieces_fingerprint(fingerprints: Sequence[str]) -> str:
     return hashlib.sha256("|".join(fingerprints).encode()).hexdigest()[:16]
 
 
-def plan_pieces(model: nn.Module, pieces: Sequence[tuple[_Piece, tuple]], world: int, opts: PlanOptions, why: str,
+Distinct = list[tuple[_Piece, Captured]]
+
+
+def distinct(pieces: Sequence[tuple[_Piece, tuple]]) -> Distinct:
+    """Each of ``pieces`` (``collect``, ``PiecesModule.collect``) captured once, in order, a graph another piece
+    already computes (same fingerprint) left out: what is planned, and what a saved plan's fingerprint is of."""
+    out: dict[str, tuple[_Piece, Captured]] = {}
+    for piece, users in pieces:
+        cap = capture(piece, users)
+        out.setdefault(cap.fingerprint, (piece, cap))
+    return list(out.values())
+
+
+def plan_pieces(model: nn.Module, pieces: Distinct, world: int, opts: PlanOptions, why: str,
                 plan_one: Callable[[Captured, PlanOptions, int], Plan]) -> Plan:
-    """The plan of ``model`` captured by dynamo in ``pieces`` (``collect``, ``PiecesModule.collect``; module
-    docstring): every piece planned on ``world`` devices in mode ``replicated`` by ``plan_one``, and one plan
-    recording them (``Plan.pieces``); ``why``: why export was not used.  Its ``cost`` is the pieces' summed (they
-    run one after another)."""
+    """The plan of ``model`` captured by dynamo in ``pieces`` (``distinct``; module docstring): every piece planned
+    on ``world`` devices in mode ``replicated`` by ``plan_one``, and one plan recording them (``Plan.pieces``);
+    ``why``: why export was not used.  Its ``cost`` is the pieces' summed (they run one after another)."""
     names = {id(p): n for n, p in model.named_parameters()}
     rows: list[dict[str, Any]] = []
     plans: list[Plan] = []
-    seen: set[str] = set()
     pieces_opts = opts.merged(mode="replicated")
-    for piece, users in pieces:
-        cap = capture(piece, users)
-        if cap.fingerprint in seen:
-            continue
-        seen.add(cap.fingerprint)
+    for piece, cap in pieces:
         p = plan_one(cap, pieces_opts, world)
         plans.append(p)
         params = {s: names.get(id(piece.get_parameter(s)), s) for s in piece.slots if s is not None}

@@ -65,12 +65,13 @@ def test_export_fails_on_these_models_and_capture_with_export_says_so() -> None:
 def test_the_plan_records_every_piece_and_why() -> None:
     from soybean.api import _plan_piece
     from soybean.options import options
-    from soybean.pieces import collect, piece_plans, plan_pieces
+    from soybean.pieces import collect, distinct, piece_plans, plan_pieces
 
     model, ex = archs.build(archs.BY_NAME["switch_transformers"])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     torch._dynamo.reset()
-    p = plan_pieces(model, collect(model, (), ex), 2, options(objective="comm"), "export: TypeError", _plan_piece)
+    p = plan_pieces(model, distinct(collect(model, (), ex)), 2, options(objective="comm"), "export: TypeError",
+                    _plan_piece)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # collecting changed nothing
     assert p.pieces is not None and p.pieces["capture"] == "dynamo" and "TypeError" in p.pieces["why"]
     parts = piece_plans(p)
