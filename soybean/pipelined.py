@@ -167,23 +167,20 @@ class PipelinedModule(nn.Module):
                 pp = g
         self.stage_modules = nn.ModuleList()
         self._pstages = []
-        # Static metadata (shapes, dtypes, which values carry gradients): torch would infer it by running each stage
+        # Static metadata (shapes, dtypes, which values carry gradients), for every stage (``boundary_examples``: from
+        # the captures where the stages cannot run on the meta device): torch would infer it by running each stage
         # on uninitialised tensors, which breaks a stage that indexes with a received integer tensor.
-        examples: list[tuple[tuple, tuple]] | None = boundary_examples(stages, policy(plan.precision).cast)
+        examples = boundary_examples(stages, policy(plan.precision).cast)
         self._device = device = next(model.parameters(), torch.empty(0)).device  # cpu (gloo); a rank's GPU (NCCL)
         # what each stage receives (shapes and dtypes), for the forward-only pass
-        self._receives: list[tuple[torch.Tensor, ...]] = [
-            examples[i][0] if examples is not None else tuple(
-                node.meta["val"] for node in st.cap.graph.nodes if node.op == "placeholder"
-                and node.name not in st.cap.params and node.name not in st.cap.buffers)
-            for i, st in enumerate(stages)]
+        self._receives: list[tuple[torch.Tensor, ...]] = [ins for ins, _ in examples]
         for i in self.stage_indices:
             pm = ParallelModule(model, stages[i].cap, plans[i], rank - gi * per, mine[i])
             if pm._grad_sync is not None:
                 pm._grad_sync.defer()  # summed once per step, after every microbatch's backward (``train_step``)
             m = _StageModule(pm, last=i == n - 1)
             self.stage_modules.append(m)
-            ins, outs = examples[i] if examples is not None else (None, None)
+            ins, outs = examples[i]
             self._pstages.append(PipelineStage(m, i, n, device, input_args=ins, output_args=outs, group=pp))
         self._schedules: dict[tuple[int, bool, str], Any] = {}
         self._stage_ranks = [list(range((k % groups) * per, (k % groups + 1) * per)) for k in range(n)]
