@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.fx.experimental.symbolic_shapes import is_concrete_int, optimization_hint
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..mesh import Mesh
 from ..tiling import Partial, Placement, R, Replicate, Shard, chunk_lengths, is_valid, split_factor
@@ -259,10 +259,31 @@ def priced(d: Any) -> int:
     ``int()`` of an unbacked ``SymInt``: that raises ``GuardOnDataDependentSymNode``."""
     if not data_dependent(d):
         return int(d)
-    return int(optimization_hint(d, fallback=UNBOUNDED_HINT))
+    return symbol_hint(d.node.expr, d.node.shape_env)
 
 
 UNBOUNDED_HINT = 1 << 62  # a symbol without a recorded value: clamped to its bounds (``record_sizes`` records all)
+
+
+def recorded_hints(env: Any) -> dict[Any, int]:
+    """The values ``rules.datadep.record_sizes`` gives the unbacked symbols of shape environment ``env``: torch's
+    own ``ShapeEnv.var_to_hint_override`` (torch 2.12 on), or a dict of that name kept on ``env`` for an older
+    torch, which ``symbol_hint`` reads the same way."""
+    hints = getattr(env, "var_to_hint_override", None)
+    if hints is None:  # torch < 2.12: no optimisation hints of its own
+        hints = {}
+        env.var_to_hint_override = hints
+    return hints
+
+
+def symbol_hint(expr: Any, env: Any) -> int:
+    """The priced value of a size expression of ``env``: torch's optimisation hint where it has one (never
+    guards); on an older torch, ``expr`` with its backed symbols at their values and unbacked ones at their
+    ``recorded_hints``; ``UNBOUNDED_HINT`` where a symbol has neither."""
+    if hasattr(env, "optimization_hint"):
+        return int(env.optimization_hint(expr, fallback=UNBOUNDED_HINT))
+    value = expr.xreplace({**env.var_to_val, **recorded_hints(env)})
+    return int(value) if value.is_number else UNBOUNDED_HINT
 
 
 def priced_shape(shape: Sequence[Any]) -> tuple[int, ...]:

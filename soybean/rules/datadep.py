@@ -39,7 +39,6 @@ from ._common import Args, P, R, Shard, free_placements, partial_strategies
 from .base import (
     DYNAMIC,
     ELEMENTWISE,
-    UNBOUNDED_HINT,
     OpCost,
     OpSpec,
     Strategy1D,
@@ -48,7 +47,9 @@ from .base import (
     op_name,
     priced,
     priced_shape,
+    recorded_hints,
     register,
+    symbol_hint,
 )
 from .indexing import addressed
 
@@ -120,7 +121,7 @@ def record_sizes(gm: fx.GraphModule, feed: list[Any]) -> dict[str, int]:
         rng = env.var_to_range.get(s)
         upper, lower = _finite(getattr(rng, "upper", None)), _finite(getattr(rng, "lower", None))
         seen[s] = upper if upper is not None else max(lower or 1, 1)
-    env.var_to_hint_override.update(seen)
+    recorded_hints(env).update(seen)
     return {str(s): v for s, v in sorted(seen.items(), key=lambda kv: str(kv[0]))}
 
 
@@ -190,7 +191,7 @@ def _priced_symbol(s: Any, val: Any) -> int:
     for x in tree_flatten(val)[0]:
         for d in x.shape if isinstance(x, torch.Tensor) else (x,):
             if isinstance(d, torch.SymInt) and s in d.node.expr.free_symbols:
-                return int(d.node.shape_env.optimization_hint(s, fallback=UNBOUNDED_HINT))
+                return symbol_hint(s, d.node.shape_env)
     return 0
 
 
