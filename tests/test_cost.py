@@ -134,3 +134,61 @@ def test_vectorised_pricing_equals_the_one_route_reference_bit_for_bit(mesh_shap
     assert np.array_equal(T, [c.seconds for c in ref])
     assert np.array_equal(S, [c.sync_seconds for c in ref])
     assert B.any() and S.any()  # the sample has collectives and gradient syncs to price
+
+
+def test_float32_ops_run_at_the_profiles_float32_rate() -> None:
+    """On the H100 profiles a float32 matmul runs at ``fp32_flops`` (measured 50 TFLOP/s: torch's default has no
+    TF32), a bf16 one at ``flops``: the same product is priced 13x slower in float32; a profile without
+    ``fp32_flops`` (the CPU's) prices both at one rate."""
+    from soybean.cost.compute import op_flops
+    from soybean.rules.base import OpSpec, TensorSpec
+
+    h100 = BUILTIN["h100-nvlink"]
+    ops = {}
+    for dt in (torch.float32, torch.bfloat16):
+        a, b, out = TensorSpec((4096, 4096), dt), TensorSpec((4096, 4096), dt), TensorSpec((4096, 4096), dt)
+        ops[dt] = OpSpec("aten.mm.default", (a, b), {}, (a, b), (out,))
+    assert op_flops(ops[torch.float32], h100) == h100.fp32_flops and op_flops(ops[torch.bfloat16], h100) == h100.flops
+    mesh, s = Mesh((1,)), [Strategy(((R,), (R,)), ((R,),))]
+    t32, t16 = (op_seconds(ops[dt], s, [True, True], mesh, h100)[0] for dt in (torch.float32, torch.bfloat16))
+    assert t32 / t16 == pytest.approx(h100.flops / h100.fp32_flops, rel=1e-6)
+    cpu = BUILTIN["cpu-gloo"]
+    assert op_flops(ops[torch.float32], cpu) == op_flops(ops[torch.bfloat16], cpu) == cpu.flops
+
+
+def test_causal_attention_is_priced_at_the_share_it_computes() -> None:
+    """Causal attention without a mask: the fused kernels compute the scores below the diagonal only, so its FLOPs
+    are ``sum_i min(i + 1, S) / (L S)`` of the full ones (about half; measured on an H100 at 8,192 tokens: 1.78 ms
+    against 3.28 without the mask); a mask given as a tensor is priced whole."""
+    from soybean.cost.compute import flops
+    from soybean.ir.attention import causal_fraction
+    from soybean.rules.base import OpSpec, TensorSpec
+
+    q = TensorSpec((2, 4, 64, 8), torch.float32)
+    full = OpSpec("aten.scaled_dot_product_attention.default", (q, q, q), {}, (q, q, q), (q,))
+    causal = OpSpec("aten.scaled_dot_product_attention.default", (q, q, q), {"is_causal": True}, (q, q, q), (q,))
+    assert flops(causal)[0] / flops(full)[0] == pytest.approx(causal_fraction(64, 64)) == pytest.approx(65 / 128)
+    assert causal_fraction(3, 5) == pytest.approx((1 + 2 + 3) / 15) and causal_fraction(5, 2) == pytest.approx(9 / 10)
+
+
+def test_a_data_dependent_size_is_priced_without_torchs_optimisation_hint() -> None:
+    """On a torch without ``ShapeEnv.optimization_hint`` (before 2.12) a data-dependent size is priced at the value
+    ``record_sizes`` recorded for its symbol, and at ``UNBOUNDED_HINT`` before one is recorded: never ``int()`` of
+    an unbacked size (checked on an environment that hides the method)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from soybean.rules.base import UNBOUNDED_HINT, recorded_hints, symbol_hint
+
+    env = ShapeEnv()
+    u = env.create_unbacked_symint().node.expr
+
+    class OldEnv:  # what symbol_hint reads of a torch 2.11 ShapeEnv
+        def __init__(self) -> None:
+            self.var_to_val: dict = {}
+
+    old = OldEnv()
+    assert symbol_hint(2 * u + 1, old) == UNBOUNDED_HINT
+    recorded_hints(old)[u] = 5
+    assert symbol_hint(2 * u + 1, old) == 11
+    recorded_hints(env)[u] = 7  # torch's own optimisation hint reads the same record
+    assert symbol_hint(2 * u + 1, env) == 15

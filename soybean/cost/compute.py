@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
+import torch
 
 from .. import rules
 from ..mesh import Mesh
@@ -108,6 +109,16 @@ def work_fraction(split_axes: Sequence[bool], mesh: Mesh) -> float:
     return 1.0 / math.prod(p for p, s in zip(mesh.shape, split_axes) if s) if any(split_axes) else 1.0
 
 
+def op_flops(op: OpSpec, profile: Profile) -> float:
+    """The FLOP/s ``op`` runs at: ``conv_flops`` for a convolution, ``fp32_flops`` for another op on float32 inputs
+    (on a GPU, without TF32, a float32 matmul runs an order of magnitude slower than a bf16 one), else ``flops``."""
+    if facts(op).conv:
+        return profile.conv_flops or profile.flops
+    if profile.fp32_flops and op.inputs and op.inputs[0].dtype == torch.float32:
+        return profile.fp32_flops
+    return profile.flops
+
+
 def op_seconds(
     op: OpSpec, strategies: Sequence[Strategy], grads: list[bool], mesh: Mesh, profile: Profile,
     copies: bool = False,
@@ -115,7 +126,7 @@ def op_seconds(
     """Training-step seconds of ``op`` under each strategy, given which tensor inputs need a gradient; ``copies``:
     a view the program may run as a copy of its tile (``rules.views.may_copy``), priced by ``copy_seconds``."""
     n_flops, byts = flops(op)
-    rate = replace(profile, flops=profile.conv_flops) if facts(op).conv and profile.conv_flops else profile
+    rate = replace(profile, flops=op_flops(op, profile)) if profile.conv_flops or profile.fp32_flops else profile
     n_pass = passes(op, grads)
     skew = facts(op).skew
     seconds = np.array([compute_seconds(n_flops * (skew(op, s, mesh, profile) if skew is not None else 1.0),

@@ -42,6 +42,7 @@ class Profile:
     axis_alpha: tuple[float, ...] = field(default=())   # optional per-axis overrides (outer axis first)
     axis_beta: tuple[float, ...] = field(default=())
     conv_flops: float = 0.0                              # convolution FLOP/s; 0: same as ``flops``
+    fp32_flops: float = 0.0                              # FLOP/s of a float32 op other than a convolution; 0: ``flops``
     # measured (kind, alpha, beta); kind "all_reduce" is the backend's call, "all_reduce:lp" soybean's lp algorithm
     # (``runtime.algorithms``), "p2p" one point-to-point round of any of soybean's algorithms
     collectives: tuple[tuple[str, float, float], ...] = field(default=())
@@ -142,25 +143,38 @@ BUILTIN: dict[str, Profile] = {
                         grad_overlap=0.25, large_alloc=float(LARGE_ALLOC), alloc_bw=2.5e9, blocking_s=5e-4, op_s=4e-6,
                         collectives=(("p2p", 2.5e-4, 1 / 1.6e9),)),
     # 8x H100 SXM with NVLink 4 / NVSwitch: 450 GB/s per direction per GPU, NCCL reaches ~360 GB/s
-    # bus bandwidth on large all-reduces; ~5 us per ring step. Compute: 989 TFLOP/s dense bf16 at
-    # ~40% achieved; HBM3 3.35 TB/s; 80 GB. (NVIDIA H100 datasheet; NCCL tests.)  NCCL runs on its own
-    # stream, so bucketed gradient all-reduces mostly hide behind backward (all but the last bucket).
+    # bus bandwidth on large all-reduces; ~5 us per ring step (NVIDIA H100 datasheet; NCCL tests).  NCCL runs on its
+    # own stream, so bucketed gradient all-reduces mostly hide behind backward (all but the last bucket).
     # A round of soybean's own algorithms is a Python-issued batch of NCCL send/recv: assumed 20 us (not measured:
-    # no GPU here; NCCL's sendrecv launch is ~5-10 us, nccl-tests) at NCCL's link bandwidth.  No fixed cost per
+    # one GPU lent here; NCCL's sendrecv launch is ~5-10 us, nccl-tests) at NCCL's link bandwidth.  No fixed cost per
     # op (``op_s`` 0): kernels are queued asynchronously, so the host's few microseconds per op hide behind the
     # device's work on the layers planned here (a model too small for that is launch-bound: CUDA graphs' case).
-    # Measured (``scripts/check_cuda.py``, one H200, torch 2.11, 2026-11-26): a GPT-2-shaped decoder in bf16, batch
-    # 8 x 1,024, 16.6 ms a step against 15.2 ms modelled here; the launch-bound small ones 1.7 and 7.3 ms against
-    # 0.09 and 0.76 ms, where the host's ~13 us per pass of an op (``_op_overhead`` there) is the step.
+    # Compute, measured on one H100 80GB HBM3 (``scripts/time_ops_cuda.py``, torch 2.11, 2026-11-27, median of 10
+    # CUDA-event timings): bf16 matmuls at one device's share of Llama-3-8B at 2 x 8,192 tokens ran at 725-761
+    # TFLOP/s whole (q/o 753, MLP up 761, down 726, an eighth of the LM head 752) and 575-645 split 8 ways as
+    # tensor parallelism splits them (k/v 655): ``flops`` 650e12 (the datasheet's 989 dense at ~2/3).  float32
+    # matmuls (torch's default: no TF32) ran at 50-52 TFLOP/s: ``fp32_flops`` 50e12, 13x slower, where a single rate
+    # priced them 8x too fast.  Causal attention (flash, 2 x 32 x 8,192 x 128) ran in 1.78 ms forward, 3.28 without
+    # the mask: the kernels skip the masked half (``rules.attention.sdpa_flops``); its backward took 3.0-3.2
+    # forwards.  Elementwise ops on activations moved 2.8-3.0 TB/s: ``mem_bw`` 2.9e12 (datasheet 3.35).  torch's
+    # AdamW (multi-tensor, its CUDA default) stepped a layer's 832 MiB of float32 weights in 6.85 ms: ``optimizer_bw``
+    # 125e9 parameter bytes/s, a quarter of the 7 memory passes at ``mem_bw`` that an unmeasured profile assumes.
     # AdamW on CUDA takes torch's multi-tensor path (``optimizer_foreach``): its temporaries span every parameter.
-    "h100-nvlink": Profile("h100-nvlink", alpha=5e-6, beta=1 / 360e9, flops=400e12, mem_bw=3.35e12, memory_gb=80.0,
-                           grad_overlap=0.8, collectives=(("p2p", 20e-6, 1 / 360e9),), optimizer_foreach=True),
+    # Whole steps (``scripts/check_cuda.py``, world size 1, same H100, 2026-11-27; modelled under the figures
+    # before these): a GPT-2-shaped decoder in bf16, batch 8 x 1,024, 20.8 ms a step (16.6 on an H200, 2026-11-26)
+    # against 15.2 modelled, peak 3,189 MiB against 2,945; transformers' Llama (4 layers of 512, batch 4 x 512, loss
+    # from ``out.logits``) 21.2 ms against 1.6: at these sizes a step is the host's ~13 us per pass of an op
+    # (launch-bound), which ``op_s`` 0 leaves out.
+    "h100-nvlink": Profile("h100-nvlink", alpha=5e-6, beta=1 / 360e9, flops=650e12, mem_bw=2.9e12, memory_gb=80.0,
+                           fp32_flops=50e12, optimizer_bw=125e9, grad_overlap=0.8,
+                           collectives=(("p2p", 20e-6, 1 / 360e9),), optimizer_foreach=True),
     # Nodes of 8x H100 SXM as above (NVLink inside a node), joined by 400 Gb/s InfiniBand NDR per GPU: one
     # ConnectX-7 per GPU, 50 GB/s per direction, of which NCCL's ring reaches ~45 GB/s bus bandwidth across
     # nodes; ~15 us per ring step across the network.  (NVIDIA DGX H100 user guide: 8x ConnectX-7
     # 400 Gb/s; NCCL tests on DGX H100 clusters.)  Use with --gpus-per-node 8.
-    "h100-nvlink-ib": Profile("h100-nvlink-ib", alpha=5e-6, beta=1 / 360e9, flops=400e12, mem_bw=3.35e12,
-                              memory_gb=80.0, grad_overlap=0.8, node_alpha=15e-6, node_beta=1 / 45e9,
+    "h100-nvlink-ib": Profile("h100-nvlink-ib", alpha=5e-6, beta=1 / 360e9, flops=650e12, mem_bw=2.9e12,
+                              memory_gb=80.0, fp32_flops=50e12, optimizer_bw=125e9, grad_overlap=0.8,
+                              node_alpha=15e-6, node_beta=1 / 45e9,
                               collectives=(("p2p", 20e-6, 1 / 360e9),), optimizer_foreach=True),
 }
 

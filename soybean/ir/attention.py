@@ -34,6 +34,14 @@ def _work(a: int, b: int, keys: int) -> int:
     return ramp + max(0, b - max(a, keys)) * keys
 
 
+def causal_fraction(rows: int, keys: int) -> float:
+    """The share of a ``rows x keys`` score matrix a causal attention computes (the fused kernels skip the blocks
+    above the diagonal): ``sum_i min(i + 1, keys) / (rows keys)``, about one half for a square one.  Measured on
+    an H100 (``scripts/time_ops_cuda.py``): causal attention at 2 x 32 heads x 8,192 x 128 took 1.78 ms forward,
+    the same without the mask 3.28 ms."""
+    return _work(0, rows, keys) / (rows * keys) if rows and keys else 1.0
+
+
 @lru_cache(maxsize=4096)  # pure in its integers; a table asks again per strategy (256 parts: 256 chunks each time)
 def causal_skew(rows: int, keys: int, parts: int) -> float:
     """The busiest of ``parts`` chunks of ``rows`` causal query rows over ``keys`` keys: its work (sum of

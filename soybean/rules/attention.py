@@ -35,6 +35,7 @@ from ..ir.attention import (
     SDPA,
     SDPA_ROWS,
     ZIGZAG,
+    causal_fraction,
     causal_skew,
     zigzag_leaving,
     zigzag_rows,
@@ -46,9 +47,12 @@ from .base import OpCall, OpCost, OpSpec, Strategy, Strategy1D, register
 
 
 def sdpa_flops(op: OpSpec) -> float:
-    """``Q K^T`` and ``P V``: ``2 * 2 * |Q| * L_k`` (the softmax's share is negligible)."""
+    """``Q K^T`` and ``P V``: ``2 * 2 * |Q| * L_k`` (the softmax's share is negligible); causal without a mask,
+    only the share below the diagonal (``causal_fraction``: the fused kernels skip the rest)."""
     q, k = op.inputs[0], op.inputs[1]
-    return 4.0 * math.prod(q.shape) * k.shape[-2]
+    a = Args(op)
+    share = causal_fraction(q.shape[-2], k.shape[-2]) if a["is_causal"] and a.spec("attn_mask") is None else 1.0
+    return 4.0 * math.prod(q.shape) * k.shape[-2] * share
 
 
 def row_axes(op: OpSpec, st: Strategy) -> tuple[int, ...]:
