@@ -296,19 +296,25 @@ class ParallelModule(nn.Module):
 
         return load(self, path, optimizer)
 
+    def by_own_names(self, sd: dict[str, torch.Tensor]) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """The tensors of ``sd`` (what ``model.state_dict()`` gives) by the model's own parameter and buffer names
+        (aliases included), read through the model's load hooks as ``model.load_state_dict`` reads them, and the
+        state-dict keys it lacks."""
+        if self._skeleton is None:
+            return [], dict(sd)
+        sk = self._skeleton
+        with self._filled_skeleton({}):
+            missing, _ = sk.load_state_dict(sd, strict=False, assign=True)
+            return missing, {n: t for n, t in itertools.chain(sk.named_parameters(remove_duplicate=False),
+                                                               sk.named_buffers(remove_duplicate=False))
+                             if not t.is_meta}
+
     @torch.no_grad()
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load full tensors, as the serial model's ``state_dict()`` gives them (through its own load hooks,
         as ``model.load_state_dict`` reads them): each rank keeps its tile.  Non-persistent buffers keep their
         values."""
-        if self._skeleton is not None:
-            sk = self._skeleton
-            with self._filled_skeleton({}):
-                missing, _ = sk.load_state_dict(sd, strict=False, assign=True)
-                full = {n: t for n, t in itertools.chain(sk.named_parameters(remove_duplicate=False),
-                                                          sk.named_buffers(remove_duplicate=False)) if not t.is_meta}
-        else:
-            missing, full = [], dict(sd)
+        missing, full = self.by_own_names(sd)
         for kind, fqn in self._state():
             if fqn not in full:
                 if kind == "buffer" and fqn not in sd and fqn not in missing:

@@ -30,9 +30,7 @@ to the serial weight.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +39,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from .capture import Captured
-from .checkpoint_view import CheckpointView
+from .checkpoint_view import PartsModule
 from .module import ParallelModule
 from .plan import Plan
 from .precision import policy
@@ -127,10 +125,11 @@ class _StageModule(nn.Module):
         return tree_unflatten([next(given) if is_tensor else x for is_tensor, x in template], spec)
 
 
-class PipelinedModule(nn.Module):
+class PipelinedModule(PartsModule):
     """This rank's stages of a pipelined plan (module docstring): one, or ``virtual_stages`` of them (stage ``i``
     runs on rank group ``i % groups``, the interleaved schedule's layout).  ``parameters()`` are its stages': build
-    the optimizer on them, as with any ``ParallelModule``."""
+    the optimizer on them, as with any ``ParallelModule``.  The state API (``full_state_dict``, ``save_sharded``,
+    ...) is ``checkpoint_view.PartsModule``'s, over the stages."""
 
     def __init__(self, model: nn.Module, cap: Captured, stages: Sequence[Stage], plans: Sequence[Plan], plan: Plan,
                  rank: int, world: int) -> None:
@@ -183,10 +182,8 @@ class PipelinedModule(nn.Module):
             ins, outs = examples[i]
             self._pstages.append(PipelineStage(m, i, n, device, input_args=ins, output_args=outs, group=pp))
         self._schedules: dict[tuple[int, bool, str], Any] = {}
-        self._stage_ranks = [list(range((k % groups) * per, (k % groups + 1) * per)) for k in range(n)]
-        self._stage_caps = [st.cap for st in stages]
-        self._plans = list(plans)
-        self._checkpoint_view: CheckpointView | None = None
+        self._hold_parts(model, [st.cap for st in stages],
+                         [range((k % groups) * per, (k % groups + 1) * per) for k in range(n)], plans)
         # A weight several stages read: summed over this rank's readers, then over the groups' ranks of one index.
         self._ties: list[tuple[str, list[ParallelModule], Any]] = []
         for fqn, readers in shared_params(cap, [(st.first, st.last) for st in stages]).items():
@@ -283,61 +280,9 @@ class PipelinedModule(nn.Module):
                 p = pm.get_parameter(fqn)
                 p.grad = pm.tile(fqn, total).to(p.dtype)
 
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """What ``model.state_dict()`` of the serial model would give for the current values, on every rank: each
-        stage's tensors gathered within its ranks (``ParallelModule.full_tensors``), then every stage's from every
-        rank group (``all_gather_object``), named by the model's own state-dict hooks (its skeleton)."""
-        mine: dict[str, torch.Tensor] = {}
-        for m in self.stage_modules:
-            assert isinstance(m, _StageModule)
-            mine.update({k: v.cpu() for k, v in m.pm.full_tensors().items()})
-        every: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        tensors = {k: v for d in every if d is not None for k, v in d.items()}
-        pm = self.stage_module.pm
-        if pm._skeleton is None:
-            return tensors
-        with pm._filled_skeleton(tensors) as sk:
-            return {k: v.detach() for k, v in sk.state_dict().items()}
-
-    @torch.no_grad()
-    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load what the serial model's ``state_dict()`` gives: each stage takes its own tensors (its tiles)."""
-        for m in self.stage_modules:
-            assert isinstance(m, _StageModule)
-            m.pm.load_full_state_dict(sd)
-
     def local_parts(self) -> list[tuple[int, ParallelModule]]:
-        """This rank's stages with their indices (``checkpoint_view.Parts``)."""
+        """This rank's stages with their indices (``checkpoint_view.PartsModule``)."""
         return [(i, m.pm) for i, m in zip(self.stage_indices, self.stage_modules) if isinstance(m, _StageModule)]
-
-    def _view(self) -> CheckpointView:
-        if self._checkpoint_view is None:
-            self._checkpoint_view = CheckpointView(self)
-        return self._checkpoint_view
-
-    def save_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
-                     extra: Any = None, keep: int | None = None) -> Path:
-        """``ParallelModule.save_sharded`` across stages: every rank writes its stages' tiles (a tied weight by the
-        first stage that reads it), as DTensors on their stage's submesh, so the checkpoint loads under any
-        pipeline layout or none (DCP reshards)."""
-        from .runtime.checkpoint import save
-
-        view = self._view()
-        with view.hiding_copies(optimizer):
-            return save(view, path, optimizer, extra, keep)
-
-    def load_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """``ParallelModule.load_sharded`` across stages: each stage reads its own tiles from a checkpoint saved
-        under any plan, pipelined or not; a tied weight's other copies take the first's."""
-        from .runtime.checkpoint import load
-
-        view = self._view()
-        with view.hiding_copies(optimizer):
-            extra = load(view, path, optimizer)
-        view.copy_ties(optimizer)
-        return extra
 
     @torch.no_grad()
     def _forward_microbatches(self, inputs: Sequence[Any]) -> list[Any] | None:

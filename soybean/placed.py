@@ -20,18 +20,15 @@ a region's replicated parameters are summed within its group only (its ``Paralle
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .capture import Captured
-from .checkpoint_view import CheckpointView
+from .checkpoint_view import PartsModule
 from .mesh import Mesh
 from .module import ParallelModule, forward_backward
 from .plan import Plan
@@ -77,10 +74,11 @@ class _Step(torch.autograd.Function):
         return (None, None, *(None for _ in grads))
 
 
-class PlacedModule(nn.Module):
+class PlacedModule(PartsModule):
     """This rank's regions of a placed plan (module docstring).  ``parameters()`` are its regions': build the
     optimizer on them, as with any ``ParallelModule``.  Inputs are the whole batch on every rank, the outputs
-    whole on every rank; call ``loss.backward()`` on every rank."""
+    whole on every rank; call ``loss.backward()`` on every rank.  The state API (``full_state_dict``,
+    ``save_sharded``, ...) is ``checkpoint_view.PartsModule``'s, over the regions."""
 
     def __init__(self, model: nn.Module, cap: Captured, regions: Sequence[Region], plans: Sequence[Plan],
                  plan: Plan, rank: int, world: int) -> None:
@@ -107,13 +105,9 @@ class PlacedModule(nn.Module):
         self._like = {m.value: cast(torch.empty(vals[m.value].shape, dtype=vals[m.value].dtype, device="meta"))
                       for ms in self._moves for m in ms}
         self._outbox = Outbox()
-        # what a checkpoint reads of the parts (``checkpoint_view.Parts``): no weight is in two regions
-        self._stage_caps = [r.cap for r in regions]
-        self._stage_ranks = self._ranks
-        self._plans = list(plans)
-        self._ties: list[tuple[str, list[ParallelModule], Any]] = []
+        self._hold_parts(model, [r.cap for r in regions], self._ranks, plans)
+        self._ties = []  # no trained weight is in two regions (``placement_plan.shared_weights``)
         self._groups = 1
-        self._checkpoint_view: CheckpointView | None = None
         self._anchor = torch.zeros((), requires_grad=True)  # not a parameter: what makes autograd call ``_Step``
 
     @property
@@ -236,44 +230,9 @@ class PlacedModule(nn.Module):
         """Forward and backward of the whole batch, as ``ParallelModule.train_step``: the loss returned detached."""
         return forward_backward(self, inputs, kwargs, loss_fn, target, reduction)
 
-    @torch.no_grad()
-    def full_tensors(self) -> dict[str, torch.Tensor]:
-        """Full tensors of every parameter and buffer by the model's own names, on every rank: each region's
-        gathered within its group, then sent from the group's first rank to every rank."""
-        out: dict[str, torch.Tensor] = {}
-        for k, rk in enumerate(self._ranks):
-            box: list[Any] = [None]
-            if str(k) in self.parts:
-                full = self._part(k).full_tensors()
-                if self._rank == rk[0]:
-                    box = [{n: t.cpu() for n, t in full.items()}]
-            dist.broadcast_object_list(box, src=rk[0])
-            out.update(box[0])
-        return out
-
     def local_parts(self) -> list[tuple[int, ParallelModule]]:
-        """This rank's regions with their indices (``checkpoint_view.Parts``)."""
+        """This rank's regions with their indices (``checkpoint_view.PartsModule``)."""
         return [(k, self._part(k)) for k in self.regions]
-
-    def _view(self) -> CheckpointView:
-        if self._checkpoint_view is None:
-            self._checkpoint_view = CheckpointView(self)
-        return self._checkpoint_view
-
-    def save_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
-                     extra: Any = None, keep: int | None = None) -> Path:
-        """``ParallelModule.save_sharded`` across regions: every rank writes its regions' tiles as DTensors on their
-        group's submesh, so the checkpoint loads under any plan, placed or not (DCP reshards)."""
-        from .runtime.checkpoint import save
-
-        return save(self._view(), path, optimizer, extra, keep)
-
-    def load_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """``ParallelModule.load_sharded`` across regions: each region reads its own tiles from a checkpoint saved
-        under any plan."""
-        from .runtime.checkpoint import load
-
-        return load(self._view(), path, optimizer)
 
 
 def _leaf(v: Any, grad: bool) -> Any:

@@ -25,7 +25,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -211,6 +215,21 @@ def save(pm: Tiled, root: str | os.PathLike[str], optimizer: torch.optim.Optimiz
     return final or base / store.name(box[0])
 
 
+def _without_unsaved(osd: dict[str, Any], ckpt: Path) -> bool:
+    """Leave out of ``osd`` the parameters checkpoint ``ckpt`` holds no optimizer state for: a parameter that had
+    no gradient when it was saved (a layer forward never reads) has no state in the saved optimizer, while
+    ``_optimizer_state`` gave every parameter of the loading one some (DCP's first step at learning rate 0); such a
+    parameter is loaded without state, as it was saved.  Whether any was left out."""
+    prefix = "optim.state."
+    keys = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    # a state's name (``exp_avg``, ``step``) has no dot: what precedes its last one is the parameter's name
+    saved = {k[len(prefix):].rpartition(".")[0] for k in keys if k.startswith(prefix)}
+    kept = {fqn: states for fqn, states in osd["state"].items() if fqn in saved}
+    left_out = len(kept) < len(osd["state"])
+    osd["state"] = kept
+    return left_out
+
+
 @torch.no_grad()
 def load(pm: Tiled, root: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Any:
     """Read the newest checkpoint under ``root`` (or the checkpoint ``root``), written under any plan, into
@@ -235,6 +254,7 @@ def load(pm: Tiled, root: str | os.PathLike[str], optimizer: torch.optim.Optimiz
                 raise CheckpointError(f"checkpoint {ckpt} holds {saved}'s state, not {type(optimizer).__name__}'s: "
                                       f"build a {saved}, or load without optimizer=")
             state["optim"] = _optimizer_state(pm, optimizer, mesh)
+            some_unsaved = _without_unsaved(state["optim"], ckpt)
         with _quiet(distributed):
             dcp.load(state, checkpoint_id=str(ckpt), no_dist=not distributed)
         if optimizer is not None:
@@ -242,7 +262,8 @@ def load(pm: Tiled, root: str | os.PathLike[str], optimizer: torch.optim.Optimiz
                 for k, v in states.items():
                     if isinstance(v, DTensor):
                         states[k] = v.to_local()
-            set_optimizer_state_dict(pm, optimizer, state["optim"])  # type: ignore[arg-type]
+            set_optimizer_state_dict(pm, optimizer, state["optim"],  # type: ignore[arg-type]
+                                     options=StateDictOptions(strict=not some_unsaved))
     for kind, fqn in pm._state():
         t = tensors[fqn]
         pm._tensor(kind, fqn).copy_(t.to_local() if isinstance(t, DTensor) else t)
