@@ -46,7 +46,8 @@ def serial_losses(kw: dict) -> list[float]:
     return out
 
 
-def train(rank: int, world: int, kw: dict, microbatches: int, schedule: str, virtual: int) -> list[float]:
+def train(rank: int, world: int, kw: dict, microbatches: int, schedule: str, virtual: int | None
+          ) -> list[float]:
     torch.set_num_threads(1)
     model, inputs = _model(kw)
     pmodel = soybean.parallelize(model, inputs, devices=world, pipeline=world, microbatches=microbatches,
@@ -70,7 +71,8 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
-    ap.add_argument("--virtual-stages", type=int, default=1, help="stages per process (interleaved, zero-bubble)")
+    ap.add_argument("--virtual-stages", type=int, default=None,
+                    help="stages per process (interleaved, zero-bubble; default 2 there, 1 with the others)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=None, help="a language model whose head is its token embedding")
     a = ap.parse_args()

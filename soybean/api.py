@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .capture import Captured, CaptureError, capture, split_example
 from .mesh import Mesh
 from .module import ParallelModule
-from .options import PlanOptions, options as merge_options
+from .options import PlanOptions, options as merge_options, plan_kind
 from .outputs import OUTPUTS
 from .pieces import CAPTURES, PiecesModule
 from .pipelined import PipelinedModule
@@ -83,9 +83,8 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
                 options: PlanOptions | None = None, plan: Plan | str | Path | None = None, rank: int | None = None,
                 groups: Sequence[Group] | None = None, captured: Captured | None = None, outputs: str = "lazy",
                 share_params: bool = False, example_kwargs: dict | None = None, timeout_s: float | None = None,
-                pipeline: int | str | None = None, microbatches: int | None = None, schedule: str = "1f1b",
-                virtual_stages: int = 1, placement: str | None = None, capture_with: str = "auto",
-                **option_fields: Any) -> ParallelModule | PipelinedModule | PlacedModule | PiecesModule:
+                capture_with: str = "auto", **option_fields: Any
+                ) -> ParallelModule | PipelinedModule | PlacedModule | PiecesModule:
     """Parallelize ``model`` for the current process group (or the given simulated ``rank``/``groups``).
 
     ``example_inputs``: forward's positional arguments (a tuple, or one tensor), or a dict of its keyword
@@ -94,7 +93,9 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
 
     How to plan is ``options`` (``soybean.options.PlanOptions``) with any of its fields as keywords on top
     (``devices=``, ``mesh=``, ``objective=``, ``profile=``, ``mode=``, ``memory_gb=``, ...), as
-    ``soybean.plan`` takes them; the ones that matter here:
+    ``soybean.plan`` takes them, and the kind of plan (``pipeline=``, ``microbatches=``, ``schedule=``,
+    ``virtual_stages=``, ``placement=``: ``options.plan_kind``, as ``soybean plan`` chooses it); the ones that
+    matter here:
 
     ``precision``: ``fp32`` or ``bf16-mixed`` (``soybean.precision``: bf16 compute from fp32 master weights,
     which are the module's parameters, so the optimizer updates fp32); default: the plan's, else fp32.
@@ -133,17 +134,19 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     ``pipeline``: a number of pipeline stages (``None``, the default: one SPMD program over every device).  The
     model is captured at the microbatch (``example_inputs``' batch over ``microbatches``, default the number of
     stages), cut into stages of whole layers, each planned on its devices, and run by torch.distributed.pipelining
-    with ``schedule`` (``gpipe``, ``1f1b``; ``interleaved-1f1b`` or ``zero-bubble`` with ``virtual_stages`` of 2 or
-    more stages per rank): a ``pipelined.PipelinedModule``, trained through ``pmodel.train_step(*inputs,
-    loss_fn=fn)``; each stage runs on ``devices / pipeline`` devices.
+    with ``schedule`` (``gpipe``, ``1f1b`` (default); ``interleaved-1f1b`` or ``zero-bubble`` with ``virtual_stages``
+    of 2 or more stages per rank, 2 when not given): a ``pipelined.PipelinedModule``, trained through
+    ``pmodel.train_step(*inputs, loss_fn=fn)``; each stage runs on ``devices / pipeline`` devices.
     ``pipeline="auto"``: the faster of no stages and the best pipelined plan searched (``auto_plan``); the module
-    is the one that plan runs as (``train_step`` serves both).
+    is the one that plan runs as (``train_step`` serves both); with ``placement="auto"`` too, the plan without
+    stages may place branches.  A number of stages with ``placement="auto"`` is refused (stages are planned without
+    placement).
 
     ``placement``: ``"auto"`` lets independent branches of the graph (towers, Inception blocks) run at the same
     time on their own device groups, each group tiling its branches with its own plan (DLPlacer;
     ``placement_plan``), where modelled faster than the plan without placement; the module is then a
-    ``placed.PlacedModule`` (inputs and outputs whole on every rank, ``loss.backward()`` on every rank).  ``None``
-    (default): every op on every device.  A plan saved with a placement runs as one.
+    ``placed.PlacedModule`` (inputs and outputs whole on every rank, ``loss.backward()`` on every rank).  ``"none"``
+    (default; None too): every op on every device.  A plan saved with a placement runs as one.
 
     ``capture_with``: how the model is captured.  ``auto`` (default): ``torch.export``, and where export cannot
     capture the model (a graph break: data-dependent Python control flow, code that runs only when not compiling),
@@ -157,58 +160,24 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     if capture_with not in CAPTURES:
         raise ValueError(f"unknown capture_with {capture_with!r}: use one of {', '.join(CAPTURES)}")
     opts = merge_options(options, **option_fields)
-    devices, precision = opts.devices, opts.precision
-    mesh_obj = Mesh(opts.mesh) if opts.mesh else None
     example_inputs, example_kwargs = split_example(example_inputs, example_kwargs)
-    if groups is None and devices == 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
-        # One device and no launcher: run in this process, with no process group at all.
-        from .runtime.comm import ThreadWorld
-
-        groups, rank = ThreadWorld(Mesh((1,))).groups(0), 0
+    groups, rank, world = _world(opts, groups, rank, timeout_s)
     simulated = groups is not None
-    if groups is None:
-        if not dist.is_initialized():
-            from .runtime.launch import init_from_env
-
-            init_from_env(timeout_s=timeout_s)
-        world, rank = dist.get_world_size(), dist.get_rank()
-        current_setup().open()  # from here an error on any rank is raised on every rank (``runtime.agree``)
-    else:
-        world = 1
-        for g in groups:
-            world *= g.size
-        if rank is None:
-            raise ValueError("simulated groups need an explicit rank")
-    if devices is not None and devices != world:
-        raise ValueError(f"devices={devices} but the world size is {world}: "
-                         f"launch {devices} processes or pass devices={world}")
-    if mesh_obj is not None and mesh_obj.size != world:
-        raise ValueError(f"mesh {mesh_obj} has {mesh_obj.size} devices but the world size is {world}")
     p = _resolve_plan(plan)
-    prec = policy(precision).name if precision is not None else (p.precision if p is not None else "fp32")
-    if p is not None and p.pipeline is not None and pipeline in (None, "auto"):
-        pipeline = p.mesh[0]  # a saved pipelined plan runs as one
-    if pipeline == "auto" and p is None:
+    prec = policy(opts.precision).name if opts.precision is not None else (p.precision if p is not None else "fp32")
+    kind, one = plan_kind(opts, p), opts.one_program()  # ``one``: what each planner of one program is given
+    if kind == "auto":
         def searched() -> Plan:
-            return auto_plan(model, example_inputs, example_kwargs, opts, world, prec, placement=placement == "auto")
+            return auto_plan(model, example_inputs, example_kwargs, one, world, prec,
+                             placement=opts.placement == "auto")
 
         p = searched() if simulated or world == 1 else _from_rank0(searched, rank)
-        if p.pipeline is not None:
-            pipeline = p.mesh[0]
-    if pipeline is not None and pipeline != "auto":
+        kind = plan_kind(opts, p)  # run as what the search chose: stages, placed regions or neither
+    if kind == "pipelined":
         if simulated:
             raise ValueError("a pipelined plan runs on a torch.distributed process group (torchrun or soybean run), "
                              "not on simulated groups")
-        if not isinstance(pipeline, int):
-            raise ValueError(f"pipeline={pipeline!r}: use None, a number of stages or 'auto'")
-        pipe = p.pipeline if p is not None and p.pipeline is not None else {}
-        return _pipelined(model, example_inputs, example_kwargs, opts, world, rank, pipeline,
-                          int(pipe.get("microbatches", microbatches or pipeline)), pipe.get("schedule", schedule),
-                          prec, p, int(pipe.get("virtual_stages", virtual_stages)))
-    if placement not in (None, "auto", "none"):
-        raise ValueError(f"placement={placement!r}: use None (every op on every device) or 'auto'")
-    if p is not None and p.placement is not None:
-        placement = "auto"  # a saved placed plan runs as one
+        return _pipelined(model, example_inputs, example_kwargs, opts, world, rank, prec, p)
     if p is not None and p.pieces is not None:
         capture_with = "dynamo"  # a plan saved from pieces runs as one
     why = "capture_with='dynamo' was asked"
@@ -223,35 +192,65 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
                 raise
             why = str(e).split(". Fix:")[0]
     if cap is None:
-        return _pieces(model, example_inputs, example_kwargs, opts, world, rank, simulated, prec, p, placement, why)
-    if placement == "auto":
+        return _pieces(model, example_inputs, example_kwargs, one, world, rank, simulated, prec, p, kind == "placed",
+                       why)
+    if kind == "placed":
         if simulated:
             raise ValueError("a placed plan runs on a torch.distributed process group (torchrun or soybean run), "
                              "not on simulated groups: drop placement= or launch processes")
         if p is None:
-            p = _from_rank0(lambda: placed_or_plain(cap, world, opts), rank) if world > 1 else \
-                make_plan(None, (), world, options=opts, baselines=False, captured=cap)
+            p = _from_rank0(lambda: placed_or_plain(cap, world, one), rank) if world > 1 else \
+                make_plan(None, (), world, options=one, baselines=False, captured=cap)
         if p.placement is not None:
             check_plan(p, cap.fingerprint, world, cap.precision)
             return placed_module(model, cap, p, rank, world)
     if p is None:
         def make() -> Plan:
-            return make_plan(None, (), world, options=opts, baselines=False, captured=cap)
+            return make_plan(None, (), world, options=one, baselines=False, captured=cap)
 
         p = make() if simulated or world == 1 else _from_rank0(make, rank)
     check_plan(p, cap.fingerprint, world, cap.precision)
-    pmesh = Mesh(tuple(p.mesh))
     if groups is None:
         from .runtime.comm import torch_groups
 
-        groups = torch_groups(pmesh)
+        groups = torch_groups(Mesh(tuple(p.mesh)))
     return ParallelModule(model, cap, p, rank, groups, lazy_outputs=outputs == "lazy", share_params=share_params)
 
 
+def _world(opts: PlanOptions, groups: Sequence[Group] | None, rank: int | None,
+           timeout_s: float | None) -> tuple[Sequence[Group] | None, int, int]:
+    """``parallelize``'s groups (None: torch.distributed's, initialised here from the environment when it is not
+    yet), this rank and the world size, checked against ``opts``' devices and mesh.  One device and no launcher
+    runs in this process, on a simulated group of one."""
+    if groups is None and opts.devices == 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+        from .runtime.comm import ThreadWorld
+
+        groups, rank = ThreadWorld(Mesh((1,))).groups(0), 0
+    if groups is None:
+        if not dist.is_initialized():
+            from .runtime.launch import init_from_env
+
+            init_from_env(timeout_s=timeout_s)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        current_setup().open()  # from here an error on any rank is raised on every rank (``runtime.agree``)
+    else:
+        world = 1
+        for g in groups:
+            world *= g.size
+        if rank is None:
+            raise ValueError("simulated groups need an explicit rank")
+    if opts.devices is not None and opts.devices != world:
+        raise ValueError(f"devices={opts.devices} but the world size is {world}: "
+                         f"launch {opts.devices} processes or pass devices={world}")
+    if opts.mesh is not None and Mesh(opts.mesh).size != world:
+        raise ValueError(f"mesh {Mesh(opts.mesh)} has {Mesh(opts.mesh).size} devices but the world size is {world}")
+    return groups, rank, world
+
+
 def _pieces(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions, world: int, rank: int,
-            simulated: bool, precision: str, given: Plan | None, placement: str | None, why: str) -> PiecesModule:
+            simulated: bool, precision: str, given: Plan | None, placed: bool, why: str) -> PiecesModule:
     """``parallelize`` of a model captured by dynamo in pieces (``soybean.pieces``): plan on rank 0 (or read
-    ``given``), every rank runs the model compiled with the pieces' plans."""
+    ``given``), every rank runs the model compiled with the pieces' plans.  ``placed``: placement was asked."""
     import warnings
 
     from .pieces import distinct, pieces_fingerprint, plan_pieces
@@ -260,7 +259,7 @@ def _pieces(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions
         raise ValueError(f"{type(model).__name__} is captured by dynamo in pieces ({why}), whose parameters are the "
                          f"model's own fp32 objects: precision {precision!r} is not offered there; train in fp32 or "
                          "make forward exportable")
-    if placement == "auto":
+    if placed:
         raise ValueError(f"{type(model).__name__} is captured by dynamo in pieces ({why}): placement is not offered "
                          "there; drop placement=")
     if simulated and world > 1:
@@ -338,20 +337,25 @@ def placed_module(model: torch.nn.Module, cap: Captured, p: Plan, rank: int, wor
 
 
 def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions, world: int, rank: int,
-               stages: int, microbatches: int, schedule: str, precision: str, given: Plan | None,
-               virtual_stages: int = 1) -> PipelinedModule:
-    """``parallelize`` with pipeline stages (its docstring): capture at the microbatch, plan on rank 0 (or read
-    ``given``), every rank cuts the same stages and runs its own."""
+               precision: str, given: Plan | None) -> PipelinedModule:
+    """``parallelize`` with pipeline stages (its docstring): capture at the microbatch, plan ``opts.pipeline``
+    stages on rank 0 (or read ``given``, a plan with stages: ``options.plan_kind``), every rank cuts the same
+    stages and runs its own."""
     from .pipeline_plan import plan_pipeline
     from .stages import split
 
+    if given is not None:
+        assert given.pipeline is not None  # ``plan_kind`` runs a given plan pipelined only when it has stages
+        microbatches = int(given.pipeline["microbatches"])
+    else:
+        assert isinstance(opts.pipeline, int)
+        stages, microbatches = opts.pipeline, opts.microbatches_for(opts.pipeline)
     margs, mkwargs, _ = micro_inputs(args, kwargs, microbatches)
     cap = capture(model, margs, mkwargs, precision=precision)
     if given is None:
-        given = _from_rank0(lambda: plan_pipeline(cap, world, stages, microbatches, schedule, opts,
-                                                  virtual_stages)[2], rank)
-    if given.pipeline is None:
-        raise ValueError("pipeline= was given with a plan that has no pipeline stages: plan with pipeline= too")
+        given = _from_rank0(lambda: plan_pipeline(cap, world, stages, microbatches, opts.schedule, opts.one_program(),
+                                                  opts.virtual)[2], rank)
+    assert given.pipeline is not None
     if given.fingerprint != cap.fingerprint or given.devices != world:
         raise ValueError(f"the pipelined plan was made for another model, batch or world size (plan: {given.devices} "
                          f"devices, fingerprint {given.fingerprint}; here: {world}, {cap.fingerprint}): plan again")

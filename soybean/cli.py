@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 if TYPE_CHECKING:
     from .capture import Captured
     from .explain import Explanation
+    from .options import PlanOptions
     from .plan import Plan
 
 
@@ -67,10 +68,12 @@ def _planned(progress: bool, *args: Any, **kwargs: Any) -> Plan:
     return p
 
 
-def _pipeline_arg(v: str) -> str:
-    if v in ("none", "auto") or (v.isdigit() and int(v) >= 2):
-        return v
-    raise argparse.ArgumentTypeError(f"{v!r}: use none, auto or a number of stages of at least 2")
+def _kind(a: argparse.Namespace, given: Plan | None = None) -> str:
+    """The kind of plan (``options.plan_kind``, the selector ``parallelize`` and the bench build by) the flags ask
+    for, or the one ``given`` (``--plan``) runs as: the planning flags are then unused, as ``--plan`` says."""
+    from .options import PlanOptions, plan_kind, plan_options
+
+    return plan_kind(PlanOptions(), given) if given is not None else plan_kind(plan_options(a))
 
 
 def _caching(a: argparse.Namespace) -> bool:
@@ -100,29 +103,32 @@ def _captured(a: argparse.Namespace, precision: str | None) -> tuple[Any, tuple,
     return model, inputs, cap
 
 
-def _plan_pipelined(a: argparse.Namespace, opts: Any) -> int:
+def _plan_pipelined(a: argparse.Namespace, opts: PlanOptions) -> int:
     """``soybean plan --pipeline S``: the model captured at the microbatch, cut into ``S`` stages, each planned on
-    its devices (``pipeline_plan.plan_pipeline``)."""
+    its devices (``pipeline_plan.plan_pipeline``); ``--pipeline auto``: the faster of those searched and the plan
+    without stages, placed where faster with ``--placement auto`` (``api.auto_plan``), as ``parallelize`` plans."""
 
     from . import models
     from .api import auto_plan, micro_inputs
     from .capture import capture
     from .pipeline_plan import plan_pipeline
     from .precision import policy
-    from .report import pipeline_table, table
+    from .report import pipeline_table, placement_table, table
 
     model, inputs = models.load(a.model, models.parse_args(a.arg))
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     precision = policy(opts.precision).name
-    if a.pipeline == "auto":
+    if opts.pipeline == "auto":
         with ProgressLine(sys.stderr, enabled=not a.quiet) as line:
-            p = auto_plan(model, args, {}, opts, opts.world, precision, line, baselines=True)
+            p = auto_plan(model, args, {}, opts.one_program(), opts.world, precision, line, baselines=True,
+                          placement=opts.placement == "auto")
     else:
-        stages = int(a.pipeline)
-        margs, _, _ = micro_inputs(args, {}, a.microbatches or stages)
-        cap = capture(model, margs, precision=precision)
-        _, _, p = plan_pipeline(cap, opts.world, stages, a.microbatches or stages, a.schedule, opts, a.virtual_stages)
-    _write_plan(a, p, p.to_json() if a.format == "json" else pipeline_table(p) if p.pipeline is not None else table(p))
+        assert isinstance(opts.pipeline, int)
+        stages, m = opts.pipeline, opts.microbatches_for(opts.pipeline)
+        cap = capture(model, micro_inputs(args, {}, m)[0], precision=precision)
+        _, _, p = plan_pipeline(cap, opts.world, stages, m, opts.schedule, opts.one_program(), opts.virtual)
+    _write_plan(a, p, p.to_json() if a.format == "json" else pipeline_table(p) if p.pipeline is not None else
+                placement_table(p) if p.placement is not None else table(p))
     return 0
 
 
@@ -138,13 +144,12 @@ def _write_plan(a: argparse.Namespace, p: Plan, text: str) -> None:
 
 def _cmd_plan(a: argparse.Namespace) -> int:
     from .capture import CaptureError
-    from .options import plan_options
+    from .options import plan_kind, plan_options
     from .report import table
 
     opts = plan_options(a)  # every option checked here, before the model is built
-    if a.pipeline != "none":
-        if a.placement != "none":
-            raise ValueError("--placement and --pipeline are planned apart for now: give one of them")
+    kind, one = plan_kind(opts), opts.one_program()
+    if kind in ("pipelined", "auto"):
         return _plan_pipelined(a, opts)
     try:
         model, inputs, cap = _captured(a, opts.precision)
@@ -154,16 +159,16 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         p = _pieces_plan(a, opts, e)[0]
         _write_plan(a, p, p.to_json() if a.format == "json" else pieces_table(p))
         return 0
-    if a.placement == "auto":
+    if kind == "placed":
         from .api import placed_or_plain
         from .report import placement_table
 
         with ProgressLine(sys.stderr, enabled=not a.quiet) as line:
-            p = placed_or_plain(cap, opts.world, opts, line, baselines=True, cache_routes=_caching(a))
+            p = placed_or_plain(cap, opts.world, one, line, baselines=True, cache_routes=_caching(a))
         _write_plan(a, p, p.to_json() if a.format == "json" else
                     placement_table(p) if p.placement is not None else table(p))
         return 0
-    p = _planned(not a.quiet, model, inputs, options=opts, captured=cap, cache_routes=_caching(a))
+    p = _planned(not a.quiet, model, inputs, options=one, captured=cap, cache_routes=_caching(a))
     _write_plan(a, p, p.to_json() if a.format == "json" else table(p))
     if a.emit_code:
         from . import models
@@ -176,7 +181,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
-def _pieces_plan(a: argparse.Namespace, opts: Any, err: Exception, given: Plan | None = None
+def _pieces_plan(a: argparse.Namespace, opts: PlanOptions, err: Exception, given: Plan | None = None
                  ) -> tuple[Plan, list[Captured]]:
     """A model ``torch.export`` could not capture (``err``), as ``parallelize`` plans it: its pieces captured by
     dynamo (``soybean.pieces``) and planned each (or ``given``'s plans, checked against them); the plan and the
@@ -187,13 +192,16 @@ def _pieces_plan(a: argparse.Namespace, opts: Any, err: Exception, given: Plan |
 
     if opts.precision not in (None, "fp32"):
         raise ValueError(f"the model is captured by dynamo in pieces ({err}): only fp32 is offered there")
+    if given is None and opts.placement == "auto":  # as ``parallelize`` refuses it
+        raise ValueError(f"the model is captured by dynamo in pieces ({err}): placement is not offered there; drop "
+                         "--placement")
     model, inputs = models.load(a.model, models.parse_args(a.arg))
     args, kwargs = split_example(inputs, None)
     pieces = distinct(collect(model, args, kwargs))
     caps = [cap for _, cap in pieces]
     why = str(err).split(". Fix:")[0]
     if given is None:
-        p = plan_pieces(model, pieces, opts.world, opts, why,
+        p = plan_pieces(model, pieces, opts.world, opts.one_program(), why,
                         lambda cap, o, world: _planned(not a.quiet, None, (), world, options=o, captured=cap,
                                                        baselines=False))
     else:
@@ -220,9 +228,10 @@ def _explained(a: argparse.Namespace) -> list[tuple[str, Explanation, list[int] 
     model, inputs = models.load(a.model, models.parse_args(a.arg))
     profile = load_profile(a.profile) if a.profile else None
     given = Plan.load(a.plan) if a.plan else None
-    if (given is not None and given.pipeline is not None) or (given is None and a.pipeline != "none"):
+    kind = _kind(a, given)
+    if kind in ("pipelined", "auto"):
         return _explained_stages(a, model, inputs, given, profile)
-    if (given is not None and given.placement is not None) or (given is None and a.placement == "auto"):
+    if kind == "placed":
         return _explained_regions(a, model, inputs, given, profile)
     try:
         capture(model, inputs)
@@ -271,7 +280,7 @@ def _explained_regions(a: argparse.Namespace, model: Any, inputs: Any, given: Pl
             raise ValueError("give --devices P to plan the model, or a saved plan with --plan")
         opts = plan_options(a)
         cap = capture(model, inputs, precision=policy(opts.precision).name)
-        p = placed_or_plain(cap, opts.world, opts)
+        p = placed_or_plain(cap, opts.world, opts.one_program())
     else:
         p = given
         cap = capture(model, inputs, precision=p.precision)
@@ -308,14 +317,14 @@ def _explained_stages(a: argparse.Namespace, model: Any, inputs: Any, given: Pla
 
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     if given is None:
-        if a.pipeline == "auto":
+        opts = plan_options(a)
+        if not isinstance(opts.pipeline, int):
             raise ValueError("explain and draw take --pipeline S (a number of stages), or a plan saved by "
                              "`soybean plan --pipeline auto --out plan.json` with --plan")
-        opts = plan_options(a)
-        stages = int(a.pipeline)
-        m = a.microbatches or stages
+        stages = opts.pipeline
+        m = opts.microbatches_for(stages)
         cap = capture(model, micro_inputs(args, {}, m)[0], precision=policy(opts.precision).name)
-        cut, plans, p = plan_pipeline(cap, opts.world, stages, m, a.schedule, opts, a.virtual_stages)
+        cut, plans, p = plan_pipeline(cap, opts.world, stages, m, opts.schedule, opts.one_program(), opts.virtual)
     else:
         p = given
         assert p.pipeline is not None
@@ -336,11 +345,10 @@ def _part_kind(a: argparse.Namespace) -> str:
     from .plan import Plan
 
     given = Plan.load(a.plan) if a.plan else None
-    if given is not None and given.pieces is not None or (given is None and a.pipeline == "none"
-                                                           and a.placement != "auto"):
+    kind = _kind(a, given)
+    if kind == "plain":
         return "piece"  # (only a plan of parts is asked its kind: without stages or regions, it is made of pieces)
-    placed = a.placement == "auto" or (given is not None and given.placement is not None)
-    return "region" if placed else "pipeline stage"
+    return "region" if kind == "placed" else "pipeline stage"
 
 
 def _cmd_explain(a: argparse.Namespace) -> int:
@@ -393,28 +401,6 @@ def _add_explained_args(p: argparse.ArgumentParser) -> None:
                    help="a plan saved by `soybean plan --out`: its tilings are read, not planned again (the "
                         "planning options below are then unused, but --profile)")
     add_plan_options(p, profile_help="; with --plan, default the plan's")
-    _add_pipeline_args(p)
-
-
-def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
-    """``--pipeline`` and its schedule's options, and ``--placement`` (``plan``, ``explain``, ``draw``)."""
-    from .pipelined import SCHEDULES
-
-    p.add_argument("--placement", default="none", choices=["none", "auto"],
-                   help="independent branches (towers, Inception blocks) on their own device groups, each group "
-                        "tiling its branches (DLPlacer): auto (where modelled faster) or none (default: every op on "
-                        "every device)")
-
-    p.add_argument("--pipeline", default="none", type=_pipeline_arg, metavar="none|auto|S",
-                   help="pipeline stages: none (default: one SPMD program over every device), a number S (the layers "
-                        "cut evenly into S stages, S x V with --virtual-stages V, each planned on devices/S devices) "
-                        "or auto (stage counts, microbatches and cuts searched against no stages)")
-    p.add_argument("--microbatches", type=int, default=None, metavar="M",
-                   help="microbatches per step with --pipeline (default: the number of stages)")
-    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
-                   help="the pipeline schedule (torch.distributed.pipelining's) with --pipeline")
-    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                   help="stages per rank group with --schedule interleaved-1f1b or zero-bubble (2 or more)")
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
@@ -504,7 +490,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--out", help="write the plan here (JSON when the name ends in .json)")
     p.add_argument("--emit-code", metavar="DIR", help="write each rank's generated program to DIR")
-    _add_pipeline_args(p)
     p.add_argument("--no-cache", action="store_true",
                    help="capture the model and walk its routes afresh, neither reading nor writing the capture "
                    "and route caches (~/.cache/soybean)")

@@ -37,7 +37,7 @@ from torch import fx, nn
 
 from .capture import Captured, capture
 from .module import _attach, forward_backward
-from .options import PlanOptions
+from .options import PlanOptions, plan_kind
 from .plan import Plan
 
 CAPTURES = ("auto", "export", "dynamo")
@@ -122,6 +122,9 @@ class PieceBackend:
         if opts.local_batch:
             raise ValueError("local_batch=True is not offered for a model captured by dynamo in pieces: the Python "
                              "between pieces needs whole tensors; pass the global batch on every rank")
+        if plan_kind(opts) != "plain":
+            raise ValueError(f"each piece captured by dynamo is one program over every device: pipeline="
+                             f"{opts.pipeline!r} and placement={opts.placement!r} are not offered there")
         self.opts = opts.merged(mode="replicated")
         self.parallelize = parallelize  # ``api.parallelize``, given: the front end imports this module, not back
         self.known = dict(known or {})

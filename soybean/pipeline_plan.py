@@ -34,23 +34,21 @@ from .stages import Stage, even_bounds, layers, shared_params, split, value_fact
 
 
 def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, schedule: str,
-                  options: PlanOptions, virtual_stages: int = 1,
+                  options: PlanOptions, virtual_stages: int | None = None,
                   bounds: Sequence[tuple[int, int]] | None = None) -> tuple[list[Stage], list[Plan], Plan]:
     """The stages of ``cap`` (captured at the microbatch), each one's plan on ``world // stages`` devices, and the
     pipelined plan (``Plan.pipeline`` holding the stages' plans).  ``stages`` is the pipeline's depth (rank
-    groups); with ``virtual_stages`` ``v`` the layers are cut into ``stages * v`` stages, stage ``i`` on group
-    ``i % stages`` (the interleaved schedule).  ``bounds``: the cut (``search_pipeline``'s); default even in
-    layers."""
-    from .pipelined import MULTI_STAGE, schedule_class
+    groups); with ``virtual_stages`` ``v`` (None: ``PlanOptions.virtual``'s default for ``schedule``) the layers are
+    cut into ``stages * v`` stages, stage ``i`` on group ``i % stages`` (the interleaved schedule).  ``bounds``:
+    the cut (``search_pipeline``'s); default even in layers.  ``options``: each stage's planner's
+    (``PlanOptions.one_program``)."""
     from .planner import plan
 
-    schedule_class(schedule)  # an unknown name fails here, before any planning
+    # the schedule and its virtual stages checked (and defaulted) where every front end checks them, before planning
+    virtual_stages = PlanOptions(schedule=schedule, virtual_stages=virtual_stages).virtual
     if stages < 2 or world % stages:
         raise ValueError(f"{stages} pipeline stages on {world} devices: use a number of at least 2 that divides "
                          f"the devices ({[s for s in range(2, world + 1) if world % s == 0]})")
-    if (virtual_stages > 1) != (schedule in MULTI_STAGE):
-        raise ValueError(f"schedule {schedule} with {virtual_stages} virtual stages per rank: "
-                         f"{', '.join(MULTI_STAGE)} runs 2 or more per rank, the others one")
     names = layers(cap)
     total = stages * virtual_stages
     bounds = list(bounds) if bounds is not None else even_bounds(len(names), total)

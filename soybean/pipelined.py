@@ -41,14 +41,13 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 from .capture import Captured
 from .checkpoint_view import PartsModule
 from .module import ParallelModule
+from .options import MULTI_STAGE, SCHEDULES  # their one home: PlanOptions checks them
 from .plan import Plan
 from .precision import policy
 from .runtime.agree import guarded
 from .runtime.launch import group_timeout
 from .stages import Stage, boundary_examples, shared_params
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")  # schedules that run several stages per rank (``virtual_stages`` > 1)
 REDUCTIONS = ("mean", "sum")
 
 

@@ -40,7 +40,7 @@ from .graph import (
 from .ir.algorithms import check as check_algorithm
 from .mesh import Mesh, factorizations
 from .mesh_pool import FEW_PER_WORKER, default_jobs, each_mesh
-from .options import PlanOptions, options as merge_options
+from .options import PlanOptions, options as merge_options, plan_kind
 from .plan import Plan
 from .precision import policy
 from .records import context_parallel_records, layer_rows, memory_breakdown, moe_records, reshard_records
@@ -816,6 +816,9 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
           option_fields: dict[str, Any], cache_routes: bool = False) -> Plan:
     say = progress or (lambda line: None)
     opts = merge_options(options, devices=devices, **option_fields)  # every option checked there
+    if plan_kind(opts) != "plain":  # a front end's choice (``options.plan_kind``): planned here, it would be dropped
+        raise ValueError(f"soybean.plan makes one program over every device, not pipeline={opts.pipeline!r} or "
+                         f"placement={opts.placement!r}: soybean.parallelize and `soybean plan` plan those")
     mesh = Mesh(opts.mesh) if opts.mesh else None
     devices, objective, precision, recompute = opts.world, opts.objective, opts.precision, opts.recompute
     profile = opts.profile if isinstance(opts.profile, Profile) else load_profile(opts.profile)

@@ -200,7 +200,8 @@ def _serial(kw: dict, steps: int) -> tuple[list[float], dict[str, torch.Tensor],
     return losses, grads, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
-def _placed(rank: int, world: int, kw: dict, steps: int, sizes: tuple[int, ...] | None) -> dict:
+def _placed(rank: int, world: int, kw: dict, steps: int, sizes: tuple[int, ...] | None,
+            pipeline: str | None = None) -> dict:
     import soybean
     from soybean.api import placed_module
 
@@ -209,7 +210,7 @@ def _placed(rank: int, world: int, kw: dict, steps: int, sizes: tuple[int, ...] 
     model = model.double()
     x = x.double()
     if sizes is None:
-        pm = soybean.parallelize(model, (x,), devices=world, placement="auto")
+        pm = soybean.parallelize(model, (x,), devices=world, placement="auto", pipeline=pipeline)
     else:  # the groups given: 2 groups x 2-way tiling on 4 ranks
         cap = capture(model, (x,))
         p = plan_placement(cap, world, options(None, devices=world), sizes=sizes)
@@ -269,6 +270,25 @@ def test_towers_on_disjoint_processes_train_as_serial() -> None:
 
 
 @pytest.mark.dist
+def test_stages_searched_with_placement_on_processes_train_as_serial(capsys: pytest.CaptureFixture) -> None:
+    """``pipeline="auto"`` with ``placement="auto"`` (one plan selector, ``options.plan_kind``): the stages searched
+    against the plan without stages, placed; on 2 gloo processes the placed towers win, train as serial (float64),
+    and are the plan ``soybean plan --pipeline auto --placement auto`` makes."""
+    from soybean.cli import main
+
+    got = spawn(_placed, 2, TOWERS, 2, None, "auto", timeout_s=300)
+    _check(got, TOWERS, 2)
+    plan = Plan.from_dict(json.loads(got[0]["plan"]))
+    assert plan.placement is not None and plan.pipeline is None and plan.solver["pipelines_searched"]
+    assert main(["plan", "examples.models:towers", *(f"--arg={k}={v}" for k, v in TOWERS.items()), "--devices", "2",
+                 "--quiet", "--no-cache", "--format", "json", "--pipeline", "auto", "--placement", "auto"]) == 0
+    cli = json.loads(capsys.readouterr().out)  # fp32 here, float64 there: the same choice
+    assert [r["ranks"] for r in cli["placement"]["regions"]] == [r["ranks"] for r in plan.placement["regions"]]
+    assert [c["stages"] for c in cli["solver"]["pipelines_searched"]] == [
+        c["stages"] for c in plan.solver["pipelines_searched"]]
+
+
+@pytest.mark.dist
 def test_two_groups_of_two_tile_their_towers_on_four_processes() -> None:
     """4 processes as 2 groups x 2-way tiling: each tower planned on its group's 2 devices."""
     got = spawn(_placed, 4, TOWERS, 2, (2, 2), timeout_s=300)
@@ -310,8 +330,12 @@ def test_the_command_line_plans_explains_and_draws_a_placement(capsys: pytest.Ca
     assert main(["plan", "examples.models:mlp", "--arg", "hidden=16", "--arg", "batch=4", "--devices", "2",
                  "--quiet", "--placement", "auto", "--format", "json"]) == 0
     assert "placement" not in json.loads(capsys.readouterr().out)
-    assert main([*args, "--pipeline", "2"]) != 0
-    assert "--placement and --pipeline" in capsys.readouterr().err
+    assert main([*args, "--pipeline", "2"]) == 2  # a fixed number of stages is planned without placement
+    assert "--placement auto with --pipeline 2: a fixed number of stages" in capsys.readouterr().err
+    assert main([*args, "--pipeline", "auto", "--format", "json"]) == 0  # stages searched against the placed plan
+    d = json.loads(capsys.readouterr().out)
+    assert [r["ranks"] for r in d["placement"]["regions"]] == [[0], [1], [0, 1]]
+    assert d["solver"]["pipelines_searched"] and "pipeline" not in d  # searched, slower than the placed towers
 
 
 class _TiedTowers(torch.nn.Module):

@@ -71,6 +71,7 @@ import torch
 import torch.nn as nn
 
 from .. import models
+from ..options import PlanOptions
 from ..plan import Plan
 from .report import format_table
 from .stats import fastest_verdict, spearman
@@ -462,7 +463,9 @@ def _spawned(cfg: BenchConfig, plans: dict[str, Plan | str]) -> dict[str, Measur
 def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any = None) -> dict[str, Plan | str]:
     """soybean's plans (optimal, forced DP, forced MP) from one capture; a failure is its reason.
     ``profile``: a ``Profile`` (or name or path) instead of ``cfg.profile``."""
+    from ..api import placed_or_plain
     from ..capture import capture
+    from ..options import options, plan_kind
     from ..planner import plan
 
     try:
@@ -474,38 +477,41 @@ def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any =
         if variant not in cfg.variants:
             plans[variant] = NOT_SELECTED
             continue
-        fields, stages, placed = BY_NAME[variant].plan, BY_NAME[variant].pipeline, BY_NAME[variant].placement
-        fields = {**cfg.plan_options, **fields}
-        try:
-            if stages is None:
-                plans[variant] = plan(None, (), cfg.devices, objective="time", profile=profile or cfg.profile,
-                                      baselines=False, captured=cap, **fields)
+        try:  # what to plan chosen as ``parallelize`` and the CLI choose it (``options.plan_kind``)
+            opts = options(None, devices=cfg.devices, objective="time", profile=profile or cfg.profile,
+                           **{**cfg.plan_options, **BY_NAME[variant].plan})
+            kind = plan_kind(opts)
+            if kind == "plain":
+                plans[variant] = plan(None, (), options=opts, baselines=False, captured=cap)
+            elif kind == "placed":
+                plans[variant] = placed_or_plain(cap, cfg.devices, opts.one_program())
             else:
-                plans[variant] = _pipelined_plan(cfg, model, inputs, stages, profile, fields, placed)
+                plans[variant] = _pipelined_plan(cfg, model, inputs, opts)
         except Exception as e:
             plans[variant] = Measurement.failed(e).reason or "planning failed"
     return plans
 
 
-def _pipelined_plan(cfg: BenchConfig, model: nn.Module, inputs: tuple, stages: int | str, profile: Any,
-                    fields: dict[str, Any], placement: bool = False) -> Plan:
-    """A variant planned with pipeline stages: ``auto`` (``api.auto_plan``: stages only where faster) or a
-    number of stages with its microbatches and cut searched (``pipeline_plan.search_pipeline``)."""
+def _pipelined_plan(cfg: BenchConfig, model: nn.Module, inputs: tuple, opts: PlanOptions) -> Plan:
+    """A variant planned with pipeline stages (``opts.pipeline``): ``auto`` (``api.auto_plan``: stages only where
+    faster; the plan without them placed where faster with ``placement`` ``auto``) or a number of stages with its
+    microbatches and cut searched (``pipeline_plan.search_pipeline``)."""
     from ..api import auto_plan, micro_inputs
     from ..capture import capture
-    from ..options import options as merge_options
     from ..pipeline_plan import search_pipeline
 
     example = inputs[:-1] if cfg.loss == "outside" else inputs
-    opts = merge_options(None, devices=cfg.devices, objective="time", profile=profile or cfg.profile, **fields)
+    stages = opts.pipeline
     if stages == "auto":
-        return auto_plan(model, example, {}, opts, cfg.devices, "fp32", placement=placement)
+        return auto_plan(model, example, {}, opts.one_program(), cfg.devices, "fp32",
+                         placement=opts.placement == "auto")
+    assert isinstance(stages, int)
     _, _, batch = micro_inputs(example, {}, 1)
 
     def capture_at(m: int) -> Any:
         return capture(model, micro_inputs(example, {}, m)[0])
 
-    best, searched = search_pipeline(capture_at, batch, cfg.devices, opts, stages=int(stages))
+    best, searched = search_pipeline(capture_at, batch, cfg.devices, opts.one_program(), stages=stages)
     if best is None:
         raise Unavailable(f"no plan of {stages} pipeline stages: {searched or 'no microbatch count splits the batch'}")
     return best

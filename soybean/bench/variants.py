@@ -6,9 +6,10 @@ contract), or ``local``, its dim-0 slice (DDP, FSDP2, soybean's ``local_batch``)
 variant whose first loss this one's must equal (serial's for a full batch; DDP's mean over the ranks' own
 losses for soybean's local contract; None: not checked); ``replicates``: it may hold a whole replica of the
 parameters on every rank (the memory estimate that decides whether variants take turns); soybean's rows carry
-their planning options (``options.PlanOptions``' ``mode``, ``local_batch``, ``collectives``) and ``pipeline``: a
-number of stages or ``auto``, planned by ``pipeline_plan`` / ``api.auto_plan`` and trained through ``train_step``;
-``placement``: branches may run on their own device groups (``placement_plan``), where modelled faster.
+their planning options (``options.PlanOptions``' ``mode``, ``local_batch``, ``collectives``, and the kind of plan:
+``pipeline``, a number of stages or ``auto``, planned by ``pipeline_plan`` / ``api.auto_plan`` and trained through
+``train_step``; ``placement`` ``auto``: branches may run on their own device groups, where modelled faster), the
+harness choosing what to plan from them as ``parallelize`` and the CLI do (``options.plan_kind``).
 
 A new variant is one row here (and a ``_prepare_*`` in the harness when it wraps the model a new way).
 """
@@ -26,8 +27,6 @@ class Variant:
     replicates: bool
     loss_reference: str | None = None
     plan: dict[str, Any] = field(default_factory=dict)  # soybean's planning options (PlanOptions fields)
-    pipeline: int | str | None = None  # soybean's pipeline stages: a number, auto, or None (none)
-    placement: bool = False  # soybean may place branches on device groups (``placement="auto"``)
 
     @property
     def soybean(self) -> bool:
@@ -41,12 +40,12 @@ TABLE: tuple[Variant, ...] = (
     Variant("tp", "tp", "full", False, loss_reference=SERIAL),
     Variant("fsdp", "fsdp", "local", False),
     Variant("pp", "pp", "full", False, loss_reference=SERIAL),
-    Variant("soybean", "soybean", "full", True, SERIAL, {"mode": "auto"}, pipeline="auto", placement=True),
+    Variant("soybean", "soybean", "full", True, SERIAL, {"mode": "auto", "pipeline": "auto", "placement": "auto"}),
     Variant("soybean_dp", "soybean", "full", True, SERIAL, {"mode": "dp"}),
     Variant("soybean_mp", "soybean", "full", False, SERIAL, {"mode": "mp"}),
     Variant("soybean_local", "soybean", "local", True, "ddp", {"mode": "auto", "local_batch": True}),
     Variant("soybean_backend", "soybean", "full", True, SERIAL, {"mode": "auto", "collectives": "backend"}),
-    Variant("soybean_pp", "soybean", "full", False, SERIAL, {"mode": "auto"}, pipeline=2),
+    Variant("soybean_pp", "soybean", "full", False, SERIAL, {"mode": "auto", "pipeline": 2}),
 )
 BY_NAME: dict[str, Variant] = {v.name: v for v in TABLE}
 
