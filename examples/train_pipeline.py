@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import soybean
 from examples.models import transformer
-from soybean.pipelined import SCHEDULES
+from soybean.run.pipelined import SCHEDULES
 
 STEPS = 4
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import soybean
 from examples.models import transformer
-from soybean.report import table
+from soybean.report.table import table
 
 STEPS = 5            # training steps whose losses are compared with serial
 WARMUP, TIMED = 2, 10  # then rounds of one soybean step and one DDP step, the first WARMUP not timed

@@ -8,7 +8,7 @@ at which everything fits (the peak of the best plan without a budget, plus ``MEM
 smallest any plan reaches (every layer recomputed, the least-memory tilings), in ``--points`` equal steps.
 At each budget it plans with ``--recompute auto`` (recomputation decided with the tilings, ``planner.solve_recompute``)
 and prints soybean's modelled step time, mesh and recomputed layer count beside the baselines priced
-under the same cost model and budget (``soybean.baselines``): FSDP, FSDP with every layer recomputed,
+under the same cost model and budget (``soybean.planner.baselines``): FSDP, FSDP with every layer recomputed,
 FSDP with each layer's attention recomputed (selective), and data parallelism.  ``x best baseline`` is the
 best feasible baseline's step time over soybean's (above 1: soybean faster).  All figures are modelled
 (``--profile``, default ``cpu-gloo``); with ``--json`` the rows as JSON.
@@ -25,9 +25,10 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from soybean import models  # noqa: E402
-from soybean.capture import capture  # noqa: E402
+from soybean.capture.core import capture  # noqa: E402
 from soybean.cost.memory import MEMORY_HEADROOM  # noqa: E402
-from soybean.planner import MemoryBudgetError, plan  # noqa: E402
+from soybean.planner.core import plan  # noqa: E402
+from soybean.planner.solve import MemoryBudgetError
 
 BASELINES = ("fsdp", "fsdp_recompute", "fsdp_selective_recompute", "data_parallel")
 

@@ -6,7 +6,7 @@
 
 Each case runs ``soybean plan ... --format json`` in a fresh process, capture included, on the meta
 device (no weight is allocated), twice: the first run builds and exports the model into an empty capture cache
-(``soybean.capture_cache``, a directory of this run's own), the second reads it, as a user iterating on options
+(``soybean.capture.cache``, a directory of this run's own), the second reads it, as a user iterating on options
 does.  It reports both wall times, the first run's peak resident memory (``wait4``), the solver's status and gap,
 the mesh it chose, its modelled step time and memory per device, and the modelled step time of every baseline
 priced beside it (``infeasible`` when the baseline cannot run; a baseline made to fit by activation checkpointing

@@ -34,7 +34,7 @@ from soybean import models  # noqa: E402
 from soybean.api import parallelize  # noqa: E402
 from soybean.cost.measure_memory import measure_step  # noqa: E402
 from soybean.plan import Plan  # noqa: E402
-from soybean.planner import plan as make_plan  # noqa: E402
+from soybean.planner.core import plan as make_plan  # noqa: E402
 from soybean.rules.window import spatial_splits  # noqa: E402
 from soybean.runtime.launch import spawn  # noqa: E402
 

@@ -10,7 +10,7 @@ from .tiling import Partial, Replicate, Shard
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from .module import ParallelModule
+    from .run.module import ParallelModule
 
 __all__ = ["Mesh", "Partial", "Plan", "Replicate", "Shard", "compile_backend", "latest_checkpoint", "parallelize",
            "plan"]
@@ -26,7 +26,7 @@ def parallelize(*args: Any, **kwargs: Any) -> ParallelModule:
 
 
 def plan(*args: Any, **kwargs: Any) -> Plan:
-    from .planner import plan as _p
+    from .planner.core import plan as _p
 
     return _p(*args, **kwargs)
 

@@ -19,17 +19,17 @@ from typing import Any, overload
 import torch
 import torch.distributed as dist
 
-from .capture import Captured, CaptureError, capture, split_example
+from .capture.core import Captured, CaptureError, capture, split_example
 from .mesh import Mesh
-from .module import ParallelModule
 from .options import PlanOptions, options as merge_options, plan_kind
-from .outputs import OUTPUTS
-from .pieces import CAPTURES, PiecesModule
-from .pipelined import PipelinedModule
-from .placed import PlacedModule
 from .plan import Plan
-from .planner import plan as make_plan
+from .planner.core import plan as make_plan
 from .precision import policy
+from .run.module import ParallelModule
+from .run.outputs import OUTPUTS
+from .run.pieces import CAPTURES, PiecesModule
+from .run.pipelined import PipelinedModule
+from .run.placed import PlacedModule
 from .runtime.agree import SETUP_WAIT_S, agreed_setup, current_setup
 from .runtime.comm import Group
 
@@ -113,10 +113,10 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     at run time each rank passes only its dim-0 slice (``pmodel.local_slice(x)``) and non-scalar
     outputs come back as this rank's tile (losses stay whole).  Nothing is sliced or gathered.  A loss
     computed outside on the tile trains as DDP does: the mean over ranks of their losses
-    (``soybean.outputs.local_mean``).
+    (``soybean.run.outputs.local_mean``).
 
     ``outputs`` (the full-batch contract): ``lazy`` (default) returns a split output as a
-    ``soybean.outputs.LazyFull``, this rank's tile, gathered on first full read; a loss of
+    ``soybean.run.outputs.LazyFull``, this rank's tile, gathered on first full read; a loss of
     ``torch.nn.functional`` on it reduces only the scalar.  ``full``: full tensors, gathered in the program.
 
     ``collectives``: the algorithm each collective runs, as ``soybean plan --collectives``: ``auto`` (the cheapest
@@ -150,7 +150,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
 
     ``capture_with``: how the model is captured.  ``auto`` (default): ``torch.export``, and where export cannot
     capture the model (a graph break: data-dependent Python control flow, code that runs only when not compiling),
-    dynamo in pieces split at its graph breaks, with one warning saying why (``soybean.pieces``); ``export`` or
+    dynamo in pieces split at its graph breaks, with one warning saying why (``soybean.run.pieces``); ``export`` or
     ``dynamo``: only that one.  A model captured in pieces runs as a ``pieces.PiecesModule`` (the same API; every
     parameter stored whole, its use split; fp32, the full-batch contract, no pipeline stages or placement).  A plan
     saved from pieces runs as one.
@@ -249,11 +249,11 @@ def _world(opts: PlanOptions, groups: Sequence[Group] | None, rank: int | None,
 
 def _pieces(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions, world: int, rank: int,
             simulated: bool, precision: str, given: Plan | None, placed: bool, why: str) -> PiecesModule:
-    """``parallelize`` of a model captured by dynamo in pieces (``soybean.pieces``): plan on rank 0 (or read
+    """``parallelize`` of a model captured by dynamo in pieces (``soybean.run.pieces``): plan on rank 0 (or read
     ``given``), every rank runs the model compiled with the pieces' plans.  ``placed``: placement was asked."""
     import warnings
 
-    from .pieces import distinct, pieces_fingerprint, plan_pieces
+    from .run.pieces import distinct, pieces_fingerprint, plan_pieces
 
     if precision != "fp32":
         raise ValueError(f"{type(model).__name__} is captured by dynamo in pieces ({why}), whose parameters are the "
@@ -311,7 +311,7 @@ def placed_or_plain(cap: Captured, world: int, opts: PlanOptions, say: Callable[
     (``placement_plan.plan_placement``); the plan without placement records the placed plan's step
     (``solver["placement_s"]``: None when the graph has no branches to place), a placed one the other's
     (``placement["without_placement_s"]``).  ``cache_routes``: as ``planner.plan``'s."""
-    from .placement_plan import plan_placement
+    from .parts.placement_plan import plan_placement
 
     plain = make_plan(None, (), world, options=opts, baselines=baselines, captured=cap, cache_routes=cache_routes)
     say("placement")
@@ -327,8 +327,8 @@ def placed_or_plain(cap: Captured, world: int, opts: PlanOptions, say: Callable[
 
 def placed_module(model: torch.nn.Module, cap: Captured, p: Plan, rank: int, world: int) -> PlacedModule:
     """This rank's ``PlacedModule`` of the placed plan ``p`` (its regions cut from ``cap`` as the plan records)."""
-    from .placement_plan import region_nodes
-    from .regions import segments, split
+    from .parts.placement_plan import region_nodes
+    from .parts.regions import segments, split
 
     assert p.placement is not None
     rows = p.placement["regions"]
@@ -341,8 +341,8 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
     """``parallelize`` with pipeline stages (its docstring): capture at the microbatch, plan ``opts.pipeline``
     stages on rank 0 (or read ``given``, a plan with stages: ``options.plan_kind``), every rank cuts the same
     stages and runs its own."""
-    from .pipeline_plan import plan_pipeline
-    from .stages import split
+    from .parts.pipeline_plan import plan_pipeline
+    from .parts.stages import split
 
     if given is not None:
         assert given.pipeline is not None  # ``plan_kind`` runs a given plan pipelined only when it has stages
@@ -384,7 +384,7 @@ def _from_rank0(make: Callable[[], Plan], rank: int) -> Plan:
 def micro_inputs(args: tuple, kwargs: dict, microbatches: int) -> tuple[tuple, dict, int]:
     """The first ``batch / microbatches`` rows of every input whose dim 0 is the batch (the shapes a stage runs
     on), and the batch; a one-line error when the batch does not split into equal microbatches."""
-    from .pipelined import check_microbatches
+    from .run.pipelined import check_microbatches
 
     batch = next((int(x.shape[0]) for x in [*args, *kwargs.values()] if isinstance(x, torch.Tensor) and x.dim()),
                  None)
@@ -406,11 +406,12 @@ def auto_plan(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptio
     pipelined plan (``pipeline_plan.search_pipeline``); the plan without stages keeps every pipeline searched in
     ``solver["pipelines_searched"]``, a pipelined one in ``pipeline["searched"]`` with the other's step
     (``pipeline["without_stages_s"]``).  ``baselines``: the plan returned records every baseline, the one-mesh
-    layouts (``soybean.baselines``) and torchtitan's 3-D ones (``pipeline_baselines``).  ``placement``: the plan
+    layouts (``soybean.planner.baselines``) and torchtitan's 3-D ones (``pipeline_baselines``).  ``placement``: the plan
     without stages may place branches on device groups (``placed_or_plain``)."""
-    from . import pipeline_baselines
-    from .pipeline_plan import search_pipeline
-    from .planner import MemoryBudgetError, SearchError
+    from .parts.pipeline_plan import search_pipeline
+    from .planner import pipeline_baselines
+    from .planner.core import SearchError
+    from .planner.solve import MemoryBudgetError
 
     plain: Plan | None = None
     base: dict[str, dict[str, Any]] = {}

@@ -9,10 +9,10 @@ import warnings
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from .capture import Captured
-    from .explain import Explanation
+    from .capture.core import Captured
     from .options import PlanOptions
     from .plan import Plan
+    from .report.explain import Explanation
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ class ProgressLine:
 def _planned(progress: bool, *args: Any, **kwargs: Any) -> Plan:
     """``planner.plan(*args, **kwargs)`` with its progress line on stderr (``progress``), and soybean's warnings
     (the replicate fallback) printed there as one line each."""
-    from .planner import plan
+    from .planner.core import plan
 
     line = ProgressLine(sys.stderr, enabled=progress)
     with warnings.catch_warnings(record=True) as caught, line:
@@ -78,7 +78,7 @@ def _kind(a: argparse.Namespace, given: Plan | None = None) -> str:
 
 def _caching(a: argparse.Namespace) -> bool:
     """Whether the disk caches (captures, route walks: ``capture_cache``, ``route_cache``) are read and written."""
-    from . import capture_cache
+    from .capture import cache as capture_cache
 
     return capture_cache.enabled() and not getattr(a, "no_cache", False)
 
@@ -86,8 +86,9 @@ def _caching(a: argparse.Namespace) -> bool:
 def _captured(a: argparse.Namespace, precision: str | None) -> tuple[Any, tuple, Captured]:
     """The model (None on a cache hit: it was not built), its inputs and its capture under ``precision``: from
     the capture cache (``capture_cache``) unless ``--no-cache``, else built and captured now (and stored)."""
-    from . import capture_cache, models
-    from .capture import capture
+    from . import models
+    from .capture import cache as capture_cache
+    from .capture.core import capture
     from .precision import policy
 
     name = policy(precision).name
@@ -110,10 +111,10 @@ def _plan_pipelined(a: argparse.Namespace, opts: PlanOptions) -> int:
 
     from . import models
     from .api import auto_plan, micro_inputs
-    from .capture import capture
-    from .pipeline_plan import plan_pipeline
+    from .capture.core import capture
+    from .parts.pipeline_plan import plan_pipeline
     from .precision import policy
-    from .report import pipeline_table, placement_table, table
+    from .report.table import pipeline_table, placement_table, table
 
     model, inputs = models.load(a.model, models.parse_args(a.arg))
     args = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -143,9 +144,9 @@ def _write_plan(a: argparse.Namespace, p: Plan, text: str) -> None:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
-    from .capture import CaptureError
+    from .capture.core import CaptureError
     from .options import plan_kind, plan_options
-    from .report import table
+    from .report.table import table
 
     opts = plan_options(a)  # every option checked here, before the model is built
     kind, one = plan_kind(opts), opts.one_program()
@@ -154,14 +155,14 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     try:
         model, inputs, cap = _captured(a, opts.precision)
     except CaptureError as e:  # captured by dynamo in pieces, as parallelize captures it
-        from .report import pieces_table
+        from .report.table import pieces_table
 
         p = _pieces_plan(a, opts, e)[0]
         _write_plan(a, p, p.to_json() if a.format == "json" else pieces_table(p))
         return 0
     if kind == "placed":
         from .api import placed_or_plain
-        from .report import placement_table
+        from .report.table import placement_table
 
         with ProgressLine(sys.stderr, enabled=not a.quiet) as line:
             p = placed_or_plain(cap, opts.world, one, line, baselines=True, cache_routes=_caching(a))
@@ -184,11 +185,11 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 def _pieces_plan(a: argparse.Namespace, opts: PlanOptions, err: Exception, given: Plan | None = None
                  ) -> tuple[Plan, list[Captured]]:
     """A model ``torch.export`` could not capture (``err``), as ``parallelize`` plans it: its pieces captured by
-    dynamo (``soybean.pieces``) and planned each (or ``given``'s plans, checked against them); the plan and the
+    dynamo (``soybean.run.pieces``) and planned each (or ``given``'s plans, checked against them); the plan and the
     pieces' captures, one per plan."""
     from . import models
-    from .capture import split_example
-    from .pieces import collect, distinct, pieces_fingerprint, plan_pieces
+    from .capture.core import split_example
+    from .run.pieces import collect, distinct, pieces_fingerprint, plan_pieces
 
     if opts.precision not in (None, "fp32"):
         raise ValueError(f"the model is captured by dynamo in pieces ({err}): only fp32 is offered there")
@@ -218,12 +219,12 @@ def _explained(a: argparse.Namespace) -> list[tuple[str, Explanation, list[int] 
     planned now as ``soybean plan`` would) and its rows on the plan's full candidate table; a pipelined plan
     (``--plan`` of one, or ``--pipeline S``), one per stage, each titled by its stage's row of the table."""
     from . import models
-    from .capture import CaptureError, capture
+    from .capture.core import CaptureError, capture
     from .cost.profiles import load_profile
-    from .explain import explain
     from .options import plan_options
     from .plan import Plan
     from .precision import policy
+    from .report.explain import explain
 
     model, inputs = models.load(a.model, models.parse_args(a.arg))
     profile = load_profile(a.profile) if a.profile else None
@@ -236,7 +237,7 @@ def _explained(a: argparse.Namespace) -> list[tuple[str, Explanation, list[int] 
     try:
         capture(model, inputs)
     except CaptureError as e:  # a plan made of pieces: one part per piece
-        from .pieces import piece_plans
+        from .run.pieces import piece_plans
 
         if given is None and a.devices is None:
             raise ValueError("give --devices P to plan the model, or a saved plan with --plan") from None
@@ -266,14 +267,14 @@ def _explained_regions(a: argparse.Namespace, model: Any, inputs: Any, given: Pl
     """Each region of a placed plan explained on its own capture and plan, titled by its row of the table and
     the regions it runs at the same time as (a plan without placement: explained whole)."""
     from .api import placed_or_plain
-    from .capture import capture
-    from .explain import explain
+    from .capture.core import capture
     from .options import plan_options
-    from .placement_plan import region_nodes
+    from .parts.placement_plan import region_nodes
+    from .parts.regions import segments, split
     from .plan import Plan
     from .precision import policy
-    from .regions import segments, split
-    from .report import placement_table
+    from .report.explain import explain
+    from .report.table import placement_table
 
     if given is None:
         if a.devices is None:
@@ -306,14 +307,14 @@ def _explained_stages(a: argparse.Namespace, model: Any, inputs: Any, given: Pla
                       profile: Any) -> list[tuple[str, Explanation, list[int] | None]]:
     """Each stage of a pipelined plan explained on its own capture and plan, titled by its row of the table."""
     from .api import micro_inputs
-    from .capture import capture
-    from .explain import explain
+    from .capture.core import capture
     from .options import plan_options
-    from .pipeline_plan import plan_pipeline
+    from .parts.pipeline_plan import plan_pipeline
+    from .parts.stages import split
     from .plan import Plan
     from .precision import policy
-    from .report import pipeline_table
-    from .stages import split
+    from .report.explain import explain
+    from .report.table import pipeline_table
 
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     if given is None:
@@ -352,7 +353,7 @@ def _part_kind(a: argparse.Namespace) -> str:
 
 
 def _cmd_explain(a: argparse.Namespace) -> int:
-    from .explain import format_text
+    from .report.explain import format_text
 
     kind = _part_kind(a)
     for k, (title, ex, _) in enumerate(_explained(a)):
@@ -363,7 +364,7 @@ def _cmd_explain(a: argparse.Namespace) -> int:
 
 
 def _cmd_draw(a: argparse.Namespace) -> int:
-    from .draw import group_colours, page, stacked, svg
+    from .report.draw import group_colours, page, stacked, svg
 
     parts = _explained(a)
     with open(a.out, "w") as f:
@@ -384,7 +385,7 @@ def _cmd_draw(a: argparse.Namespace) -> int:
 def _cmd_diff(a: argparse.Namespace) -> int:
     """Exit 0 when the plans are the same (nothing printed), 1 when they differ, as ``diff``."""
     from .plan import Plan
-    from .plandiff import diff
+    from .report.plandiff import diff
 
     lines = diff(Plan.load(a.a), Plan.load(a.b))
     if lines:
@@ -448,8 +449,8 @@ def _cmd_check(a: argparse.Namespace) -> int:
     import logging
 
     from . import models
-    from .check import check_model
     from .mesh import Mesh
+    from .verify.check import check_model
 
     if a.devices < 1:
         raise ValueError(f"--devices must be >= 1, got {a.devices}")
@@ -542,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"soybean {a.cmd}: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # capture errors and the like: one line, not a traceback
-        from .capture import CaptureError
+        from .capture.core import CaptureError
 
         if isinstance(e, CaptureError):
             print(f"soybean {a.cmd}: error: {e}", file=sys.stderr)

@@ -6,7 +6,7 @@ cannot trace) and hands each piece to the backend as an FX graph whose parameter
 ``nn.Parameter`` objects).  For each piece the backend:
 
 1. wraps the graph as a module whose parameters are those very objects and whose inputs are the rest
-   (``soybean.pieces``: ``PieceBackend``, the machinery ``parallelize`` shares for a model export cannot capture);
+   (``soybean.run.pieces``: ``PieceBackend``, the machinery ``parallelize`` shares for a model export cannot capture);
    dynamo reuses one graph for every module instance that runs the same code (T5's encoder and decoder share
    ``T5LayerNorm.forward``'s graph, each with its own weight as an input), so a call runs on the parameters it is
    given: other parameter objects get a program of the same plan bound to them, never the first call's;
@@ -43,7 +43,7 @@ def compile_backend(options: PlanOptions | None = None, **option_fields: Any
     ``replicated`` (the user's optimizer holds the parameters).  The backend's ``plans`` lists every piece's
     plan, in the order dynamo captured them."""
     from .api import parallelize
-    from .pieces import PieceBackend
+    from .run.pieces import PieceBackend
 
     opts = merge_options(options, **option_fields)
     if opts.mode not in ("auto", "replicated"):

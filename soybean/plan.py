@@ -169,14 +169,14 @@ class Plan:
     # on: how ``aligned`` finds a node in another process's capture of the same model, whose node names may follow
     # another order, and the order every rank lowers its ops in (``codegen.lower.walk_order``)
     keys: list[list[str]] = field(default_factory=list)
-    # pipeline stages (``soybean.pipelined``): schedule, microbatches, virtual stages per rank, and each stage's
+    # pipeline stages (``soybean.run.pipelined``): schedule, microbatches, virtual stages per rank, and each stage's
     # layers (``units``: first and last), ranks, mesh, modelled seconds per microbatch and its own tiling plan (this
     # class's dict); None, and no ``pipeline`` key in the JSON, for a plan of one SPMD program
     pipeline: dict[str, Any] | None = None
-    # branches on their own device groups (``soybean.placement_plan``, ``soybean.placed``): every region (its module
-    # prefixes ``units``, the graph's (segment, branch) pairs it runs, its ranks and mesh, modelled seconds, what it
-    # sends and its own tiling plan), every placed segment's choice and the number of groups; None, and no
-    # ``placement`` key in the JSON, for a plan that runs every op on every device
+    # branches on their own device groups (``soybean.parts.placement_plan``, ``soybean.run.placed``): every region
+    # (its module prefixes ``units``, the graph's (segment, branch) pairs it runs, its ranks and mesh, modelled
+    # seconds, what it sends and its own tiling plan), every placed segment's choice and the number of groups; None,
+    # and no ``placement`` key in the JSON, for a plan that runs every op on every device
     placement: dict[str, Any] | None = None
     # routed experts (mixture of experts; ``records.moe_records``): per MoE layer its experts, the mesh axes
     # splitting them and their degree, the axes its rows move on (all-to-all) and those left a pending sum, those
@@ -187,7 +187,7 @@ class Plan:
     # and degree; no ``context_parallel`` key in the JSON when no attention is split so (a plan of parts: as ``moe``)
     context_parallel: list[dict[str, Any]] = field(default_factory=list)
     # a model torch.export could not capture, captured by dynamo in pieces split at graph breaks
-    # (``soybean.pieces``): how (``capture``: "dynamo"), why (``why``: export's error), and per piece (``graphs``)
+    # (``soybean.run.pieces``): how (``capture``: "dynamo"), why (``why``: export's error), and per piece (``graphs``)
     # its fingerprint, op count, parameters (the piece's slot -> the model's name) and its own tiling plan (this
     # class's dict); None, and no ``pieces`` key in the JSON, for a plan of one captured graph
     pieces: dict[str, Any] | None = None

@@ -11,7 +11,7 @@
 
 The plan is captured from the compute copy (``compute_model``), so the planner prices bfloat16
 activations and collectives from the graph's own dtypes; the memory model adds the float32 masters
-(``Policy.master``).  The serial run of the same policy is ``soybean.testing.train_serial(...,
+(``Policy.master``).  The serial run of the same policy is ``soybean.verify.testing.train_serial(...,
 precision=...)``.
 """
 from __future__ import annotations

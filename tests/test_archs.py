@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers", reason="the architecture suite needs transformers: pip install -e '.[hf]'")
 
 from soybean import sweep  # noqa: E402
-from soybean.check import check_model  # noqa: E402
+from soybean.verify.check import check_model  # noqa: E402
 from soybean.models import archs  # noqa: E402
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""Baselines (``soybean.baselines``): each practitioner layout is what it claims, is a restriction of the
+"""Baselines (``soybean.planner.baselines``): each practitioner layout is what it claims, is a restriction of the
 plan's own table (so the plan is never worse on a mesh it searched), says why when it cannot run, and
 appears in the JSON and the text report."""
 from __future__ import annotations
@@ -11,16 +11,18 @@ import pytest
 import torch
 
 from examples.models import transformer
-from soybean import baselines, models
-from soybean.capture import capture
+from soybean import models
+from soybean.planner import baselines
+from soybean.capture.core import capture
 from soybean.cli import main
 from soybean.cost.memory import MEMORY_HEADROOM
 from soybean.cost.profiles import load_profile
 from soybean.graph import pinned_use
 from soybean.mesh import Mesh
-from soybean.planner import plan, solve_table
-from soybean.records import edge_steps
-from soybean.report import table
+from soybean.planner.core import plan
+from soybean.planner.solve import solve_table
+from soybean.planner.records import edge_steps
+from soybean.report.table import table
 from soybean.tiling import Partial, R, Replicate, Shard, fmt
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,7 @@ import pytest
 
 from examples.models import mlp, resnet
 from soybean import models
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.cost.profiles import BUILTIN, Profile
 from soybean.graph import PlanGraph, build, edge_profile
 from soybean.mesh import Mesh
@@ -157,21 +157,21 @@ def test_a_variable_kind_is_one_of_the_six() -> None:
 def test_pricing_state_belongs_to_the_run_that_made_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """No pricing state is kept by the process: a build given no cache starts an empty one; ``planner.plan`` hands
     one cache to every table it builds (each mesh shape and each baseline), and the next ``plan`` a new one."""
-    from soybean import baselines, planner
+    from soybean.planner import baselines, core as planner, solve
 
     model, inputs = EXAMPLES["mlp_uneven"]()
     cap = capture(model, inputs)
     a, b = (build(cap, Mesh((2,)), BUILTIN["h100-nvlink"]) for _ in range(2))
     assert a.pricing is not b.pricing and len(a.pricing.steps.ids) == len(b.pricing.steps.ids) > 0
     seen: list[list[int]] = []
-    real = planner.build
+    real = solve.build
 
     def spy(*args: object, **kw: object) -> PlanGraph:
         g = real(*args, **kw)  # type: ignore[arg-type]
         seen[-1].append(id(g.pricing))
         return g
 
-    monkeypatch.setattr(planner, "build", spy)
+    monkeypatch.setattr(solve, "build", spy)  # ``Search.table``'s
     monkeypatch.setattr(baselines, "build", spy)
     for _ in range(2):
         seen.append([])
@@ -183,7 +183,7 @@ def test_builds_of_other_recomputation_choices_share_work_exactly() -> None:
     """``SharedWork`` carried across the builds of one mesh (as ``planner.solve_recompute`` does) gives every
     recomputation choice the table a build of its own gives."""
     from soybean.graph import SharedWork
-    from soybean.planner import recompute_choices
+    from soybean.planner.recompute import recompute_choices
 
     ref, args, mesh = CASES[0]
     model, inputs = models.load(ref, dict(args))

@@ -1,4 +1,4 @@
-"""The capture cache (``soybean.capture_cache``): a stored capture plans and lowers exactly as the capture it was
+"""The capture cache (``soybean.capture.cache``): a stored capture plans and lowers exactly as the capture it was
 made from, the command line reads it instead of building and exporting the model, and a key changes with
 everything the capture depends on."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from soybean import capture_cache
-from soybean.capture import capture
+from soybean.capture import cache as capture_cache
+from soybean.capture.core import capture
 from soybean.cli import main
 from soybean.codegen.lower import lower
-from soybean.planner import plan
+from soybean.planner.core import plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_golden_plans import MODELS  # noqa: E402

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-import soybean.capture as capmod
-from soybean.capture import PASSES, Captured, Pass, capture
-from soybean.functionalize import functional_variant
+import soybean.capture.core as capmod
+from soybean.capture.core import PASSES, Captured, Pass, capture
+from soybean.capture.functionalize import functional_variant
 
 transformers_moe = pytest.importorskip("transformers.integrations.moe")  # its grouped matmul (the experts' op)
 
@@ -177,7 +177,7 @@ class _Sums(nn.Module):
 def test_returned_sums_are_marked_once_by_capture() -> None:
     """``mark_returned_sums``: exactly the values whose one reader is the output, or a constant scaling read only
     by the output, carry the mark; the planning graph's lazy reads are those (``graph.Edge.lazy``)."""
-    from soybean.capture import RETURNED_SUM
+    from soybean.capture.core import RETURNED_SUM
     from soybean.cost.profiles import load_profile
     from soybean.graph import build
     from soybean.mesh import Mesh

@@ -11,21 +11,13 @@ import numpy as np
 import pytest
 
 from examples.models import transformer
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.cost.profiles import load_profile
 from soybean.graph import recomputable_layers
 from soybean.mesh import Mesh
 from soybean.options import PlanOptions
-from soybean.planner import (
-    MemoryBudgetError,
-    Search,
-    evaluate,
-    layers_in,
-    least_memory,
-    recompute_choices,
-    solve_on,
-    solve_recompute,
-)
+from soybean.planner.solve import MemoryBudgetError, Search, evaluate, least_memory, solve_on
+from soybean.planner.recompute import layers_in, recompute_choices, solve_recompute
 from soybean.search import find_repeats
 from soybean.search.chain import MULTIPLIERS, affine, dual, stretch_bound
 from soybean.search.problem import Problem

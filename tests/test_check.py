@@ -13,9 +13,9 @@ import torch
 
 from examples.models import llama3, mlp
 from soybean import cli
-from soybean.check import check_model
+from soybean.verify.check import check_model
 from soybean.rules.base import REGISTRY, RuleEntry, Strategy, Strategy1D
-from soybean.validate import check_op
+from soybean.verify.validate import check_op
 from soybean.tiling import Partial, Replicate, Shard
 
 pytestmark = pytest.mark.unit

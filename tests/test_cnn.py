@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from examples.models import resnet
-from soybean.testing import compare, train_parallel_threads, train_serial
+from soybean.verify.testing import compare, train_parallel_threads, train_serial
 
 pytestmark = pytest.mark.sim
 

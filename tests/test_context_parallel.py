@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.ir.attention import _work, causal_skew, zigzag_leaving, zigzag_moves, zigzag_rows, zigzag_skew
 from soybean.mesh import Mesh
 from soybean.plan import Plan
-from soybean.planner import plan
+from soybean.planner.core import plan
 from soybean.rules.base import expand, make_opspec
 from soybean.runtime.launch import run_threads
-from soybean.testing import train_parallel_threads, train_serial
+from soybean.verify.testing import train_parallel_threads, train_serial
 from soybean.tiling import R, Shard
 
 pytestmark = pytest.mark.unit
@@ -304,7 +304,7 @@ def test_ring_attention_trains_as_serial(mesh: tuple[int, ...], variant: str) ->
     the sequence (``method: ring``; on 2x2 on one axis, ``context_parallel=2``), ``explain`` shows its passes, and a
     few AdamW steps equal serial training in float64 (66 tokens: uneven on 4), run in contiguous chunks and in the
     zig-zag layout (the plan's node set to that variant)."""
-    from soybean.explain import explain
+    from soybean.report.explain import explain
 
     torch.manual_seed(0)
     model = CausalAttention().double()
@@ -355,7 +355,7 @@ def test_the_planner_prices_zigzag_against_contiguous_rows() -> None:
     plan, its JSON and ``explain`` say so (at 2,048 the causal half of the work, which is all the kernels do, is
     too little for the skew to pay for the rows' moves).  Over 512 tokens split 2 ways the planner keeps contiguous rows: their
     skew of 1.5 costs less there than moving half the rows each way twice."""
-    from soybean.explain import explain
+    from soybean.report.explain import explain
 
     model = CausalAttention(64)
     cap = capture(model, (torch.randn(1, 4096, 64),))
@@ -407,7 +407,7 @@ def test_auto_splits_a_long_causal_llama_along_the_sequence_on_2x2() -> None:
     to pay."""
     pytest.importorskip("transformers")
     from soybean.models import load
-    from soybean.sweep import differences, exact_serial
+    from soybean.verify.sweep import differences, exact_serial
 
     model, inputs = load("hf:llama", _LONG)
     cap = capture(model, inputs)
@@ -423,7 +423,7 @@ def _llama_rank(rank: int, world: int, config: dict, context_parallel: object, m
     trace and plan's rows."""
     import soybean
     from soybean.models import load
-    from soybean.testing import train_parallel
+    from soybean.verify.testing import train_parallel
 
     torch.set_num_threads(1)
     model, inputs = load("hf:llama", config)
@@ -444,7 +444,7 @@ def test_a_causal_llama_split_along_the_sequence_trains_as_serial_on_gloo(
     pytest.importorskip("transformers")
     from soybean.models import load
     from soybean.runtime.launch import spawn
-    from soybean.sweep import differences, exact_serial
+    from soybean.verify.sweep import differences, exact_serial
 
     par, rows = spawn(_llama_rank, world, config, context_parallel, mesh, timeout_s=600)[0]
     methods = ("all_gather_kv",) if context_parallel == 2 else ("all_gather_kv", "ring")
@@ -475,7 +475,7 @@ def test_cp_tp_fsdp_is_torchtitans_long_context_layout_and_never_beats_the_plan(
     FSDP-sharded across; it is priced (not infeasible) on
     a mesh the planner searched, and the plan is never slower.  A model without causal attention has none."""
     pytest.importorskip("transformers")
-    from soybean import baselines
+    from soybean.planner import baselines
     from soybean.cost.profiles import load_profile
     from soybean.models import load
     from soybean.rules.attention import row_axes

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.cost.collectives import price_routes, reshard_cost
 from soybean.cost.compute import compute_seconds, op_seconds, passes
 from soybean.cost.profiles import BUILTIN
 from soybean.mesh import Mesh
 from soybean.options import PlanOptions
-from soybean.planner import BACKWARD_SHARE, Search, solve_on
+from soybean.planner.solve import BACKWARD_SHARE, Search, solve_on
 from soybean.reshard import Route
 from soybean.rules.base import Strategy, make_opspec
 from soybean.tiling import Partial, R, Shard

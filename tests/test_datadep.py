@@ -18,13 +18,13 @@ import pytest
 import torch
 from torch import nn
 
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.mesh import Mesh
 from soybean.rules import REGISTRY, expand, make_opspec
 from soybean.rules.base import DYNAMIC, Strategy, TensorSpec, has_empty_tile, spec_of
 from soybean.rules.datadep import SIZES, data_dependent
 from soybean.tiling import P, R, Shard, shard
-from soybean.validate import check_op
+from soybean.verify.validate import check_op
 
 pytestmark = pytest.mark.unit
 
@@ -183,7 +183,7 @@ def test_capture_prices_the_example_sizes_and_marks_the_dims() -> None:
 
 
 def test_the_capture_cache_keeps_the_marks() -> None:
-    from soybean.capture_cache import dumps, loads
+    from soybean.capture.cache import dumps, loads
 
     m, example = _selecting()
     cap = capture(m, example)
@@ -197,7 +197,7 @@ def test_the_capture_cache_keeps_the_marks() -> None:
 @pytest.mark.sim
 @pytest.mark.parametrize("devices,objective", [(2, "time"), (2, "comm"), (4, "comm")])
 def test_a_model_with_data_dependent_sizes_trains_like_serial(devices: int, objective: str) -> None:
-    from soybean.testing import compare, train_parallel_threads, train_serial
+    from soybean.verify.testing import compare, train_parallel_threads, train_serial
 
     m, example = _selecting()
     serial = train_serial(m, example, steps=3, lr=1e-2)
@@ -218,7 +218,7 @@ def test_the_program_runs_on_each_steps_own_sizes() -> None:
     """Planned on one batch, run on others whose masks select other counts: the outputs and gradients are the
     serial model's."""
     from soybean.api import parallelize
-    from soybean.planner import plan as make_plan
+    from soybean.planner.core import plan as make_plan
     from soybean.runtime.launch import run_threads
 
     m, example = _selecting()
@@ -257,7 +257,7 @@ def test_the_program_runs_on_each_steps_own_sizes() -> None:
 def test_jetmoe_trains_like_serial(objective: str) -> None:
     """JetMoe's router reads its expert sizes with ``tolist()`` and splits the tokens by them."""
     pytest.importorskip("transformers")
-    from soybean import sweep
+    from soybean.verify import sweep
     from soybean.models import archs
 
     row = sweep.sweep_arch(archs.BY_NAME["jetmoe"], (objective,), devices=2, tier="threads")
@@ -283,7 +283,7 @@ def test_numbers_the_graph_computes_are_priced_in_the_specs_and_pickle() -> None
     planner's workers pickled), and planning on 4 devices (two meshes, forked workers) succeeds."""
     import pickle
 
-    from soybean.planner import plan as make_plan
+    from soybean.planner.core import plan as make_plan
     from soybean.rules.base import node_spec
 
     torch.manual_seed(0)
@@ -303,7 +303,7 @@ def test_numbers_the_graph_computes_are_priced_in_the_specs_and_pickle() -> None
 @pytest.mark.sim
 @pytest.mark.parametrize("devices", [2, 4])
 def test_rows_split_by_sizes_read_from_values_train_like_serial(devices: int) -> None:
-    from soybean.testing import compare, train_parallel_threads, train_serial
+    from soybean.verify.testing import compare, train_parallel_threads, train_serial
 
     torch.manual_seed(0)
     m, example = Routed(), (torch.randn(9, 4), torch.tensor([0, 2, 2, 1, 0, 2, 2, 1, 2]))

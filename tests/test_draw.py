@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from examples.models import transformer
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.cli import main
-from soybean.draw import COMM, layout, svg
-from soybean.explain import Explanation, explain
-from soybean.planner import plan
+from soybean.report.draw import COMM, layout, svg
+from soybean.report.explain import Explanation, explain
+from soybean.planner.core import plan
 
 pytestmark = pytest.mark.unit
 
@@ -93,7 +93,7 @@ def test_cli_draws_svg_and_html_from_a_saved_plan(tmp_path, capsys) -> None:
 
 def test_a_long_layer_name_keeps_its_number() -> None:
     """Hugging Face layers (``model.transformer.h.11``) are longer than the label column: the start is cut."""
-    from soybean.draw import LABEL_W, _fit
+    from soybean.report.draw import LABEL_W, _fit
 
     label = _fit("model.transformer.h.11", LABEL_W - 16, 12.5, keep_end=True)
     assert label.endswith("h.11") and label.startswith("\u2026")

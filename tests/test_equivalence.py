@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from examples.models import alexnet, mlp, transformer, vgg16
-from soybean.testing import compare, train_parallel_threads, train_serial
+from soybean.verify.testing import compare, train_parallel_threads, train_serial
 
 pytestmark = pytest.mark.sim
 
@@ -62,8 +62,8 @@ def test_plan_roundtrips_through_json(tmp_path) -> None:
 @pytest.mark.unit  # plans and checks, runs nothing
 def test_wrong_world_size_and_wrong_model_are_clear_errors() -> None:
     from soybean.api import check_plan
-    from soybean.capture import capture
-    from soybean.planner import plan as make_plan
+    from soybean.capture.core import capture
+    from soybean.planner.core import plan as make_plan
 
     model, inputs = MODELS["mlp"]()
     p = make_plan(model, inputs, 2, baselines=False)
@@ -78,9 +78,9 @@ def test_wrong_world_size_and_wrong_model_are_clear_errors() -> None:
 def test_full_state_dict_roundtrip_on_threads() -> None:
     """Gathered state equals the serial model's; loading a full state dict gives each rank its tiles."""
     from soybean.api import parallelize
-    from soybean.capture import capture
+    from soybean.capture.core import capture
     from soybean.mesh import Mesh
-    from soybean.planner import plan as make_plan
+    from soybean.planner.core import plan as make_plan
     from soybean.runtime.launch import run_threads
 
     model, inputs = MODELS["transformer"]()
@@ -105,11 +105,11 @@ def test_full_state_dict_roundtrip_on_threads() -> None:
 def test_local_batch_contract(mesh: tuple, mode: str) -> None:
     """Each rank passes only its batch slice; the loss and every gradient still equal serial."""
     from soybean.api import parallelize
-    from soybean.capture import capture
+    from soybean.capture.core import capture
     from soybean.mesh import Mesh
-    from soybean.planner import plan as make_plan
+    from soybean.planner.core import plan as make_plan
     from soybean.runtime.launch import run_threads
-    from soybean.testing import _gather_grads
+    from soybean.verify.testing import _gather_grads
 
     model, inputs = MODELS["mlp"]()
     serial = train_serial(model, inputs, steps=1)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from soybean.capture import PASSES, Captured, capture
+from soybean.capture.core import PASSES, Captured, capture
 from soybean.ir.experts import OP, routed_experts
 from soybean.mesh import Mesh
 from soybean.models import archs
@@ -19,7 +19,7 @@ from soybean.rules import expand, make_opspec
 from soybean.runtime import run_threads
 from soybean.runtime.collectives import move_rows
 from soybean.tiling import Shard
-from soybean.validate import check_op
+from soybean.verify.validate import check_op
 
 pytestmark = pytest.mark.unit
 
@@ -69,7 +69,7 @@ def test_the_fused_op_computes_what_the_region_did(name: str) -> None:
 def test_a_region_with_an_unknown_step_is_left_alone() -> None:
     """A body step the fused op cannot compute row by row (here a sum over the rows) keeps the region as it was,
     and so does an unsorting that is not the sort's inverse: the pass fuses only what it can prove token-wise."""
-    from soybean import experts
+    from soybean.capture import experts
 
     model, inputs = tiny("mixtral")
     cap = capture(model, inputs, passes=tuple(p for p in PASSES if p.name != "fuse_routed_experts"))
@@ -187,7 +187,7 @@ def test_the_plan_records_each_moe_layer_and_prices_its_all_to_alls() -> None:
     """The ``moe`` record names each layer's experts, the axes splitting them and the degree; a strategy moving
     rows is priced with two all-to-alls forward and two backward of the local rows, and the count exchange."""
     from soybean.cost.collectives import op_comm_calls
-    from soybean.planner import plan
+    from soybean.planner.core import plan
 
     model, inputs = tiny("mixtral")
     p = plan(model, inputs, 2, baselines=False)
@@ -211,9 +211,9 @@ def test_training_with_the_experts_split_equals_serial(name: str, mesh: tuple[in
     """A tiny MoE trained for a few AdamW steps with every rank a thread, under the plan that minimises
     communication (its experts split: rows moved on one axis, on a 2x2 mesh a pending sum on the other for Mixtral,
     rows moved on both for DeepSeek-V3): every loss, gradient and parameter as serial."""
-    from soybean.planner import plan
-    from soybean.sweep import LR, STEPS, differences, exact_serial
-    from soybean.testing import train_parallel_threads, train_serial
+    from soybean.planner.core import plan
+    from soybean.verify.sweep import LR, STEPS, differences, exact_serial
+    from soybean.verify.testing import train_parallel_threads, train_serial
 
     model, inputs = archs.build(next(a for a in archs.ARCHS if a.name == name))  # float32, as transformers runs it
     cap = capture(model, inputs)
@@ -230,8 +230,8 @@ def test_training_with_the_experts_split_equals_serial(name: str, mesh: tuple[in
 def _ffn_split_plan(name: str, mesh: tuple[int, ...]) -> tuple[torch.nn.Module, dict, object]:
     """A tiny MoE's plan with every expert weight stored split along its FFN dim on mesh axis 0 (and by expert on
     axis 1 of a 2-D mesh), the rest chosen by the planner: tensor parallelism inside the experts, forced."""
-    from soybean import baselines, planner
     from soybean.cost.profiles import load_profile
+    from soybean.planner import baselines, solve as planner
     from soybean.graph.build import build
 
     model, inputs = archs.build(next(a for a in archs.ARCHS if a.name == name))  # float32, as transformers runs it
@@ -252,8 +252,8 @@ def test_training_with_the_experts_split_inside_equals_serial(name: str, mesh: t
     projection along its FFN dim, the output a pending sum; on a 2x2 mesh composed with expert parallelism on the
     other axis.  Every loss, gradient and parameter as serial (the packed weight handed back in the model's own
     ``(experts, 2 ffn, hidden)``), and the plan's ``moe`` rows say where the experts are split inside."""
-    from soybean.sweep import LR, STEPS, differences, exact_serial
-    from soybean.testing import train_parallel_threads, train_serial
+    from soybean.verify.sweep import LR, STEPS, differences, exact_serial
+    from soybean.verify.testing import train_parallel_threads, train_serial
 
     model, inputs, p = _ffn_split_plan(name, mesh)
     assert p.moe and all(r["ffn_axes"] == [0] for r in p.moe)
@@ -271,7 +271,7 @@ def _save_inside_load_by_expert(rank: int, world: int, plan_path: str, ckpt: str
     experts split by expert (rows moved), and step it on."""
     import soybean
     from soybean.plan import Plan
-    from soybean.testing import loss_of
+    from soybean.verify.testing import loss_of
 
     def step(pm: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
         loss = loss_of(pm(**inputs))
@@ -326,8 +326,8 @@ def test_a_checkpoint_saved_with_the_experts_split_inside_loads_under_expert_par
 def test_gloo_processes_train_with_expert_parallelism_as_serial(name: str) -> None:
     """Two gloo processes (``parallelize``): under the plan that minimises communication every MoE layer's experts
     are split 2 ways with rows moved by all-to-all, and training equals the serial run."""
-    from soybean.sweep import LR, STEPS, build, differences, exact_serial, train
-    from soybean.testing import train_serial
+    from soybean.verify.sweep import LR, STEPS, build, differences, exact_serial, train
+    from soybean.verify.testing import train_serial
 
     model, inputs = build(f"arch:{name}")
     par, params = train(f"arch:{name}", "comm", 2, "gloo")
@@ -340,8 +340,8 @@ def test_gloo_processes_train_with_expert_parallelism_as_serial(name: str) -> No
 def test_expert_parallel_fsdp_is_a_baseline_the_plan_is_never_worse_than() -> None:
     """``ep_fsdp`` (torchtitan's EP x FSDP): experts split over the node's axis, FSDP over the other; priced for a
     model with routed experts only, and the plan, searching every mesh, is no slower."""
-    from soybean import baselines
-    from soybean.planner import plan
+    from soybean.planner import baselines
+    from soybean.planner.core import plan
 
     from soybean.models import load
 
@@ -363,10 +363,10 @@ def test_expert_parallel_fsdp_is_a_baseline_the_plan_is_never_worse_than() -> No
 def test_explain_and_draw_show_the_dispatch() -> None:
     """A plan moving rows: ``explain`` lists the op's all-to-alls as ``dispatch_combine`` steps (forward and
     backward), ``draw`` counts them in the layer's badge and lists them in its tooltip, the report prints the layer."""
-    from soybean.draw import svg
-    from soybean.explain import explain
-    from soybean.planner import plan
-    from soybean.report import table
+    from soybean.report.draw import svg
+    from soybean.report.explain import explain
+    from soybean.planner.core import plan
+    from soybean.report.table import table
 
     model, inputs = archs.build(next(a for a in archs.ARCHS if a.name == "mixtral"))
     cap = capture(model, inputs)
@@ -453,7 +453,7 @@ def test_the_bytes_moved_are_the_bytes_priced_under_balanced_routing() -> None:
 def test_the_capture_cache_keeps_the_fused_op() -> None:
     """A capture with routed experts stored as data and read back (``capture_cache``): the same op, its body and
     weights, the same structural keys (so a plan made on one loads on the other)."""
-    from soybean import capture_cache
+    from soybean.capture import cache as capture_cache
 
     model, inputs = tiny("mixtral")
     cap = capture(model, inputs)
@@ -473,7 +473,7 @@ def test_routing_imbalance_scales_the_split_experts_moves_and_work() -> None:
     from soybean.cost.compute import op_seconds
     from soybean.cost.profiles import load_profile
     from soybean.options import PlanOptions
-    from soybean.planner import plan
+    from soybean.planner.core import plan
 
     args = _body_case(tokens=6, experts=4)
     op = make_opspec(OP, args, {}, routed_experts(*args))
@@ -518,7 +518,7 @@ def test_a_shared_packed_weight_is_the_models_own_parameter_read_as_pairs() -> N
     import copy
 
     import soybean
-    from soybean.testing import loss_of
+    from soybean.verify.testing import loss_of
 
     model, inputs = archs.build(next(a for a in archs.ARCHS if a.name == "mixtral"))
     serial = copy.deepcopy(model)

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from examples.models import transformer
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.cli import main
-from soybean.explain import Explanation, explain, format_text, strategy_text
+from soybean.report.explain import Explanation, explain, format_text, strategy_text
 from soybean.plan import Plan
-from soybean.planner import evaluate, plan
+from soybean.planner.core import plan
+from soybean.planner.solve import evaluate
 from soybean.search import Solution
 
 pytestmark = pytest.mark.unit

@@ -47,7 +47,7 @@ def case_id(name: str, devices: int, opts: dict[str, Any]) -> str:
 
 
 def plan_json(name: str, devices: int, opts: dict[str, Any]) -> str:
-    from soybean.planner import plan
+    from soybean.planner.core import plan
 
     model, inputs = MODELS[name]()
     p = plan(model, inputs, devices, **opts)

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from soybean import models
-from soybean.capture import Captured, capture
+from soybean.capture.core import Captured, capture
 from soybean.models import hf  # imports transformers only when a model is built
-from soybean.planner import plan as make_plan
-from soybean.report import table
-from soybean.testing import Trace, train_parallel_threads, train_serial
+from soybean.planner.core import plan as make_plan
+from soybean.report.table import table
+from soybean.verify.testing import Trace, train_parallel_threads, train_serial
 
 pytest.importorskip("transformers", reason="Hugging Face tests need transformers: pip install -e '.[hf]'")
 
@@ -64,7 +64,7 @@ def test_parallel_training_equals_serial(name: str, mesh: tuple, mode: str, obje
     float64 serial run than the float32 serial run is (``sweep.differences``: a parameter whose exact gradient is
     rounding noise moves by AdamW's step on that noise, in unrelated directions in both runs; GPT-2's 2x2 plan
     computes attention as a ring, whose blockwise float32 rounding differs from the serial kernel's)."""
-    from soybean.sweep import differences, exact_serial
+    from soybean.verify.sweep import differences, exact_serial
 
     model, inputs, serial = tiny(name)
     par, plan = train_parallel_threads(model, inputs, mesh=mesh, mode=mode, objective=objective, steps=STEPS, lr=LR)

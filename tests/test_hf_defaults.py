@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from soybean.api import parallelize
 from soybean.mesh import Mesh
-from soybean.planner import plan as make_plan
+from soybean.planner.core import plan as make_plan
 from soybean.runtime.launch import run_threads
 
 transformers = pytest.importorskip("transformers")

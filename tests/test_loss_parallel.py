@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from soybean.mesh import Mesh
 from soybean.rules.base import expand, make_opspec
 from soybean.runtime.launch import run_threads
-from soybean.testing import train_parallel_threads, train_serial
+from soybean.verify.testing import train_parallel_threads, train_serial
 from soybean.tiling import R, Shard, chunk_range
 
 aten = torch.ops.aten
@@ -91,11 +91,11 @@ def test_the_planner_keeps_a_large_vocabulary_split_through_the_loss() -> None:
     ``explain`` names the statistics it gathers, and three AdamW steps with every rank a thread equal serial
     training (judged against the float64 run)."""
     pytest.importorskip("transformers")
-    from soybean.capture import capture
-    from soybean.explain import explain
+    from soybean.capture.core import capture
+    from soybean.report.explain import explain
     from soybean.models import load
-    from soybean.planner import plan
-    from soybean.sweep import differences, exact_serial
+    from soybean.planner.core import plan
+    from soybean.verify.sweep import differences, exact_serial
 
     model, inputs = load("hf:llama", _VOCAB)
     cap = capture(model, inputs)
@@ -112,7 +112,7 @@ def _vocab_rank(rank: int, world: int) -> tuple:
     """One gloo rank: the Llama above parallelized on ``world`` processes and trained; its trace and split losses."""
     import soybean
     from soybean.models import load
-    from soybean.testing import train_parallel
+    from soybean.verify.testing import train_parallel
 
     torch.set_num_threads(1)
     model, inputs = load("hf:llama", _VOCAB)
@@ -126,7 +126,7 @@ def test_a_vocabulary_split_through_the_loss_trains_as_serial_on_gloo() -> None:
     pytest.importorskip("transformers")
     from soybean.models import load
     from soybean.runtime.launch import spawn
-    from soybean.sweep import differences, exact_serial
+    from soybean.verify.sweep import differences, exact_serial
 
     par, split = spawn(_vocab_rank, 2, timeout_s=600)[0]
     assert split == ["cross_entropy_loss_default"]

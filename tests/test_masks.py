@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from soybean import capture as C
-from soybean.masks import ALL, CAUSAL, _compare
+from soybean.capture import core as C
+from soybean.capture.masks import ALL, CAUSAL, _compare
 
 pytestmark = pytest.mark.unit
 

@@ -17,13 +17,13 @@ from torch import fx
 from torch.utils._pytree import tree_leaves, tree_map
 
 from examples.models import mlp, transformer
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.cost.measure_memory import LiveBytes, measure_step
 from soybean.cost.memory import make_spec, saved
 from soybean.cost.profiles import load_profile
 from soybean.graph import build
 from soybean.mesh import Mesh
-from soybean.planner import plan as make_plan
+from soybean.planner.core import plan as make_plan
 
 pytestmark = pytest.mark.unit
 
@@ -165,7 +165,7 @@ def test_per_rank_peak_within_10_percent(name: str, mode: str, precision: str) -
 def test_memory_breakdown_adds_up(name: str, devices: int) -> None:
     """The plan's memory breakdown adds up to its two phases' peaks, the larger its modelled peak; a parameter's
     gradient is its size and AdamW's states twice it; the table prints the breakdown."""
-    from soybean.report import table
+    from soybean.report.table import table
 
     model, inputs = MODELS[name]()
     p = make_plan(model, inputs, devices=devices, baselines=False)

@@ -1,4 +1,4 @@
-"""Mesh shapes searched on several processes (``soybean.mesh_pool``, ``PlanOptions.jobs``).
+"""Mesh shapes searched on several processes (``soybean.planner.mesh_pool``, ``PlanOptions.jobs``).
 
 The plan is the one the in-process search finds, whichever worker found it; a plan that leads arrives with its
 table, one that cannot win without it; a mesh pruned or unfit in a worker is recorded as in-process; what a worker
@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from examples.models import mlp, transformer
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.cost.profiles import load_profile
 from soybean.mesh import Mesh
-from soybean.mesh_pool import WorkerError, default_jobs, each_mesh
+from soybean.planner.mesh_pool import WorkerError, default_jobs, each_mesh
 from soybean.options import PlanOptions
-from soybean.planner import MemoryBudgetError, Pruned, Search, SearchError, plan as make_plan
+from soybean.planner.core import Pruned, SearchError, plan as make_plan
+from soybean.planner.solve import MemoryBudgetError, Search
 from soybean.rules.base import make_opspec
 
 pytestmark = pytest.mark.unit
@@ -163,7 +164,7 @@ def test_a_worker_sees_another_workers_plan_while_it_searches() -> None:
 def test_meshes_are_tried_in_the_order_of_what_their_parents_reached() -> None:
     """``planner.by_promise``: a 3-axis mesh ranks by the better, then the worse, of the two 2-axis meshes that
     merge a pair of its neighbouring axes; ties and meshes with no parent searched keep their order."""
-    from soybean.planner import by_promise
+    from soybean.planner.core import by_promise
 
     m = lambda *s: Mesh(s)  # noqa: E731
     estimate = {m(16, 8): 0.8, m(2, 64): 2.0, m(4, 32): 1.0, m(8, 16): 1.0, m(32, 4): 3.0}
@@ -231,7 +232,7 @@ def test_branch_and_bound_runs_in_a_worker_forked_after_the_parent_ran_it() -> N
 _ORPHAN_SCRIPT = """
 import os, sys, time
 from soybean.mesh import Mesh
-from soybean.mesh_pool import each_mesh
+from soybean.planner.mesh_pool import each_mesh
 
 def solve(m, live, say):
     open(os.path.join(sys.argv[1], str(os.getpid())), "w").close()

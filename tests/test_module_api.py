@@ -83,9 +83,9 @@ def _serial(steps: int) -> dict[str, torch.Tensor]:
 def _placed_plan() -> str:
     """The placed plan of the model on 2 devices, every parallel segment's branches on groups of 1 and 1 (made
     here, once, so both ranks run the same one)."""
-    from soybean.capture import capture
+    from soybean.capture.core import capture
     from soybean.options import options
-    from soybean.placement_plan import plan_placement
+    from soybean.parts.placement_plan import plan_placement
 
     model, x, _ = _model(0)
     plan = plan_placement(capture(model, (x,)), 2, options(None, devices=2), sizes=(1, 1))

@@ -84,8 +84,8 @@ def test_an_interleaved_schedule_defaults_to_two_virtual_stages(schedule: str) -
 
 def test_plan_pipeline_cuts_an_interleaved_schedule_into_two_stages_per_group() -> None:
     from examples.models import transformer
-    from soybean.capture import capture
-    from soybean.pipeline_plan import plan_pipeline
+    from soybean.capture.core import capture
+    from soybean.parts.pipeline_plan import plan_pipeline
 
     model, inputs = transformer(batch=2, seq=4, hidden=8, layers=4, heads=2)
     cut, _, top = plan_pipeline(capture(model, inputs), 2, 2, 2, "interleaved-1f1b", PlanOptions(devices=2))
@@ -188,7 +188,7 @@ def test_keywords_on_top_of_options() -> None:
 def test_entry_points_take_the_options_object() -> None:
     from soybean.api import parallelize
     from soybean.compile import compile_backend
-    from soybean.planner import plan
+    from soybean.planner.core import plan
 
     for fn in (plan, parallelize, compile_backend):
         params = inspect.signature(fn).parameters

@@ -1,4 +1,4 @@
-"""Outputs as training loops meet them (``soybean.outputs``): the loss computed outside the model.
+"""Outputs as training loops meet them (``soybean.run.outputs``): the loss computed outside the model.
 
 Full-batch contract: a split output comes back as a ``LazyFull``; a ``torch.nn.functional`` loss on it moves only
 the scalar, and any other use gathers it once; training equals serial either way.  Local-batch contract (DDP's):
@@ -12,12 +12,12 @@ import torch.nn.functional as F
 
 from examples.models import mlp
 from soybean.api import parallelize
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.mesh import Mesh
-from soybean.outputs import LazyFull
-from soybean.planner import plan as make_plan
+from soybean.run.outputs import LazyFull
+from soybean.planner.core import plan as make_plan
 from soybean.runtime.launch import run_threads
-from soybean.testing import _gather_grads
+from soybean.verify.testing import _gather_grads
 
 pytestmark = pytest.mark.sim
 
@@ -35,7 +35,7 @@ def _serial(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn, *
 
 def _gathers(monkeypatch) -> list[bool]:
     """Records every ``LazyFull.full`` call (True: it gathered, False: it reused the gathered tensor)."""
-    import soybean.outputs as outputs
+    import soybean.run.outputs as outputs
 
     calls: list[bool] = []
     real = outputs.LazyFull.full

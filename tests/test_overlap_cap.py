@@ -14,25 +14,15 @@ from dataclasses import replace
 import pytest
 
 from examples.models import transformer
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.cost.memory import MEMORY_HEADROOM
 from soybean.cost.profiles import load_profile
 from soybean.graph import PlanGraph
 from soybean.mesh import Mesh
 from soybean.options import PlanOptions
-from soybean.planner import (
-    BACKWARD_SHARE,
-    MU_MET,
-    MemoryBudgetError,
-    Pruned,
-    Result,
-    Search,
-    capped_overlap,
-    evaluate,
-    plan as make_plan,
-    solve_recompute,
-    solve_table_on,
-)
+from soybean.planner.core import Pruned, plan as make_plan
+from soybean.planner.solve import BACKWARD_SHARE, MU_MET, MemoryBudgetError, Result, Search, capped_overlap, evaluate, solve_table_on
+from soybean.planner.recompute import solve_recompute
 from soybean.search import Solution, solve, to_problem
 
 pytestmark = pytest.mark.unit

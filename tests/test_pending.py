@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from examples.models import mlp
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.codegen.lower import lower
-from soybean.planner import plan
+from soybean.planner.core import plan
 from soybean.runtime import context as rt
 from soybean.runtime.pending import PendingSum, all_reduce_lazy, wait_all
 

@@ -1,4 +1,4 @@
-"""Models ``torch.export`` cannot capture, as users load them (``soybean.pieces``): Switch Transformers and LongT5
+"""Models ``torch.export`` cannot capture, as users load them (``soybean.run.pieces``): Switch Transformers and LongT5
 (a mask built only when not compiling) and LED (a branch on a tensor's value) are captured by dynamo in pieces and
 train equal to serial, through ``parallelize`` and through the compile backend; the plan records every piece.
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers", reason="the models come from transformers: pip install -e '.[hf]'")
 
 import soybean
-from soybean.capture import CaptureError
+from soybean.capture.core import CaptureError
 from soybean.models import archs
 from soybean.plan import Plan
 
@@ -65,7 +65,7 @@ def test_export_fails_on_these_models_and_capture_with_export_says_so() -> None:
 def test_the_plan_records_every_piece_and_why() -> None:
     from soybean.api import _plan_piece
     from soybean.options import options
-    from soybean.pieces import collect, distinct, piece_plans, plan_pieces
+    from soybean.run.pieces import collect, distinct, piece_plans, plan_pieces
 
     model, ex = archs.build(archs.BY_NAME["switch_transformers"])
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -1,4 +1,4 @@
-"""Pipeline stages (``soybean.stages``, ``pipeline_plan``, ``pipelined``): the stages of a capture run one after
+"""Pipeline stages (``soybean.parts.stages``, ``pipeline_plan``, ``pipelined``): the stages of a capture run one after
 the other are the captured graph (forward and gradients), and a pipelined plan on gloo processes trains as serial
 training does (float64: the loss and every parameter after several SGD steps), for each schedule, an uneven split
 of layers, and a loss computed inside the model or outside it."""
@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch import nn
 
 from examples.models import transformer
-from soybean.capture import capture
-from soybean.pipelined import check_microbatches
+from soybean.capture.core import capture
+from soybean.run.pipelined import check_microbatches
 from soybean.runtime.launch import spawn
-from soybean.stages import StageError, even_bounds, layers, run_stages, split
+from soybean.parts.stages import StageError, even_bounds, layers, run_stages, split
 
 pytestmark = pytest.mark.unit
 
@@ -223,7 +223,7 @@ def test_a_forced_pipeline_over_the_budget_with_its_microbatches_in_flight_warns
     from soybean.api import micro_inputs
     from soybean.cost.memory import MEMORY_HEADROOM
     from soybean.options import PlanOptions
-    from soybean.pipeline_plan import plan_pipeline
+    from soybean.parts.pipeline_plan import plan_pipeline
 
     model, inputs = transformer(batch=8, seq=16, hidden=32, layers=4, heads=2)
     cap = capture(model, micro_inputs(inputs, {}, 2)[0])
@@ -527,11 +527,11 @@ def test_3d_baselines_are_torchtitans_layouts_priced_as_pipelines() -> None:
     """torchtitan's PP x FSDP x TP: the degrees it would run (stages of whole TP groups, one sequence per FSDP
     replica per microbatch, at least as many microbatches as stages); each record's step is its slowest rank
     group's microbatches plus the schedule's bubble, and a budget its stages miss turns checkpointing on."""
-    from soybean import pipeline_baselines
+    from soybean.planner import pipeline_baselines
     from soybean.api import micro_inputs
     from soybean.cost.memory import MEMORY_HEADROOM, budget_bytes
     from soybean.options import PlanOptions
-    from soybean.pipeline_plan import bubble_fraction
+    from soybean.parts.pipeline_plan import bubble_fraction
 
     assert pipeline_baselines.degrees(64, 16, 8) == [(2, 4, 8), (4, 2, 8), (8, 1, 8), (16, 1, 4)]
     assert pipeline_baselines.degrees(16, 2, 8) == [(2, 1, 8)]  # 2 stages of one node each
@@ -566,7 +566,7 @@ def test_best_cut_is_the_least_bottleneck_of_every_cut() -> None:
     import itertools
     import random
 
-    from soybean.pipeline_plan import best_cut
+    from soybean.parts.pipeline_plan import best_cut
 
     rng = random.Random(0)
     for n in range(1, 8):
@@ -668,9 +668,9 @@ def test_the_command_line_searches_stages_with_auto(capsys: pytest.CaptureFixtur
 
 def test_diff_compares_the_stages() -> None:
     from soybean.options import options as merge
-    from soybean.pipeline_plan import plan_pipeline
+    from soybean.parts.pipeline_plan import plan_pipeline
     from soybean.plan import Plan
-    from soybean.plandiff import diff
+    from soybean.report.plandiff import diff
 
     model, inputs = transformer(batch=4, seq=6, hidden=12, layers=3, heads=2)
     cap = capture(model, tuple(x[:2] for x in inputs))

@@ -118,7 +118,7 @@ def _assert_params_close(name: str, got: dict[str, torch.Tensor], want: dict[str
     """Every tensor of ``want`` in ``got`` at float32's tolerance, except (AdamW) an element whose serial gradient
     is zero up to rounding (``sweep.ZERO_GRADIENT`` of the largest): AdamW divides a gradient by its own size, so
     rounding noise in another summation order (a microbatch's) moves it by up to the learning rate a step."""
-    from soybean.sweep import ZERO_GRADIENT
+    from soybean.verify.sweep import ZERO_GRADIENT
 
     assert set(got) == set(want), name
     largest = max(float(g.abs().max()) for g in grads.values())

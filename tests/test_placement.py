@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import examples.models as models
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.options import options
-from soybean.placement_plan import (
+from soybean.parts.placement_plan import (
     compositions,
     plan_placement,
     region_nodes,
@@ -21,7 +21,7 @@ from soybean.placement_plan import (
     set_partitions,
 )
 from soybean.plan import Plan
-from soybean.regions import run_regions, segments, split
+from soybean.parts.regions import run_regions, segments, split
 from soybean.runtime.launch import spawn
 from soybean.ir.transfers import backward_pairs, forward_pairs
 from soybean.runtime.transfer import Move
@@ -153,8 +153,8 @@ def _gloo():
 def test_moves_send_what_the_plan_prices() -> None:
     """Each placed region's priced sends are the moves' messages: a whole value to every device outside its
     group, its gradient back."""
-    from soybean.placed import region_moves
-    from soybean.stages import value_facts
+    from soybean.run.placed import region_moves
+    from soybean.parts.stages import value_facts
 
     model, (x, _) = models.towers(**TOWERS)
     cap = capture(model, (x,))
@@ -304,7 +304,7 @@ def test_the_command_line_plans_explains_and_draws_a_placement(capsys: pytest.Ca
     """``soybean plan --placement auto``: the regions in the JSON and the table; ``explain`` names each region and
     what runs beside it; ``draw`` heads each region in its group's colour; a chain gets no placement."""
     from soybean.cli import main
-    from soybean.draw import ALL_DEVICES, GROUP_COLOURS
+    from soybean.report.draw import ALL_DEVICES, GROUP_COLOURS
 
     args = ["plan", "examples.models:towers", "--arg", "layers=16", "--arg", "width=512", "--devices", "2",
             "--profile", "cpu-gloo", "--quiet", "--placement", "auto"]
@@ -358,8 +358,8 @@ class _TiedTowers(torch.nn.Module):
 def test_a_weight_tied_across_a_placed_segment_keeps_every_op_on_every_device() -> None:
     """Each region would step its own copy of the tied weight with its own gradient: no placement is made (with
     the towers forced apart, where placing them would otherwise be chosen)."""
-    from soybean.placement_plan import shared_weights
-    from soybean.placement_plan import Option
+    from soybean.parts.placement_plan import shared_weights
+    from soybean.parts.placement_plan import Option
 
     cap = capture(_TiedTowers(), (torch.randint(0, 16, (4, 3)),))
     segs = segments(cap)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from examples.models import alexnet, mlp, resnet, transformer, vgg16
-from soybean.capture import capture
-from soybean.planner import MemoryBudgetError, plan
+from soybean.capture.core import capture
+from soybean.planner.core import plan
+from soybean.planner.solve import MemoryBudgetError
 
 pytestmark = pytest.mark.unit  # but one test, marked sim, that trains its plan
 
@@ -191,7 +192,7 @@ def test_cli_bad_input_is_one_line_exit_2(args: list[str], msg: str) -> None:
 
 
 def test_capture_error_names_the_construct() -> None:
-    from soybean.capture import CaptureError
+    from soybean.capture.core import CaptureError
 
     class DataDependent(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,7 +207,7 @@ def test_capture_error_names_the_construct() -> None:
 @pytest.mark.sim
 def test_unknown_op_falls_back_to_replicate_with_one_warning() -> None:
     """An op without a rule runs replicated; the warning lists it once; the plan still trains like serial."""
-    from soybean.testing import compare, train_parallel_threads, train_serial
+    from soybean.verify.testing import compare, train_parallel_threads, train_serial
 
     class Scans(torch.nn.Module):
         def __init__(self) -> None:

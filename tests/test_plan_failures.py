@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from examples.models import mlp
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.cost.memory import MEMORY_HEADROOM
-from soybean.planner import MemoryBudgetError, plan, relative_gap
+from soybean.planner.core import plan, relative_gap
+from soybean.planner.solve import MemoryBudgetError
 from soybean.search import Problem, SearchError, solve_ilp
 
 pytestmark = pytest.mark.unit
@@ -129,7 +130,7 @@ def test_cli_plan_json_reports_the_gap_and_rejects_a_bad_time_limit() -> None:
 def test_a_baseline_that_cannot_run_is_marked_not_priced() -> None:
     """Data parallelism cannot split a batch of 6 over 4 devices without an empty tile: the baseline is
     marked infeasible with the reason, in the JSON and the table, never priced at the 1e30 penalty."""
-    from soybean.report import table
+    from soybean.report.table import table
 
     m, inp = mlp(batch=6, hidden=10, layers=1)
     p = plan(m, inp, 4, objective="comm")
@@ -144,7 +145,7 @@ def test_a_baseline_that_cannot_run_is_marked_not_priced() -> None:
 def test_a_mesh_whose_solve_finds_no_plan_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     """One mesh's solve running out of time does not sink the plan: the other meshes' best is kept; only
     when every mesh fails does the error surface."""
-    from soybean import planner
+    from soybean.planner import core as planner
 
     with torch.device("meta"):
         m, inp = mlp(batch=8, hidden=8, layers=1)
@@ -167,7 +168,7 @@ def test_a_pruned_mesh_is_reported_with_its_bound(tmp_path) -> None:
     """A mesh left unsolved because its lower bound could not win shows that bound, in the JSON (rounded like
     every figure) and in the table, never as an optimum."""
     from soybean.plan import Plan
-    from soybean.report import table
+    from soybean.report.table import table
 
     src = Path(__file__).parent / "golden" / "transformer-8-objective=time.json"
     p = Plan.load(src)

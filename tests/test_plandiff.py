@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from examples.models import transformer
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.cli import main
 from soybean.plan import Plan
-from soybean.plandiff import diff
-from soybean.planner import plan
+from soybean.report.plandiff import diff
+from soybean.planner.core import plan
 
 pytestmark = pytest.mark.unit
 
@@ -80,7 +80,7 @@ def test_cli_exit_codes_and_empty_output_when_same(plans: tuple[Plan, Plan], tmp
 
 def test_diff_lists_the_collective_algorithms_that_differ() -> None:
     from examples.models import mlp
-    from soybean.planner import plan
+    from soybean.planner.core import plan
 
     model, inputs = mlp(batch=8, hidden=2048, layers=2)
     auto = plan(model, inputs, 4, mesh=(4,), baselines=False)

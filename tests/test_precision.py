@@ -16,11 +16,11 @@ import torch
 
 from examples.models import mlp, transformer
 from soybean.api import parallelize
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.mesh import Mesh
-from soybean.planner import plan as make_plan
+from soybean.planner.core import plan as make_plan
 from soybean.runtime.launch import run_threads
-from soybean.testing import compare, train_parallel_threads, train_serial
+from soybean.verify.testing import compare, train_parallel_threads, train_serial
 from tests.test_priced_is_run import priced, run_one_step
 
 pytestmark = pytest.mark.sim

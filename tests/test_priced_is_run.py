@@ -31,13 +31,13 @@ import pytest
 import torch
 
 from soybean.api import parallelize
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.cost.collectives import op_comm_calls, priced_steps
 from soybean.cost.profiles import load_profile
 from soybean.graph import build
 from soybean.mesh import Mesh
 from soybean.plan import Plan
-from soybean.planner import plan as make_plan
+from soybean.planner.core import plan as make_plan
 from soybean.reshard import Route
 from soybean.runtime import algorithms as A
 from soybean.runtime.comm import Group

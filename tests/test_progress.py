@@ -10,7 +10,7 @@ import pytest
 
 from examples.models import mlp
 from soybean.cli import ProgressLine
-from soybean.planner import plan
+from soybean.planner.core import plan
 
 pytestmark = pytest.mark.unit
 

@@ -21,11 +21,11 @@ from torch import nn
 
 from examples.models import llama3
 from soybean.api import parallelize
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.mesh import Mesh
-from soybean.planner import plan as make_plan
+from soybean.planner.core import plan as make_plan
 from soybean.runtime.launch import run_threads
-from soybean.testing import compare, train_parallel_threads, train_serial
+from soybean.verify.testing import compare, train_parallel_threads, train_serial
 
 pytestmark = pytest.mark.sim
 

@@ -17,17 +17,18 @@ import pytest
 import torch
 
 from examples.models import resnet, transformer
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.codegen.lower import lower
 from soybean.cost.memory import MEMORY_HEADROOM
 from soybean.cost.measure_memory import measure_step
 from soybean.graph import attention_units, recomputable_layers
 from soybean.mesh import Mesh
-from soybean.planner import MemoryBudgetError, Search, recompute_choices, solve_on
-from soybean.planner import least_memory as planner_least
-from soybean.planner import plan as make_plan
+from soybean.planner.solve import MemoryBudgetError, Search, solve_on
+from soybean.planner.recompute import recompute_choices
+from soybean.planner.solve import least_memory as planner_least
+from soybean.planner.core import plan as make_plan
 from soybean.runtime.launch import run_threads
-from soybean.testing import compare, train_parallel_threads, train_serial
+from soybean.verify.testing import compare, train_parallel_threads, train_serial
 from tests.test_memory_model import MODELS
 from tests.test_priced_is_run import priced, run_one_step
 
@@ -319,7 +320,7 @@ def test_the_recomputation_bound_is_below_every_choice(mesh: tuple[int, ...]) ->
     """``planner.recompute_bound`` (plain table's time, every-layer-recomputed table's memory, a multiplier) is
     a lower bound of the best plan of every recomputation choice within the budget, at every multiplier."""
     from soybean.cost.profiles import load_profile
-    from soybean.planner import recompute_bound
+    from soybean.planner.recompute import recompute_bound
 
     model, inputs = transformer(batch=4, seq=32, hidden=32, layers=3, heads=4)
     cap = capture(model, inputs)

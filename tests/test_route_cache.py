@@ -1,4 +1,4 @@
-"""Route walks kept between runs (``soybean.route_cache``, ``PricingCache.state``/``adopt``): a table priced from
+"""Route walks kept between runs (``soybean.planner.route_cache``, ``PricingCache.state``/``adopt``): a table priced from
 adopted walks equals the table priced from its own walks and walks nothing; states of different runs merge; the
 file round-trips, grows, and is ignored when unreadable or of other code; a planner's workers each store theirs
 (``mesh_pool``'s ``finish``); and the command line's second run walks no route and plans the same plan."""
@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from examples.models import transformer
-from soybean import route_cache
-from soybean.capture import capture
+from soybean.planner import route_cache
+from soybean.capture.core import capture
 from soybean.cli import main
 from soybean.cost.collectives import StepStore
 from soybean.cost.profiles import load_profile
 from soybean.mesh import Mesh
-from soybean.mesh_pool import each_mesh
-from soybean.planner import Search
+from soybean.planner.mesh_pool import each_mesh
+from soybean.planner.solve import Search
 
 pytestmark = pytest.mark.unit
 

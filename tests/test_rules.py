@@ -20,7 +20,7 @@ from soybean.ir.experts import OP as ROUTED_EXPERTS
 from soybean.mesh import Mesh
 from soybean.rules import REGISTRY, expand, make_opspec, strategies_1d
 from soybean.rules.base import OpSpec, RuleEntry, Strategy1D, has_empty_tile, op_name
-from soybean.validate import check_op
+from soybean.verify.validate import check_op
 from soybean.tiling import P, R, Partial, S
 
 pytestmark = pytest.mark.unit

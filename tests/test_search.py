@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.graph import build
 from soybean.mesh import Mesh, factorizations
 from soybean.cost.profiles import BUILTIN

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from examples.models import unet, volume_net
-from soybean.planner import plan as make_plan
+from soybean.planner.core import plan as make_plan
 from soybean.rules.window import spatial_splits
-from soybean.testing import compare, train_parallel_threads, train_serial
+from soybean.verify.testing import compare, train_parallel_threads, train_serial
 
 pytestmark = pytest.mark.sim
 
@@ -154,7 +154,7 @@ def test_large_batch_stays_batch_parallel(name: str) -> None:
 def test_data_parallel_at_batch_one_is_shown_infeasible() -> None:
     """The baselines that split the batch cannot run at batch 1 on 4 devices: the plan says so (no absurd
     figure), and the table prints the reason."""
-    from soybean.report import table
+    from soybean.report.table import table
 
     model, inputs = volume_net(batch=1, volume=16, channels=4)
     plan = make_plan(model, inputs, devices=4, objective="comm")

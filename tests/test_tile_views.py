@@ -24,16 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from soybean.capture import Captured, capture
+from soybean.capture.core import Captured, capture
 from soybean.cost.compute import copy_seconds
 from soybean.cost.profiles import load_profile
 from soybean.graph import build
 from soybean.mesh import Mesh
 from soybean.plan import Plan
-from soybean.planner import plan as make_plan
+from soybean.planner.core import plan as make_plan
 from soybean.rules.base import Strategy, expand, node_spec, op_name, strategies_1d
 from soybean.rules.views import RESHAPES, may_copy
-from soybean.testing import Trace, compare
+from soybean.verify.testing import Trace, compare
 
 pytestmark = pytest.mark.unit
 
@@ -141,7 +141,7 @@ def serial_trace(model: nn.Module, inputs: tuple, tgt: torch.Tensor, steps: int 
 
 def rank_trace(pm: nn.Module, model: nn.Module, inputs: tuple, tgt: torch.Tensor, steps: int = 3) -> Trace:
     """This rank's run of ``pm``: losses, full gradients after the first step, full parameters after the last."""
-    from soybean.testing import _gather_grads
+    from soybean.verify.testing import _gather_grads
 
     losses, grads = _fit(pm, inputs, tgt, _gather_grads, steps)  # type: ignore[arg-type]
     names = {k for k, _ in model.named_parameters()}

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from examples.models import transformer
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.cost.collectives import reshard_cost
 from soybean.cost.profiles import BUILTIN, load_profile
 from soybean.graph import build
 from soybean.mesh import Mesh
 from soybean.plan import Plan
-from soybean.planner import evaluate, plan
+from soybean.planner.core import plan
+from soybean.planner.solve import evaluate
 from soybean.reshard import Route
 from soybean.search import Solution
 from soybean.tiling import R, Shard

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from soybean import models
-from soybean.capture import capture
+from soybean.capture.core import capture
 from soybean.cost.profiles import BUILTIN
 from soybean.graph import build
 from soybean.mesh import Mesh
-from soybean.planner import plan
+from soybean.planner.core import plan
 from soybean.search import find_repeats, solve, tie, to_problem
 
 pytestmark = pytest.mark.unit

@@ -319,9 +319,9 @@ def _on_a_chain(model: nn.Module, example: tuple, layer: str) -> None:
     """``Unavailable`` when ``layer`` is one of the model's parallel branches (``regions.segments``: a tower of two):
     a two-stage cut there leaves stage 1 reading the model's input and stage 0's branch, which torch's
     ``pipeline()`` does not pass on (its ranks wait for each other for ever)."""
-    from ..capture import capture
+    from ..capture.core import capture
     from ..graph.units import node_module
-    from ..regions import segments
+    from ..parts.regions import segments
 
     cap = capture(model, example)
     by_name = {n.name: n for n in cap.graph.nodes}
@@ -336,7 +336,7 @@ def _prepare_pp(ctx: _Context, model: nn.Module, inputs: tuple) -> Prepared:
     (``--loss outside``: torch's stages pass on only what the previous stage returns, not the target)."""
     from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
 
-    from ..pipelined import batch_loss
+    from ..run.pipelined import batch_loss
 
     if ctx.world != 2:
         raise Unavailable(f"the hand-written pipeline has 2 stages: {ctx.world} ranks")
@@ -464,9 +464,9 @@ def make_plans(cfg: BenchConfig, model: nn.Module, inputs: tuple, profile: Any =
     """soybean's plans (optimal, forced DP, forced MP) from one capture; a failure is its reason.
     ``profile``: a ``Profile`` (or name or path) instead of ``cfg.profile``."""
     from ..api import placed_or_plain
-    from ..capture import capture
+    from ..capture.core import capture
     from ..options import options, plan_kind
-    from ..planner import plan
+    from ..planner.core import plan
 
     try:
         cap = capture(model, inputs[:-1] if cfg.loss == "outside" else inputs)
@@ -497,8 +497,8 @@ def _pipelined_plan(cfg: BenchConfig, model: nn.Module, inputs: tuple, opts: Pla
     faster; the plan without them placed where faster with ``placement`` ``auto``) or a number of stages with its
     microbatches and cut searched (``pipeline_plan.search_pipeline``)."""
     from ..api import auto_plan, micro_inputs
-    from ..capture import capture
-    from ..pipeline_plan import search_pipeline
+    from ..capture.core import capture
+    from ..parts.pipeline_plan import search_pipeline
 
     example = inputs[:-1] if cfg.loss == "outside" else inputs
     stages = opts.pipeline

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..outputs import LazyFull
+from ..run.outputs import LazyFull
 
 
 class Unavailable(Exception):

@@ -37,7 +37,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import rules
-from ..capture import RETURNED_SUM, SCALINGS, Captured
+from ..capture.core import RETURNED_SUM, SCALINGS, Captured
 from ..cost.profiles import load_profile
 from ..graph import Edge, PlanGraph, build, node_module, value_name, value_source
 from ..ir.algorithms import BACKEND, Algo
@@ -170,13 +170,13 @@ class Lowering:
         # Parameters whose partial gradients are summed in the program's backward, each use's own contribution, not
         # deferred to the runtime's bucketed sync of the accumulated gradient: the model's own parameter objects
         # (``share_params``), whose ``grad`` may also accumulate what other programs and the user's code add
-        # (a parameter read by two pieces of a dynamo capture, ``soybean.pieces``): only a sum per use stays exact.
+        # (a parameter read by two pieces of a dynamo capture, ``soybean.run.pieces``): only a sum per use stays exact.
         self.summed_per_use = summed_per_use
         # What runs, named as this capture names its nodes: the record (cost, baselines, ...) is never read.
         self.prog = prog = (plan.program if isinstance(plan, Plan) else plan).aligned(cap.keys)
         self.cap, self.rank = cap, rank
         # Non-scalar outputs leave as produced (partial sums reduced, splits kept) under the local-batch
-        # contract, and under the full-batch one when the module gathers them lazily (``soybean.outputs``).
+        # contract, and under the full-batch one when the module gathers them lazily (``soybean.run.outputs``).
         self.tile_outputs = tile_outputs or prog.local_batch
         self.output_tilings: list[Tiling | None] = []  # per flat output: its tiling when left split
         self.mesh = Mesh(prog.mesh)
@@ -360,7 +360,7 @@ class Lowering:
                 res.append(self.read(next(edges)))
             else:  # returned as a tile: only pending sums are reduced
                 if not self.prog.local_batch:
-                    next(edges)  # the planned gather to the full output, left to the module (``soybean.outputs``)
+                    next(edges)  # the planned gather to the full output, left to the module (``soybean.run.outputs``)
                 u, k = value_source(self.pg, a)
                 U = self.pg.vars[u]
                 src = U.strategies[0].outputs[k]
@@ -380,14 +380,14 @@ class Lowering:
 def lower(cap: Captured, plan: Plan | Program, rank: int, tile_outputs: bool = False,
           summed_per_use: frozenset[str] = frozenset()) -> fx.GraphModule:
     """Rank ``rank``'s program for ``plan`` (see ``Lowering``); ``tile_outputs``: split non-scalar outputs are
-    returned as tiles, their tilings in ``meta["output_tilings"]``, not gathered (``soybean.outputs``);
+    returned as tiles, their tilings in ``meta["output_tilings"]``, not gathered (``soybean.run.outputs``);
     ``summed_per_use``: parameters whose partial gradients the program sums itself, per use (``Lowering``)."""
     return Lowering(cap, plan, rank, tile_outputs, summed_per_use).run()
 
 
 def emit_files(model: torch.nn.Module, inputs: tuple, plan: Plan, out_dir: str | Path) -> list[Path]:
     """Write ``rank{r}.py`` (the readable per-rank program) for every rank of ``plan``."""
-    from ..capture import capture
+    from ..capture.core import capture
 
     cap = capture(model, inputs)
     out = Path(out_dir)

@@ -17,7 +17,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from .. import rules
-from ..capture import RETURNED_SUM, Captured
+from ..capture.core import RETURNED_SUM, Captured
 from ..cost.collectives import has_comm, op_comm_costs, price_route_ids
 from ..cost.compute import op_seconds, optimizer_step_seconds
 from ..cost.memory import (
@@ -30,8 +30,8 @@ from ..cost.pricing import EdgeTables, PricingCache
 from ..cost.profiles import Profile
 from ..ir.attention import SDPA
 from ..mesh import Mesh
-from ..pinning import PINNED, pinned_use, use_tiling
 from ..plan import Plan, Program
+from ..planner.pinning import PINNED, pinned_use, use_tiling
 from ..precision import policy
 from ..rules.attention import cp_method, row_axes
 from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, node_spec, strategies_1d, tensor_args
@@ -280,7 +280,7 @@ def build(
     """Variables and edges of ``cap`` on ``mesh``.
 
     ``domains`` optionally restricts placeholders (by parameter FQN or input name)
-    to given tilings: the baselines (``soybean.baselines``) are built this way.
+    to given tilings: the baselines (``soybean.planner.baselines``) are built this way.
     ``pin_params``: a parameter in ``domains`` is used in the tiling it is stored in (any other use
     costs ``PINNED``), except on the ``gather_axes``, where it is used whole: gathered for use and its
     gradient reduce-scattered back, as FSDP (ZeRO-3) does; ``gather_of`` gives some parameters (by FQN) their own

@@ -11,7 +11,7 @@ import numpy as np
 from torch import fx
 
 from .. import rules
-from ..capture import Captured
+from ..capture.core import Captured
 from ..cost.memory import (
     activation_bytes,
     activation_key,

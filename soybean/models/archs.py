@@ -11,7 +11,7 @@ implementation as loaded) except:
 ``build(arch)`` returns the model and its example keywords (with labels, so the model returns its own loss):
 the call a training loop makes, ``model(**kwargs).loss``.  ``scripts/arch_sweep.py`` trains each as
 ``soybean.parallelize`` runs it and compares with the model trained alone; the test suite checks every rule
-the suite's graphs use (``soybean.check``).
+the suite's graphs use (``soybean.verify.check``).
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ ARCHS: list[Arch] = [
     Arch("m2m_100", "encoder-decoder", "m2m_100", "seq2seq"),
     Arch("blenderbot", "encoder-decoder", "blenderbot", "seq2seq"),
     # torch.export cannot capture these three (a mask built only when not compiling; a branch on a tensor's
-    # value): captured by dynamo in pieces (``soybean.pieces``).  Sizes that reach what they add: a sparse (routed
+    # value): captured by dynamo in pieces (``soybean.run.pieces``).  Sizes that reach what they add: a sparse (routed
     # experts) layer in each stack, a local radius within the sequence, an attention window within it.  (LongT5
     # with transient-global attention fails under torch.compile itself, with torch's own "eager" backend too.)
     Arch("switch_transformers", "moe", "switch_transformers", "seq2seq",

@@ -9,7 +9,7 @@ all-``R`` strategy (redundant compute): it is always legal and added here.
 On an N-D mesh a strategy is one one-axis strategy per axis (the product), kept
 when every tiling is valid for its shape and every dim the rule marks ``even``
 divides by its total split factor.  Each rule is validated against the serial op
-by ``soybean.validate``.
+by ``soybean.verify.validate``.
 """
 from __future__ import annotations
 

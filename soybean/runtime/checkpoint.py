@@ -57,7 +57,7 @@ class TiledPlan(Protocol):
 
 class Tiled(Protocol):
     """What a checkpoint reads of a ``ParallelModule``: a protocol, so that the runtime never imports
-    ``soybean.module`` (which imports the runtime)."""
+    ``soybean.run.module`` (which imports the runtime)."""
 
     @property
     def plan(self) -> TiledPlan: ...

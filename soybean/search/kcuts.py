@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..capture import Captured
+from ..capture.core import Captured
 from ..cost.profiles import Profile
 from ..graph import build
 from ..mesh import Mesh

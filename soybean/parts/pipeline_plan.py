@@ -1,0 +1,356 @@
+"""A pipelined plan: stages cut from the capture (``soybean.parts.stages``), each planned on its own submesh by the
+planner, and the schedule priced on top.
+
+Priced per microbatch: each stage's step on its submesh (its own plan's modelled ``step_time_s``: forward,
+backward and communication of one microbatch, the capture being the microbatch's) plus the transfers it sends
+(every boundary value forward and its gradient back, ``alpha + bytes * beta`` of the profile's link).  A rank group
+runs its stages one after the other (``virtual_stages`` of them under the interleaved schedules), and the schedule
+idles a fraction ``bubble`` of the step (``bubble_fraction``), so the step is ``m`` times the slowest group's time
+over ``1 - bubble``: ``(m + p - 1)`` slots of the slowest stage for GPipe and 1F1B.
+
+``plan_pipeline`` prices a given number of stages (cut evenly in layers, ``stages.even_bounds``, or as given);
+``search_pipeline`` searches stage counts, microbatch counts and cuts (``best_cut`` over ``StageCosts``), each
+stage's submesh chosen by its own planner run.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..capture.core import Captured
+from ..cost.memory import GIB, budget_bytes
+from ..cost.profiles import Profile, load_profile
+from ..graph.units import node_layer
+from ..options import PlanOptions
+from ..plan import Plan
+from ..precision import policy
+from .stages import Stage, even_bounds, layers, shared_params, split, value_facts
+
+
+def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, schedule: str,
+                  options: PlanOptions, virtual_stages: int | None = None,
+                  bounds: Sequence[tuple[int, int]] | None = None) -> tuple[list[Stage], list[Plan], Plan]:
+    """The stages of ``cap`` (captured at the microbatch), each one's plan on ``world // stages`` devices, and the
+    pipelined plan (``Plan.pipeline`` holding the stages' plans).  ``stages`` is the pipeline's depth (rank
+    groups); with ``virtual_stages`` ``v`` (None: ``PlanOptions.virtual``'s default for ``schedule``) the layers are
+    cut into ``stages * v`` stages, stage ``i`` on group ``i % stages`` (the interleaved schedule).  ``bounds``:
+    the cut (``search_pipeline``'s); default even in layers.  ``options``: each stage's planner's
+    (``PlanOptions.one_program``)."""
+    from ..planner.core import plan
+
+    # the schedule and its virtual stages checked (and defaulted) where every front end checks them, before planning
+    virtual_stages = PlanOptions(schedule=schedule, virtual_stages=virtual_stages).virtual
+    if stages < 2 or world % stages:
+        raise ValueError(f"{stages} pipeline stages on {world} devices: use a number of at least 2 that divides "
+                         f"the devices ({[s for s in range(2, world + 1) if world % s == 0]})")
+    names = layers(cap)
+    total = stages * virtual_stages
+    bounds = list(bounds) if bounds is not None else even_bounds(len(names), total)
+    cut = split(cap, bounds)
+    per = world // stages
+    plans = [plan(None, (), per, options=options, baselines=False, captured=st.cap) for st in cut]
+    profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
+    facts = value_facts(cap)
+    per_mb = [microbatch_s(p) + transfer_s(facts, st, profile.alpha, profile.beta) for p, st in zip(plans, cut)]
+    bubble = bubble_fraction(schedule, stages, microbatches, virtual_stages)
+    ties = tied_weights(cap, bounds, stages)
+    step = pipeline_step(per_mb, [sync_s(p) for p in plans], stages, microbatches, bubble) + sum(
+        tie_s(t, profile) for t in ties)
+    record: dict[str, Any] = {
+        "schedule": schedule, "microbatches": microbatches, "virtual_stages": virtual_stages, "bubble": bubble,
+        "tied": ties,
+        "stages": [{"units": [names[a], names[b]], "layers": [a, b],
+                    "ranks": list(range((k % stages) * per, (k % stages + 1) * per)), "mesh": list(p.mesh),
+                    "microbatch_s": t, "memory_bytes": stage_memory(p, inflight(schedule, k, stages, microbatches)),
+                    "sends": st.returns, "send_bytes": transfer_bytes(facts, st)[0],
+                    "grad_bytes": transfer_bytes(facts, st)[1], "plan": p.to_dict()}
+                   for k, (st, p, t, (a, b)) in enumerate(zip(cut, plans, per_mb, bounds))],
+    }
+    budget = budget_bytes(options.memory_gb)
+    over = [(k, st["memory_bytes"]) for k, st in enumerate(record["stages"])
+            if budget is not None and st["memory_bytes"] > budget]
+    if over:
+        warnings.warn(f"soybean: pipeline stages {[k for k, _ in over]} need up to {max(b for _, b in over) / GIB:.3g} "
+                      f"GiB per device with their microbatches in flight, over --memory-gb {options.memory_gb}: use "
+                      "more microbatches or stages, or --pipeline auto", stacklevel=2)
+    moe, cp = Plan.part_rows(plans, "stage")
+    top = Plan(devices=world, mesh=[stages, per], objective=options.objective, profile=plans[0].profile,
+               fingerprint=cap.fingerprint, params={}, inputs={}, nodes={},
+               cost={"step_time_s": step, "compute_s": sum(p.cost.get("compute_s", 0.0) for p in plans) * microbatches},
+               precision=cap.precision, pipeline=record, moe=moe, context_parallel=cp)
+    return cut, plans, top
+
+
+def tied_weights(cap: Captured, bounds: Sequence[tuple[int, int]], groups: int) -> list[dict[str, Any]]:
+    """The trained weights that stages on two or more rank groups read (tied embeddings: ``stages.shared_params``):
+    each one's stages and the bytes of its gradient (in the precision policy's master dtype), which the pipeline sums
+    across those groups once per step (``pipelined.PipelinedModule._sum_tied_grads``)."""
+    vals = {cap.params[n.name]: n.meta["val"] for n in cap.graph.nodes if n.name in cap.params}
+    master = policy(cap.precision).master
+    return [{"param": fqn, "stages": ss, "bytes": vals[fqn].numel() * (
+                torch.empty((), dtype=master).element_size() if master is not None else vals[fqn].element_size())}
+            for fqn, ss in shared_params(cap, bounds).items() if len({k % groups for k in ss}) > 1]
+
+
+def tie_s(tie: dict[str, Any], profile: Profile) -> float:
+    """Seconds of one tied weight's gradient sum: an all-reduce of its whole gradient over one rank per holding group
+    (ring: ``2 (h - 1)`` messages of ``bytes / h``), on the profile's link."""
+    h = len(tie["stages"])
+    return 2 * (h - 1) * (profile.alpha + tie["bytes"] / h * profile.beta)
+
+
+def microbatch_s(p: Plan) -> float:
+    """A stage plan's modelled seconds per microbatch, its gradient synchronisation left out: its step (forward,
+    backward and communication of one microbatch) less the sync, of which the step counts only what backward does
+    not hide (``sync_s - hidden_s``)."""
+    return p.cost["step_time_s"] - sync_s(p) + p.cost.get("hidden_s", 0.0)
+
+
+def sync_s(p: Plan) -> float:
+    """A stage plan's gradient synchronisation, which a pipeline runs once per step (``GradSync.defer``)."""
+    return p.cost.get("sync_s", 0.0)
+
+
+def pipeline_step(per_mb: Sequence[float], syncs: Sequence[float], groups: int, microbatches: int,
+                  bubble: float) -> float:
+    """The step of a pipeline: each rank group runs its stages (``i % groups``) one after the other per microbatch,
+    ``microbatches`` times, the schedule idling ``bubble`` of it; then its stages' gradient synchronisation, once,
+    after the last microbatch's backward (its own stages' backward is over, so nothing hides it), the slowest
+    group's counted."""
+    group_s = [sum(per_mb[i] for i in range(g, len(per_mb), groups)) for g in range(groups)]
+    group_sync = [sum(syncs[i] for i in range(g, len(syncs), groups)) for g in range(groups)]
+    return max(group_s) * microbatches / (1 - bubble) + max(group_sync)
+
+
+def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The fraction of the step the schedule idles: ``(p - 1) / (v m + p - 1)`` for GPipe and 1F1B (``v = 1``) and
+    interleaved 1F1B.  Zero bubble (Qi et al., ICLR 2024) splits each backward into its input half ``B`` and weight
+    half ``W`` and fills the warm-up and cool-down with ``W``: with ``F = B = W`` (a third of a slot each), ZB-H1
+    leaves ``(p - 1)`` thirds of a slot idle where 1F1B leaves ``p - 1`` whole slots, so ``(p - 1) / (3 v m + p -
+    1)`` (torch's ``ScheduleInterleavedZeroBubble`` is ZB-H1 over ``v`` stages per rank)."""
+    thirds = 3 if schedule == "zero-bubble" else 1
+    return (stages - 1) / (thirds * virtual_stages * microbatches + stages - 1)
+
+
+def transfer_bytes(facts: dict[str, tuple[int, bool]], st: Stage) -> tuple[int, int]:
+    """Bytes stage ``st`` sends forward per microbatch (its boundary values) and receives back (the gradients of
+    those autograd tracks: ``stages.value_facts``); none for the last stage."""
+    fwd = sum(facts[n][0] for n in st.returns if n in facts)
+    return fwd, sum(facts[n][0] for n in st.returns if n in facts and facts[n][1])
+
+
+def transfer_s(facts: dict[str, tuple[int, bool]], st: Stage, alpha: float, beta: float) -> float:
+    """Seconds stage ``st`` spends sending its boundary values forward and receiving their gradients back, per
+    microbatch (``transfer_bytes``, each message ``alpha + bytes * beta`` on the profile's link)."""
+    n = [name for name in st.returns if name in facts]
+    fwd, bwd = transfer_bytes(facts, st)
+    return alpha * (len(n) + sum(facts[name][1] for name in n)) + (fwd + bwd) * beta
+
+
+def best_cut(n: int, parts: int, cost: Callable[[int, int], float],
+             lengths: tuple[int, int] | None = None) -> tuple[list[tuple[int, int]], float]:
+    """The cut of layers ``0 .. n-1`` into ``parts`` contiguous non-empty ranges whose largest ``cost(a, b)`` is
+    least, and that cost: ``f(k, j) = min_i max(f(k - 1, i - 1), cost(i, j))`` over the layer chain (Alpa's
+    inter-operator pass for one submesh size), exact over every cut whose stages hold ``lengths`` ``(lo, hi)``
+    layers (default: any number); ``cost`` may be asked for one range more than once (``StageCosts`` memoises).
+    Infinite when no such cut exists."""
+    if not 1 <= parts <= n:
+        raise ValueError(f"{parts} stages of {n} layers")
+    lo, hi = lengths or (1, n)
+    inf = math.inf
+
+    def priced(i: int, j: int) -> float:
+        return cost(i, j) if lo <= j - i + 1 <= hi else inf
+
+    f = [[inf] * n for _ in range(parts)]
+    arg = [[-1] * n for _ in range(parts)]
+    for j in range(n - parts + 1):
+        f[0][j] = priced(0, j)
+    for k in range(1, parts):
+        for j in range(k, n - parts + k + 1):
+            for i in range(max(k, j + 1 - hi), min(j, j + 1 - lo) + 1):
+                if f[k - 1][i - 1] >= f[k][j]:
+                    continue  # this split's first k stages already cost at least the best found
+                c = max(f[k - 1][i - 1], priced(i, j))
+                if c < f[k][j]:
+                    f[k][j], arg[k][j] = c, i
+    if not math.isfinite(f[parts - 1][n - 1]):
+        return even_bounds(n, parts), inf
+    bounds, j = [], n - 1
+    for k in range(parts - 1, 0, -1):
+        i = arg[k][j]
+        bounds.append((i, j))
+        j = i - 1
+    bounds.append((0, j))
+    return bounds[::-1], f[parts - 1][n - 1]
+
+
+def stage_lengths(n: int, stages: int) -> tuple[int, int]:
+    """The stage lengths the search considers for ``n`` layers in ``stages`` stages: within ``w = max(2, q / 4)``
+    layers of the even length ``q = n / stages``, room for a stage holding the embedding or the head to be lighter
+    by a few layers.  A restriction (the cut is exact over these): it keeps a large model's search to a few ranges
+    of layers per stage kind, where every length would plan every range."""
+    q = n / stages
+    w = max(2, math.ceil(q / 4))
+    return max(1, math.floor(q) - w), math.ceil(q) + w
+
+
+def layer_signatures(cap: Captured) -> list[str]:
+    """Each layer's ops and shapes in order (two layers with one signature cost the same as stages)."""
+    sigs: dict[str, list[str]] = {}
+    for node in cap.graph.nodes:
+        if node.op == "call_function" and (layer := node_layer(node)):
+            v = node.meta.get("val")
+            sigs.setdefault(layer, []).append(f"{node.target}{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}")
+    return [hashlib.sha1("\n".join(sigs[k]).encode()).hexdigest() for k in layers(cap)]
+
+
+def stage_memory(p: Plan, held: int) -> float:
+    """A stage's peak bytes per device holding the activations of ``held`` microbatches at once (its own plan's
+    peak counts one)."""
+    return p.memory.get("peak", 0.0) + (held - 1) * p.memory.get("activations", 0.0)
+
+
+def inflight(schedule: str, stage: int, groups: int, microbatches: int) -> int:
+    """Microbatches whose activations stage ``stage`` holds at once: GPipe all of them, 1F1B ``groups - stage``
+    (at most the microbatches); the interleaved schedule as 1F1B per rank group."""
+    return microbatches if schedule == "gpipe" else min(microbatches, groups - stage % groups)
+
+
+class StageCosts:
+    """Each stage's time per microbatch on its devices, at one microbatch size (``cap``): a range of layers is
+    planned once per signature (its ops and shapes, whether it holds what comes before the first layer or after
+    the last), submesh size and microbatches in flight; infinite when its memory with them breaks ``budget``."""
+
+    def __init__(self, cap: Captured, options: PlanOptions, profile: Profile, budget: float | None,
+                 microbatches: int) -> None:
+        self.cap, self.options, self.profile, self.budget, self.m = cap, options, profile, budget, microbatches
+        self.names, self.sigs = layers(cap), layer_signatures(cap)
+        self.facts = value_facts(cap)
+        # seconds per microbatch (sends included), memory, gradient sync, sends
+        self.memo: dict[tuple, tuple[float, float, float, float]] = {}
+        self.plans = 0  # stage plans made
+
+    def _key(self, a: int, b: int, stages: int, k: int) -> tuple:
+        n = len(self.names)
+        return (a == 0, b == n - 1, tuple(self.sigs[a:b + 1]), self.options.world // stages,
+                inflight("1f1b", k, stages, self.m))
+
+    def of(self, a: int, b: int, stages: int, k: int = 0) -> float:
+        """Layers ``a .. b`` as stage ``k`` of ``stages`` on ``world / stages`` devices (``per``)."""
+        from ..planner.core import SearchError, plan
+        from ..planner.solve import MemoryBudgetError
+
+        per = self.options.world // stages
+        held = inflight("1f1b", k, stages, self.m)
+        key = self._key(a, b, stages, k)
+        if key not in self.memo:
+            parts = [r for r in ((0, a - 1), (a, b), (b + 1, len(self.names) - 1)) if r[0] <= r[1]]
+            st = split(self.cap, parts)[parts.index((a, b))]
+            self.plans += 1
+            try:
+                p = plan(None, (), per, options=self.options, baselines=False, captured=st.cap)
+            except (MemoryBudgetError, SearchError):  # no plan of this stage fits (or none was found): never chosen
+                self.memo[key] = (math.inf, math.inf, 0.0, 0.0)
+                return math.inf
+            sends = transfer_s(self.facts, st, self.profile.alpha, self.profile.beta)
+            mem = stage_memory(p, held)
+            fits = self.budget is None or mem <= self.budget
+            self.memo[key] = (microbatch_s(p) + sends if fits else math.inf, mem, sync_s(p), sends)
+        return self.memo[key][0]
+
+    def bound(self, groups: int, schedule: str, v: int) -> float:
+        """A lower bound of the step of every cut the search considers for ``groups`` rank groups and ``v`` stages
+        each: some stage holds at least ``L = ceil(n / (groups v))`` layers (``floor`` for the even cut of the
+        virtual stages), and a stage of ``L`` layers costs at least what a middle stage of ``L`` layers costs without
+        its sends (a stage holding the embedding or the head does more; one of more layers, more: costs grow with
+        the ops); with every stage at that, the step (``pipeline_step``, syncs left out) bounds it.  One middle stage
+        planned; 0 when the layers leave no middle stage."""
+        n = len(self.names)
+        length = math.ceil(n / groups) if v == 1 else n // (groups * v)
+        if length < 1 or length + 2 > n:
+            return 0.0
+        t = self.of(1, length, groups)
+        if not math.isfinite(t):
+            return math.inf
+        least = t - self.memo[self._key(1, length, groups, 0)][3]
+        return pipeline_step([least] * v, [0.0] * v, 1, self.m, bubble_fraction(schedule, groups, self.m, v))
+
+    def step(self, cut: Sequence[tuple[int, int]], groups: int, schedule: str, v: int) -> float:
+        """The step of the pipeline of ``cut`` on ``groups`` rank groups (``pipeline_step``, and its tied weights'
+        gradient sums: ``tie_s``)."""
+        return pipeline_step([self.of(a, b, groups) for a, b in cut], [self.sync(a, b, groups) for a, b in cut],
+                             groups, self.m, bubble_fraction(schedule, groups, self.m, v)) + sum(
+            tie_s(t, self.profile) for t in tied_weights(self.cap, cut, groups))
+
+    def sync(self, a: int, b: int, stages: int, k: int = 0) -> float:
+        """The gradient synchronisation of layers ``a .. b`` as a stage (``of`` first plans it)."""
+        self.of(a, b, stages, k)
+        return self.memo[self._key(a, b, stages, k)][2]
+
+
+def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: int, options: PlanOptions,
+                    say: Callable[[str], None] = lambda line: None, stages: int | None = None,
+                    incumbent: float | None = None) -> tuple[Plan | None, list[dict[str, Any]]]:
+    """The fastest pipelined plan over the stage counts ``S`` (divisors of ``world``, 2 up to the layers), the
+    microbatch counts ``M`` (divisors of ``batch`` from ``S`` to ``4 S``; ``capture_at(M)`` captures at that
+    microbatch), the schedules and the cuts, or None when none is faster than ``incumbent`` (the plan without
+    stages).
+
+    Each stage's time per microbatch is its own plan on ``world / S`` devices, the planner choosing its submesh, plus
+    its sends (``StageCosts``). Under 1F1B the cut is the best of every cut whose stages are near the even length
+    (``best_cut`` over ``stage_lengths``), the step ``(M + S - 1)`` times the slowest stage; with 2 virtual stages per
+    rank group (``2 S`` stages, the even cut: ``even_bounds``) under zero bubble, whose bubble is the least of the
+    interleaved schedules for the same stages (``bubble_fraction``), ``M`` times the slowest group over ``1 -
+    bubble``; each plus the gradient synchronisation once (``pipeline_step``) and the tied weights' sums. A stage
+    whose memory with its microbatches in flight (``inflight``, counted as the first stage's: the most) breaks the
+    budget costs infinity.
+
+    Candidates go in the order of their lower bounds (``StageCosts.bound``, one middle stage planned each); one whose
+    bound is no less than the best step so far (or ``incumbent``) is pruned unsearched. Every candidate is in the
+    list: its modelled step (``step_time_s``), or its bound and ``pruned`` (``Plan.pipeline["searched"]`` keeps
+    it); only the fastest is planned whole (``plan_pipeline``). ``stages``: only that stage count."""
+    profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
+    budget = budget_bytes(options.memory_gb)  # the planner's own: ``--memory-gb`` less its headroom
+    best: tuple[float, Captured, int, int, str, int, list[tuple[int, int]]] | None = None
+    searched: list[dict[str, Any]] = []
+    candidates: list[tuple[float, int, int, str, int, StageCosts]] = []
+    for m in [d for d in range(1, batch + 1) if batch % d == 0]:
+        degrees = [s for s in range(2, world + 1) if world % s == 0 and s <= m <= 4 * s and stages in (None, s)]
+        if not degrees:
+            continue
+        costs = StageCosts(capture_at(m), options, profile, budget, m)
+        n = len(costs.names)
+        for s in [d for d in degrees if d <= n]:
+            for schedule, v in [("1f1b", 1)] + ([("zero-bubble", 2)] if 2 * s <= n else []):
+                candidates.append((costs.bound(s, schedule, v), s, m, schedule, v, costs))
+    floor = incumbent if incumbent is not None else math.inf
+    for bound, s, m, schedule, v, costs in sorted(candidates, key=lambda c: (c[0], c[1], c[2], c[4])):
+        n = len(costs.names)
+        entry = {"stages": s, "microbatches": m, "schedule": schedule, "virtual_stages": v}
+        if bound >= min(floor, best[0] if best is not None else math.inf):
+            searched.append({**entry, "bound_s": bound, "pruned": True})
+            continue
+        if v == 1:
+            cut, _ = best_cut(n, s, functools.partial(costs.of, stages=s), stage_lengths(n, s))
+        else:
+            cut = even_bounds(n, s * v)
+        step = costs.step(cut, s, schedule, v)
+        searched.append({**entry, "bound_s": bound, "step_time_s": step,
+                         "units": [[costs.names[a], costs.names[b]] for a, b in cut]})
+        say(f"pipeline {s} stages x {v} x {m} microbatches, {schedule}: {step:.4g} s")
+        if math.isfinite(step) and (best is None or step < best[0]):
+            best = (step, costs.cap, s, m, schedule, v, cut)
+    if best is None or best[0] >= floor:
+        return None, searched
+    _, cap, s, m, schedule, v, cut = best
+    _, _, top = plan_pipeline(cap, world, s, m, schedule, options, virtual_stages=v, bounds=cut)
+    assert top.pipeline is not None
+    top.pipeline["searched"] = searched
+    return top, searched

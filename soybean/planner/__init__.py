@@ -1,0 +1,1 @@
+"""Planning: the search over meshes, tilings, recomputation and memory, and the plan's record."""

@@ -1,0 +1,435 @@
+"""Recomputation under a memory budget: which layers to rerun, searched with the tilings (``solve_recompute``:
+chains of recomputation choices, each priced by a solve of its table, pruned by Lagrangian bounds), and the
+options a user could give where no plan fits (``budget_hints``)."""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..capture.core import Captured, capture, split_example
+from ..graph import (
+    PlanGraph,
+    SharedWork,
+    attention_units,
+    layer_of,
+    recomputable_layers,
+)
+from ..mesh import Mesh
+from ..search import Pruned, SearchError, Solution, find_repeats, relative_gap, to_problem
+from ..search.problem import Problem, lower_bound, reduce
+from .solve import Incumbent, MemoryBudgetError, Result, Search, evaluate, least_memory, now, solve_table_on
+
+# ``replicated``: the optimum with every parameter stored whole on every device (its use still split where that
+# pays), as the torch.compile backend runs plans on the user's own parameters (``soybean.compile``).
+
+
+def recompute_units(cap: Captured, recompute: str) -> frozenset[str]:
+    """The units a fixed ``recompute`` choice reruns (``none``, ``layers``, ``attention``)."""
+    units: dict[str, Callable[[Captured], Sequence[str]]] = {
+        "none": lambda c: (), "layers": recomputable_layers, "attention": attention_units}
+    return frozenset(units[recompute](cap))  # only the one asked for: each reads every node's op
+
+
+def recompute_choices(cap: Captured) -> list[list[frozenset[str]]]:
+    """The recomputation choices ``solve_recompute`` searches, as chains along which the step time can only
+    grow: ``A_k``, the first ``k`` recomputable layers (graph order) recomputed whole; ``B_k``, the same with
+    every other layer's attention recomputed (selective recomputation, where the layers have one).  ``k = 1``
+    is left out: a role's single recomputed unit keeps its whole activations as its rerun buffer, so it never
+    saves memory over ``k = 0`` and only adds time."""
+    layers = recomputable_layers(cap)
+    att = {layer_of(u): u for u in attention_units(cap)}
+    ks = [k for k in range(len(layers) + 1) if k != 1]
+    chains = [[frozenset(layers[:k]) for k in ks]]
+    if att:
+        chains.append([frozenset(layers[:k]) | {att[x] for x in layers[k:] if x in att} for k in ks[:-1]])
+    return chains
+
+
+def layers_in(units: frozenset[str], layers: Collection[str]) -> int:
+    """How many whole layers a recomputation choice reruns: the ``k`` of ``A_k`` and ``B_k``."""
+    return sum(1 for u in units if u in layers)
+
+
+def solve_plain(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent = None) -> Result:
+    """The fastest plan on ``mesh`` with nothing recomputed and no memory budget (``Pruned`` when its bound reaches
+    ``incumbent``).  Recomputation only adds time (``solve_recompute``), so its ``solution.bound`` bounds every
+    recomputation choice's plans under any budget, and when its plan fits the budget it is the best of them all.
+    When member 0's plan (``capped_overlap``) breaks the budget, that plan and its bound are returned without the
+    cap's search: the mesh needs the recomputation search anyway, which the bound already serves."""
+    return _solve_free(search.table(cap, mesh), search, incumbent)
+
+
+def _solve_free(plain: PlanGraph, search: Search, incumbent: Incumbent) -> Result:
+    """``solve_plain``'s solve of the plain table already built."""
+    budget = search.memory_bytes
+    return solve_table_on(plain, replace(search, memory_bytes=None), incumbent,
+                          settle=lambda r: budget is not None and r.memory > budget)
+
+
+def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent = None,
+                    say: Callable[[str], None] = lambda line: None, floor: float | None = None) -> Result:
+    """Recomputation decided with the tilings: the best plan on ``mesh`` over every choice of
+    ``recompute_choices`` (each solved exactly with its tilings), within ``memory_bytes``.
+
+    Recomputation only adds time (``T(tiling, A) <= T(tiling, A')`` for ``A`` inside ``A'``: a rerun adds its
+    compute ``d`` and its reshards, and lets backward hide at most ``BACKWARD_SHARE * d`` more), so the lower bound
+    of the table with nothing recomputed (``search.lower_bound``) bounds every choice: a mesh whose bound reaches
+    ``incumbent`` is pruned after one table; and when the fastest plan with nothing recomputed, found without the
+    budget (``solve_plain``), fits it, it is the answer of every choice, else its bound (``floor``, when the caller
+    solved it) bounds them all.  Along a chain each step recomputes more ops, so the least memory any plan reaches
+    only shrinks: the first choice that can fit the budget is found by bisection on it (the choices before it
+    cannot fit).  From there the step time is not monotone in the choice (more recomputation frees memory for a
+    faster layout), so the rest of each chain is searched by branch and bound (``chain_search``) on stretches of
+    choices bounded at once (``search.chain``).  Exact over the choices searched, to ``gap`` and within
+    ``time_limit_s`` of search after the first solve (the bound of what is left then is the result's bound); for a
+    stack of equal layers, which ``k`` layers are recomputed does not change the model, so ``A_k`` stands for any
+    ``k``."""
+    objective, budget = search.options.objective, search.memory_bytes
+    least: dict[frozenset[str], float] = {}
+    recent: dict[frozenset[str], PlanGraph] = {}  # the last tables built, for the solve that follows a probe
+    work = SharedWork()  # the layers two choices treat alike are built once
+
+    def table(units: frozenset[str]) -> PlanGraph:
+        if units in recent:
+            recent[units] = recent.pop(units)  # the most recently used last: the least recently used goes first
+        else:
+            if len(recent) >= RECENT_TABLES:
+                recent.pop(next(iter(recent)))
+            recent[units] = search.table(cap, mesh, units, work)
+            least[units] = least_memory(recent[units])
+        return recent[units]
+
+    def fits(units: frozenset[str]) -> bool:
+        if units not in least:
+            table(units)
+        return budget is None or least[units] <= budget
+
+    def bounded(g: PlanGraph) -> Pruned | None:
+        """``Pruned`` when the lower bound of ``g``'s unbudgeted problem reaches the incumbent."""
+        if (c := cut_of(incumbent, objective)) is None:
+            return None
+        if floor is not None:  # the plain table's solve bound: never below the cheap bound of the same table
+            return Pruned(floor, c) if floor >= c else None
+        p = to_problem(g, objective)
+        return Pruned(bound, c) if (bound := lower_bound(reduce(p, argmins=False), p)) >= c else None
+
+    chains = recompute_choices(cap)
+    plain = table(frozenset())
+    if (p := bounded(plain)) is not None:
+        raise p  # recomputing anything only adds time to every plan of this mesh
+    if budget is not None and floor is None:
+        free = _solve_free(plain, search, cut_of(incumbent, objective))
+        if free.memory <= budget:
+            return free  # the fastest plan of every choice, and it fits
+        floor = free.solution.bound
+    if budget is not None and (c := cut_of(incumbent, objective)) is not None and chains[0][-1]:
+        if (p := budget_bound(plain, table(chains[0][-1]), objective, budget, c)) is not None:
+            raise p  # no recomputation choice fits a plan of this mesh that beats the cut
+    misfits: list[MemoryBudgetError] = []
+    starts: list[list[frozenset[str]]] = []
+    for chain in chains:
+        if not fits(chain[-1]):
+            misfits.append(MemoryBudgetError(least[chain[-1]], mesh))
+            continue
+        lo, hi = 0, len(chain) - 1
+        while lo < hi:  # the first choice that can fit
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(chain[mid]) else (mid + 1, hi)
+        if lo > 0:
+            misfits.append(MemoryBudgetError(least[chain[lo - 1]], mesh))
+        starts.append(chain[lo:])
+    return chain_search(cap, mesh, search, starts, table, incumbent, say, floor, misfits)
+
+
+def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Sequence[frozenset[str]]],
+                 table: Callable[[frozenset[str]], PlanGraph], incumbent: Incumbent = None,
+                 say: Callable[[str], None] = lambda line: None, floor: float | None = None,
+                 misfits: Sequence[MemoryBudgetError] = ()) -> Result:
+    """The best plan over the recomputation choices of ``chains`` (each a run of choices that can all fit, in
+    chain order), by best-first branch and bound on stretches of a chain.
+
+    The first chain's first and last choices are solved first (plans to prune by), each also priced with fewer
+    layers recomputed (``shift``).  Then a stretch ``[a, b]`` of a chain is bounded at once by
+    ``search.chain.stretch_bound`` (from the duals of its two ends under the budget; ``floor``, the plain table's
+    bound, bounds every choice), a single choice by its own dual, and the region with the lowest bound is taken
+    next: first its bound is tightened (``search.chain.tighten``: more multipliers) towards what would prune it; if
+    it still cannot be pruned, a single choice is solved exactly (``solve_table_on``) and a stretch is split at its
+    middle choice, whose dual is checked to lie on the line of its ends' (``search.chain.affine``: a chain that
+    fails loses its stretch bounds, and every stretch of it is searched again choice by choice).  The search ends
+    when the lowest bound left is within ``gap`` of the best plan (or reaches the incumbent: another mesh's plan is
+    better), or ``time_limit_s`` after it began (each solve gets what is left, at least a second); the result's
+    bound is the least of its own and every region left or pruned.  ``Pruned`` when every region reaches the
+    incumbent."""
+    import heapq
+
+    from ..search.chain import MULTIPLIERS, Dual, affine, dual, stretch_bound, tighten
+
+    objective, budget, gap = search.options.objective, search.memory_bytes, search.options.gap
+    layer_set = set(recomputable_layers(cap))
+    ties = search.options.tie_layers and search.options.solver != "brute"
+    duals: dict[tuple[int, int], Dual] = {}
+    broken: set[int] = set()  # chains whose tied problems were found not affine in k
+    given_up: list[tuple[int, int, int]] = []  # stretches pruned on stretch bounds (searched again if broken)
+    solved: set[tuple[int, int]] = set()
+    best: Result | None = None
+    lowest = math.inf  # the least bound of every region pruned or solved
+    failed: list[MemoryBudgetError] = list(misfits)
+    pruned: Pruned | None = None
+    stopped = False  # the time limit ended the search
+    scale = 0.0  # the multipliers' scale: a step time
+    firsts: dict[int, PlanGraph] = {}  # each chain's first choice's table, kept for ``shift`` past ``table``'s few
+
+    def dual_of(c: int, i: int) -> Dual | None:
+        if objective != "time":
+            return None
+        if (c, i) not in duals:
+            units = chains[c][i]
+            g = table(units)
+            lams = np.array(MULTIPLIERS) * scale / budget if budget is not None else np.zeros(1)
+            duals[(c, i)] = dual(g, layers_in(units, layer_set), find_repeats(g) if ties else [], lams, budget or 0.0)
+        return duals[(c, i)]
+
+    def ends(c: int, a: int, b: int) -> list[Dual]:
+        """The duals that bound region ``[a, b]`` of chain ``c`` (none: only ``floor`` does)."""
+        if a < b and c in broken:
+            return []
+        ds = [dual_of(c, a)] if a == b else [dual_of(c, a), dual_of(c, b)]
+        return [d for d in ds if d is not None]
+
+    def region_bound(c: int, a: int, b: int, target: float | None = None) -> float:
+        base = floor if floor is not None else -math.inf
+        ds = ends(c, a, b)
+        if not ds:
+            return base
+        got = ds[0].bound if len(ds) == 1 else stretch_bound(ds[0], ds[1])
+        if target is not None and got < target:
+            got = tighten(ds, target)
+        return max(base, got)
+
+    heap: list[tuple[float, int, int, int]] = []
+
+    def push(c: int, a: int, b: int) -> None:
+        heapq.heappush(heap, (region_bound(c, a, b), c, a, b))
+
+    def solve_choice(c: int, i: int, bound: float) -> None:
+        nonlocal best, lowest, pruned
+        solved.add((c, i))
+        units = chains[c][i]
+        limit = cut_of(incumbent, objective)
+        if best is not None and objective == "time":
+            limit = best.step_time_s if limit is None else min(limit, best.step_time_s)
+        left = max(1.0, deadline - time.perf_counter())  # each solve gets what is left of the search's time
+        within = replace(search, options=replace(search.options, time_limit_s=left))
+        try:
+            r = solve_table_on(table(units), within, limit, units)
+        except MemoryBudgetError as e:
+            failed.append(e)
+            return
+        except Pruned as e:
+            lowest = min(lowest, max(bound, e.bound))
+            pruned = pruned or e
+            return
+        except SearchError:  # no plan found in time: this choice's bound stands
+            lowest = min(lowest, bound)
+            return
+        lowest = min(lowest, max(bound, r.solution.bound))
+        say(f"mesh {mesh}: recompute {len(units)} units: {r.value(objective):.4g} ({objective})")
+        if best is None or r.value(objective) < best.value(objective):
+            best = r
+        if budget is not None and objective == "time":
+            shift(c, i, r)
+
+    def shift(c: int, i: int, r: Result) -> None:
+        """A plan for free: ``r``'s tilings with fewer layers recomputed, as many fewer as the memory it leaves
+        under the budget pays for (each layer kept saves its rerun).  Every choice's table has the same variables
+        and strategies (recomputation changes costs, not domains), so ``r``'s choice is a plan of each; its memory
+        per layer is read off a second choice (a line: each layer kept adds its activations), and the plan is
+        priced exactly on the choice it lands on, and kept when it fits and beats the best."""
+        nonlocal best
+        assert budget is not None
+        k_of = {layers_in(u, layer_set): j for j, u in enumerate(chains[c])}
+        k_here = layers_in(chains[c][i], layer_set)
+        if r.memory >= budget or i == 0:
+            return
+        x = r.solution.choice
+
+        def priced(j: int) -> Result | None:
+            if j == 0 and c not in firsts:
+                firsts[c] = table(chains[c][0])
+            g = firsts[c] if j == 0 else table(chains[c][j])
+            if len(g.vars) != len(x) or any(len(v.strategies) <= s for v, s in zip(g.vars, x)):
+                return None
+            return evaluate(g, Solution(list(x), 0.0, -math.inf, "feasible", 0.0, "shifted"))
+
+        probe = priced(0)  # the chain's first choice: the fewest layers recomputed that can fit
+        k_probe = layers_in(chains[c][0], layer_set)
+        if probe is None or k_probe >= k_here:
+            return
+        per_layer = (probe.memory - r.memory) / (k_here - k_probe)  # bytes each layer kept adds
+        if per_layer <= 0:
+            return
+        k = max(k_probe, k_here - int((budget - r.memory) // per_layer))
+        for _ in range(SHIFT_TRIES):
+            j = k_of.get(k)
+            moved = probe if k == k_probe else priced(j) if j is not None else None
+            if j is None or moved is None or k >= k_here:
+                return
+            if moved.memory <= budget:
+                moved.solution = replace(moved.solution, objective=moved.step_time_s)
+                moved.runs, moved.recompute = find_repeats(moved.graph), chains[c][j]
+                say(f"mesh {mesh}: recompute {len(chains[c][j])} units (shifted): {moved.step_time_s:.4g} (time)")
+                if best is None or moved.step_time_s < best.step_time_s:
+                    best = moved
+                return
+            k += 1  # the line was optimistic here: one more layer recomputed
+
+    deadline = time.perf_counter() + search.options.time_limit_s
+    # Plans to prune by: the first chain's first choice (the least recomputed that can fit) and last (all of its
+    # layers, the least memory: the most room for a fast tiling), each shifted to the budget (``shift``).
+    for i in sorted({0, len(chains[0]) - 1} if chains else ()):
+        solve_choice(0, i, floor if floor is not None else -math.inf)
+    scale = best.step_time_s if best is not None else floor if floor is not None and math.isfinite(floor) else 0.0
+    if scale <= 0.0:  # else the plain table's bound
+        p = to_problem(table(frozenset()), "time")
+        scale = max(lower_bound(reduce(p, argmins=False), p), 1e-30)
+    for c, chain in enumerate(chains):
+        if c == 0 and len(chain) > 2:
+            push(c, 1, len(chain) - 2)
+        elif c > 0:
+            push(c, 0, len(chain) - 1)
+    while heap:
+        bound, c, a, b = heapq.heappop(heap)
+        other = cut_of(incumbent, objective)
+        mine = best.value(objective) if best is not None else None
+        # what prunes this region: the incumbent, or a bound within ``gap`` of this mesh's best plan
+        target = min(x for x in (other, mine * (1 - gap) if mine is not None else None, math.inf) if x is not None)
+        if target < math.inf:
+            bound = region_bound(c, a, b, target)
+        if other is not None and bound >= other:
+            pruned, lowest = Pruned(bound, other), min(lowest, bound)
+            continue
+        if mine is not None and (bound >= mine or relative_gap(mine, bound) <= gap):
+            lowest = min(lowest, bound)
+            if a < b and c not in broken:
+                given_up.append((c, a, b))
+            continue
+        if time.perf_counter() > deadline:
+            lowest = min(lowest, bound, *(h[0] for h in heap))
+            say(f"mesh {mesh}: recomputation search stopped at its time limit, bound {lowest:.4g}")
+            stopped = True
+            break
+        if a == b:
+            if (c, a) not in solved:  # the middle of two stretches is reached from both
+                solve_choice(c, a, bound)
+            continue
+        if c in broken or b - a == 1:
+            for i in range(a, b + 1):
+                push(c, i, i)
+            continue
+        m = (a + b) // 2
+        da, dm, db = dual_of(c, a), dual_of(c, m), dual_of(c, b)
+        if da is not None and dm is not None and db is not None and da.shape == db.shape and not affine(da, dm, db):
+            broken.add(c)  # this chain's stretch bounds were not exact: search it choice by choice
+            say(f"mesh {mesh}: recomputation chain {c} is not affine in its layers: searched choice by choice")
+            for cc, aa, bb in [r for r in given_up if r[0] == c] + [(c, a, b)]:
+                for i in range(aa, bb + 1):
+                    push(cc, i, i)
+            given_up = [r for r in given_up if r[0] != c]
+            continue
+        push(c, a, m)
+        push(c, m, b)
+    if best is None:
+        if pruned is not None and not stopped and lowest >= pruned.cutoff:  # every region reached the incumbent
+            raise Pruned(lowest if lowest < math.inf else pruned.bound, pruned.cutoff)
+        if failed:
+            raise min(failed, key=lambda e: e.least)
+        raise SearchError(f"no plan found on mesh {mesh} with any recomputation in the time limit")
+    if objective == "time" and (lowest < best.solution.bound or best.solution.solver == "shifted"):
+        t = best.step_time_s
+        status = best.solution.status if relative_gap(t, lowest) <= gap else "feasible"
+        best.solution = replace(best.solution, bound=min(lowest, t), status=status)
+    return best
+
+
+# Tables of one mesh's recomputation choices kept for reuse (the bisection's probes, the solves, the duals and
+# ``shift`` return to a few choices; one Llama-3-70B table on a 3-axis mesh took 3 s to build again).
+RECENT_TABLES = 4
+# Choices ``chain_search``'s ``shift`` prices at most per plan, from the fewest layers recomputed the line allows.
+SHIFT_TRIES = 3
+
+
+def cut_of(incumbent: Incumbent, objective: str) -> float | None:
+    """The incumbent's value now, when it bounds ``objective`` (step time only)."""
+    return now(incumbent) if objective == "time" else None
+
+
+# Multipliers (as multiples of cut / budget: seconds per byte) at which ``budget_bound`` tries the Lagrangian bound.
+BOUND_MULTIPLIERS = (0.5, 2.0, 8.0)
+
+
+def budget_bound(plain: PlanGraph, least: PlanGraph, objective: str, budget: float, cut: float) -> Pruned | None:
+    """``Pruned`` when no recomputation choice on this mesh has a plan within ``budget`` that beats ``cut``.
+
+    Every choice ``A`` and tiling ``x`` cost at least what nothing recomputed costs (``plain``: recomputation only
+    adds time) and keep at least what every layer recomputed keeps (``least``, the last choice of the chains:
+    memory shrinks as the recomputed set grows).  So for any ``lam >= 0``, by weak duality,
+
+        min_{x, A: M(x, A) <= B} T(x, A)  >=  min_x T_plain(x) + lam * (M_least(x) - B),
+
+    an unbudgeted problem over the plain table's costs with ``lam`` times the other table's memory added, whose
+    ``search.lower_bound`` is a bound of every choice at once: one cheap bound per multiplier
+    (``BOUND_MULTIPLIERS``) instead of a search over the choices.  None when no multiplier reaches the cut (or
+    the two tables do not line up)."""
+    for f in BOUND_MULTIPLIERS:
+        bound = recompute_bound(plain, least, objective, budget, f * cut / budget)
+        if bound is None:
+            return None
+        if bound >= cut:
+            return Pruned(bound, cut)
+    return None
+
+
+def recompute_bound(plain: PlanGraph, least: PlanGraph, objective: str, budget: float, lam: float) -> float | None:
+    """``budget_bound``'s lower bound at multiplier ``lam`` (None when the two tables do not line up)."""
+    p = to_problem(plain, objective)
+    q = to_problem(least, objective, budget)
+    assert q.memory is not None and q.budget is not None
+    if [u.shape for u in p.unary] != [m.shape for m in q.memory]:
+        return None
+    r = Problem([u + lam * m for u, m in zip(p.unary, q.memory)], p.edges, None, None, p.names)
+    return lower_bound(reduce(r, argmins=False), r) - lam * q.budget
+
+
+def budget_hints(cap: Captured, model: torch.nn.Module | None, example_inputs: Any, example_kwargs: Any,
+                 search: Search, meshes: Sequence[Mesh], recompute: str) -> list[str]:
+    """The options under which some plan on ``meshes`` fits ``search.memory_bytes`` where the given ones fit
+    none: ``--recompute auto`` (when recomputation was not already free to choose; every layer recomputed is
+    the least memory it reaches), ``--precision bf16-mixed`` (an fp32 model captured again under it, with
+    recomputation as given or free), each checked by the least modelled memory of the tables (``least_memory``),
+    never guessed.  Run only on the way to the error."""
+    budget = search.memory_bytes
+    if budget is None:
+        return []
+
+    def fits(c: Captured, units: frozenset[str]) -> bool:
+        return any(least_memory(search.table(c, m, units)) <= budget for m in meshes)
+
+    hints: list[str] = []
+    full = recompute_units(cap, "layers")
+    free = recompute in ("auto", "layers") or not full
+    if not free and fits(cap, full):
+        hints.append("--recompute auto")
+    if cap.precision == "fp32" and model is not None and not hints:
+        args, kwargs = split_example(example_inputs, example_kwargs)
+        half = capture(model, args, kwargs, precision="bf16-mixed")
+        if fits(half, recompute_units(half, "layers" if free else recompute)):
+            hints.append("--precision bf16-mixed")
+        elif not free and fits(half, recompute_units(half, "layers")):
+            hints.append("--precision bf16-mixed --recompute auto")
+    return hints

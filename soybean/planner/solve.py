@@ -1,0 +1,335 @@
+"""Solving one mesh's table: the search's settings (``Search``), a solve under the memory budget with the
+gradient sync's overlap capped by backward compute (``capped_overlap``), the modelled cost of a solution
+(``evaluate``), and the least memory any plan of a table reaches (``least_memory``, ``MemoryBudgetError``)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from ..capture.core import Captured
+from ..cost.memory import GIB, budget_needed
+from ..cost.pricing import PricingCache
+from ..cost.profiles import Profile
+from ..graph import (
+    NoStrategyLeft,
+    PlanGraph,
+    SharedWork,
+    build,
+    phase_memory,
+    phase_peaks,
+)
+from ..mesh import Mesh
+from ..options import PlanOptions
+from ..search import Pruned, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
+from ..tiling import R
+from .baselines import batch_split, model_parallel_domains
+
+# ``replicated``: the optimum with every parameter stored whole on every device (its use still split where that
+# pays), as the torch.compile backend runs plans on the user's own parameters (``soybean.compile``).
+
+
+@dataclass
+class Result:
+    graph: PlanGraph
+    solution: Solution
+    comm_bytes: float
+    comm_s: float
+    compute_s: float
+    memory: float
+    hidden_s: float = 0.0      # gradient-sync time overlapped with backward compute
+    sync_s: float = 0.0        # all gradient-sync time (part of comm_s)
+    runs: list[Run] = field(default_factory=list)  # the repeated layers solved tied
+    recompute: frozenset[str] = frozenset()  # the units whose forward reruns in backward
+    cap_s: float = 0.0         # the most gradient-sync time backward can hide: BACKWARD_SHARE * op compute
+    peak_mu: float | None = None  # the cap search's member of the best bound (``capped_overlap``), if it ran
+
+    @property
+    def step_time_s(self) -> float:
+        return self.comm_s + self.compute_s - self.hidden_s
+
+    def value(self, objective: str) -> float:
+        return self.comm_bytes if objective == "comm" else self.step_time_s
+
+
+def _domains(cap: Captured, mesh: Mesh, mode: str, local_batch: bool = False) -> dict[str, list[tuple]]:
+    """The placeholder restrictions of a forced ``mode`` (the layouts of two baselines, ``soybean.planner.baselines``)
+    and of the ``local_batch`` contract (every input split on dim 0 over the whole mesh)."""
+    if local_batch and mode == "mp":
+        raise ValueError(
+            "local_batch splits the inputs by batch, the model-parallel baseline replicates them: use mode auto or dp"
+        )
+    doms = batch_split(cap, mesh) if local_batch else {}
+    if mode == "dp":
+        doms.update({fqn: [(R,) * mesh.ndim] for fqn in cap.params.values()})
+        doms.update(batch_split(cap, mesh))
+    elif mode == "mp":
+        doms.update(model_parallel_domains(cap, mesh))
+    elif mode == "replicated":
+        doms.update({fqn: [(R,) * mesh.ndim] for fqn in cap.params.values()})
+    return doms
+
+
+@dataclass(frozen=True)
+class Search:
+    """How one planner run solves each mesh: its ``PlanOptions`` (objective, solver, mode, contract, time limit,
+    topology, tying, gap: each read from there, never restated), the profile they name, loaded and restricted to
+    the allowed collectives, the budget in bytes (``cost.memory.budget_bytes`` of ``memory_gb``), and the run's
+    ``cost.pricing.PricingCache``, shared by every table the run builds (each mesh, each recomputation choice, the
+    baselines) and dropped with it."""
+
+    profile: Profile
+    options: PlanOptions = PlanOptions()
+    memory_bytes: float | None = None
+    pricing: PricingCache = field(default_factory=PricingCache, repr=False, compare=False)
+    # the profile on each mesh (``Profile.on_mesh``: which axes cross nodes), worked out once per mesh
+    placed: dict[Mesh, Profile] = field(default_factory=dict, repr=False, compare=False)
+    # the last cap search's peak member (``Result.peak_mu``), where the next mesh's starts (``capped_overlap``)
+    peaks: list[float] = field(default_factory=list, repr=False, compare=False)
+
+    def on_mesh(self, mesh: Mesh) -> Profile:
+        """The run's profile on ``mesh`` (``Profile.on_mesh`` with the run's ``gpus_per_node``)."""
+        if mesh not in self.placed:
+            self.placed[mesh] = self.profile.on_mesh(mesh, self.options.gpus_per_node)
+        return self.placed[mesh]
+
+    def table(self, cap: Captured, mesh: Mesh, recompute: frozenset[str] = frozenset(),
+              work: SharedWork | None = None) -> PlanGraph:
+        """The candidate table of ``cap`` on ``mesh`` that ``solve_on`` solves (``work``: ``graph.SharedWork`` of
+        the tables of other recomputation choices on ``mesh``)."""
+        o = self.options
+        try:
+            return build(cap, mesh, self.on_mesh(mesh), objective=o.objective,
+                         domains=_domains(cap, mesh, o.mode, o.local_batch), pin_params=o.mode in ("dp", "mp"),
+                         local_outputs=o.local_batch, divide_work=True if o.mode in ("dp", "mp") else None,
+                         recompute=recompute, pricing=self.pricing, work=work, context_parallel=o.context_parallel,
+                         context_parallel_method=o.context_parallel_method)
+        except NoStrategyLeft as e:  # an option rules this mesh out
+            raise SearchError(str(e)) from e
+
+
+# The best step time another mesh reached: a number, or read live when called (``mesh_pool``: another worker's
+# better plan prunes this mesh's search while it runs), or None.
+Incumbent = float | Callable[[], float | None] | None
+
+
+def now(incumbent: Incumbent) -> float | None:
+    """The incumbent's value at this moment."""
+    return incumbent() if callable(incumbent) else incumbent
+
+
+def solve_on(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent = None,
+             recompute: frozenset[str] = frozenset()) -> Result:
+    """Build the candidate table on ``mesh`` and solve it (``SearchError`` when no plan fits).  ``incumbent``:
+    the best step time another mesh reached: a mesh whose cheap lower bound (``search.lower_bound``) reaches it
+    is not solved (``search.Pruned``), and one whose solve's bound reaches it is not refined."""
+    return solve_table_on(search.table(cap, mesh, recompute), search, incumbent, recompute)
+
+
+def solve_table_on(g: PlanGraph, search: Search, incumbent: Incumbent = None,
+                   recompute: frozenset[str] = frozenset(), settle: Callable[[Result], bool] | None = None) -> Result:
+    """``solve_on``'s solve of a table already built (``MemoryBudgetError`` when no plan of it fits).  ``settle``:
+    when it holds for member 0's plan (``capped_overlap``), that plan is returned as it is, its bound still a lower
+    bound of every plan of ``g``."""
+    objective, solver, memory_bytes = search.options.objective, search.options.solver, search.memory_bytes
+    least = least_memory(g)
+    if memory_bytes is not None and least > memory_bytes:
+        raise MemoryBudgetError(least, g.mesh)
+    runs = find_repeats(g) if search.options.tie_layers and solver != "brute" else []
+
+    def solved(mu: float = 0.0, phase: str = "activations", cutoff: float | None = None,
+               enough: float | None = None) -> Result:
+        ov = (1.0 - mu) * g.profile.grad_overlap
+        problem = to_problem(g, objective, memory_bytes, overlap=ov, phase=phase, compute_credit=mu * BACKWARD_SHARE)
+        r = evaluate(g, solve(problem, solver, search.options.time_limit_s, search.options.gap, runs, cutoff=cutoff,
+                              enough=enough))
+        r.runs, r.recompute = runs, recompute
+        return r
+
+    # The budget binds the activations phase; a plan whose gradients phase breaks it is replaced by the best plan
+    # with both phases summed (an upper bound of the larger).  Only the activations phase's solves bound the step:
+    # the sum is a stricter budget than the peak's (a plan may fit the peak and not the sum), so its solves' bounds
+    # and cutoffs hold for its plans only, and the result keeps the activations phase's bound (measured: a
+    # 10-layer transformer, every layer recomputed, reported "optimal" at 70.4 ms under the sum where a plan of
+    # 55.2 ms fits).
+    r = solved(cutoff=now(incumbent))
+    if memory_bytes is None or r.memory <= memory_bytes:
+        if objective != "time" or (settle is not None and settle(r)):
+            return r
+        return peaked(search, capped_overlap(r, lambda mu, cut, need: solved(mu, "activations", cut, need),
+                                              search.options.gap, incumbent, _hint(search)))
+    relaxed = r.solution.bound  # below every plan that fits: the activations phase alone is a relaxation
+    try:  # a sum solve's bound that reaches the incumbent says only that no plan of the sum's can beat it
+        r = solved(phase="sum", cutoff=now(incumbent))
+    except Pruned as e:
+        raise SearchError(f"mesh {g.mesh}: no plan within the budget in both phases at once beats {e.cutoff:.4g}; "
+                          f"the step's bound is {relaxed:.4g}") from None
+    if objective == "time" and not (settle is not None and settle(r)):
+        try:
+            r = peaked(search, capped_overlap(r, lambda mu, cut, need: solved(mu, "sum", cut, need),
+                                               search.options.gap, incumbent, _hint(search)))
+        except Pruned:
+            pass  # the sum's members cannot beat the incumbent: its first plan stands, with the bound below
+    t = r.solution.objective if objective != "time" else r.step_time_s
+    bound = min(relaxed, r.solution.bound, t)
+    status = r.solution.status if relative_gap(t, bound) <= search.options.gap else "feasible"
+    r.solution = replace(r.solution, bound=bound, status=status)
+    return r
+
+
+# The most Lagrangian members ``capped_overlap`` solves after the first.
+OVERLAP_STEPS = 6
+# Members closer than this are met again: their problems differ by ``MU_MET * (o S - b K)`` per plan, below the
+# gaps searched (Llama-3-8B on 8x4x2: the crossing landed 1.5e-6 from the member before it, and solved it again).
+MU_MET = 1e-4
+
+
+def _hint(search: Search) -> float | None:
+    return search.peaks[-1] if search.peaks else None
+
+
+def peaked(search: Search, r: Result) -> Result:
+    """``r``, its cap search's peak kept in ``search.peaks`` for the next mesh's."""
+    if r.peak_mu is not None:
+        search.peaks.append(r.peak_mu)
+    return r
+
+
+def capped_overlap(first: Result, solved: Callable[[float, float | None, float], Result], gap: float,
+                   incumbent: Incumbent = None, hint: float | None = None) -> Result:
+    """The best plan under the capped overlap, with a lower bound of it.
+
+    The step time is ``T(x) = L(x) - min(o S(x), b K(x))``: ``L`` the seconds with nothing hidden, ``S`` the
+    deferred gradient syncs, ``K`` the ops' compute, ``o`` the profile's ``grad_overlap``, ``b`` ``BACKWARD_SHARE``
+    (``evaluate``).  ``min`` is not linear, but for every ``mu`` in [0, 1], ``min(o S, b K) <= (1 - mu) o S + mu b K``,
+    so the linear problem ``T_mu(x) = L(x) - (1 - mu) o S(x) - mu b K(x)`` (``to_problem``'s ``overlap`` and
+    ``compute_credit``) is below ``T`` everywhere, and its solve's bound is a lower bound of ``min T`` (weak
+    duality): the dual ``D(mu) = min_x T_mu(x)`` is concave, each plan ``x`` a line of it.  ``first`` is member 0
+    (all of the sync credited); when its plan hides all it is credited with (``o S <= b K``) it is optimal as it
+    stands.  Otherwise member 1 follows, then the member where the lines of the last plan on either side of the
+    dual's peak (slope ``o S - b K`` above and below 0) cross (Kelley's cutting planes in one dimension: a plan
+    found again, or a member met again (within ``MU_MET``), ends it), each plan priced exactly and the best kept,
+    until the best plan is within ``gap`` of the best bound or ``OVERLAP_STEPS`` members; ``Pruned`` once the
+    bound reaches ``incumbent`` (another mesh is better; read before each member).  Each member is told the bound
+    that would prove the best plan so far within ``gap`` (``search.solve``'s ``enough``): a member whose rounded
+    LP plan is below it keeps its LP bound, since no branch and bound of it could prove that.  ``hint``: a member
+    in (0, 1) tried before member 1 (another mesh's peak: Llama-3-8B's 3-D meshes peak near 0.64 alike); when the
+    dual still rises there, member 1 follows.  It moves only where the search starts: each bound is still a bound
+    and each plan priced exactly (16x8x8: 3 members, not 6, the same plan and bound).  The result's ``solution``
+    carries ``T`` of its plan as objective and the best bound, its ``peak_mu`` the member of that bound."""
+    o = first.graph.profile.grad_overlap
+
+    def line(r: Result) -> tuple[float, float]:  # T_mu of r's plan = a + mu * slope
+        a = r.comm_s + r.compute_s - o * r.sync_s
+        return a, o * r.sync_s - r.cap_s
+
+    best, bound, peak = first, first.solution.bound, 0.0
+    lo, hi = line(first), None
+    if lo[1] > 0:
+        seen = {tuple(first.solution.choice)}
+        mu, tried = (hint if hint is not None and 0.0 < hint < 1.0 else 1.0), {0.0}
+        for _ in range(OVERLAP_STEPS):
+            if any(abs(mu - t) <= MU_MET for t in tried):
+                break  # the same member again (up to rounding): the same problem, the same plan and bound
+            tried.add(mu)
+            cut = now(incumbent)
+            if cut is not None and bound >= cut:
+                raise Pruned(bound, cut)
+            if relative_gap(best.step_time_s, bound) <= gap:
+                break
+            try:
+                r = solved(mu, cut, best.step_time_s * (1.0 - gap))
+            except Pruned as e:  # this member's bound already reaches the incumbent: so does T's
+                raise Pruned(max(bound, e.bound), cut if cut is not None else e.bound) from None
+            if r.solution.bound > bound:
+                bound, peak = r.solution.bound, mu
+            best = min(best, r, key=lambda x: x.step_time_s)
+            key = tuple(r.solution.choice)
+            if key in seen and hi is not None:
+                break  # found again where two lines cross: the envelope of the plans found is the dual at its peak
+            seen.add(key)
+            a, slope = line(r)
+            if slope > 0:
+                lo = (a, slope)
+            else:
+                hi = (a, slope)
+            if hi is None:
+                if mu < 1.0:
+                    mu = 1.0  # the dual still rises at the hint: member 1 next
+                    continue
+                break  # the dual rises all the way to member 1: its bound is the dual's best
+            mu = min(1.0, max(0.0, (hi[0] - lo[0]) / (lo[1] - hi[1])))  # where the two lines cross
+    t, bound = best.step_time_s, min(bound, best.step_time_s)
+    status = best.solution.status if relative_gap(t, bound) <= gap else "feasible"
+    best.solution = replace(best.solution, objective=t, bound=bound, status=status)
+    best.peak_mu = peak if lo[1] > 0 else None
+    return best
+
+
+def least_memory(g: PlanGraph) -> float:
+    """The smallest per-device memory any plan of ``g`` reaches: memory is a sum of one term per
+    variable (less the constant ``rerun_credit``) in each phase (``graph.phase_memory``), so each variable's
+    cheapest strategy together is the exact minimum of each phase, and the larger of the two a lower bound of the
+    step's (exact when one strategy per variable is cheapest in both)."""
+    act = float(sum(phase_memory(v, "activations").min() for v in g.vars)) - g.rerun_credit
+    return max(act, float(sum(phase_memory(v, "gradients").min() for v in g.vars)))
+
+
+class MemoryBudgetError(SearchError):
+    """No plan fits the per-device memory budget; ``least`` is the smallest budget (bytes, as ``memory_gb``
+    gives it) any plan on ``mesh`` fits: its least modelled peak ``modelled`` plus the headroom.  ``hints``: other
+    options under which some plan fits the budget (``budget_hints``)."""
+
+    def __init__(self, modelled: float, mesh: Mesh, hints: Sequence[str] = ()) -> None:
+        self.modelled, self.mesh, self.hints = modelled, mesh, tuple(hints)
+        self.least = least = budget_needed(modelled)
+        gb = least / GIB
+        step = 10 ** (math.floor(math.log10(gb)) - 3) if gb > 0 else 1.0
+        enough = math.ceil(gb / step) * step  # 4 significant digits, rounded up: a budget that fits
+        fits = "".join(f"; it fits with {h}" for h in self.hints)
+        super().__init__(f"no plan fits the memory budget on mesh {mesh}: the smallest any plan reaches is "
+                         f"{gb:.4g} GiB per device; give --memory-gb {enough:.4g} (GiB) or more{fits}")
+
+    def __reduce__(self) -> tuple:  # rebuilt from its fields, not its message (a planner worker sends it)
+        return (MemoryBudgetError, (self.modelled, self.mesh, self.hints))
+
+    def with_hints(self, hints: Sequence[str]) -> MemoryBudgetError:
+        """This error naming the options ``hints`` under which a plan fits."""
+        return MemoryBudgetError(self.modelled, self.mesh, hints) if hints else self
+
+
+# The share of the ops' training compute taken as backward, the work an asynchronous gradient
+# all-reduce can hide behind: 2 of a linear layer's 3 forward-equivalents (graph.passes).  A flat
+# share, not each op's own (passes - 1) / passes: an approximation of the cap.
+BACKWARD_SHARE = 2.0 / 3.0
+
+
+def evaluate(g: PlanGraph, sol: Solution) -> Result:
+    """The modelled cost of ``sol``: bytes, communication (reshards; inside ops: halos, summed statistics),
+    compute, memory, and the gradient-sync time hidden behind backward,
+    ``min(grad_overlap * sync, BACKWARD_SHARE * op compute)``."""
+    b = s = sync = 0.0
+    for e in g.edges:
+        i, j = sol.choice[e.src], sol.choice[e.dst]
+        b += e.bytes[i, j]
+        s += e.seconds[i, j]
+        sync += e.sync[i, j] if e.sync is not None else 0.0
+    comp = op_comp = 0.0
+    for v, c in zip(g.vars, sol.choice):
+        in_b, in_s = (float(v.op_comm[c, 0]), float(v.op_comm[c, 1])) if v.op_comm is not None else (0.0, 0.0)
+        b += in_b  # communication inside an op (halo exchange, summed statistics), priced with its strategy
+        s += in_s
+        comp += float(v.compute_s[c]) - in_s
+        op_comp += float(v.compute_s[c]) - in_s if v.kind == "op" else 0.0
+    hidden = min(g.profile.grad_overlap * sync, BACKWARD_SHARE * op_comp)
+    return Result(g, sol, b, s, comp, max(phase_peaks(g, sol.choice)), hidden, sync, cap_s=BACKWARD_SHARE * op_comp)
+
+
+def solve_table(g: PlanGraph, objective: str, solver: str = "ilp", time_limit_s: float = 60.0,
+                tie_layers: bool = True) -> Result:
+    """Solve a table already built (a baseline's restricted one) as ``solve_on`` solves its own, with no memory
+    budget, its repeated layers tied unless ``tie_layers`` is off (``search.tying``): every layer of a stack laid
+    out alike, as experts run them and as the plan's own search ties them (Llama-3-8B's baselines on 64 devices:
+    the same step times, each proven optimal, in 1.0 s of solves against 5.3 s untied)."""
+    return solve_table_on(g, Search(g.profile, PlanOptions(objective=objective, solver=solver,
+                                                           time_limit_s=time_limit_s, tie_layers=tie_layers)))

@@ -1,0 +1,1 @@
+"""Reports: a plan as a table, explained per op, drawn, and diffed."""
