@@ -231,7 +231,7 @@ def _ffn_split_plan(name: str, mesh: tuple[int, ...]) -> tuple[torch.nn.Module, 
     """A tiny MoE's plan with every expert weight stored split along its FFN dim on mesh axis 0 (and by expert on
     axis 1 of a 2-D mesh), the rest chosen by the planner: tensor parallelism inside the experts, forced."""
     from soybean.cost.profiles import load_profile
-    from soybean.planner import baselines, solve as planner
+    from soybean.planner import baselines, core, solve as planner
     from soybean.graph.build import build
 
     model, inputs = archs.build(next(a for a in archs.ARCHS if a.name == name))  # float32, as transformers runs it
@@ -242,7 +242,7 @@ def _ffn_split_plan(name: str, mesh: tuple[int, ...]) -> tuple[torch.nn.Module, 
     doms = {f: [inside] for f in baselines.expert_weights(cap)}
     g = build(cap, m, search.on_mesh(m), domains=doms, pin_params=True, pricing=search.pricing)
     r = planner.solve_table_on(g, search)
-    return model, inputs, planner.to_plan(cap, r, "time", "cpu-gloo", m.size, {}, 0.0, "auto", [r])
+    return model, inputs, core.to_plan(cap, r, "time", "cpu-gloo", m.size, {}, 0.0, "auto", [r])
 
 
 @pytest.mark.sim
