@@ -25,19 +25,19 @@ from ..cost.memory import (
     param_bytes,
     sync_bucket_bytes,
 )
-from ..cost.phases import backward_transient, rerun_credit
 from ..cost.pricing import EdgeTables, PricingCache
 from ..cost.profiles import Profile
 from ..ir.attention import SDPA
 from ..mesh import Mesh
 from ..plan import Plan, Program
-from ..planner.pinning import PINNED, pinned_use, use_tiling
 from ..precision import policy
 from ..rules.attention import cp_method, row_axes
 from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, node_spec, strategies_1d, tensor_args
 from ..rules.datadep import data_dependent
 from ..rules.views import RESHAPES, may_copy
 from ..tiling import Partial, R, Replicate, Shard, is_valid
+from .phases import backward_transient, rerun_credit
+from .pinning import PINNED, pinned_use, use_tiling
 from .types import Edge, PlanGraph, Var
 from .units import _module_path, _Rerun
 from .writes import written_inputs
