@@ -27,6 +27,7 @@ every rule module) are not statements and are not seen; they stay inside one lay
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -51,6 +52,11 @@ PLANNING = ["soybean.capture", "soybean.graph", "soybean.reshard", "soybean.mesh
             "soybean.planner", "soybean.parts", "soybean.rules", "soybean.cost", "soybean.search", "soybean.ir",
             "soybean.precision", "soybean.options"]
 RUNNING = ["soybean.runtime", "soybean.codegen", "soybean.run"]
+# ``search`` holds the solvers: a ``Problem`` in, a ``Solution`` out.  It imports no soybean module outside itself
+# (the planning graph is read for it by ``planner.problem``, ``planner.repeats`` and ``planner.kcuts``) and, outside
+# the standard library, only these.
+SEARCH = "soybean.search"
+SEARCH_MAY_IMPORT = {"numpy", "scipy", "highspy"}
 
 
 def in_layer(module: str, prefixes: list[str]) -> bool:
@@ -130,6 +136,33 @@ def cycles(g: nx.DiGraph) -> list[list[str]]:
     return sorted(out)
 
 
+def outside_imports(tree: ast.AST) -> set[str]:
+    """The top-level names of the absolute imports of ``tree`` that are not soybean's, at any depth of nesting."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.partition(".")[0])
+    return names - {"soybean"}
+
+
+def search_reaches_out(root: Path = ROOT) -> list[str]:
+    """Every import of a module of ``search`` that is neither ``search``'s own nor allowed (``SEARCH_MAY_IMPORT``,
+    the standard library)."""
+    files = module_files(root)
+    bad = []
+    for name, (path, is_pkg) in files.items():
+        if not in_layer(name, [SEARCH]):
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        bad += [f"{name} -> {t}" for t in sorted(imported_modules(tree, name, is_pkg, set(files)))
+                if not in_layer(t, [SEARCH])]
+        bad += [f"{name} -> {t}" for t in sorted(outside_imports(tree))
+                if t not in sys.stdlib_module_names and t not in SEARCH_MAY_IMPORT]
+    return bad
+
+
 def package_of(module: str) -> str:
     """The package a module belongs to in the package graph: ``soybean.X`` for ``soybean.X`` and every module
     under it, so a top-level module (``soybean.api``) and the facade (``soybean``) are packages of their own."""
@@ -205,6 +238,21 @@ def test_checks_fail_on_a_synthetic_cycle_and_a_core_to_tooling_path(tmp_path: P
     assert cycles(import_graph(pkg)) == [["soybean.codegen.lower", "soybean.runtime.context"]]
 
 
+def test_search_check_fails_on_a_solver_that_reads_the_model(tmp_path: Path) -> None:
+    pkg = tmp_path / "soybean"
+    (pkg / "search").mkdir(parents=True)
+    (pkg / "graph").mkdir()
+    for f in ("__init__.py", "search/__init__.py", "graph/__init__.py", "tiling.py"):
+        (pkg / f).write_text("")
+    (pkg / "search" / "ilp.py").write_text("import time\nimport numpy as np\nimport scipy.sparse\nfrom . import dp\n")
+    (pkg / "search" / "dp.py").write_text("from .ilp import x\n")
+    assert search_reaches_out(pkg) == []
+    (pkg / "search" / "kcuts.py").write_text(
+        "from ..graph import build\nimport torch\ndef f():\n    from soybean.tiling import R\n    import soybean\n")
+    assert search_reaches_out(pkg) == ["soybean.search.kcuts -> soybean", "soybean.search.kcuts -> soybean.graph",
+                                       "soybean.search.kcuts -> soybean.tiling", "soybean.search.kcuts -> torch"]
+
+
 def test_package_cycles_are_found_where_modules_have_none() -> None:
     """Two packages importing each other through different modules: no module cycle, one package cycle (what
     ``cost.phases`` reading ``graph.types`` while ``graph.build`` read ``cost.memory`` was)."""
@@ -258,6 +306,13 @@ def test_no_import_cycle_between_packages() -> None:
         for a, b in zip(c, c[1:] + c[:1]):
             lines += [f"    {edge}" for edge in p.edges[a, b]["imports"]]
     assert not found, "import cycles between packages:\n" + "\n".join(lines)
+
+
+def test_search_holds_solvers_only() -> None:
+    """``search/`` works on a ``Problem``: it imports nothing of capture, graph, planner, parts, run, runtime or
+    codegen (nor of any other soybean package), and of the world the standard library, numpy, scipy and highspy."""
+    bad = search_reaches_out()
+    assert not bad, "search/ imports beyond its solvers:\n" + "\n".join(bad)
 
 
 def test_the_runtime_has_a_call_for_every_kind_and_synchronised_op() -> None:
