@@ -17,7 +17,8 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from .. import rules
-from ..capture.core import RETURNED_SUM, Captured
+from ..capture.core import Captured
+from ..capture.passes.mark_returned_sums import RETURNED_SUM
 from ..cost.collectives import has_comm, op_comm_costs, price_route_ids
 from ..cost.compute import op_seconds, optimizer_step_seconds
 from ..cost.memory import (
@@ -517,7 +518,7 @@ class _Builder:
 
 def returned_sum(value: fx.Node, consumer: fx.Node) -> bool:
     """Whether an all-reduce of ``value`` read by ``consumer`` is a returned sum, which the generated program
-    starts asynchronously: ``capture.mark_returned_sums`` marked ``value``, whose one reader is ``consumer``."""
+    starts asynchronously: ``capture.passes.mark_returned_sums`` marked ``value``, whose one reader is ``consumer``."""
     return bool(value.meta.get(RETURNED_SUM)) and consumer in value.users
 
 
