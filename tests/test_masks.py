@@ -1,6 +1,7 @@
-"""A causal mask too large to build, read from its parts (``masks.mask_meaning``, ``capture.passes.fold_constant_masks``):
-transformers exports its causal mask as a comparison of key and query positions; at long context it is folded into
-``is_causal`` without being evaluated, and a mask that is not causal stays."""
+"""A causal mask too large to build, read from its parts (``masks.mask_meaning``,
+``capture.passes.fold_constant_masks``): transformers exports its causal mask as a comparison of key and query
+positions; at long context it is folded into ``is_causal`` without being evaluated, and a mask that is not causal
+stays."""
 from __future__ import annotations
 
 import pytest
