@@ -408,8 +408,8 @@ def auto_plan(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptio
     (``pipeline["without_stages_s"]``).  ``baselines``: the plan returned records every baseline, the one-mesh
     layouts (``soybean.planner.baselines``) and torchtitan's 3-D ones (``pipeline_baselines``).  ``placement``: the plan
     without stages may place branches on device groups (``placed_or_plain``)."""
+    from .parts import pipeline_baselines
     from .parts.pipeline_plan import search_pipeline
-    from .planner import pipeline_baselines
     from .planner.core import SearchError
     from .planner.solve import MemoryBudgetError
 

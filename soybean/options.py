@@ -21,13 +21,16 @@ from typing import TYPE_CHECKING, Any
 from .ir.algorithms import ALGORITHMS
 from .mesh import Mesh
 from .precision import POLICIES
-from .search import OBJECTIVES, TARGET_GAP
+from .search import TARGET_GAP
 
 if TYPE_CHECKING:
     from .cost.profiles import Profile
     from .plan import Plan
 
 SOLVERS = ("ilp", "dp")
+# What a plan minimises: bytes sent (SoyBean's objective, seconds only breaking ties) or modelled step seconds
+# (``planner.problem.to_problem``).
+OBJECTIVES = ("comm", "time")
 MODES = ("auto", "dp", "mp", "replicated")
 RECOMPUTE = ("none", "layers", "attention", "auto")
 COLLECTIVES = ("auto", *ALGORITHMS)

@@ -1,4 +1,4 @@
-"""Capture's rewrites are the named, ordered list ``capture.PASSES``, and each pass is observable.
+"""Capture's rewrites are the named, ordered list ``capture.passes.PASSES``, and each pass is observable.
 
 A toy model carries one construct per pass: an empty tensor made in forward (which ``torch.export``
 lifts into a constant), a ``torch.no_grad()`` block (which it wraps in a higher-order op), a
@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-import soybean.capture.core as capmod
-from soybean.capture.core import PASSES, Captured, Pass, capture
-from soybean.capture.functionalize import functional_variant
+import soybean.capture.passes as capmod
+from soybean.capture.core import Captured, capture
+from soybean.capture.passes import PASSES, Pass
+from soybean.capture.passes.functionalize import functional_variant
 
 transformers_moe = pytest.importorskip("transformers.integrations.moe")  # its grouped matmul (the experts' op)
 
@@ -106,11 +107,13 @@ CONSTRUCT: dict[str, Callable[[fx.Graph], bool]] = {
 
 
 def test_passes_are_named_uniquely_and_documented_in_order() -> None:
-    """Each entry names its function; names are unique; the module docstring lists them in run order."""
+    """Each entry names its function, the function of that name in the module of that name (one module a pass);
+    names are unique; the package docstring lists them in run order."""
     names = [p.name for p in PASSES]
     assert len(set(names)) == len(names), names
     for p in PASSES:
-        assert p.run is getattr(capmod, p.name), f"pass {p.name!r} runs {p.run.__name__}"
+        assert p.run is getattr(getattr(capmod, p.name), p.name), f"pass {p.name!r} runs {p.run.__name__}"
+        assert p.run.__module__ == f"{capmod.__name__}.{p.name}", p.run.__module__
         assert p.purpose and "\n" not in p.purpose
     doc = capmod.__doc__ or ""
     where = [doc.find(f"``{name}``") for name in names]
@@ -177,7 +180,7 @@ class _Sums(nn.Module):
 def test_returned_sums_are_marked_once_by_capture() -> None:
     """``mark_returned_sums``: exactly the values whose one reader is the output, or a constant scaling read only
     by the output, carry the mark; the planning graph's lazy reads are those (``graph.Edge.lazy``)."""
-    from soybean.capture.core import RETURNED_SUM
+    from soybean.capture.passes.mark_returned_sums import RETURNED_SUM
     from soybean.cost.profiles import load_profile
     from soybean.graph import build
     from soybean.mesh import Mesh

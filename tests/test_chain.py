@@ -18,8 +18,9 @@ from soybean.mesh import Mesh
 from soybean.options import PlanOptions
 from soybean.planner.solve import MemoryBudgetError, Search, evaluate, least_memory, solve_on
 from soybean.planner.recompute import layers_in, recompute_choices, solve_recompute
-from soybean.search import find_repeats
-from soybean.search.chain import MULTIPLIERS, affine, dual, stretch_bound
+from soybean.planner.problem import chain_dual
+from soybean.planner.repeats import find_repeats
+from soybean.search.chain import MULTIPLIERS, affine, stretch_bound
 from soybean.search.problem import Problem
 
 pytestmark = pytest.mark.unit
@@ -45,7 +46,7 @@ def _duals(cap: object, mesh: Mesh, search: Search, budget: float, chain: list[f
     out = []
     for units in chain:
         g = search.table(cap, mesh, units)  # type: ignore[arg-type]
-        d = dual(g, layers_in(units, layers), find_repeats(g), np.array(MULTIPLIERS) * scale / budget, budget)
+        d = chain_dual(g, layers_in(units, layers), find_repeats(g), np.array(MULTIPLIERS) * scale / budget, budget)
         for i in range(len(d.lams)):
             d.at(i)
         out.append(d)

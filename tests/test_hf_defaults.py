@@ -3,7 +3,7 @@
 ``hf:`` references set ``use_cache=False``; a user's model does not.  Its forward then returns a KV cache
 (``DynamicCache``, an object no pytree knows) and builds it from empty tensors that ``torch.export``
 lifts as constants.  Capture drops the cache from the outputs and creates the empty constants in the
-graph (``capture._plain_outputs``, ``capture._inline_empty_constants``); the parallel model returns the
+graph (``capture._plain_outputs``, ``capture.passes.inline_empty_constants``); the parallel model returns the
 model's own output type (``CausalLMOutputWithPast`` / ``BaseModelOutput...``, cache ``None``).  On 2 ranks
 (threads) a loop that computes cross-entropy from ``out.logits`` outside the model trains like serial.
 """

@@ -1,4 +1,5 @@
-"""The package's layering, read from the source: the core never imports tooling, and no import cycle.
+"""The package's layering, read from the source: the core never imports tooling, and no import cycle, between
+modules or between packages.
 
 The import graph has one node per module of ``soybean/`` (a package is its ``__init__``) and an edge
 ``a -> b`` for every ``import``/``from ... import`` statement in ``a`` naming ``b``, wherever it
@@ -16,12 +17,17 @@ any other, so the facade sits at the top of the graph: a module that imports ``s
 (``import soybean``, ``from soybean import X``) reaches ``soybean.api`` through it, and does so
 from the core it is a layering violation, and from anything ``api`` reaches it is a cycle.
 
+Collapsed to packages (``package_of``: ``soybean.X`` for every module of a subpackage ``X``, a top-level module
+and the facade as themselves), the graph is acyclic too: a package's shared vocabulary has one home, in the
+lower of two packages that both need it, so each package sits above or below each other one.
+
 Imports done by name at run time (``importlib.import_module``, as ``soybean.rules`` does to register
 every rule module) are not statements and are not seen; they stay inside one layer.
 """
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -39,11 +45,18 @@ CORE = ["soybean.capture", "soybean.graph", "soybean.reshard", "soybean.mesh", "
 TOOLING = ["soybean.bench", "soybean.verify", "soybean.models", "soybean.report", "soybean.cli", "soybean.api",
            "soybean.compile"]
 # Planning works on data (a mesh is data): it never reaches the code that runs the plan, not even through a
-# module of neither list.  Codegen and the runtime read planning's vocabulary from ``soybean.ir``.
+# module of neither list.  Codegen and the runtime read planning's vocabulary from ``soybean.ir``.  ``parts``
+# (stages and regions cut and priced) is planning; the module classes that run them, and their checkpoint view,
+# are ``run``'s.
 PLANNING = ["soybean.capture", "soybean.graph", "soybean.reshard", "soybean.mesh", "soybean.tiling", "soybean.plan",
-            "soybean.planner", "soybean.rules", "soybean.cost", "soybean.search", "soybean.ir", "soybean.precision",
-            "soybean.options"]
+            "soybean.planner", "soybean.parts", "soybean.rules", "soybean.cost", "soybean.search", "soybean.ir",
+            "soybean.precision", "soybean.options"]
 RUNNING = ["soybean.runtime", "soybean.codegen", "soybean.run"]
+# ``search`` holds the solvers: a ``Problem`` in, a ``Solution`` out.  It imports no soybean module outside itself
+# (the planning graph is read for it by ``planner.problem``, ``planner.repeats`` and ``planner.kcuts``) and, outside
+# the standard library, only these.
+SEARCH = "soybean.search"
+SEARCH_MAY_IMPORT = {"numpy", "scipy", "highspy"}
 
 
 def in_layer(module: str, prefixes: list[str]) -> bool:
@@ -86,7 +99,7 @@ def import_graph(root: Path = ROOT) -> nx.DiGraph:
     files = module_files(root)
     known = set(files)
     g = nx.DiGraph()
-    g.add_nodes_from(known)
+    g.add_nodes_from(sorted(known))  # node order (so edge order, so the cycle reported) independent of hashing
     for name, (path, is_pkg) in files.items():
         tree = ast.parse(path.read_text(), filename=str(path))
         for target in sorted(imported_modules(tree, name, is_pkg, known)):
@@ -121,6 +134,53 @@ def cycles(g: nx.DiGraph) -> list[list[str]]:
         if len(comp) > 1:
             out.append([a for a, _ in nx.find_cycle(g.subgraph(comp), source=min(comp))])
     return sorted(out)
+
+
+def outside_imports(tree: ast.AST) -> set[str]:
+    """The top-level names of the absolute imports of ``tree`` that are not soybean's, at any depth of nesting."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.partition(".")[0])
+    return names - {"soybean"}
+
+
+def search_reaches_out(root: Path = ROOT) -> list[str]:
+    """Every import of a module of ``search`` that is neither ``search``'s own nor allowed (``SEARCH_MAY_IMPORT``,
+    the standard library)."""
+    files = module_files(root)
+    bad = []
+    for name, (path, is_pkg) in files.items():
+        if not in_layer(name, [SEARCH]):
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        bad += [f"{name} -> {t}" for t in sorted(imported_modules(tree, name, is_pkg, set(files)))
+                if not in_layer(t, [SEARCH])]
+        bad += [f"{name} -> {t}" for t in sorted(outside_imports(tree))
+                if t not in sys.stdlib_module_names and t not in SEARCH_MAY_IMPORT]
+    return bad
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to in the package graph: ``soybean.X`` for ``soybean.X`` and every module
+    under it, so a top-level module (``soybean.api``) and the facade (``soybean``) are packages of their own."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(g: nx.DiGraph) -> nx.DiGraph:
+    """``g`` collapsed to packages: an edge ``P -> Q`` when a module of ``P`` imports one of ``Q`` (``P != Q``),
+    with the module edges that make it in ``imports``."""
+    p = nx.DiGraph()
+    p.add_nodes_from(package_of(m) for m in g)
+    for a, b in g.edges:
+        pa, pb = package_of(a), package_of(b)
+        if pa != pb:
+            if not p.has_edge(pa, pb):
+                p.add_edge(pa, pb, imports=[])
+            p.edges[pa, pb]["imports"].append(f"{a} -> {b}")
+    return p
 
 
 def fmt(paths: list[list[str]]) -> str:
@@ -178,6 +238,36 @@ def test_checks_fail_on_a_synthetic_cycle_and_a_core_to_tooling_path(tmp_path: P
     assert cycles(import_graph(pkg)) == [["soybean.codegen.lower", "soybean.runtime.context"]]
 
 
+def test_search_check_fails_on_a_solver_that_reads_the_model(tmp_path: Path) -> None:
+    pkg = tmp_path / "soybean"
+    (pkg / "search").mkdir(parents=True)
+    (pkg / "graph").mkdir()
+    for f in ("__init__.py", "search/__init__.py", "graph/__init__.py", "tiling.py"):
+        (pkg / f).write_text("")
+    (pkg / "search" / "ilp.py").write_text("import time\nimport numpy as np\nimport scipy.sparse\nfrom . import dp\n")
+    (pkg / "search" / "dp.py").write_text("from .ilp import x\n")
+    assert search_reaches_out(pkg) == []
+    (pkg / "search" / "kcuts.py").write_text(
+        "from ..graph import build\nimport torch\ndef f():\n    from soybean.tiling import R\n    import soybean\n")
+    assert search_reaches_out(pkg) == ["soybean.search.kcuts -> soybean", "soybean.search.kcuts -> soybean.graph",
+                                       "soybean.search.kcuts -> soybean.tiling", "soybean.search.kcuts -> torch"]
+
+
+def test_package_cycles_are_found_where_modules_have_none() -> None:
+    """Two packages importing each other through different modules: no module cycle, one package cycle (what
+    ``cost.phases`` reading ``graph.types`` while ``graph.build`` read ``cost.memory`` was)."""
+    g = nx.DiGraph([("soybean.graph.build", "soybean.cost.memory"), ("soybean.cost.phases", "soybean.graph.types"),
+                    ("soybean.graph.build", "soybean.tiling"), ("soybean.api", "soybean.graph"),
+                    ("soybean", "soybean.api")])
+    assert not cycles(g)
+    p = package_graph(g)
+    assert set(p) == {"soybean", "soybean.api", "soybean.graph", "soybean.cost", "soybean.tiling"}
+    assert cycles(p) == [["soybean.cost", "soybean.graph"]]
+    assert p.edges["soybean.graph", "soybean.cost"]["imports"] == ["soybean.graph.build -> soybean.cost.memory"]
+    g.remove_edge("soybean.cost.phases", "soybean.graph.types")
+    assert not cycles(package_graph(g))
+
+
 def test_graph_of_the_package_is_read() -> None:
     g = import_graph()
     assert {"soybean", "soybean.planner.core", "soybean.rules.matmul", "soybean.bench.harness"} <= set(g)
@@ -202,6 +292,27 @@ def test_planning_never_reaches_the_runtime() -> None:
 def test_no_import_cycle() -> None:
     found = cycles(import_graph())
     assert not found, "import cycles:\n" + fmt([c + [c[0]] for c in found])
+
+
+def test_no_import_cycle_between_packages() -> None:
+    """Each package is above or below each other one: shared vocabulary lives in the lower one, never re-exported
+    back up (``graph.phases``, ``graph.pinning``, ``parts.pipeline_baselines``, ``run.checkpoint_view``).  No
+    deliberate exception: a cycle found here is moved, not listed."""
+    p = package_graph(import_graph())
+    found = cycles(p)
+    lines = []
+    for c in found:
+        lines.append(" -> ".join(c + [c[0]]))
+        for a, b in zip(c, c[1:] + c[:1]):
+            lines += [f"    {edge}" for edge in p.edges[a, b]["imports"]]
+    assert not found, "import cycles between packages:\n" + "\n".join(lines)
+
+
+def test_search_holds_solvers_only() -> None:
+    """``search/`` works on a ``Problem``: it imports nothing of capture, graph, planner, parts, run, runtime or
+    codegen (nor of any other soybean package), and of the world the standard library, numpy, scipy and highspy."""
+    bad = search_reaches_out()
+    assert not bad, "search/ imports beyond its solvers:\n" + "\n".join(bad)
 
 
 def test_the_runtime_has_a_call_for_every_kind_and_synchronised_op() -> None:

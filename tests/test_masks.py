@@ -1,13 +1,15 @@
-"""A causal mask too large to build, read from its parts (``masks.mask_meaning``, ``capture.fold_constant_masks``):
-transformers exports its causal mask as a comparison of key and query positions; at long context it is folded into
-``is_causal`` without being evaluated, and a mask that is not causal stays."""
+"""A causal mask too large to build, read from its parts (``masks.mask_meaning``,
+``capture.passes.fold_constant_masks``): transformers exports its causal mask as a comparison of key and query
+positions; at long context it is folded into ``is_causal`` without being evaluated, and a mask that is not causal
+stays."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from soybean.capture import core as C
-from soybean.capture.masks import ALL, CAUSAL, _compare
+from soybean.capture.passes import fold_constant_masks
+from soybean.capture.passes.masks import ALL, CAUSAL, _compare
 
 pytestmark = pytest.mark.unit
 
@@ -55,7 +57,7 @@ def test_a_mask_too_large_to_build_folds_as_the_built_one_does(name: str, cfg: d
 
     model, inputs = load("hf:" + name, dict(cfg, seq=16, batch=2))
     built = _attention(C.capture(model, inputs))
-    monkeypatch.setattr(C, "MAX_FOLDED_MASK", 100)  # scores 2 x 4 x 16 x 16; the positions 2 x 16
+    monkeypatch.setattr(fold_constant_masks, "MAX_FOLDED_MASK", 100)  # scores 2 x 4 x 16 x 16; the positions 2 x 16
     assert _attention(C.capture(model, inputs)) == built
     assert all(causal for _, causal in built) != (name == "mistral")
 

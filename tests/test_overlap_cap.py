@@ -23,7 +23,8 @@ from soybean.options import PlanOptions
 from soybean.planner.core import Pruned, plan as make_plan
 from soybean.planner.solve import BACKWARD_SHARE, MU_MET, MemoryBudgetError, Result, Search, capped_overlap, evaluate, solve_table_on
 from soybean.planner.recompute import solve_recompute
-from soybean.search import Solution, solve, to_problem
+from soybean.planner.problem import to_problem
+from soybean.search import Solution, solve
 
 pytestmark = pytest.mark.unit
 

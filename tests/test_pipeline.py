@@ -19,9 +19,9 @@ from torch import nn
 
 from examples.models import transformer
 from soybean.capture.core import capture
+from soybean.parts.stages import StageError, even_bounds, layers, run_stages, split
 from soybean.run.pipelined import check_microbatches
 from soybean.runtime.launch import spawn
-from soybean.parts.stages import StageError, even_bounds, layers, run_stages, split
 
 pytestmark = pytest.mark.unit
 
@@ -527,10 +527,10 @@ def test_3d_baselines_are_torchtitans_layouts_priced_as_pipelines() -> None:
     """torchtitan's PP x FSDP x TP: the degrees it would run (stages of whole TP groups, one sequence per FSDP
     replica per microbatch, at least as many microbatches as stages); each record's step is its slowest rank
     group's microbatches plus the schedule's bubble, and a budget its stages miss turns checkpointing on."""
-    from soybean.planner import pipeline_baselines
     from soybean.api import micro_inputs
     from soybean.cost.memory import MEMORY_HEADROOM, budget_bytes
     from soybean.options import PlanOptions
+    from soybean.parts import pipeline_baselines
     from soybean.parts.pipeline_plan import bubble_fraction
 
     assert pipeline_baselines.degrees(64, 16, 8) == [(2, 4, 8), (4, 2, 8), (8, 1, 8), (16, 1, 4)]

@@ -14,8 +14,9 @@ from soybean.capture.core import capture
 from soybean.graph import build
 from soybean.mesh import Mesh, factorizations
 from soybean.cost.profiles import BUILTIN
-from soybean.search import Problem, brute_force, reduce, solve, solve_dp, solve_ilp, to_problem
-from soybean.search.kcuts import kcuts
+from soybean.planner.kcuts import kcuts
+from soybean.planner.problem import to_problem
+from soybean.search import Problem, brute_force, reduce, solve, solve_dp, solve_ilp
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,9 @@ from soybean.cost.profiles import BUILTIN
 from soybean.graph import build
 from soybean.mesh import Mesh
 from soybean.planner.core import plan
-from soybean.search import find_repeats, solve, tie, to_problem
+from soybean.planner.problem import to_problem
+from soybean.planner.repeats import find_repeats
+from soybean.search import solve, tie
 
 pytestmark = pytest.mark.unit
 

@@ -34,7 +34,8 @@ from torch import fx
 
 from ..rules.base import DYNAMIC, tensor_dynamic
 from ..rules.datadep import SIZES
-from .core import RETURNED_SUM, Captured
+from .core import Captured
+from .passes.mark_returned_sums import RETURNED_SUM
 
 FORMAT = 2  # bump when the stored form changes
 _META_KEYS = ("nn_module_stack", "stack_trace", RETURNED_SUM, SIZES)

@@ -13,51 +13,30 @@ captured model (``Captured.constants``: planned like buffers, outside the model'
 Frozen parameters (``requires_grad=False``) are listed in ``Captured.frozen``; forward's inputs may
 be positional or keywords (``Captured.in_spec``, ``flatten_inputs``).
 
-Then the exported graph goes through ``PASSES``, exact in-place rewrites run in this order:
-
-1. ``inline_empty_constants``: an empty tensor constant (a KV cache's start) becomes ``aten.empty``.
-2. ``inline_grad_regions``: grad-mode regions that ``torch.export`` wraps in a higher-order op
-   (a ``torch.no_grad()`` block, such as Llama's rotary embedding) are inlined, with their
-   outputs detached, so every remaining node is a plain aten op.
-3. ``drop_assertions``: runtime metadata assertions (``_assert_tensor_metadata``: no output,
-   no effect on values) are erased.
-4. ``functionalize``: in-place updates of values forward made (``shifted[:, 1:] = ids[:, :-1]``,
-   ``masked_fill_``) become out-of-place ops, carried to every alias (``soybean.capture.functionalize``):
-   a tiled value read through a resharded copy would otherwise miss the update.
-5. ``fold_constant_masks``: an attention mask computed from constants only (Hugging Face builds
-   its causal or all-true mask from ``arange`` under ``torch.export``, where eager mode passes
-   none) is evaluated once; when it is the causal mask it becomes ``is_causal=True``, when it
-   masks nothing it is dropped.  The mask subgraph then disappears: it was one value read by
-   every layer.
-6. ``means_to_sums``: ``mean`` and ``mse_loss(mean)`` become ``sum / n`` and
-   ``cross_entropy_loss(reduction='mean')`` becomes ``sum-loss / count`` so that a
-   batch-split loss is a pending sum (``Partial``) instead of forcing a gather of
-   the logits.
-7. ``fuse_routed_experts``: a mixture-of-experts layer's routed experts (transformers' grouped-matmul experts:
-   rows sorted by expert, grouped matmuls, weighted and summed back per token) become one op,
-   ``soybean::routed_experts`` (``soybean.capture.experts``), whose rule splits the tokens, the experts or both.
+Then the exported graph goes through ``passes.PASSES``, exact in-place rewrites (``soybean.capture.passes``: one
+module each), and the analysis ``passes.mark_returned_sums``; the constants still read become buffers
+(``constants_as_buffers``) and data-dependent sizes get the example's values (``_record_sizes``).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import inspect
-import math
 import threading
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, cast
+from typing import Any
 
 import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..ir.losses import IGNORE_INDEX, class_count
 from ..precision import compute_inputs, compute_model, policy
-from .experts import PARAMETERS, STORED_VIEWS, fuse_routed_experts
-from .functionalize import functionalize
-from .masks import CAUSAL, judged, mask_meaning
+from .passes import Pass, run_passes
+from .passes.common import CONSTANTS
+from .passes.fuse_routed_experts import PARAMETERS, STORED_VIEWS
+from .passes.mark_returned_sums import mark_returned_sums
 
 
 class CaptureError(RuntimeError):
@@ -86,8 +65,8 @@ class Captured:
     # Parameters the graph reads in another shape than the model holds them (FQN -> (the model's shape, the graph's
     # shape)): a view of the same elements in the same order (a routed-experts weight whose packed gate and up rows
     # are stored as ``(experts, 2, ffn, hidden)``, so that splitting its ``ffn`` dim splits both:
-    # ``experts.pack_pairs``).  Whoever feeds the graph the model's tensors or hands tensors back to the model goes
-    # through ``stored`` and ``unstored``.
+    # ``passes.fuse_routed_experts.pack_pairs``).  Whoever feeds the graph the model's tensors or hands tensors back
+    # to the model goes through ``stored`` and ``unstored``.
     views: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     # User inputs (placeholder names) whose example tensors require a gradient: a graph of a piece of a model (a
     # dynamo piece, ``soybean.run.pieces``; a pipeline stage; a placed region) takes activations whose gradient its
@@ -315,32 +294,6 @@ def _plain_outputs(model: torch.nn.Module) -> Iterator[None]:
             del model.forward
 
 
-# ``gm.meta`` key of the tensor constants forward made (``torch.tensor(sliding_window)``, an index list, a table):
-# ``torch.export`` lifts each into a placeholder; placeholder name -> its value.  Passes may read the values
-# (``fold_constant_masks`` evaluates masks built from them) and drop the ones they leave unused.
-CONSTANTS = "soybean_constants"
-
-
-def inline_empty_constants(gm: fx.GraphModule) -> None:
-    """An empty tensor constant (a KV cache starts from empty tensors it concatenates keys onto) holds no values:
-    it is created in the graph instead (``aten.empty``, which every rank makes locally)."""
-    constants: dict[str, torch.Tensor] = gm.meta.get(CONSTANTS, {})
-    values = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in constants
-              and not constants[n.name].numel()]
-    if not values:
-        return
-    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
-    for n in values:
-        c = constants.pop(n.name)
-        with gm.graph.inserting_after(last):
-            made = gm.graph.call_function(torch.ops.aten.empty.memory_format, (list(c.shape),),
-                                          {"dtype": c.dtype, "device": c.device})
-        made.meta.update(n.meta)
-        n.replace_all_uses_with(made)
-        gm.graph.erase_node(n)
-    gm.recompile()
-
-
 def constants_as_buffers(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     """The tensor constants still read after the passes, by buffer name: a constant is a value like any other,
     planned like a buffer (replicated, or split as its consumers need it) and kept by every rank as its tile.
@@ -385,399 +338,3 @@ def _canonical_names(inputs: dict[str, str], named: Iterable[tuple[str, torch.Te
         first.setdefault(id(t), fqn)
         by_name[fqn] = id(t)
     return {ph: first.get(by_name.get(fqn, -1), fqn) for ph, fqn in inputs.items()}
-
-
-# ---- exact rewrites ------------------------------------------------------------------------
-
-aten = torch.ops.aten
-
-
-def _meta(x: Any) -> Any:
-    v = x.meta.get("val") if isinstance(x, fx.Node) else x
-    if isinstance(v, torch.Tensor):
-        return torch.empty(v.shape, dtype=v.dtype, device="meta")
-    return v
-
-
-def _call(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None,
-          like: fx.Node | None = None) -> fx.Node:
-    """Insert ``target(*args)`` with ``meta['val']`` computed on the meta device."""
-    node = graph.call_function(target, args, kwargs or {})
-    margs = tuple(_meta(a) for a in args)
-    mkw = {k: _meta(v) for k, v in (kwargs or {}).items()}
-    node.meta["val"] = target(*margs, **mkw)
-    if like is not None:
-        for k in ("nn_module_stack", "stack_trace"):
-            if k in like.meta:
-                node.meta[k] = like.meta[k]
-    return node
-
-
-def inline_grad_regions(gm: fx.GraphModule) -> None:
-    """Inline every ``wrap_with_set_grad_enabled(enabled, submod, *args)`` region into the graph.
-
-    ``torch.export`` keeps a ``torch.no_grad()`` block as a call of a submodule.  Its nodes are
-    copied in place of the call (their ``meta['val']`` included); a no-grad region's floating-point
-    outputs go through ``aten.detach``, so values and gradients are exactly those of the model.
-    Nested regions are inlined too (the loop runs until none is left).
-    """
-    g = gm.graph
-    hop = torch.ops.higher_order.wrap_with_set_grad_enabled
-    while True:
-        calls = [n for n in g.nodes if n.op == "call_function" and n.target is hop]
-        if not calls:
-            break
-        for n in calls:
-            enabled, sub, *args = n.args
-            body = getattr(gm, sub.target)
-            env = dict(zip([p for p in body.graph.nodes if p.op == "placeholder"], args, strict=True))
-            with g.inserting_before(n):
-                result = g.graph_copy(body.graph, env)
-                outs = list(result) if isinstance(result, (tuple, list)) else [result]
-                # ``module.to(its own dtype)`` inside ``no_grad`` (Switch Transformers' router casts its classifier on
-                # every call): ``p.set_(p.to(dtype))`` changes nothing, and the parameter read after it is the
-                # parameter itself, whose gradient must flow (detaching it would lose the classifier's gradient).
-                outs = [_unset(g, o) if isinstance(o, fx.Node) else o for o in outs]
-                if not enabled:
-                    # (a value the region only passes through is not made in it: it keeps its gradient)
-                    outs = [_call(g, aten.detach.default, (o,), like=n)
-                            if isinstance(o, fx.Node) and _is_float(o) and o not in args else o for o in outs]
-            for user in list(n.users):  # getitem(call, i)
-                user.replace_all_uses_with(outs[user.args[1]])
-                g.erase_node(user)
-            g.erase_node(n)
-            if not sub.users:
-                g.erase_node(sub)
-                delattr(gm, sub.target)
-    g.lint()
-    gm.recompile()
-
-
-_ALIASING = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.alias.default)
-
-
-def _aliased(n: Any) -> Any:
-    """The tensor ``n`` is the same tensor as: through ``to`` of its own dtype, shape and no copy, and ``alias``."""
-    while (isinstance(n, fx.Node) and n.op == "call_function" and n.target in _ALIASING
-           and not n.kwargs.get("copy", False) and isinstance(n.args[0], fx.Node)):
-        v, w = n.meta.get("val"), n.args[0].meta.get("val")
-        if not (isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) and v.dtype == w.dtype
-                and v.shape == w.shape and v.device == w.device):
-            break
-        n = n.args[0]
-    return n
-
-
-def _noop_set(n: fx.Node) -> bool:
-    """Is ``n`` a tensor set to itself: ``set_(x, y)`` with ``x`` and ``y`` the same tensor (``_aliased``:
-    ``x.set_(x.to(x.dtype))``, what ``module.to(its own dtype)`` does to a parameter)?"""
-    return (n.op == "call_function" and n.target is aten.set_.source_Tensor and len(n.args) == 2
-            and _aliased(n.args[0]) is _aliased(n.args[1]))
-
-
-def _unset(g: fx.Graph, n: fx.Node) -> fx.Node:
-    """``n``'s value with a no-op ``set_`` (``_noop_set``) erased: the tensor it set (before any alias), else
-    ``n``; aliases left unread are erased too."""
-    if not _noop_set(n):
-        return n
-    root = _aliased(n.args[0])
-    n.replace_all_uses_with(root)
-    dead = [a for a in n.args if isinstance(a, fx.Node)]
-    g.erase_node(n)
-    while dead:
-        d = dead.pop()
-        if d is not root and d.op == "call_function" and d.target in _ALIASING and not d.users:
-            dead += [a for a in d.args if isinstance(a, fx.Node)]
-            g.erase_node(d)
-    return root
-
-
-def _is_float(n: fx.Node) -> bool:
-    """Does the node produce a floating-point tensor?"""
-    v = n.meta.get("val")
-    return isinstance(v, torch.Tensor) and v.is_floating_point()
-
-
-ASSERTIONS = (aten._assert_tensor_metadata.default,)
-
-
-def drop_assertions(gm: fx.GraphModule) -> None:
-    """Erase runtime metadata assertions: they return nothing and check what capture already fixed.  Also a
-    tensor set to itself, ``set_(x, x)``: what ``module.to(its own dtype)`` leaves of ``p.data = p.to(dtype)``
-    (Switch Transformers' router casts its classifier on every call); it changes nothing, and run on a parameter
-    that requires a gradient it would raise."""
-    for n in list(gm.graph.nodes):
-        if n.op == "call_function" and n.target in ASSERTIONS and not n.users:
-            gm.graph.erase_node(n)
-        elif _noop_set(n):
-            _unset(gm.graph, n)
-    gm.recompile()
-
-
-MAX_FOLDED_MASK = 1 << 28  # elements: larger constant masks are kept as computed
-
-
-def _mutates(n: fx.Node) -> bool:
-    """Does the node's op write into an argument (``Tensor(a!)`` in its schema)?"""
-    schema = getattr(n.target, "_schema", None)
-    return schema is not None and schema.is_mutable
-
-
-def _constant_nodes(g: fx.Graph, known: Collection[str] = ()) -> set[fx.Node]:
-    """Nodes whose value depends on no placeholder but the ``known`` constants (by name) and no random draw
-    (so on the shapes and those constants only).
-
-    Empty when an in-place op writes to such a node: its value would then depend on the order (``detach_`` changes
-    no value and does not count).
-    """
-    const: set[fx.Node] = {n for n in g.nodes if n.op == "placeholder" and n.name in known}
-    for n in g.nodes:
-        if n.op != "call_function":
-            continue
-        reads = [a for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, fx.Node)]
-        if _mutates(n) and n.target is not aten.detach_.default and any(a in const for a in reads):
-            return set()
-        if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()) and all(a in const for a in reads):
-            const.add(n)
-    return const
-
-
-def _evaluate(node: fx.Node, memo: dict[fx.Node, Any]) -> Any:
-    """The value of a constant node, computed on the CPU (device arguments are moved there)."""
-    cpu = torch.device("cpu")
-
-    def value(a: Any) -> Any:
-        return memo[a] if isinstance(a, fx.Node) else cpu if isinstance(a, torch.device) else a
-
-    for n in _cone(node):
-        if n not in memo:
-            args, kwargs = tree_map(value, (tuple(n.args), dict(n.kwargs)))
-            # Every node of a constant cone is a call_function node: its target is callable.
-            memo[n] = cast(Callable[..., Any], n.target)(*args, **kwargs)
-    return memo[node]
-
-
-def _cone(node: fx.Node) -> list[fx.Node]:
-    """``node`` and every node it reads, in topological order."""
-    seen: dict[fx.Node, None] = {}
-
-    def visit(n: fx.Node) -> None:
-        if n in seen:
-            return
-        for a in n.all_input_nodes:
-            visit(a)
-        seen[n] = None
-
-    visit(node)
-    return list(seen)
-
-
-def fold_constant_masks(gm: fx.GraphModule) -> None:
-    """Replace a constant boolean ``attn_mask`` of ``scaled_dot_product_attention`` by what it means.
-
-    The mask is evaluated for the captured shapes and broadcast to the scores' ``(..., L, S)``:
-    all true -> no mask; ``tril`` (``L == S``) -> ``is_causal=True``.  Both are exact.  A mask whose scores are over
-    ``MAX_FOLDED_MASK`` elements is not built: its meaning is read from its small parts (``masks.mask_meaning``:
-    the comparison of key and query positions transformers builds).  Other masks and masks that depend on inputs
-    stay.  When a mask
-    was folded, constant nodes left without users (the mask's subgraph) are erased.
-    """
-    g = gm.graph
-    constants: dict[str, torch.Tensor] = gm.meta.get(CONSTANTS, {})
-    const = _constant_nodes(g, constants)
-    memo: dict[fx.Node, Any] = {n: constants[n.name] for n in const if n.op == "placeholder"}
-    folded = 0
-    for n in list(g.nodes):
-        if n.op != "call_function" or n.target is not aten.scaled_dot_product_attention.default:
-            continue
-        args = list(n.args) + [None] * (6 - len(n.args))
-        q, k, mask = args[0], args[1], args[3] if args[3] is not None else n.kwargs.get("attn_mask")
-        causal = args[5] if args[5] is not None else n.kwargs.get("is_causal", False)
-        if mask not in const or causal or mask.meta["val"].dtype != torch.bool:
-            continue
-        scores = tuple(q.meta["val"].shape[:-1]) + (k.meta["val"].shape[-2],)
-        L, S = scores[-2], scores[-1]
-        try:
-            if math.prod(scores) > MAX_FOLDED_MASK:  # too large to build: read its meaning from its parts
-                if torch.broadcast_shapes(tuple(mask.meta["val"].shape), scores) != scores:
-                    continue
-                meaning = mask_meaning(mask, lambda c: _evaluate(c, memo), MAX_FOLDED_MASK)
-            else:  # judged as evaluated, not expanded: a GPT-2 mask expanded to batch x heads x 1024 x 1024 took 0.25 s
-                m = _evaluate(mask, memo)
-                m.expand(scores)  # a view: checks the mask broadcasts to the scores
-                meaning = judged(m, L, S)
-        except (RuntimeError, NotImplementedError, TypeError):  # an op that cannot run here: keep the mask
-            continue
-        if meaning is None:
-            continue
-        is_causal = meaning == CAUSAL
-        kwargs = {key: v for key, v in n.kwargs.items() if key not in ("attn_mask", "dropout_p", "is_causal")}
-        dropout_p = args[4] if args[4] is not None else n.kwargs.get("dropout_p", 0.0)
-        n.args = (q, k, args[2], None, dropout_p, is_causal)
-        n.kwargs = kwargs
-        folded += 1
-    if not folded:
-        return
-    for dead in reversed(list(g.nodes)):
-        if dead in const and dead.op == "call_function" and not dead.users and not _mutates(dead):
-            g.erase_node(dead)
-    g.lint()
-    gm.recompile()
-
-
-def means_to_sums(gm: fx.GraphModule) -> None:
-    """Rewrite means into sums divided by a count (exact in fp32 up to rounding).
-
-    One walk in node order hands each node to the rewrite of its family.  One walk, not one pass
-    per family: the new nodes are then created in graph order, and their names (which plans
-    record) stay those of a single walk whatever families a model mixes.
-    """
-    g = gm.graph
-    for n in list(g.nodes):
-        if n.op != "call_function" or _data_dependent(n):
-            continue
-        if n.target in (aten.mean.default, aten.mean.dim):
-            _mean_to_sum(g, n)
-        elif n.target is aten.mse_loss.default:
-            _mse_mean_to_sum(g, n)
-        elif n.target is aten.cross_entropy_loss.default:
-            _cross_entropy_mean_to_sum(g, n)
-    g.lint()
-    gm.recompile()
-
-
-def _data_dependent(n: fx.Node) -> bool:
-    """Whether an argument of ``n`` has a size that depends on values: its count is known only at run time, so a
-    mean of it stays a mean."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    return any(free_unbacked_symbols(a.meta.get("val")) for a in n.all_input_nodes)
-
-
-def _mean_to_sum(g: fx.Graph, n: fx.Node) -> None:
-    """``mean(x, dims)`` of a floating-point ``x`` (no ``dtype``) -> ``sum(x, dims) / count``."""
-    x = n.args[0]
-    assert isinstance(x, fx.Node)
-    shape = tuple(x.meta["val"].shape)
-    dims: Any  # a list of ints, as fx recorded it
-    keep: Any
-    if n.target is aten.mean.default:
-        dims, keep = list(range(len(shape))), False
-    else:
-        dims = n.args[1] if len(n.args) > 1 and n.args[1] is not None else list(range(len(shape)))
-        keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
-    dtype = n.kwargs.get("dtype")
-    if dtype is not None or not x.meta["val"].dtype.is_floating_point:
-        return
-    count = math.prod(shape[d] for d in dims) if shape else 1
-    with g.inserting_before(n):
-        s = _call(g, aten.sum.dim_IntList, (x, list(dims), keep), like=n)
-        d = _call(g, aten.div.Tensor, (s, float(count)), like=n)
-    n.replace_all_uses_with(d)
-    g.erase_node(n)
-
-
-def _mse_mean_to_sum(g: fx.Graph, n: fx.Node) -> None:
-    """``mse_loss(x, y, reduction=mean)`` -> ``mse_loss(x, y, reduction=sum) / numel(x)``."""
-    if (n.args[2] if len(n.args) > 2 else n.kwargs.get("reduction", 1)) != 1:
-        return
-    x, y = n.args[0], n.args[1]
-    assert isinstance(x, fx.Node)
-    count = math.prod(x.meta["val"].shape)
-    with g.inserting_before(n):
-        total = _call(g, aten.mse_loss.default, (x, y, 2), like=n)
-        d = _call(g, aten.div.Tensor, (total, float(count)), like=n)
-    n.replace_all_uses_with(d)
-    g.erase_node(n)
-
-
-class _GraphCount:
-    """``ir.losses.class_count``'s operations as aten nodes added to ``g`` before the node being rewritten
-    (with ``like``'s metadata)."""
-
-    def __init__(self, g: fx.Graph, like: fx.Node) -> None:
-        self.g, self.like = g, like
-
-    def ne(self, x: fx.Node, value: int) -> fx.Node:
-        return _call(self.g, aten.ne.Scalar, (x, value), like=self.like)
-
-    def sum(self, x: fx.Node) -> fx.Node:
-        return _call(self.g, aten.sum.default, (x,), like=self.like)
-
-
-def _cross_entropy_mean_to_sum(g: fx.Graph, n: fx.Node) -> None:
-    """Unweighted, unsmoothed ``cross_entropy_loss(x, labels, reduction=mean)`` ->
-    ``cross_entropy_loss(..., reduction=sum) / count of labels != ignore_index``."""
-    args = list(n.args) + [None] * (6 - len(n.args))
-    x, y, weight, reduction, ignore_index, smoothing = args[:6]
-    weight = n.kwargs.get("weight", weight)
-    reduction = n.kwargs.get("reduction", 1 if reduction is None else reduction)
-    ignore_index = n.kwargs.get("ignore_index", IGNORE_INDEX if ignore_index is None else ignore_index)
-    smoothing = n.kwargs.get("label_smoothing", 0.0 if smoothing is None else smoothing)
-    if reduction != 1 or weight is not None or smoothing:
-        return
-    assert isinstance(y, fx.Node)
-    if not isinstance(y.meta["val"], torch.Tensor) or y.meta["val"].dtype.is_floating_point:
-        return  # probability targets: leave the mean
-    with g.inserting_before(n):
-        total = _call(g, aten.cross_entropy_loss.default, (x, y, None, 2, ignore_index), like=n)
-        assert isinstance(ignore_index, int)
-        cnt = class_count(y, ignore_index, _GraphCount(g, n))
-        d = _call(g, aten.div.Tensor, (total, cnt), like=n)
-    n.replace_all_uses_with(d)
-    g.erase_node(n)
-
-
-# A returned sum may be divided or multiplied by a constant (the mean's ``/ count``) before it is returned.
-SCALINGS = (aten.div.Tensor, aten.mul.Tensor)
-RETURNED_SUM = "soybean_returned_sum"  # the ``node.meta`` key ``mark_returned_sums`` sets
-
-
-def mark_returned_sums(gm: fx.GraphModule) -> None:
-    """Mark (``node.meta[RETURNED_SUM]``) every value whose sum over the devices, where a plan leaves it partial,
-    is a returned sum: the value has no other reader, and its reader is the output, or a scaling by a constant
-    whose only reader is the output.  Nothing in the program reads such a sum, so a generated program starts its
-    all-reduce asynchronously (the scaling moved before it: ``(sum_k x_k) / c = sum_k (x_k / c)``) and it arrives
-    while backward runs.  Decided here once: the planning graph prices these reads with the backend's calls
-    (``graph.Edge.lazy``) and lowering makes exactly them asynchronous (``codegen.lower._lazy_output_sums``).
-    An analysis, not a rewrite: it runs after ``PASSES``, whichever were given."""
-    for n in gm.graph.nodes:
-        if len(n.users) != 1:
-            continue
-        (user,) = n.users
-        if user.op == "output" or (
-            user.target in SCALINGS and len(user.args) == 2 and not user.kwargs and user.args[0] is n
-            and isinstance(user.args[1], (int, float)) and len(user.users) == 1
-            and next(iter(user.users)).op == "output"
-        ):
-            n.meta[RETURNED_SUM] = True
-
-
-# ---- the pipeline --------------------------------------------------------------------------
-
-
-class Pass(NamedTuple):
-    """One rewrite of a captured graph: ``run(gm)`` edits ``gm`` in place."""
-
-    name: str
-    run: Callable[[fx.GraphModule], None]
-    purpose: str  # one line
-
-
-# Run in this order by ``run_passes`` (the module docstring lists them alike).  The order matters:
-# a region's nodes must be inlined before the later passes can see them.
-PASSES: tuple[Pass, ...] = (
-    Pass("inline_empty_constants", inline_empty_constants, "empty tensor constants -> aten.empty in the graph"),
-    Pass("inline_grad_regions", inline_grad_regions, "inline torch.no_grad() regions, their float outputs detached"),
-    Pass("drop_assertions", drop_assertions, "erase _assert_tensor_metadata calls and set_(x, x) (no effect)"),
-    Pass("functionalize", functionalize, "in-place updates of values forward made -> out-of-place ops"),
-    Pass("fold_constant_masks", fold_constant_masks, "constant causal/all-true attention masks -> is_causal or none"),
-    Pass("means_to_sums", means_to_sums, "mean, mse_loss(mean), cross_entropy(mean) -> sum / count"),
-    Pass("fuse_routed_experts", fuse_routed_experts, "routed experts (sort, grouped matmuls, combine) -> one op"),
-)
-
-
-def run_passes(gm: fx.GraphModule, passes: Sequence[Pass] | None = None) -> None:
-    """Run ``passes`` on ``gm`` in order; ``None`` means ``PASSES`` (read at call time)."""
-    for p in PASSES if passes is None else passes:
-        p.run(gm)

@@ -37,7 +37,8 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import rules
-from ..capture.core import RETURNED_SUM, SCALINGS, Captured
+from ..capture.core import Captured
+from ..capture.passes.mark_returned_sums import RETURNED_SUM, SCALINGS
 from ..cost.profiles import load_profile
 from ..graph import Edge, PlanGraph, build, node_module, value_name, value_source
 from ..ir.algorithms import BACKEND, Algo
@@ -101,7 +102,7 @@ def gather_now(t: torch.Tensor, tiling: Tiling, shape: tuple[int, ...], mesh: Me
 
 def _lazy_output_sums(g: fx.Graph) -> None:
     """Make each returned sum asynchronous (``sb_all_reduce_lazy``): the all-reduces lowering tagged
-    ``RETURNED_SUM`` (the reads ``capture.mark_returned_sums`` marked), which nothing in the program reads.
+    ``RETURNED_SUM`` (the reads ``capture.passes.mark_returned_sums`` marked), which nothing in the program reads.
 
     A division or multiplication by a constant after the all-reduce (the mean's ``/ count``) is moved before it:
     ``(sum_k x_k) / c = sum_k (x_k / c)``, so the all-reduce is the last step and its result the returned value.

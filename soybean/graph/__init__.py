@@ -26,12 +26,10 @@ emits it.  Built with ``fixed=plan``, every variable's domain is the one strateg
 chose: the graph codegen lowers.
 
 The package: ``types`` (``Var``, ``Edge``, ``PlanGraph``), ``build`` (``build`` and what it decides),
-``units`` (layers and recomputation units), ``writes`` (in-place writes); the step's memory phases are
-``cost.phases``.
+``units`` (layers and recomputation units), ``writes`` (in-place writes), ``phases`` (the step's memory
+phases), ``pinning`` (how a baseline holds a parameter to its stored tiling).
 """
-from ..cost.phases import freed_after, phase_memory, phase_peaks, rerun_freed
 from .build import (
-    PINNED,
     NoStrategyLeft,
     SharedWork,
     backend_only,
@@ -40,13 +38,13 @@ from .build import (
     fallback_ops,
     gc_paused,
     op_key,
-    pinned_use,
     read_profile,
     returned_sum,
-    use_tiling,
     value_name,
     value_source,
 )
+from .phases import freed_after, phase_memory, phase_peaks, rerun_freed
+from .pinning import PINNED, pinned_use, use_tiling
 from .types import Edge, PlanGraph, Var, VarKind
 from .units import attention_units, layer_of, node_layer, node_module, recomputable_layers, unit_of
 from .writes import written_inputs

@@ -17,7 +17,8 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from .. import rules
-from ..capture.core import RETURNED_SUM, Captured
+from ..capture.core import Captured
+from ..capture.passes.mark_returned_sums import RETURNED_SUM
 from ..cost.collectives import has_comm, op_comm_costs, price_route_ids
 from ..cost.compute import op_seconds, optimizer_step_seconds
 from ..cost.memory import (
@@ -25,19 +26,19 @@ from ..cost.memory import (
     param_bytes,
     sync_bucket_bytes,
 )
-from ..cost.phases import backward_transient, rerun_credit
 from ..cost.pricing import EdgeTables, PricingCache
 from ..cost.profiles import Profile
 from ..ir.attention import SDPA
 from ..mesh import Mesh
 from ..plan import Plan, Program
-from ..planner.pinning import PINNED, pinned_use, use_tiling
 from ..precision import policy
 from ..rules.attention import cp_method, row_axes
 from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, node_spec, strategies_1d, tensor_args
 from ..rules.datadep import data_dependent
 from ..rules.views import RESHAPES, may_copy
 from ..tiling import Partial, R, Replicate, Shard, is_valid
+from .phases import backward_transient, rerun_credit
+from .pinning import PINNED, pinned_use, use_tiling
 from .types import Edge, PlanGraph, Var
 from .units import _module_path, _Rerun
 from .writes import written_inputs
@@ -517,7 +518,7 @@ class _Builder:
 
 def returned_sum(value: fx.Node, consumer: fx.Node) -> bool:
     """Whether an all-reduce of ``value`` read by ``consumer`` is a returned sum, which the generated program
-    starts asynchronously: ``capture.mark_returned_sums`` marked ``value``, whose one reader is ``consumer``."""
+    starts asynchronously: ``capture.passes.mark_returned_sums`` marked ``value``, whose one reader is ``consumer``."""
     return bool(value.meta.get(RETURNED_SUM)) and consumer in value.users
 
 

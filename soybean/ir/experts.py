@@ -6,7 +6,7 @@ A mixture-of-experts layer routes each token ``t`` to ``k`` experts ``idx[t, j]`
 
 Transformers computes it (``integrations.moe.grouped_mm_experts_forward``) by sorting the ``T k`` (token,
 choice) rows by expert, running the experts as grouped matmuls over the sorted rows (``offs``: the running count
-of rows per expert), weighting, unsorting and summing over ``j``.  ``experts.fuse_routed_experts`` (a capture
+of rows per expert), weighting, unsorting and summing over ``j``.  ``capture.passes.fuse_routed_experts`` (a capture
 pass) replaces that region of the graph by this op; its ``body`` is the part between the sorted rows and the
 weighting (the experts' FFN: grouped matmuls, the gate's activation, optional biases), kept as data so that a
 plan, the capture cache and the generated program carry it.  The op is a token-wise map: ``out[t]`` reads only

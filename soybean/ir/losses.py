@@ -2,7 +2,7 @@
 
 Two places turn a mean loss into a sum over devices divided by a count, and both must count as torch does, or the
 loss and every gradient drift from serial: capture rewrites a model's own mean losses into ``sum / count``
-(``capture.means_to_sums``, as graph nodes), and a split output's loss computed tile by tile divides each tile's
+(``capture.passes.means_to_sums``, as graph nodes), and a split output's loss computed tile by tile divides each tile's
 sum by the count the full target gives (``outputs.LazyFull``, eagerly).  Both read the rules here:
 
 * an elementwise loss (``numel``): the input's element count;

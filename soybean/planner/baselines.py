@@ -64,13 +64,12 @@ from ..capture.core import Captured
 from ..cost.memory import GIB, budget_needed
 from ..cost.pricing import PricingCache
 from ..cost.profiles import Profile
-from ..graph import PlanGraph, attention_units, build, recomputable_layers
+from ..graph import PINNED, PlanGraph, attention_units, build, recomputable_layers
 from ..ir.experts import OP as ROUTED_EXPERTS
 from ..mesh import Mesh
 from ..rules.base import has_empty_tile
 from ..search import SearchError
 from ..tiling import R, Shard, is_valid
-from .pinning import PINNED
 
 NAMES = ("data_parallel", "model_parallel", "fsdp", "tp_fsdp", "megatron_tp_dp", "hsdp", "fsdp_recompute",
          "fsdp_selective_recompute")

@@ -21,8 +21,10 @@ from ..graph import (
     recomputable_layers,
 )
 from ..mesh import Mesh
-from ..search import Pruned, SearchError, Solution, find_repeats, relative_gap, to_problem
+from ..search import Pruned, SearchError, Solution, relative_gap
 from ..search.problem import Problem, lower_bound, reduce
+from .problem import chain_dual, to_problem
+from .repeats import find_repeats
 from .solve import Incumbent, MemoryBudgetError, Result, Search, evaluate, least_memory, now, solve_table_on
 
 # ``replicated``: the optimum with every parameter stored whole on every device (its use still split where that
@@ -168,7 +170,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     incumbent."""
     import heapq
 
-    from ..search.chain import MULTIPLIERS, Dual, affine, dual, stretch_bound, tighten
+    from ..search.chain import MULTIPLIERS, Dual, affine, stretch_bound, tighten
 
     objective, budget, gap = search.options.objective, search.memory_bytes, search.options.gap
     layer_set = set(recomputable_layers(cap))
@@ -192,7 +194,8 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
             units = chains[c][i]
             g = table(units)
             lams = np.array(MULTIPLIERS) * scale / budget if budget is not None else np.zeros(1)
-            duals[(c, i)] = dual(g, layers_in(units, layer_set), find_repeats(g) if ties else [], lams, budget or 0.0)
+            runs = find_repeats(g) if ties else []
+            duals[(c, i)] = chain_dual(g, layers_in(units, layer_set), runs, lams, budget or 0.0)
         return duals[(c, i)]
 
     def ends(c: int, a: int, b: int) -> list[Dual]:

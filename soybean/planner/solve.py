@@ -21,9 +21,11 @@ from ..graph import (
 )
 from ..mesh import Mesh
 from ..options import PlanOptions
-from ..search import Pruned, Run, SearchError, Solution, find_repeats, relative_gap, solve, to_problem
+from ..search import Pruned, Run, SearchError, Solution, relative_gap, solve
 from ..tiling import R
 from .baselines import batch_split, model_parallel_domains
+from .problem import to_problem
+from .repeats import find_repeats
 
 # ``replicated``: the optimum with every parameter stored whole on every device (its use still split where that
 # pays), as the torch.compile backend runs plans on the user's own parameters (``soybean.compile``).

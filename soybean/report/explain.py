@@ -25,7 +25,7 @@ and ``S``, ``K`` (and the memory's rerun term, ``graph.rerun_freed``) by their t
     delta(t) = value(x') - value(x)
 
 is exact and computed locally.  ``value`` is ``T`` for objective ``time``; for ``comm`` it is the search's
-objective, edge bytes + ``T_lin`` (seconds only break ties; ``search.to_problem``).  For a plan solved to
+objective, edge bytes + ``T_lin`` (seconds only break ties; ``planner.problem.to_problem``).  For a plan solved to
 optimality, ``delta >= 0`` up to the solver's gap over the plans the search considered (with tied layers
 the layers change together, ``search.tying``), while the plan's overlap credit is uncapped (``H = o S``;
 otherwise the plan is optimal only within the capped part, ``planner.solve_table_on``).

@@ -159,7 +159,7 @@ TABLE: dict[str, LinearFn] = {
     "aten.polar.default": _none,  # abs * exp(i angle): a complex tensor from two real ones
     "aten.masked_fill.Scalar": _masked_fill_scalar,
     "aten.masked_fill.Tensor": _masked_fill_tensor,
-    # ``self`` everywhere replaced by ``value`` (what an in-place ``fill_`` becomes: ``soybean.capture.functionalize``)
+    # ``self`` everywhere replaced by ``value`` (what an in-place ``fill_`` becomes: ``capture.passes.functionalize``)
     "aten.fill.Scalar": _fill_scalar,
     "aten.fill.Tensor": _fill_tensor,
 }

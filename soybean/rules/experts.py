@@ -39,8 +39,9 @@ _PASS = ("aten::to.dtype", "aten::_to_copy.default", "aten::contiguous.default",
 @functools.lru_cache(maxsize=64)
 def ffn_split(body: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, bool], ...] | None:
     """Per expert weight (``shapes``: theirs, in the op's order), the dim to split and whether it is a
-    packed pair's (``experts.pack_pairs``: the stored ``(experts, 2, f, h)`` split along ``f``) so that the body,
-    run on every row with each rank's slices, gives a summand of its output: None when that is not proven.
+    packed pair's (``capture.passes.fuse_routed_experts.pack_pairs``: the stored ``(experts, 2, f, h)`` split
+    along ``f``) so that the body, run on every row with each rank's slices, gives a summand of its output: None
+    when that is not proven.
 
     Proof by propagation over the body's steps, each value tagged ``R`` (whole), ``S`` (its last dim is this
     rank's contiguous slice of the hidden units), ``B`` (its last dim is two such slices, a packed pair's: the gate's

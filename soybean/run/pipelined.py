@@ -40,12 +40,12 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from ..capture.core import Captured
 from ..options import MULTI_STAGE, SCHEDULES  # their one home: PlanOptions checks them
-from ..parts.checkpoint_view import PartsModule
 from ..parts.stages import Stage, boundary_examples, shared_params
 from ..plan import Plan
 from ..precision import policy
 from ..runtime.agree import guarded
 from ..runtime.launch import group_timeout
+from .checkpoint_view import PartsModule
 from .module import ParallelModule
 
 REDUCTIONS = ("mean", "sum")

@@ -29,13 +29,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..capture.core import Captured
 from ..mesh import Mesh
-from ..parts.checkpoint_view import PartsModule
 from ..parts.regions import Region
 from ..parts.stages import value_facts
 from ..plan import Plan
 from ..precision import policy
 from ..runtime.agree import guarded
 from ..runtime.transfer import Move, Outbox, receive
+from .checkpoint_view import PartsModule
 from .module import ParallelModule, forward_backward
 
 

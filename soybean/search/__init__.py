@@ -1,60 +1,23 @@
-"""Search: the candidate table (``PlanGraph``) turned into a ``Problem`` and solved.
+"""Search: the solvers, a ``Problem`` in (unary and pairwise costs, memory, a budget), a ``Solution`` out.
 
 ``solve`` = exact reductions, then the ILP (default) or the DP on the core,
 then the eliminated choices restored.  ``kcuts`` is SoyBean's recursive
-bisection; ``planner.plan`` adds the mesh-shape search and baselines.
+bisection, ``chain`` the bounds over a chain of recomputation choices, ``tying`` the reduction of repeated layers.
+The solvers never read the model: ``planner.problem`` turns a planning graph into a ``Problem`` (``to_problem``)
+and ``planner.repeats`` finds its repeated layers; ``planner.plan`` adds the mesh-shape search and baselines.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
 
-from ..graph import PlanGraph, phase_memory
 from .brute import brute_force
 from .budget import lagrangian
 from .diffusion import diffusion_bound
 from .dp import solve_dp
 from .ilp import OPTIMAL_GAP, TARGET_GAP, Pruned, SearchError, Solution, relative_gap, solve_ilp
 from .problem import Problem, isolated, lower_bound, reduce
-from .tying import Run, find_repeats, tie
-
-OBJECTIVES = ("comm", "time")
-
-
-def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
-               overlap: float | None = None, phase: str = "activations", compute_credit: float = 0.0) -> Problem:
-    """Unary and pairwise costs of ``g`` under ``objective``.
-
-    ``comm``: bytes sent per device per training step; step seconds are added
-    with weight 1 byte/s only to break exact ties towards the faster plan.
-    ``time``: modelled seconds, communication + compute, where a fraction
-    ``overlap`` (default: the profile's ``grad_overlap``) of every deferred gradient
-    all-reduce is taken as hidden behind backward: ``C = seconds - overlap * sync``.
-    This linear discount is exact while the hidden time stays below the backward
-    compute, the cap ``planner.evaluate`` applies; ``compute_credit`` ``c`` also takes ``c`` times each op's
-    compute (its ``compute_s`` less its communication inside) off its cost: with ``overlap = (1 - mu) o`` and
-    ``c = mu b`` this is the Lagrangian member ``mu`` of the capped objective (``planner.capped_overlap``).
-    ``phase``: the memory the budget constrains (``graph.phase_memory``): the activations phase's, whose
-    plan the caller checks against the gradients phase, or ``sum``, both at once.
-    """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"unknown objective {objective!r}: use comm or time")
-    unary = [v.compute_s.astype(float) for v in g.vars]  # a copy: the credit below is taken in place
-    if compute_credit and objective == "time":
-        for u, v in zip(unary, g.vars):
-            if v.kind == "op":
-                u -= compute_credit * (u - (v.op_comm[:, 1] if v.op_comm is not None else 0.0))
-    memory = [phase_memory(v, phase) for v in g.vars] if memory_budget else None
-    # A plan's peak is its variables' memory less ``g.rerun_credit``: the budget on the sum grows by it.
-    budget = memory_budget + g.rerun_credit if memory_budget else None
-    p = Problem(unary, {}, memory, budget, [v.name for v in g.vars])
-    # Under ``comm`` the seconds only break ties: priced without overlap, a replicated weight's
-    # gradient all-reduce and a split weight's gather/reduce-scatter stay tied on time as on bytes.
-    ov = 0.0 if objective == "comm" else g.profile.grad_overlap if overlap is None else overlap
-    for e in g.edges:
-        C = e.seconds - ov * e.sync if e.sync is not None and ov else e.seconds
-        p.add_edge(e.src, e.dst, C + e.bytes if objective == "comm" else C)
-    return p
+from .tying import Run, tie
 
 
 def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: float = TARGET_GAP,
@@ -149,6 +112,6 @@ def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t
 
 
 __all__ = [
-    "Problem", "SearchError", "Solution", "solve", "to_problem", "solve_ilp", "solve_dp", "brute_force", "reduce",
-    "OBJECTIVES", "TARGET_GAP", "relative_gap", "Run", "find_repeats", "tie", "Pruned", "lower_bound",
+    "Problem", "SearchError", "Solution", "solve", "solve_ilp", "solve_dp", "brute_force", "reduce",
+    "TARGET_GAP", "relative_gap", "Run", "tie", "Pruned", "lower_bound",
 ]

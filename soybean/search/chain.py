@@ -5,9 +5,8 @@ budgeted optimum ``OPT_k = min {T_k(x) : M_k(x) <= B}`` is bounded, for every mu
 
     F_k(lam) = min_x  T_k(x) + lam * (M_k(x) - B)  <=  OPT_k          (weak duality)
 
-with ``T`` member 0 of the capped overlap (``to_problem``'s default: every deferred sync credited, never above the
-step time) and ``M`` the activations phase without the rerun buffers (``phase_memory`` less ``Var.rerun_buffer``:
-never above a plan's modelled peak, since the rerun credit never exceeds the buffers it takes back).
+with ``T`` member 0 of the capped overlap and ``M`` the activations phase without the rerun buffers: the costs and
+memory of the problem ``dual`` is given (``planner.problem.chain_dual`` reads them from a choice's table).
 
 Why whole stretches of a chain are bounded at once: the search ties repeated layers (``tying``), and the tied
 problem of choice ``k`` is ``[layer 0][run of recomputed layers][the last recomputed layer][run of kept
@@ -30,7 +29,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..graph import PlanGraph, phase_memory
 from .diffusion import diffusion_bound
 from .problem import Problem, reduce
 from .tying import Run, tie
@@ -83,18 +81,15 @@ class Dual:
         return float(self.lower[i])
 
 
-def dual(g: PlanGraph, k: int, runs: Sequence[Run], lams: np.ndarray, budget: float) -> Dual:
-    """Choice ``k``'s ``Dual`` on its table ``g``, tied by ``runs``, under ``budget`` bytes, with its bound at the
-    first multiplier worked out."""
-    from . import to_problem  # the package's own entry point imports this module
-
-    p = to_problem(g, "time")
-    p.memory = [phase_memory(v, "activations") - (v.rerun_buffer if v.rerun_buffer is not None else 0.0)
-                for v in g.vars]
+def dual(p: Problem, k: int, runs: Sequence[Run], lams: np.ndarray, budget: float, reruns: Sequence[bool]) -> Dual:
+    """Choice ``k``'s ``Dual`` on its problem ``p`` (``T`` and ``M``: ``p.memory`` is set), tied by ``runs``, under
+    ``budget`` bytes, with its bound at the first multiplier worked out; ``reruns``: which variables of ``p``
+    rerun."""
+    assert p.memory is not None
     q, to = tie(p, list(runs)) if runs else (p, list(range(p.n)))
     rerun = [False] * q.n
     for v, j in enumerate(to):
-        rerun[j] = g.vars[v].rerun_buffer is not None
+        rerun[j] = reruns[v]
     d = Dual(k, q, np.asarray(lams, dtype=float), budget, np.full(len(lams), -np.inf), tuple(runs), tuple(to),
              tuple(rerun))
     d.at(0)

@@ -7,45 +7,50 @@ axes still replicated.  Per device, cut ``i`` moves tensors already halved
 weighting of cut ``i`` by ``2^(i-1)`` in total bytes.  Each cut is solved
 exactly (DP by default); the sequence is greedy, so the result can exceed the
 joint optimum over all axes (measured in tests/test_search.py).
+
+The cuts read of each strategy only what it does on each mesh axis (``Cuts``); ``planner.kcuts`` reads that from
+a planning graph.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..capture.core import Captured
-from ..cost.profiles import Profile
-from ..graph import build
-from ..mesh import Mesh
-from ..tiling import Replicate
-from . import solve, to_problem
+from . import solve
 from .ilp import Solution
 from .problem import Problem
 
 
-def _placement_key(v, s_idx: int, axis: int) -> tuple:
-    st = v.strategies[s_idx]
-    flags = v.grad_partial[s_idx] if v.grad_partial else ()
-    return (tuple(t[axis] for t in st.inputs), tuple(t[axis] for t in st.outputs), axis in flags)
+@dataclass(frozen=True)
+class Cuts:
+    """What the cuts know of strategy ``s`` of variable ``v`` on mesh axis ``a``.
+
+    ``placement[v][s][a]``: what cut ``a`` decides (its tensors' placements there); once axis ``a`` is cut, a
+    variable keeps only the strategies placed as its chosen one.  ``replicated[v][s, a]``: ``s`` leaves axis ``a``
+    alone (every tensor replicated there, no partial gradient), as each cut wants of the axes after it.
+    ``divides[v][s, a]``: ``s`` splits its work on ``a``; a cut keeps only such strategies where any is left, for
+    the variables whose entry is not ``None``."""
+
+    placement: Sequence[Sequence[tuple[Hashable, ...]]]
+    replicated: Sequence[np.ndarray]
+    divides: Sequence[np.ndarray | None]
 
 
-def kcuts(cap: Captured, k: int, profile: Profile, objective: str = "comm", solver: str = "dp") -> tuple:
-    """Greedy cut-by-cut plan on the ``(2,)*k`` mesh; returns ``(graph, Solution)``."""
-    mesh = Mesh((2,) * k)
-    g = build(cap, mesh, profile, objective="time")  # no split-every-axis filter: cuts apply it per axis
-    full = to_problem(g, objective)
-    allowed = [list(range(len(v.strategies))) for v in g.vars]
+def greedy_cuts(full: Problem, cuts: Cuts, k: int, solver: str = "dp") -> Solution:
+    """Greedy cut-by-cut plan of ``full`` on ``k`` axes of two: each axis's cut solved exactly (``solve`` with
+    ``solver``) over the strategies left, then fixed."""
+    allowed = [list(range(len(p))) for p in cuts.placement]
+    chosen: list[int] = []
     for axis in range(k):
         doms = []
-        for vi, v in enumerate(g.vars):
-            later = range(axis + 1, k)
-            later_r = [s for s in allowed[vi]
-                       if all(isinstance(t[a], Replicate)
-                              for t in v.strategies[s].inputs + v.strategies[s].outputs for a in later)
-                       and not any(a in (v.grad_partial[s] if v.grad_partial else ()) for a in later)]
+        for vi in range(full.n):
+            later_r = [s for s in allowed[vi] if cuts.replicated[vi][s, axis + 1:].all()]
             dom = later_r or allowed[vi]
-            if objective == "comm" and v.kind == "op":
-                split = [s for s in dom if v.strategies[s].divides_work()[axis]]
-                dom = split or dom
+            divides = cuts.divides[vi]
+            if divides is not None:
+                dom = [s for s in dom if divides[s, axis]] or dom
             doms.append(dom)
         sub = Problem([full.unary[vi][d] for vi, d in enumerate(doms)], {}, None, None, full.names)
         for (u, w), C in full.edges.items():
@@ -53,9 +58,9 @@ def kcuts(cap: Captured, k: int, profile: Profile, objective: str = "comm", solv
         sol = solve(sub, solver)
         chosen = [doms[vi][c] for vi, c in enumerate(sol.choice)]
         # fix this axis: keep strategies agreeing with the chosen one on axes <= axis
-        for vi, v in enumerate(g.vars):
-            key = _placement_key(v, chosen[vi], axis)
-            allowed[vi] = [s for s in allowed[vi] if _placement_key(v, s, axis) == key]
+        for vi in range(full.n):
+            key = cuts.placement[vi][chosen[vi]][axis]
+            allowed[vi] = [s for s in allowed[vi] if cuts.placement[vi][s][axis] == key]
     choice = [a[0] if len(a) == 1 else chosen[vi] for vi, a in enumerate(allowed)]
     obj = full.evaluate(choice)
-    return g, Solution(choice, obj, obj, "greedy", 0.0, f"kcuts-{solver}")
+    return Solution(choice, obj, obj, "greedy", 0.0, f"kcuts-{solver}")

@@ -1,15 +1,8 @@
 """Repeated-layer tying: isomorphic layers share one set of decision variables.
 
 A transformer's decoder layers are the same subgraph N times: same ops, shapes, strategy lists,
-costs, and parameter roles.  ``find_repeats`` finds them in a candidate table: a *block* is every
-variable whose module path (an op's innermost ``nn.Module``, a parameter's FQN, a reshard point's
-source) has the numbered component ``<prefix>.<i>`` (``model.layers.7.mlp.up_proj`` is block 7 of
-``model.layers``); two consecutive blocks are *isomorphic* when, variable by variable in graph order,
-their kinds, op names, roles, strategy lists, unary costs and memory agree, and so do their edges:
-each edge into a block is described by its source (a variable of the same block or of the previous
-one, by position; any other variable by identity), its ends and its cost key, and so is each edge
-out of the block to anything but the next block.  A maximal run of consecutive isomorphic blocks
-(at least ``MIN_RUN``) is tied.
+costs, and parameter roles.  A ``Run`` names such layers, each a *block* of the problem's variables
+(``planner.repeats.find_repeats`` finds them in a planning graph: consecutive isomorphic blocks).
 
 ``tie`` is the reduction: every variable of a run's later blocks is mapped onto the variable at the
 same position of its first block; unary costs and memory add, edges are mapped and add (an edge
@@ -25,24 +18,16 @@ per-layer cycle of interface tilings has period one (it does on every transforme
 residual stream keeps its tiling from layer to layer).  It can differ when alternating layers
 would pay off (a tiling that flips each layer, cheaper in pairs), or when a layer is coupled to a
 non-neighbour (a weight shared between layers, tied input/output embeddings) in ways whose cost
-differs per layer -- such layers are not isomorphic by the test above, and are left untied.  The
+differs per layer -- such layers are not isomorphic by ``find_repeats``' test, and are left untied.  The
 gap the solver reports is the tied problem's; ``plan(tie_layers=False)`` solves untied.
 """
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from ..graph import PlanGraph
 from .problem import Problem
-
-# Runs shorter than this are not worth tying.
-MIN_RUN = 2
-_NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)
@@ -57,99 +42,6 @@ class Run:
 
     def record(self) -> dict[str, object]:
         return {"prefix": self.prefix, "layers": [self.first, self.last], "count": len(self.blocks)}
-
-
-def _block_of(g: PlanGraph) -> list[tuple[str, int] | None]:
-    out: list[tuple[str, int] | None] = []
-    for v in g.vars:
-        m = _NUMBERED.match(v.module or v.fqn) if v.kind in ("op", "param", "buffer", "reshard") else None
-        out.append((m.group(1), int(m.group(2))) if m else None)
-    return out
-
-
-class _Contents:
-    """Small ints naming the contents of the large parts of a signature (a variable's strategy list and cost
-    arrays, an edge's key lists): equal contents, equal ints, so the test stays exact; an object that repeated
-    layers share (``graph.build`` shares them) is read and hashed once, not once per layer."""
-
-    def __init__(self) -> None:
-        self.by_object: dict[int, tuple[int, object]] = {}  # id -> (content number, the object, kept alive)
-        self.numbers: dict[Hashable, int] = {}
-
-    def __call__(self, obj: object, content: Callable[[Any], Hashable]) -> int:
-        known = self.by_object.get(id(obj))
-        if known is None:
-            known = self.by_object[id(obj)] = (self.numbers.setdefault(content(obj), len(self.numbers)), obj)
-        return known[0]
-
-
-def _var_key(g: PlanGraph, i: int, prefix: str, c: _Contents) -> tuple:
-    v = g.vars[i]
-    role = re.sub(r"^" + re.escape(prefix) + r"\.\d+", "", v.module or v.fqn)
-    return (v.kind, v.op.name if v.op is not None else "", role, v.needs_grad, v.pinned, c(v.strategies, tuple),
-            c(v.compute_s, _bytes), c(v.memory, _bytes), c(v.grad_partial, tuple))
-
-
-def _edge_key(g: PlanGraph, k: int, c: _Contents) -> tuple:
-    e = g.edges[k]
-    return (e.src_out, e.dst_in, e.shape, e.itemsize, e.needs_grad, e.deferred, e.write_back,
-            c(e.src_keys, tuple), c(e.src_key_of, _bytes), c(e.dst_keys, tuple), c(e.dst_key_of, _bytes))
-
-
-def _bytes(a: np.ndarray) -> Hashable:
-    return a.dtype.str, a.shape, a.tobytes()
-
-
-def find_repeats(g: PlanGraph) -> list[Run]:
-    """The maximal runs of consecutive isomorphic blocks of ``g`` (module docstring)."""
-    block = _block_of(g)
-    members: dict[tuple[str, int], list[int]] = {}
-    for i, b in enumerate(block):
-        if b is not None:
-            members.setdefault(b, []).append(i)
-    pos = {i: k for vs in members.values() for k, i in enumerate(vs)}
-    into: dict[int, list[int]] = {}
-    out_of: dict[int, list[int]] = {}
-    for k, e in enumerate(g.edges):
-        into.setdefault(e.dst, []).append(k)
-        out_of.setdefault(e.src, []).append(k)
-
-    def ref(i: int, prefix: str, idx: int) -> tuple:
-        b = block[i]
-        if b == (prefix, idx):
-            return ("in", pos[i])
-        if b == (prefix, idx - 1):
-            return ("prev", pos[i])
-        return ("ext", i)
-
-    contents = _Contents()
-
-    def signature(prefix: str, idx: int) -> tuple:
-        vs = members[(prefix, idx)]
-        sig: list[tuple] = [tuple(_var_key(g, i, prefix, contents) for i in vs)]
-        for i in vs:
-            for k in into.get(i, []):
-                sig.append(("into", pos[i], ref(g.edges[k].src, prefix, idx), _edge_key(g, k, contents)))
-            for k in out_of.get(i, []):
-                d = g.edges[k].dst
-                if block[d] not in ((prefix, idx), (prefix, idx + 1)):
-                    sig.append(("out", pos[i], ("ext", d), _edge_key(g, k, contents)))
-        return tuple(sig)
-
-    runs: list[Run] = []
-    for prefix in sorted({p for p, _ in members}):
-        idxs = sorted(i for p, i in members if p == prefix)
-        sigs = {i: signature(prefix, i) for i in idxs}
-        start = 0
-        for j in range(1, len(idxs) + 1):
-            same = j < len(idxs) and idxs[j] == idxs[j - 1] + 1 and sigs[idxs[j]] == sigs[idxs[start]]
-            if same:
-                continue
-            if j - start >= MIN_RUN:
-                chosen = idxs[start:j]
-                runs.append(Run(prefix, chosen[0], chosen[-1], tuple(tuple(members[(prefix, i)]) for i in chosen)))
-            start = j
-    return runs
 
 
 def tie(p: Problem, runs: list[Run]) -> tuple[Problem, list[int]]:

@@ -30,11 +30,11 @@ from ..cost.memory import GIB, budget_bytes, budget_needed
 from ..cost.pricing import PricingCache
 from ..cost.profiles import Profile, load_profile
 from ..options import PlanOptions
-from ..parts.pipeline_plan import bubble_fraction, inflight, layer_signatures, pipeline_step, transfer_s
-from ..parts.stages import even_bounds, layers, split, value_facts
+from ..planner.baselines import CHECKPOINTING, checkpointed, infeasible, layouts, tp_mesh
+from ..planner.records import memory_breakdown
 from ..search import SearchError
-from .baselines import CHECKPOINTING, checkpointed, infeasible, layouts, tp_mesh
-from .records import memory_breakdown
+from .pipeline_plan import bubble_fraction, inflight, layer_signatures, pipeline_step, transfer_s
+from .stages import even_bounds, layers, split, value_facts
 
 # name: (virtual stages per rank group, schedule)
 SCHEDULED = {"pp_tp_fsdp": (1, "1f1b"), "pp_tp_fsdp_interleaved": (2, "interleaved-1f1b")}
@@ -68,7 +68,7 @@ def price(capture_at: Callable[[int], Captured], batch: int, world: int, options
           say: Callable[[str], None] = lambda line: None) -> dict[str, dict[str, Any]]:
     """Each of ``SCHEDULED``'s records (module docstring); ``capture_at(M)``: the model captured at ``M``
     microbatches."""
-    from .solve import solve_table
+    from ..planner.solve import solve_table
 
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
     budget = budget_bytes(options.memory_gb)

@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 
-from ..graph.types import PlanGraph, Var
+from ..cost.memory import output_bytes
 from ..tiling import max_local_numel
-from .memory import output_bytes
+from .types import PlanGraph, Var
 
 # Gradient tiles of its output size a backward op holds at once: the incoming gradient and the one it makes.
 TRANSIENT_COPIES = 2

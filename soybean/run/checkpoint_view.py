@@ -27,9 +27,9 @@ from torch import nn
 
 from ..capture.core import Captured
 from ..plan import Plan
-from ..run.module import ParallelModule
 from ..runtime.checkpoint_dir import CheckpointError
 from ..tiling import R
+from .module import ParallelModule
 
 
 class PartsModule(nn.Module):
@@ -165,8 +165,8 @@ class CheckpointView(nn.Module):
 
     def __init__(self, pipe: PartsModule) -> None:
         super().__init__()
-        from ..run.module import _attach
         from ..runtime.checkpoint import submesh
+        from .module import _attach
 
         self._pipe: PartsModule
         object.__setattr__(self, "_pipe", pipe)  # not a submodule: the view's parameters are the stages' by name

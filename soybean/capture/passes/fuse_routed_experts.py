@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..ir.experts import GROUPED_MM, OP
-from ..rules.base import lookup
+from ...ir.experts import GROUPED_MM, OP
+from ...rules.base import lookup
 
 aten = torch.ops.aten
 

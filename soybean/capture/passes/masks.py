@@ -1,4 +1,4 @@
-"""What a constant attention mask means, decided without building it (``capture.fold_constant_masks``).
+"""What a constant attention mask means, decided without building it (``fold_constant_masks``).
 
 At long context a boolean mask of ``B x 1 x L x S`` is too large to evaluate (128K tokens: 16 GiB a sequence), yet
 transformers exports its causal mask that way: a comparison of the keys' positions with the queries', and-ed with

@@ -1,0 +1,63 @@
+"""The planning graph as the search's input: a table's ``Problem`` under an objective (``to_problem``) and a
+recomputation choice's Lagrangian dual (``chain_dual``).
+
+``soybean.search`` works on a ``Problem`` alone (unary and pairwise costs, memory, a budget); this module, with
+``repeats`` (the table's repeated layers), is where a ``PlanGraph`` is read for it, so no solver imports the graph.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..graph import PlanGraph, phase_memory
+from ..options import OBJECTIVES
+from ..search import Problem, Run
+from ..search.chain import Dual, dual
+
+
+def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
+               overlap: float | None = None, phase: str = "activations", compute_credit: float = 0.0) -> Problem:
+    """Unary and pairwise costs of ``g`` under ``objective``.
+
+    ``comm``: bytes sent per device per training step; step seconds are added
+    with weight 1 byte/s only to break exact ties towards the faster plan.
+    ``time``: modelled seconds, communication + compute, where a fraction
+    ``overlap`` (default: the profile's ``grad_overlap``) of every deferred gradient
+    all-reduce is taken as hidden behind backward: ``C = seconds - overlap * sync``.
+    This linear discount is exact while the hidden time stays below the backward
+    compute, the cap ``planner.evaluate`` applies; ``compute_credit`` ``c`` also takes ``c`` times each op's
+    compute (its ``compute_s`` less its communication inside) off its cost: with ``overlap = (1 - mu) o`` and
+    ``c = mu b`` this is the Lagrangian member ``mu`` of the capped objective (``planner.capped_overlap``).
+    ``phase``: the memory the budget constrains (``graph.phase_memory``): the activations phase's, whose
+    plan the caller checks against the gradients phase, or ``sum``, both at once.
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}: use comm or time")
+    unary = [v.compute_s.astype(float) for v in g.vars]  # a copy: the credit below is taken in place
+    if compute_credit and objective == "time":
+        for u, v in zip(unary, g.vars):
+            if v.kind == "op":
+                u -= compute_credit * (u - (v.op_comm[:, 1] if v.op_comm is not None else 0.0))
+    memory = [phase_memory(v, phase) for v in g.vars] if memory_budget else None
+    # A plan's peak is its variables' memory less ``g.rerun_credit``: the budget on the sum grows by it.
+    budget = memory_budget + g.rerun_credit if memory_budget else None
+    p = Problem(unary, {}, memory, budget, [v.name for v in g.vars])
+    # Under ``comm`` the seconds only break ties: priced without overlap, a replicated weight's
+    # gradient all-reduce and a split weight's gather/reduce-scatter stay tied on time as on bytes.
+    ov = 0.0 if objective == "comm" else g.profile.grad_overlap if overlap is None else overlap
+    for e in g.edges:
+        C = e.seconds - ov * e.sync if e.sync is not None and ov else e.seconds
+        p.add_edge(e.src, e.dst, C + e.bytes if objective == "comm" else C)
+    return p
+
+
+def chain_dual(g: PlanGraph, k: int, runs: Sequence[Run], lams: np.ndarray, budget: float) -> Dual:
+    """Choice ``k``'s ``search.chain.Dual`` on its table ``g``, tied by ``runs``, under ``budget`` bytes: ``T``
+    member 0 of the capped overlap (``to_problem``'s default), ``M`` the activations phase less the rerun buffers
+    (``phase_memory`` less ``Var.rerun_buffer``: never above a plan's modelled peak, since the rerun credit never
+    exceeds the buffers it takes back)."""
+    p = to_problem(g, "time")
+    p.memory = [phase_memory(v, "activations") - (v.rerun_buffer if v.rerun_buffer is not None else 0.0)
+                for v in g.vars]
+    return dual(p, k, runs, lams, budget, [v.rerun_buffer is not None for v in g.vars])
