@@ -203,7 +203,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
                 make_plan(None, (), world, options=one, baselines=False, captured=cap)
         if p.placement is not None:
             check_plan(p, cap.fingerprint, world, cap.precision)
-            return placed_module(model, cap, p, rank, world)
+            return parts_module(model, cap, p, rank, world)
     if p is None:
         def make() -> Plan:
             return make_plan(None, (), world, options=one, baselines=False, captured=cap)
@@ -325,15 +325,16 @@ def placed_or_plain(cap: Captured, world: int, opts: PlanOptions, say: Callable[
     return placed
 
 
-def placed_module(model: torch.nn.Module, cap: Captured, p: Plan, rank: int, world: int) -> PlacedModule:
-    """This rank's ``PlacedModule`` of the placed plan ``p`` (its regions cut from ``cap`` as the plan records)."""
-    from .parts.placement_plan import region_nodes
-    from .parts.regions import segments, split
+def parts_module(model: torch.nn.Module, cap: Captured, p: Plan, rank: int,
+                 world: int) -> PipelinedModule | PlacedModule:
+    """This rank's module of the plan in parts ``p``: its parts cut from ``cap`` as the plan records them
+    (``parts.rebuild.parts_of``), a pipelined plan's stages as a ``PipelinedModule``, a placed plan's regions as a
+    ``PlacedModule``."""
+    from .parts.rebuild import parts_of
 
-    assert p.placement is not None
-    rows = p.placement["regions"]
-    regions = split(cap, region_nodes(cap, segments(cap), [r["pieces"] for r in rows]))
-    return PlacedModule(model, cap, regions, [Plan.from_dict(r["plan"]) for r in rows], p, rank, world)
+    parts, plans = parts_of(cap, p)
+    kind = PipelinedModule if p.pipeline is not None else PlacedModule
+    return kind(model, cap, parts, plans, p, rank, world)
 
 
 def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions, world: int, rank: int,
@@ -342,7 +343,6 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
     stages on rank 0 (or read ``given``, a plan with stages: ``options.plan_kind``), every rank cuts the same
     stages and runs its own."""
     from .parts.pipeline_plan import plan_pipeline
-    from .parts.stages import split
 
     if given is not None:
         assert given.pipeline is not None  # ``plan_kind`` runs a given plan pipelined only when it has stages
@@ -359,9 +359,9 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
     if given.fingerprint != cap.fingerprint or given.devices != world:
         raise ValueError(f"the pipelined plan was made for another model, batch or world size (plan: {given.devices} "
                          f"devices, fingerprint {given.fingerprint}; here: {world}, {cap.fingerprint}): plan again")
-    cut = split(cap, [tuple(st["layers"]) for st in given.pipeline["stages"]])
-    plans = [Plan.from_dict(st["plan"]) for st in given.pipeline["stages"]]
-    return PipelinedModule(model, cap, cut, plans, given, rank, world)
+    pm = parts_module(model, cap, given, rank, world)
+    assert isinstance(pm, PipelinedModule)
+    return pm
 
 
 def _from_rank0(make: Callable[[], Plan], rank: int) -> Plan:

@@ -269,9 +269,7 @@ def _explained_regions(a: argparse.Namespace, model: Any, inputs: Any, given: Pl
     from .api import placed_or_plain
     from .capture.core import capture
     from .options import plan_options
-    from .parts.placement_plan import region_nodes
-    from .parts.regions import segments, split
-    from .plan import Plan
+    from .parts.rebuild import parts_of
     from .precision import policy
     from .report.explain import explain
     from .report.table import placement_table
@@ -291,15 +289,14 @@ def _explained_regions(a: argparse.Namespace, model: Any, inputs: Any, given: Pl
     if p.placement is None:
         return [("", explain(cap, p, profile), None)]
     rows = p.placement["regions"]
-    regions = split(cap, region_nodes(cap, segments(cap), [r["pieces"] for r in rows]))
+    regions, plans = parts_of(cap, p)
     table = placement_table(p).splitlines()
     out: list[tuple[str, Explanation, list[int] | None]] = []
-    for k, (reg, row) in enumerate(zip(regions, rows)):
+    for k, (reg, rp, row) in enumerate(zip(regions, plans, rows)):
         along = [j for j, r in enumerate(rows)
                  if j != k and r["segment"] is not None and r["segment"] == row["segment"]]
         overlap = f"runs at the same time as region {', '.join(map(str, along))}" if along else "runs alone"
-        out.append((f"{table[0]}\n{table[k + 1]}\n{overlap}", explain(reg.cap, Plan.from_dict(row["plan"]), profile),
-                    list(row["ranks"])))
+        out.append((f"{table[0]}\n{table[k + 1]}\n{overlap}", explain(reg.cap, rp, profile), list(row["ranks"])))
     return out
 
 
@@ -309,14 +306,16 @@ def _explained_stages(a: argparse.Namespace, model: Any, inputs: Any, given: Pla
     from .api import micro_inputs
     from .capture.core import capture
     from .options import plan_options
+    from .parts.part import Part
     from .parts.pipeline_plan import plan_pipeline
-    from .parts.stages import split
-    from .plan import Plan
+    from .parts.rebuild import parts_of
     from .precision import policy
     from .report.explain import explain
     from .report.table import pipeline_table
 
     args = inputs if isinstance(inputs, tuple) else (inputs,)
+    cut: list[Part]
+    plans: list[Plan]
     if given is None:
         opts = plan_options(a)
         if not isinstance(opts.pipeline, int):
@@ -325,7 +324,9 @@ def _explained_stages(a: argparse.Namespace, model: Any, inputs: Any, given: Pla
         stages = opts.pipeline
         m = opts.microbatches_for(stages)
         cap = capture(model, micro_inputs(args, {}, m)[0], precision=policy(opts.precision).name)
-        cut, plans, p = plan_pipeline(cap, opts.world, stages, m, opts.schedule, opts.one_program(), opts.virtual)
+        stage_cut, plans, p = plan_pipeline(cap, opts.world, stages, m, opts.schedule, opts.one_program(),
+                                            opts.virtual)
+        cut = list(stage_cut)
     else:
         p = given
         assert p.pipeline is not None
@@ -333,8 +334,7 @@ def _explained_stages(a: argparse.Namespace, model: Any, inputs: Any, given: Pla
         if cap.fingerprint != p.fingerprint:
             raise ValueError(f"the plan {a.plan} was made for another model or other input shapes (fingerprint "
                              f"{p.fingerprint} != {cap.fingerprint}): give the model and --arg it was planned with")
-        cut = split(cap, [tuple(st["layers"]) for st in p.pipeline["stages"]])
-        plans = [Plan.from_dict(st["plan"]) for st in p.pipeline["stages"]]
+        cut, plans = parts_of(cap, p)
     assert p.pipeline is not None
     rows = pipeline_table(p).splitlines()
     return [(f"{rows[0]}\n{rows[k + 1]}\n{rows[-1]}", explain(st.cap, sp, profile), None)

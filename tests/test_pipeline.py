@@ -19,7 +19,8 @@ from torch import nn
 
 from examples.models import transformer
 from soybean.capture.core import capture
-from soybean.parts.stages import StageError, even_bounds, layers, run_stages, split
+from soybean.parts.part import run_parts
+from soybean.parts.stages import StageError, even_bounds, layers, split
 from soybean.run.pipelined import check_microbatches
 from soybean.runtime.launch import spawn
 
@@ -68,7 +69,7 @@ def test_stages_run_in_order_are_the_captured_graph(bounds: list[tuple[int, int]
     ref = ref[0] if isinstance(ref, (tuple, list)) else ref
     ref_grads = torch.autograd.grad(ref, list(model.parameters()))
     stages = split(cap, bounds)
-    got = run_stages(cap, stages, state, inputs)[0]
+    got = run_parts(cap, stages, state, inputs)[0]
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     for g, r in zip(torch.autograd.grad(got, list(model.parameters())), ref_grads):
         torch.testing.assert_close(g, r)

@@ -12,16 +12,17 @@ import torch
 import examples.models as models
 from soybean.capture.core import capture
 from soybean.options import options
+from soybean.parts.part import run_parts, value_facts
 from soybean.parts.placement_plan import (
     compositions,
+    group_sends_s,
     plan_placement,
     region_nodes,
     segment_options,
-    send_s,
     set_partitions,
 )
 from soybean.plan import Plan
-from soybean.parts.regions import run_regions, segments, split
+from soybean.parts.regions import segments, split
 from soybean.runtime.launch import spawn
 from soybean.ir.transfers import backward_pairs, forward_pairs
 from soybean.runtime.transfer import Move
@@ -64,7 +65,7 @@ def test_regions_run_one_after_the_other_are_the_model(factory, kw) -> None:
     cap = capture(model, (x,))
     regions = split(cap, [list(b) for s in segments(cap) for b in s.branches])
     assert len(regions) > 2  # every model here has branches
-    got = run_regions(cap, regions, _state(model, cap), [x])
+    got = run_parts(cap, regions, _state(model, cap), [x])
     got = got[0] if isinstance(got, (tuple, list)) else got
     want = model(x)
     assert torch.equal(got, want)
@@ -138,7 +139,7 @@ def test_the_planner_places_the_towers_and_leaves_a_chain_alone() -> None:
     again = Plan.from_dict(json.loads(p.to_json()))
     assert again.placement == json.loads(p.to_json())["placement"]
     # a send is priced as the messages the moves make: one per device outside the group, each way
-    assert rows[0]["transfer_s"] == pytest.approx(send_s(8 * 512 * 4, True, 1, 2, _gloo()))
+    assert rows[0]["transfer_s"] == pytest.approx(group_sends_s({"h": (8 * 512 * 4, True)}, ["h"], 1, 2, _gloo()))
     mlp, (xm, _) = models.mlp(batch=4, hidden=8)
     assert plan_placement(capture(mlp, (xm,)), 2, options(None, profile="cpu-gloo")) is None
 
@@ -154,7 +155,6 @@ def test_moves_send_what_the_plan_prices() -> None:
     """Each placed region's priced sends are the moves' messages: a whole value to every device outside its
     group, its gradient back."""
     from soybean.run.placed import region_moves
-    from soybean.parts.stages import value_facts
 
     model, (x, _) = models.towers(**TOWERS)
     cap = capture(model, (x,))
@@ -203,7 +203,7 @@ def _serial(kw: dict, steps: int) -> tuple[list[float], dict[str, torch.Tensor],
 def _placed(rank: int, world: int, kw: dict, steps: int, sizes: tuple[int, ...] | None,
             pipeline: str | None = None) -> dict:
     import soybean
-    from soybean.api import placed_module
+    from soybean.api import parts_module
 
     torch.set_num_threads(1)
     model, (x, y) = models.towers(**kw)
@@ -215,7 +215,7 @@ def _placed(rank: int, world: int, kw: dict, steps: int, sizes: tuple[int, ...] 
         cap = capture(model, (x,))
         p = plan_placement(cap, world, options(None, devices=world), sizes=sizes)
         assert p is not None
-        pm = placed_module(model, cap, p, rank, world)
+        pm = parts_module(model, cap, p, rank, world)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     losses, grads = [], {}
     for step in range(steps):
@@ -339,34 +339,131 @@ def test_the_command_line_plans_explains_and_draws_a_placement(capsys: pytest.Ca
 
 
 class _TiedTowers(torch.nn.Module):
-    """Token embedding, two towers, and a head tied to the embedding: the weight is read on both sides of the
-    towers."""
+    """Token embedding, two towers that both read one ``shared`` layer, and a head tied to the embedding: one weight
+    read by both placed branches, another on both sides of them."""
 
     def __init__(self, vocab: int = 16, width: int = 8) -> None:
         super().__init__()
+        torch.manual_seed(0)
         self.emb = torch.nn.Embedding(vocab, width)
-        self.towers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
-                                          for _ in range(2))
+        self.shared = torch.nn.Linear(width, width)
+        self.towers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(2))
         self.proj = torch.nn.Linear(2 * width, width)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.emb(ids)
-        return self.proj(torch.cat([t(h) for t in self.towers], dim=-1)) @ self.emb.weight.T
+        outs = [torch.tanh(t(self.shared(h) * (k + 1))) for k, t in enumerate(self.towers)]
+        return self.proj(torch.cat(outs, dim=-1)) @ self.emb.weight.T
+
+
+def _tied_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _tied_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 16, (4, 3), generator=g), torch.randint(0, 16, (4, 3), generator=g)
 
 
 @pytest.mark.unit
-def test_a_weight_tied_across_a_placed_segment_keeps_every_op_on_every_device() -> None:
-    """Each region would step its own copy of the tied weight with its own gradient: no placement is made (with
-    the towers forced apart, where placing them would otherwise be chosen)."""
-    from soybean.parts.placement_plan import shared_weights
-    from soybean.parts.placement_plan import Option
+def test_weights_shared_by_placed_regions_are_summed_and_priced() -> None:
+    """A weight both placed towers read and one read on both sides of them: the towers are placed all the same
+    (forced apart), each shared weight recorded with its regions, the ranks its gradient sum runs over (none for
+    the embedding, whose regions are on the same ranks) and priced in the step (``part.tie_s`` over both ranks);
+    the regions run in order are the model, forward and backward."""
+    from soybean.parts.part import tie_s
+    from soybean.parts.rebuild import parts_of
+    from soybean.report.table import placement_table
 
-    cap = capture(_TiedTowers(), (torch.randint(0, 16, (4, 3)),))
-    segs = segments(cap)
-    assert [s.parallel for s in segs] == [False, True, False]
-    chosen = [None, Option(((0,), (1,)), (1, 1), 0.0), None]
-    assert shared_weights(cap, segs, chosen) == {"emb.weight"}
-    assert plan_placement(cap, 2, options(None, profile="cpu-gloo"), sizes=(1, 1)) is None
+    model = _TiedTowers().double()
+    ids, _ = _tied_inputs()
+    cap = capture(model, (ids,))
+    assert [s.parallel for s in segments(cap)] == [False, True, False]
+    p = plan_placement(cap, 2, options(None, profile="cpu-gloo"), sizes=(1, 1))
+    assert p is not None and p.placement is not None
+    rows = p.placement["regions"]
+    assert [r["ranks"] for r in rows] == [[0, 1], [0], [1], [0, 1]]
+    tied = {t["param"]: (t["regions"], t["ranks"]) for t in p.placement["tied"]}
+    assert tied == {"emb.weight": ([0, 3], []), "shared.weight": ([1, 2], [0, 1]), "shared.bias": ([1, 2], [0, 1])}
+    sums = sum(tie_s(t["bytes"], 2, _gloo()) for t in p.placement["tied"] if t["ranks"])
+    assert sums > 0 and p.placement["gap"] == 0.0  # no weight shared across segments: every way priced exactly
+    towers_s = max(r["step_s"] + r["transfer_s"] for r in rows[1:3])
+    assert p.cost["step_time_s"] == pytest.approx(rows[0]["step_s"] + towers_s + rows[3]["step_s"] + sums)
+    assert p.placement["segments"][0]["step_s"] == pytest.approx(towers_s + sums)  # the option paid its sums
+    assert "tied weight shared.weight in regions 1, 2" in placement_table(p)
+    regions, _ = parts_of(cap, p)
+    assert [r.segment for r in regions] == [None, 1, 1, None]  # type: ignore[attr-defined]
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    got, want = run_parts(cap, regions, state, [ids])[0], model(ids)
+    assert torch.equal(got, want)
+    g1 = torch.autograd.grad(got.sum(), list(model.parameters()))
+    g2 = torch.autograd.grad(want.sum(), list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def _tied_placed(rank: int, world: int, steps: int, root: str) -> dict:
+    """The tied towers placed 1 + 1 on 2 processes, trained ``steps`` AdamW steps, saved, loaded into a fresh
+    placed module, and one more step taken by both."""
+    from soybean.api import parts_module
+
+    torch.set_num_threads(1)
+    model = _TiedTowers().double()
+    ids, y = _tied_inputs()
+    cap = capture(model, (ids,))
+    p = plan_placement(cap, world, options(None, devices=world), sizes=(1, 1))
+    assert p is not None
+    pm = parts_module(model, cap, p, rank, world)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    losses, grads = [], {}
+    for step in range(steps):
+        opt.zero_grad()
+        loss = _tied_loss(pm(ids), y)
+        loss.backward()
+        if step == 0:
+            grads = _full_grads(pm)
+        opt.step()
+        losses.append(float(loss.detach()))
+    pm.save_sharded(root, optimizer=opt)
+    fresh = parts_module(_TiedTowers().double(), cap, p, rank, world)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh.load_sharded(root, optimizer=opt2)
+    after = []
+    for m, o in ((pm, opt), (fresh, opt2)):
+        o.zero_grad()
+        _tied_loss(m(ids), y).backward()
+        o.step()
+        after.append(m.full_tensors())
+    return {"losses": losses, "grads": grads, "after": after}
+
+
+@pytest.mark.dist
+def test_weights_shared_by_placed_regions_train_as_serial(tmp_path) -> None:
+    """Both towers on their own process read one shared layer, and the head is tied to the embedding: loss,
+    first gradients and every weight after 3 AdamW steps equal serial training (float64), the copies of each
+    shared weight stepped with the sum of every reader's gradient; a sharded checkpoint keeps each weight's
+    optimizer state once and restores a fresh module whose next step equals the trained one's."""
+    steps = 3
+    got = spawn(_tied_placed, 2, steps, str(tmp_path), timeout_s=300)
+    model = _TiedTowers().double()
+    ids, y = _tied_inputs()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], {}
+    for step in range(steps + 1):
+        opt.zero_grad()
+        loss = _tied_loss(model(ids), y)
+        loss.backward()
+        if step == 0:
+            grads = {k: q.grad.clone() for k, q in model.named_parameters()}
+        opt.step()
+        losses.append(float(loss.detach()))
+    params = {k: q.detach() for k, q in model.named_parameters()}
+    for r in got:
+        assert r["losses"] == pytest.approx(losses[:steps], rel=1e-12)
+        for k, g in grads.items():
+            assert torch.allclose(r["grads"][k], g, rtol=1e-10, atol=1e-12), k
+        for after in r["after"]:  # the trained module and the one loaded from its checkpoint, one step later
+            for k, v in params.items():
+                assert torch.allclose(after[k], v, rtol=1e-10, atol=1e-12), k
 
 
 def _checkpointed(rank: int, world: int, kw: dict, root: str) -> dict:

@@ -33,8 +33,9 @@ from ..options import PlanOptions
 from ..planner.baselines import CHECKPOINTING, checkpointed, infeasible, layouts, tp_mesh
 from ..planner.records import memory_breakdown
 from ..search import SearchError
-from .pipeline_plan import bubble_fraction, inflight, layer_signatures, pipeline_step, transfer_s
-from .stages import even_bounds, layers, split, value_facts
+from .part import value_facts
+from .pipeline_plan import bubble_fraction, inflight, layer_signatures, pipeline_step, sends_s
+from .stages import even_bounds, layers, split
 
 # name: (virtual stages per rank group, schedule)
 SCHEDULED = {"pp_tp_fsdp": (1, "1f1b"), "pp_tp_fsdp_interleaved": (2, "interleaved-1f1b")}
@@ -75,6 +76,7 @@ def price(capture_at: Callable[[int], Captured], batch: int, world: int, options
     pricing = PricingCache()
     out: dict[str, dict[str, Any]] = {}
     caps: dict[int, Captured] = {}
+    facts_at: dict[int, dict[str, tuple[int, bool]]] = {}  # each capture's value facts, found once
     solved: dict[tuple, tuple[float, float, float, float, float]] = {}  # (microbatches, stage key, mode) -> priced
 
     def stage_priced(m: int, key: tuple, st_cap: Captured, per: int,
@@ -103,9 +105,9 @@ def price(capture_at: Callable[[int], Captured], batch: int, world: int, options
         for s, f, tp, m in runs:
             if m not in caps:
                 caps[m] = capture_at(m)
-            cap = caps[m]
+                facts_at[m] = value_facts(caps[m])
+            cap, facts = caps[m], facts_at[m]
             names, sigs = layers(cap), layer_signatures(cap)
-            facts = value_facts(cap)
             if s * v > len(names):
                 continue
             bounds = even_bounds(len(names), s * v)
@@ -128,7 +130,7 @@ def price(capture_at: Callable[[int], Captured], batch: int, world: int, options
                     why = f"a stage needs {budget_needed(need) / GIB:.4g} GiB per device even with full checkpointing"
                     times = []
                     break
-                times.append(t + transfer_s(facts, st, profile.alpha, profile.beta))
+                times.append(t + sends_s(facts, st, per, profile))
                 syncs.append(sync)
                 sent.append(nbytes * m)
                 most = max(most, need)

@@ -3,7 +3,7 @@ planner, and the schedule priced on top.
 
 Priced per microbatch: each stage's step on its submesh (its own plan's modelled ``step_time_s``: forward,
 backward and communication of one microbatch, the capture being the microbatch's) plus the transfers it sends
-(every boundary value forward and its gradient back, ``alpha + bytes * beta`` of the profile's link).  A rank group
+(every boundary value forward and its gradient back: ``part.crossing_s``, on the ``"schedule"`` link).  A rank group
 runs its stages one after the other (``virtual_stages`` of them under the interleaved schedules), and the schedule
 idles a fraction ``bubble`` of the step (``bubble_fraction``), so the step is ``m`` times the slowest group's time
 over ``1 - bubble``: ``(m + p - 1)`` slots of the slowest stage for GPipe and 1F1B.
@@ -29,19 +29,20 @@ from ..cost.profiles import Profile, load_profile
 from ..graph.units import node_layer
 from ..options import PlanOptions
 from ..plan import Plan
-from ..precision import policy
-from .stages import Stage, even_bounds, layers, shared_params, split, value_facts
+from .part import Facts, boundary_bytes, crossing_s, grad_bytes, shared_params, tie_s, value_facts
+from .stages import Stage, even_bounds, layers, pieces, split
 
 
 def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, schedule: str,
                   options: PlanOptions, virtual_stages: int | None = None,
-                  bounds: Sequence[tuple[int, int]] | None = None) -> tuple[list[Stage], list[Plan], Plan]:
+                  bounds: Sequence[tuple[int, int]] | None = None,
+                  facts: Facts | None = None) -> tuple[list[Stage], list[Plan], Plan]:
     """The stages of ``cap`` (captured at the microbatch), each one's plan on ``world // stages`` devices, and the
     pipelined plan (``Plan.pipeline`` holding the stages' plans).  ``stages`` is the pipeline's depth (rank
     groups); with ``virtual_stages`` ``v`` (None: ``PlanOptions.virtual``'s default for ``schedule``) the layers are
     cut into ``stages * v`` stages, stage ``i`` on group ``i % stages`` (the interleaved schedule).  ``bounds``:
     the cut (``search_pipeline``'s); default even in layers.  ``options``: each stage's planner's
-    (``PlanOptions.one_program``)."""
+    (``PlanOptions.one_program``).  ``facts``: ``part.value_facts(cap)``, when the caller has them."""
     from ..planner.core import plan
 
     # the schedule and its virtual stages checked (and defaulted) where every front end checks them, before planning
@@ -56,20 +57,20 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
     per = world // stages
     plans = [plan(None, (), per, options=options, baselines=False, captured=st.cap) for st in cut]
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
-    facts = value_facts(cap)
-    per_mb = [microbatch_s(p) + transfer_s(facts, st, profile.alpha, profile.beta) for p, st in zip(plans, cut)]
+    facts = facts if facts is not None else value_facts(cap)
+    per_mb = [microbatch_s(p) + sends_s(facts, st, per, profile) for p, st in zip(plans, cut)]
     bubble = bubble_fraction(schedule, stages, microbatches, virtual_stages)
     ties = tied_weights(cap, bounds, stages)
     step = pipeline_step(per_mb, [sync_s(p) for p in plans], stages, microbatches, bubble) + sum(
-        tie_s(t, profile) for t in ties)
+        tie_s(t["bytes"], len(t["stages"]), profile) for t in ties)
     record: dict[str, Any] = {
         "schedule": schedule, "microbatches": microbatches, "virtual_stages": virtual_stages, "bubble": bubble,
         "tied": ties,
         "stages": [{"units": [names[a], names[b]], "layers": [a, b],
                     "ranks": list(range((k % stages) * per, (k % stages + 1) * per)), "mesh": list(p.mesh),
                     "microbatch_s": t, "memory_bytes": stage_memory(p, inflight(schedule, k, stages, microbatches)),
-                    "sends": st.returns, "send_bytes": transfer_bytes(facts, st)[0],
-                    "grad_bytes": transfer_bytes(facts, st)[1], "plan": p.to_dict()}
+                    "sends": st.returns, "send_bytes": boundary_bytes(facts, st.returns)[0],
+                    "grad_bytes": boundary_bytes(facts, st.returns)[1], "plan": p.to_dict()}
                    for k, (st, p, t, (a, b)) in enumerate(zip(cut, plans, per_mb, bounds))],
     }
     budget = budget_bytes(options.memory_gb)
@@ -88,21 +89,20 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
 
 
 def tied_weights(cap: Captured, bounds: Sequence[tuple[int, int]], groups: int) -> list[dict[str, Any]]:
-    """The trained weights that stages on two or more rank groups read (tied embeddings: ``stages.shared_params``):
-    each one's stages and the bytes of its gradient (in the precision policy's master dtype), which the pipeline sums
-    across those groups once per step (``pipelined.PipelinedModule._sum_tied_grads``)."""
-    vals = {cap.params[n.name]: n.meta["val"] for n in cap.graph.nodes if n.name in cap.params}
-    master = policy(cap.precision).master
-    return [{"param": fqn, "stages": ss, "bytes": vals[fqn].numel() * (
-                torch.empty((), dtype=master).element_size() if master is not None else vals[fqn].element_size())}
-            for fqn, ss in shared_params(cap, bounds).items() if len({k % groups for k in ss}) > 1]
+    """The trained weights that stages on two or more rank groups read (tied embeddings: ``part.shared_params``):
+    each one's stages and the bytes of its gradient (``part.grad_bytes``), which the pipeline sums across those
+    groups once per step (``checkpoint_view.PartsModule._sum_tied_grads``; priced by ``part.tie_s`` over its
+    stages)."""
+    nbytes = grad_bytes(cap)
+    return [{"param": fqn, "stages": ss, "bytes": nbytes[fqn]}
+            for fqn, ss in shared_params(cap, pieces(cap, bounds)).items() if len({k % groups for k in ss}) > 1]
 
 
-def tie_s(tie: dict[str, Any], profile: Profile) -> float:
-    """Seconds of one tied weight's gradient sum: an all-reduce of its whole gradient over one rank per holding group
-    (ring: ``2 (h - 1)`` messages of ``bytes / h``), on the profile's link."""
-    h = len(tie["stages"])
-    return 2 * (h - 1) * (profile.alpha + tie["bytes"] / h * profile.beta)
+def sends_s(facts: Facts, st: Stage, per: int, profile: Profile) -> float:
+    """Seconds stage ``st`` spends per microbatch sending its boundary values to the next rank group and receiving
+    their gradients back (``part.crossing_s``: each of its ``per`` ranks to the rank of its index in the next group,
+    as torch's schedule sends them; none for the last stage)."""
+    return crossing_s(facts, st.returns, range(per), range(per, 2 * per), profile, "schedule")
 
 
 def microbatch_s(p: Plan) -> float:
@@ -136,21 +136,6 @@ def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual_stage
     1)`` (torch's ``ScheduleInterleavedZeroBubble`` is ZB-H1 over ``v`` stages per rank)."""
     thirds = 3 if schedule == "zero-bubble" else 1
     return (stages - 1) / (thirds * virtual_stages * microbatches + stages - 1)
-
-
-def transfer_bytes(facts: dict[str, tuple[int, bool]], st: Stage) -> tuple[int, int]:
-    """Bytes stage ``st`` sends forward per microbatch (its boundary values) and receives back (the gradients of
-    those autograd tracks: ``stages.value_facts``); none for the last stage."""
-    fwd = sum(facts[n][0] for n in st.returns if n in facts)
-    return fwd, sum(facts[n][0] for n in st.returns if n in facts and facts[n][1])
-
-
-def transfer_s(facts: dict[str, tuple[int, bool]], st: Stage, alpha: float, beta: float) -> float:
-    """Seconds stage ``st`` spends sending its boundary values forward and receiving their gradients back, per
-    microbatch (``transfer_bytes``, each message ``alpha + bytes * beta`` on the profile's link)."""
-    n = [name for name in st.returns if name in facts]
-    fwd, bwd = transfer_bytes(facts, st)
-    return alpha * (len(n) + sum(facts[name][1] for name in n)) + (fwd + bwd) * beta
 
 
 def best_cut(n: int, parts: int, cost: Callable[[int, int], float],
@@ -232,7 +217,7 @@ class StageCosts:
                  microbatches: int) -> None:
         self.cap, self.options, self.profile, self.budget, self.m = cap, options, profile, budget, microbatches
         self.names, self.sigs = layers(cap), layer_signatures(cap)
-        self.facts = value_facts(cap)
+        self.facts = value_facts(cap)  # once per microbatch size: every stage's sends read them
         # seconds per microbatch (sends included), memory, gradient sync, sends
         self.memo: dict[tuple, tuple[float, float, float, float]] = {}
         self.plans = 0  # stage plans made
@@ -259,7 +244,7 @@ class StageCosts:
             except (MemoryBudgetError, SearchError):  # no plan of this stage fits (or none was found): never chosen
                 self.memo[key] = (math.inf, math.inf, 0.0, 0.0)
                 return math.inf
-            sends = transfer_s(self.facts, st, self.profile.alpha, self.profile.beta)
+            sends = sends_s(self.facts, st, per, self.profile)
             mem = stage_memory(p, held)
             fits = self.budget is None or mem <= self.budget
             self.memo[key] = (microbatch_s(p) + sends if fits else math.inf, mem, sync_s(p), sends)
@@ -287,7 +272,7 @@ class StageCosts:
         gradient sums: ``tie_s``)."""
         return pipeline_step([self.of(a, b, groups) for a, b in cut], [self.sync(a, b, groups) for a, b in cut],
                              groups, self.m, bubble_fraction(schedule, groups, self.m, v)) + sum(
-            tie_s(t, self.profile) for t in tied_weights(self.cap, cut, groups))
+            tie_s(t["bytes"], len(t["stages"]), self.profile) for t in tied_weights(self.cap, cut, groups))
 
     def sync(self, a: int, b: int, stages: int, k: int = 0) -> float:
         """The gradient synchronisation of layers ``a .. b`` as a stage (``of`` first plans it)."""
@@ -318,7 +303,7 @@ def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: in
     it); only the fastest is planned whole (``plan_pipeline``). ``stages``: only that stage count."""
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
     budget = budget_bytes(options.memory_gb)  # the planner's own: ``--memory-gb`` less its headroom
-    best: tuple[float, Captured, int, int, str, int, list[tuple[int, int]]] | None = None
+    best: tuple[float, StageCosts, int, int, str, int, list[tuple[int, int]]] | None = None
     searched: list[dict[str, Any]] = []
     candidates: list[tuple[float, int, int, str, int, StageCosts]] = []
     for m in [d for d in range(1, batch + 1) if batch % d == 0]:
@@ -346,11 +331,12 @@ def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: in
                          "units": [[costs.names[a], costs.names[b]] for a, b in cut]})
         say(f"pipeline {s} stages x {v} x {m} microbatches, {schedule}: {step:.4g} s")
         if math.isfinite(step) and (best is None or step < best[0]):
-            best = (step, costs.cap, s, m, schedule, v, cut)
+            best = (step, costs, s, m, schedule, v, cut)
     if best is None or best[0] >= floor:
         return None, searched
-    _, cap, s, m, schedule, v, cut = best
-    _, _, top = plan_pipeline(cap, world, s, m, schedule, options, virtual_stages=v, bounds=cut)
+    _, costs, s, m, schedule, v, cut = best
+    _, _, top = plan_pipeline(costs.cap, world, s, m, schedule, options, virtual_stages=v, bounds=cut,
+                              facts=costs.facts)
     assert top.pipeline is not None
     top.pipeline["searched"] = searched
     return top, searched

@@ -5,8 +5,16 @@ by its own plan.  The branches of a parallel segment may instead be split into p
 *group* of devices (contiguous ranks) that runs its branches one after the other, tiled by a plan of the part on
 the group's devices, while the other groups run theirs at the same time.  What a part returns (read by the next
 serial segment, on every device) moves to the devices outside its group by point-to-point messages
-(``ir.transfers``: priced as ``runtime.transfer`` sends them; no gradient comes back, since every device of the
-group computes it whole in the next segment).
+(``part.crossing_s`` on the ``"p2p"`` link: ``ir.transfers``' pairs, priced as ``runtime.transfer`` sends them; no
+gradient comes back, since every device of the group computes it whole in the next segment).
+
+A trained weight several regions read (two branches sharing a layer, an embedding tied to the head across a placed
+segment) is a copy in each, as a weight two pipeline stages read: its copies' gradients are summed once per step
+(``part.shared_params``, ``checkpoint_view.PartsModule._sum_tied_grads``), over the union of its regions' ranks
+when they differ (``part.tie_s``; on each rank, for nothing, when every reader is on the same ranks).  A placed
+option pays the sums it makes (``segment_options``' ``ties``); a weight two placeable segments read is priced in
+each placed option of either (an upper bound when both are placed), so such a plan's choice is the best segment by
+segment, not proven (``gap`` None), while its step counts each sum once.
 
 The step's makespan is the sum over segments of each one's time: a serial segment's step (its plan's
 ``step_time_s``, forward, backward, gradient sync and optimizer on its devices); a parallel segment's
@@ -17,15 +25,14 @@ the fork give ``max F + max B``; ``max (F + B)`` equals it then, and is its lowe
 
 For one segment with ``k`` branches, every set partition of the branches (Bell(k)) and every composition of the
 devices into as many group sizes (``group_sizes``: any up to 8 devices, powers of two and divisors beyond) is priced
-(``segment_options``): the minimum is exact, and a segment of more than
-``MAX_BRANCHES`` branches is left serial.  Segments are independent given that serial segments hand whole values
-to the next, so the placed plan is the per-segment minimum; the parts then planned together (a group's branches
-as one capture, consecutive serial segments as one) are priced again for the record, and ``api.placed_or_plain``
-keeps the cheaper of that and the plan without placement.
+(``segment_options``): the minimum is exact, and a segment of more than ``MAX_BRANCHES`` branches is left serial.
+Segments are independent given that serial segments hand whole values to the next (and that no weight is shared
+between two that may be placed), so the placed plan is the per-segment minimum; the parts then planned together (a
+group's branches as one capture, consecutive serial segments as one) are priced again for the record, and
+``api.placed_or_plain`` keeps the cheaper of that and the plan without placement.
 """
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,11 +40,10 @@ from typing import Any
 from ..capture.core import Captured
 from ..cost.profiles import Profile, load_profile
 from ..graph.units import node_module
-from ..ir.transfers import backward_pairs, busiest, forward_pairs
 from ..options import PlanOptions
 from ..plan import Plan
+from .part import Facts, Part, crossing_s, grad_bytes, shared_params, tie_s, value_facts
 from .regions import Region, Segment, params_read, segments, shape_key, split
-from .stages import value_facts
 
 MAX_BRANCHES = 8  # Bell(8) = 4,140 partitions of a segment's branches
 SMALL_WORLD = 8  # up to this many devices, groups of any size
@@ -90,27 +96,19 @@ def compositions(total: int, parts: int, sizes: Sequence[int] | None = None) -> 
                 yield (first, *rest)
 
 
-def move_s(src: Sequence[int], dst: Sequence[int], nbytes: int, grad: bool, profile: Profile) -> float:
-    """Seconds to move a whole value of ``nbytes`` from the ranks ``src`` to the ranks ``dst`` and, when ``grad``,
-    its gradient back: the pairs ``ir.transfers`` defines (what ``runtime.transfer`` sends), the busiest rank's
-    messages one after the other, each ``alpha + bytes * beta`` of the profile's point-to-point link."""
-    alpha, beta = profile.ab(0, "p2p", m=float(nbytes))
-    messages = busiest(forward_pairs(src, dst)) + (busiest(backward_pairs(src, dst)) if grad else 0)
-    return messages * (alpha + nbytes * beta)
-
-
-def send_s(nbytes: int, grad: bool, group: int, devices: int, profile: Profile) -> float:
-    """``move_s`` of a value a group of ``group`` devices (the first ranks) hands to a region on every one of
-    ``devices`` devices (a placed segment's next serial region): its gradient is that region's on every device
-    of the group already, so nothing comes back."""
-    return move_s(range(group), range(devices), nbytes, grad, profile)
+def group_sends_s(facts: Facts, names: Sequence[str], group: int, devices: int, profile: Profile) -> float:
+    """Seconds the values ``names`` a group of ``group`` devices (the first ranks) made take to reach a region on
+    every one of ``devices`` devices (a placed segment's next serial region): ``part.crossing_s`` on soybean's own
+    point-to-point link, nothing coming back (that region's gradient is on every device of the group already)."""
+    return crossing_s(facts, names, range(group), range(devices), profile, "p2p")
 
 
 def segment_options(steps: Callable[[int, int], float], sends: Callable[[Sequence[int], int], float],
-                    branches: int, devices: int) -> list[Option]:
+                    branches: int, devices: int,
+                    ties: Callable[[Sequence[Sequence[int]], Sequence[int]], float] | None = None) -> list[Option]:
     """Every way to run a segment of ``branches`` branches on ``devices`` devices (module docstring), cheapest
     first; ``steps(b, d)``: branch ``b``'s step on ``d`` devices; ``sends(part, d)``: a part's sends from a group
-    of ``d``."""
+    of ``d``; ``ties(parts, sizes)``: the gradient sums of the shared weights a placed option splits."""
     out: list[Option] = []
     for parts in set_partitions(list(range(branches))):
         if len(parts) > devices:
@@ -118,6 +116,8 @@ def segment_options(steps: Callable[[int, int], float], sends: Callable[[Sequenc
         for sizes in compositions(devices, len(parts), group_sizes(devices)):
             t = max(sum(steps(b, d) for b in part) + (sends(part, d) if len(parts) > 1 else 0.0)
                     for part, d in zip(parts, sizes))
+            if ties is not None and len(parts) > 1:
+                t += ties(parts, sizes)
             out.append(Option(tuple(tuple(p) for p in parts), sizes, t))
             if len(parts) == 1:
                 break
@@ -142,21 +142,30 @@ def module_prefixes(cap: Captured, nodes: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(p[0] for p in parts))
 
 
-def placeable(cap: Captured, segs: Sequence[Segment]) -> list[bool]:
-    """Which segments may be placed: parallel, at most ``MAX_BRANCHES`` branches, each branch with weights of its
-    own to train (the work placement spreads; not the two halves of a broadcast), and no trained parameter read by
-    two of its branches or by another segment (a copy per group would need its gradients summed)."""
-    reads = [[params_read(cap, b) for b in s.branches] for s in segs]
-    out = []
-    for i, s in enumerate(segs):
-        if not s.parallel or len(s.branches) > MAX_BRANCHES or not all(reads[i]):
-            out.append(False)
-            continue
-        mine = reads[i]
-        others = set().union(*(r for j, rs in enumerate(reads) if j != i for r in rs))
-        shared = any(a & b for a, b in itertools.combinations(mine, 2)) or any(r & others for r in mine)
-        out.append(not shared)
-    return out
+def placeable(segs: Sequence[Segment], reads: Sequence[Sequence[set[str]]]) -> list[bool]:
+    """Which segments may be placed: parallel, at most ``MAX_BRANCHES`` branches, each branch with weights to train
+    (the work placement spreads; not the two halves of a broadcast).  ``reads``: each branch's trained weights
+    (``regions.params_read``); a weight several read is summed across their groups (module docstring)."""
+    return [s.parallel and len(s.branches) <= MAX_BRANCHES and all(reads[i]) for i, s in enumerate(segs)]
+
+
+def segment_ties(reads: Sequence[Sequence[set[str]]], i: int, nbytes: dict[str, int], devices: int,
+                 profile: Profile) -> Callable[[Sequence[Sequence[int]], Sequence[int]], float]:
+    """``segment_options``' ``ties`` for segment ``i``: each weight its branches read that a placed option leaves in
+    two or more regions (two of its parts, or one of them and another segment) summed over those regions' ranks
+    (its parts' groups; every device when another segment reads it: at most that many), ``part.tie_s``."""
+    mine = sorted(set().union(*reads[i]))
+    outside = {w for j, rs in enumerate(reads) if j != i for r in rs for w in r}
+
+    def ties(parts: Sequence[Sequence[int]], sizes: Sequence[int]) -> float:
+        total = 0.0
+        for w in mine:
+            where = [d for part, d in zip(parts, sizes) if any(w in reads[i][b] for b in part)]
+            if len(where) > 1 or w in outside:
+                total += tie_s(nbytes[w], devices if w in outside else sum(where), profile)
+        return total
+
+    return ties
 
 
 def plan_placement(cap: Captured, devices: int, options: PlanOptions,
@@ -172,7 +181,8 @@ def plan_placement(cap: Captured, devices: int, options: PlanOptions,
     from ..planner.core import plan
 
     segs = segments(cap)
-    ok = placeable(cap, segs)
+    reads = [[params_read(cap, b) for b in s.branches] for s in segs]
+    ok = placeable(segs, reads)
     if devices < 2 or not any(ok):
         return None
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
@@ -205,9 +215,10 @@ def plan_placement(cap: Captured, devices: int, options: PlanOptions,
             return float(planned(at[(i, b)].cap, d).cost["step_time_s"])
 
         def sends(part: Sequence[int], d: int, i: int = i) -> float:
-            return sum(send_s(facts[v][0], facts[v][1], d, devices, profile) for b in part for v in at[(i, b)].returns)
+            return group_sends_s(facts, [v for b in part for v in at[(i, b)].returns], d, devices, profile)
 
-        opts = segment_options(steps, sends, len(s.branches), devices)
+        opts = segment_options(steps, sends, len(s.branches), devices,
+                               segment_ties(reads, i, grad_bytes(cap), devices, profile))
         forced = [o for o in opts if sizes is not None and o.sizes == tuple(sizes)]
         best = forced[0] if forced else opts[0]
         chosen.append(best if best.placed else None)
@@ -216,37 +227,37 @@ def plan_placement(cap: Captured, devices: int, options: PlanOptions,
                         "unplaced_s": next(o.seconds for o in opts if not o.placed), "options": len(opts)})
     if not any(o is not None for o in chosen):
         return None
-    if shared_weights(cap, segs, chosen):
-        say("placement: a trained weight is read on both sides of a placed segment (tied): none placed")
-        return None
-    return _placed(cap, segs, chosen, records, devices, profile, facts, planned, options)
+    # a weight two placeable segments read is priced in each placed option of either: the choice is not proven
+    placeable_reads = [set().union(*rs) for rs, can in zip(reads, ok) if can]
+    across = any(sum(w in r for r in placeable_reads) > 1 for w in set().union(*placeable_reads))
+    return _placed(cap, segs, chosen, records, devices, profile, facts, planned, options, proven=not across)
 
 
-def shared_weights(cap: Captured, segs: Sequence[Segment], chosen: Sequence[Option | None]) -> set[str]:
-    """The trained weights that two regions of the chosen placement would read (a tied embedding and head on
-    both sides of a placed segment): each region would hold a copy stepped with its own gradient, so a placement
-    with any is not made."""
-    pieces, _, _ = region_pieces(segs, chosen, 1)
-    seen: dict[str, int] = {}
-    shared: set[str] = set()
-    for k, nodes in enumerate(region_nodes(cap, segs, pieces)):
-        for fqn in params_read(cap, nodes):
-            if seen.setdefault(fqn, k) != k:
-                shared.add(fqn)
-    return shared
+def tied_weights(cap: Captured, regions: Sequence[Part], ranks: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
+    """The trained weights two or more regions read (``part.shared_params``): each one's regions, the ranks its
+    gradient sum runs over (the union of its regions' ranks; none when they are all on the same ranks, where each
+    rank sums its own copies' gradients), and the bytes of its gradient (``part.grad_bytes``)."""
+    nbytes = grad_bytes(cap)
+    out = []
+    for fqn, ks in shared_params(cap, [r.nodes for r in regions]).items():
+        held = {tuple(ranks[k]) for k in ks}
+        over = sorted({r for rk in held for r in rk}) if len(held) > 1 else []
+        out.append({"param": fqn, "regions": ks, "ranks": over, "bytes": nbytes[fqn]})
+    return out
 
 
 def _placed(cap: Captured, segs: Sequence[Segment], chosen: Sequence[Option | None], records: list[dict[str, Any]],
-            devices: int, profile: Profile, facts: dict[str, tuple[int, bool]],
-            planned: Callable[[Captured, int], Plan], options: PlanOptions) -> Plan:
-    """The plan of the chosen options: the final regions planned, priced and recorded (``Plan.placement``)."""
+            devices: int, profile: Profile, facts: Facts, planned: Callable[[Captured, int], Plan],
+            options: PlanOptions, proven: bool) -> Plan:
+    """The plan of the chosen options: the final regions planned, priced and recorded (``Plan.placement``);
+    ``proven``: no weight is shared between two placeable segments, so the choice is the best of every way
+    priced."""
     pieces, ranks, placed_in = region_pieces(segs, chosen, devices)
     regions = split(cap, region_nodes(cap, segs, pieces))
     rows: list[dict[str, Any]] = []
     for r, piece, rk, seg in zip(regions, pieces, ranks, placed_in):
         p = planned(r.cap, len(rk))
-        send = sum(send_s(facts[v][0], facts[v][1], len(rk), devices, profile) for v in r.returns) if seg is not None \
-            else 0.0
+        send = group_sends_s(facts, r.returns, len(rk), devices, profile) if seg is not None else 0.0
         units = list(dict.fromkeys(u for s, b in piece for u in module_prefixes(cap, segs[s].branches[b])))
         rows.append({"units": units, "segment": seg, "pieces": [list(x) for x in piece],
                      "ranks": rk, "mesh": list(p.mesh), "step_s": float(p.cost["step_time_s"]), "transfer_s": send,
@@ -256,12 +267,15 @@ def _placed(cap: Captured, segs: Sequence[Segment], chosen: Sequence[Option | No
     step = sum(row["step_s"] for row in rows if row["segment"] is None)
     for seg in {row["segment"] for row in rows if row["segment"] is not None}:
         step += max(row["step_s"] + row["transfer_s"] for row in rows if row["segment"] == seg)
-    # every way of every segment was priced: the choice is optimal for the model above (gap 0); each region's own
-    # tiling carries its solver's gap in its plan
+    ties = tied_weights(cap, regions, ranks)
+    step += sum(tie_s(t["bytes"], len(t["ranks"]), profile) for t in ties if t["ranks"])
+    # every way of every segment was priced: the choice is optimal for the model above (gap 0) when ``proven``;
+    # each region's own tiling carries its solver's gap in its plan
     gap = max(float(row["plan"]["solver"].get("gap", 0.0)) for row in rows)
     record = {"regions": rows, "segments": records,
               "groups": max(sum(1 for row in rows if row["segment"] == i) for i in set(placed_in) if i is not None),
-              "options": sum(r["options"] for r in records), "gap": 0.0, "region_gap": gap}
+              "options": sum(r["options"] for r in records), "gap": 0.0 if proven else None, "region_gap": gap,
+              **({"tied": ties} if ties else {})}
     first = Plan.from_dict(rows[0]["plan"])
     moe, cp = Plan.part_rows([Plan.from_dict(row["plan"]) for row in rows], "region")
     return Plan(devices=devices, mesh=[devices], objective=options.objective, profile=first.profile,

@@ -18,9 +18,10 @@ what it reads to what is read from it (``_series``): so the branches inside a re
 
 ``segments`` lists the series in graph order, each a ``Segment``: its branches (one for a serial segment), each a
 tuple of node names.  ``split`` turns pieces of nodes (a segment, or some of a segment's branches) into
-``Region``\\ s, each its own ``Captured`` (``stages.sub_capture``) that takes the whole-graph values it reads from
-elsewhere and returns the values other regions read; running them in order is the captured graph (``run_regions``,
-the serial meaning the tests check).
+``Region``\\ s: ``part.Part``\\ s (``part.split``, which cuts pipeline stages too, its free nodes copied into their
+readers), each taking the whole-graph values it reads from whichever region made them and returning the values
+other regions read; running them in order is the captured graph (``part.run_parts``, the serial meaning the tests
+check).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import torch
 from torch import fx
 
 from ..capture.core import Captured
-from .stages import sub_capture
+from .part import Part, as_kind, params_read as part_params_read, split as split_parts
 
 SOURCE = "__source__"
 
@@ -56,16 +57,15 @@ class Segment:
 
 
 @dataclass
-class Region:
-    """A piece of the graph run as one program: its nodes, its capture, the whole-graph values it takes (user
-    inputs or other regions' values, in order) and those it returns (read by a later region; the last region
-    returns the model's outputs)."""
+class Region(Part):
+    """A piece of the graph run as one program on its group: a ``Part`` (its nodes, its capture, the whole-graph
+    values it takes, user inputs or other regions' values, and those it returns, read by a later region; the last
+    region returns the model's outputs), and where it sits in the graph's series: its (segment, branch) pieces
+    and the placed segment whose other groups run at the same time as it (None: a serial region, alone on every
+    device).  Both are a placed plan's (``from_plan``); a region cut from bare node lists has neither."""
 
-    nodes: tuple[str, ...]
-    cap: Captured
-    takes: list[str]
-    returns: list[str]
-    last: bool
+    pieces: tuple[tuple[int, int], ...] = ()
+    segment: int | None = None
 
 
 def free_nodes(cap: Captured) -> set[str]:
@@ -185,83 +185,22 @@ def _series(g: nx.DiGraph, nodes: set[str], order: dict[str, int]) -> list[tuple
     return pieces
 
 
-def _free_reads(cap: Captured, nodes: Sequence[str], free: set[str]) -> set[str]:
-    """The free non-placeholder nodes that ``nodes`` read, transitively: copied into their region."""
-    by_name = {n.name: n for n in cap.graph.nodes}
-    out: set[str] = set()
-    stack = list(nodes)
-    while stack:
-        for a in by_name[stack.pop()].all_input_nodes:
-            if a.name in free and a.op != "placeholder" and a.name not in out:
-                out.add(a.name)
-                stack.append(a.name)
-    return out
-
-
 def params_read(cap: Captured, nodes: Sequence[str]) -> set[str]:
     """The trained parameters (FQNs) that ``nodes`` read, directly or through the free nodes copied with them."""
     free = free_nodes(cap)
-    by_name = {n.name: n for n in cap.graph.nodes}
-    out: set[str] = set()
-    for name in {*nodes, *_free_reads(cap, nodes, free)}:
-        for a in by_name[name].all_input_nodes:
-            fqn = cap.params.get(a.name)
-            if fqn is not None and fqn not in cap.frozen:
-                out.add(fqn)
-    return out
+    copied = {n.name for n in cap.graph.nodes if n.name in free and n.op != "placeholder"}
+    return set(part_params_read(cap, nodes, copied))
 
 
 def split(cap: Captured, pieces: Sequence[Sequence[str]]) -> list[Region]:
     """The regions of ``pieces`` (node lists that cover every non-free node once, in an order where a piece reads
     only earlier ones; the last piece holds the output node)."""
     free = free_nodes(cap)
-    nodes = list(cap.graph.nodes)
-    piece_of = {n: k for k, piece in enumerate(pieces) for n in piece}
-    value_nodes = [n.name for n in nodes if n.name not in free and n.op != "output"]
-    missing = [n for n in value_nodes if n not in piece_of]
+    assigned = {n for piece in pieces for n in piece}
+    missing = [n.name for n in cap.graph.nodes if n.name not in free and n.op != "output" and n.name not in assigned]
     if missing:
         raise ValueError(f"the regions do not cover {missing[:5]}")
-    readers: dict[str, set[int]] = {}
-    for n in nodes:
-        if n.name in piece_of:
-            for a in n.all_input_nodes:
-                readers.setdefault(a.name, set()).add(piece_of[n.name])
-    last_piece = len(pieces) - 1
-    out: list[Region] = []
-    for k, piece in enumerate(pieces):
-        members = set(piece) | _free_reads(cap, piece, free)
-        by_name = {n.name: n for n in nodes}
-        taken: dict[str, None] = {}
-        for n in nodes:
-            if n.name not in members:
-                continue
-            for a in by_name[n.name].all_input_nodes:
-                if a.name in members or (a.op == "placeholder" and a.name not in cap.inputs):
-                    continue
-                if a.name in free and a.op != "placeholder":
-                    continue
-                taken[a.name] = None
-        takes = sorted(taken, key=[n.name for n in nodes].index)
-        returns = [] if k == last_piece else [
-            n for n in piece if n in readers and any(r != k for r in readers[n])]
-        last = k == last_piece
-        out.append(Region(tuple(piece), sub_capture(cap, f"region {k}", members, takes, returns, last), takes,
-                          returns, last))
-    return out
-
-
-def run_regions(cap: Captured, regions: Sequence[Region], state: dict[str, torch.Tensor], inputs: Sequence[Any]) -> Any:
-    """The regions run one after the other (the serial meaning of a placed plan): ``state`` by FQN, ``inputs`` the
-    capture's flat user inputs."""
-    values: dict[str, Any] = dict(zip(cap.inputs, inputs))
-    got: Any = None
-    for r in regions:
-        c = r.cap
-        args = c.feed(state)
-        got = c.graph_module(*args, *(values[t] for t in r.takes))
-        if not r.last:
-            values.update(zip(r.returns, got))
-    return got
+    return [as_kind(p, Region) for p in split_parts(cap, pieces, "region")]
 
 
 def shape_key(cap: Captured) -> str:

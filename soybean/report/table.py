@@ -125,8 +125,14 @@ def placement_table(plan: Plan) -> str:
         else:
             lines.append(f"segment {seg['segment']}: {seg['branches']} branches kept on every device "
                          f"({seg['step_s'] * 1e3:.4g} ms)")
+    for t in place.get("tied", []):
+        over = f"across ranks {_ranks(t['ranks'])}" if t["ranks"] else "on each rank"
+        lines.append(f"tied weight {t['param']} in regions {', '.join(map(str, t['regions']))}: its gradient "
+                     f"({_bytes(t['bytes'])}) summed {over} once per step")
+    proven = "the best proven (gap 0" if place["gap"] is not None else \
+        "the best segment by segment (a weight shared across segments priced in each"
     lines.append(f"step {plan.cost['step_time_s'] * 1e3:.4g} ms (modelled, {plan.profile}); {place['options']} ways "
-                 f"priced, the best proven (gap 0; the regions' own plans within {place['region_gap']:.2%})")
+                 f"priced, {proven}; the regions' own plans within {place['region_gap']:.2%})")
     if place.get("without_placement_s") is not None:
         lines.append(f"without placement: {place['without_placement_s'] * 1e3:.4g} ms")
     lines += [_total(k, v) for k, v in plan.baselines.items()]

@@ -32,19 +32,33 @@ from ..tiling import R
 from .module import ParallelModule
 
 
+@dataclass
+class Tie:
+    """A trained weight several parts read (``part.shared_params``), as one rank takes part in summing its copies'
+    gradients: this rank's reading parts (their indices and modules, ascending), whether this rank adds each one's
+    whole gradient to the sum (each part's gradient must be counted once over ``group``), the group the sums are
+    all-reduced over (None: every reader is on this rank), and ``src``, the rank of that group holding the first
+    reader's copy (the one a checkpoint keeps, ``CheckpointView``) that shares its optimizer state's layout."""
+
+    fqn: str
+    parts: list[int]
+    modules: list[ParallelModule]
+    counted: list[bool]
+    group: Any
+    src: int
+
+
 class PartsModule(nn.Module):
     """A model run in parts on their own ranks (module docstring): the base of ``PipelinedModule`` (its stages) and
     ``PlacedModule`` (its regions).  A subclass calls ``_hold_parts`` with every part's capture, ranks and plan (in
     order, the same on every rank) and defines ``local_parts``; ``_ties`` are the trained weights several parts
-    read (each one's name, this rank's reading modules and the group summing over their holders), ``_groups`` how
-    many rank groups hold parts (both: a pipeline's; a placed plan has no tied trained weight)."""
+    read that this rank holds a copy of (``Tie``), whose gradients ``_sum_tied_grads`` sums once per step."""
 
     plan: Plan
     _stage_caps: list[Captured]
     _stage_ranks: list[list[int]]
     _plans: list[Plan]
-    _ties: list[tuple[str, list[ParallelModule], Any]]
-    _groups: int
+    _ties: list[Tie]
     _unread: dict[str, torch.Tensor]
     _checkpoint_view: CheckpointView | None
 
@@ -66,6 +80,29 @@ class PartsModule(nn.Module):
     def local_parts(self) -> list[tuple[int, ParallelModule]]:
         """This rank's parts with their indices, ascending."""
         raise NotImplementedError
+
+    @torch.no_grad()
+    def _sum_tied_grads(self) -> None:
+        """Each copy of a weight several parts read gets the sum of their gradients (the serial one), after the
+        step's backward: every reader's gradient gathered whole within its part's ranks (``ParallelModule.whole``),
+        the ones this rank counts summed, then summed over the tie's group (``dist.all_reduce``), and each copy takes
+        its tile of the sum (``ParallelModule.tile``).  Every rank walks the ties in one order, each tie's parts
+        ascending, so every group's collectives meet."""
+        for tie in self._ties:
+            total: torch.Tensor | None = None
+            for pm, counted in zip(tie.modules, tie.counted):
+                p = pm.get_parameter(tie.fqn)
+                whole = pm.whole(tie.fqn, p.grad if p.grad is not None else torch.zeros_like(p))
+                if counted:
+                    total = whole if total is None else total + whole
+                elif total is None:
+                    total = torch.zeros_like(whole)
+            assert total is not None
+            if tie.group is not None:
+                dist.all_reduce(total, group=tie.group)
+            for pm in tie.modules:
+                p = pm.get_parameter(tie.fqn)
+                p.grad = pm.tile(tie.fqn, total).to(p.dtype)
 
     @torch.no_grad()
     def full_tensors(self) -> dict[str, torch.Tensor]:
@@ -271,19 +308,22 @@ class CheckpointView(nn.Module):
                 g["params"] = params
             optimizer.state.update(states)
 
-    def _whole(self, fqn: str, group: Any, owner_tile: torch.Tensor | None, like: ParallelModule,
-               dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The whole tensor of which the owner of ``fqn`` holds ``owner_tile`` (its tiling's), on every rank of the
-        tie: gathered within the owner's stage, summed with zeros over the tie's group."""
+    def _whole(self, tie: Tie, owner_tile: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor of which the owner of ``tie``'s weight holds ``owner_tile`` (its tiling's), on every rank
+        of the tie: gathered within the owner's part, summed with zeros over the tie's group (counted once: by the
+        ranks ``tie.counted`` names)."""
+        fqn, like = tie.fqn, tie.modules[0]
         whole: torch.Tensor | None = None
         own = self._owner.get(fqn)
         if own is not None:
             assert owner_tile is not None
             whole = own[0].whole(fqn, owner_tile)
-        if group is not None:
+            if tie.group is not None and not tie.counted[tie.parts.index(own[1])]:
+                whole = torch.zeros_like(whole)
+        if tie.group is not None:
             buf = whole if whole is not None else torch.zeros(like._full_shape(fqn),
                                                               dtype=dtype or like.get_parameter(fqn).dtype)
-            dist.all_reduce(buf, group=group)
+            dist.all_reduce(buf, group=tie.group)
             whole = buf
         assert whole is not None
         return whole
@@ -309,12 +349,11 @@ class CheckpointView(nn.Module):
 
     def _copy_ties(self, optimizer: torch.optim.Optimizer | None) -> None:
         """``copy_ties`` of the tied trained weights (``PartsModule._ties``), optimizer state included."""
-        pipe = self._pipe
-        per = dist.get_world_size() // pipe._groups
-        for fqn, mods, group in pipe._ties:
+        for tie in self._pipe._ties:
+            fqn, group = tie.fqn, tie.group
             own = self._owner.get(fqn)
             owner_param = own[0].get_parameter(fqn) if own is not None else None
-            whole = self._whole(fqn, group, owner_param.detach() if owner_param is not None else None, mods[0])
+            whole = self._whole(tie, owner_param.detach() if owner_param is not None else None)
             copies = self._copies.get(fqn, [])
             for pm in copies:
                 pm.get_parameter(fqn).copy_(pm.tile(fqn, whole))
@@ -326,11 +365,10 @@ class CheckpointView(nn.Module):
                                      and v.shape == owner_param.shape and v.dim() else v)
                                  for k, v in state.items()}]
             if group is not None:
-                src = (self._first[fqn] % pipe._groups) * per + dist.get_rank() % per
-                dist.broadcast_object_list(kinds, src=src, group=group)
+                dist.broadcast_object_list(kinds, src=tie.src, group=group)
             for k, kind in sorted(kinds[0].items()):
                 if isinstance(kind, tuple) and kind and kind[0] == "tile":
-                    full = self._whole(fqn, group, state[k] if owner_param is not None else None, mods[0], kind[1])
+                    full = self._whole(tie, state[k] if owner_param is not None else None, kind[1])
                     for pm in copies:
                         optimizer.state[pm.get_parameter(fqn)][k] = pm.tile(fqn, full)
                 else:

@@ -25,8 +25,8 @@ contract), and the gradients of its replicated parameters are summed once per st
 backward (``GradSync.defer``, ``sync_now``), not per microbatch.
 
 A weight two stages read (tied input and output embeddings) is a copy in each; after the step's backward each copy's
-gradient is replaced by the sum of every reader's (``_sum_tied_grads``), so the copies, stepped alike, stay equal
-to the serial weight.
+gradient is replaced by the sum of every reader's (``checkpoint_view.PartsModule._sum_tied_grads``, which placed
+regions share), so the copies, stepped alike, stay equal to the serial weight.
 """
 from __future__ import annotations
 
@@ -40,12 +40,13 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from ..capture.core import Captured
 from ..options import MULTI_STAGE, SCHEDULES  # their one home: PlanOptions checks them
-from ..parts.stages import Stage, boundary_examples, shared_params
+from ..parts.part import Part, shared_params
+from ..parts.stages import boundary_examples
 from ..plan import Plan
 from ..precision import policy
 from ..runtime.agree import guarded
 from ..runtime.launch import group_timeout
-from .checkpoint_view import PartsModule
+from .checkpoint_view import PartsModule, Tie
 from .module import ParallelModule
 
 REDUCTIONS = ("mean", "sum")
@@ -130,7 +131,7 @@ class PipelinedModule(PartsModule):
     the optimizer on them, as with any ``ParallelModule``.  The state API (``full_state_dict``, ``save_sharded``,
     ...) is ``checkpoint_view.PartsModule``'s, over the stages."""
 
-    def __init__(self, model: nn.Module, cap: Captured, stages: Sequence[Stage], plans: Sequence[Plan], plan: Plan,
+    def __init__(self, model: nn.Module, cap: Captured, stages: Sequence[Part], plans: Sequence[Plan], plan: Plan,
                  rank: int, world: int) -> None:
         super().__init__()
         from torch.distributed.pipelining import PipelineStage
@@ -183,9 +184,10 @@ class PipelinedModule(PartsModule):
         self._schedules: dict[tuple[int, bool, str], Any] = {}
         self._hold_parts(model, [st.cap for st in stages],
                          [range((k % groups) * per, (k % groups + 1) * per) for k in range(n)], plans)
-        # A weight several stages read: summed over this rank's readers, then over the groups' ranks of one index.
-        self._ties: list[tuple[str, list[ParallelModule], Any]] = []
-        for fqn, readers in shared_params(cap, [(st.first, st.last) for st in stages]).items():
+        # A weight several stages read: summed over this rank's readers, then over the groups' ranks of one index
+        # (one rank per holding group, each counting its own stages' gradients).
+        self._ties: list[Tie] = []
+        for fqn, readers in shared_params(cap, [st.nodes for st in stages]).items():
             holders = sorted({k % groups for k in readers})
             tie_group = None
             if len(holders) > 1:
@@ -193,10 +195,11 @@ class PipelinedModule(PartsModule):
                     g = dist.new_group(ranks=[h * per + j for h in holders], timeout=group_timeout())
                     if rank % per == j and gi in holders:
                         tie_group = g
-            local = [m.pm for i, m in zip(self.stage_indices, self.stage_modules)
+            local = [(i, m.pm) for i, m in zip(self.stage_indices, self.stage_modules)
                      if i in readers and isinstance(m, _StageModule)]
             if local:
-                self._ties.append((fqn, local, tie_group))
+                self._ties.append(Tie(fqn, [i for i, _ in local], [pm for _, pm in local], [True] * len(local),
+                                      tie_group, (readers[0] % groups) * per + rank % per))
 
     @property
     def stage_module(self) -> _StageModule:
@@ -259,25 +262,6 @@ class PipelinedModule(PartsModule):
                 sync.sync_now()
         self._sum_tied_grads()
         return batch_loss(losses, self.is_last, self._last_rank, reduction)
-
-    @torch.no_grad()
-    def _sum_tied_grads(self) -> None:
-        """Each copy of a weight several stages read gets the sum of their gradients (the serial one): every
-        reader's gradient gathered whole within its stage's ranks (``ParallelModule.whole``), summed over this rank's
-        readers and then across the rank groups holding one (``dist.all_reduce`` among the ranks of one in-group
-        index), and each copy takes its tile of the sum (``ParallelModule.tile``)."""
-        for fqn, mods, group in self._ties:
-            total: torch.Tensor | None = None
-            for pm in mods:
-                p = pm.get_parameter(fqn)
-                whole = pm.whole(fqn, p.grad if p.grad is not None else torch.zeros_like(p))
-                total = whole if total is None else total + whole
-            assert total is not None
-            if group is not None:
-                dist.all_reduce(total, group=group)
-            for pm in mods:
-                p = pm.get_parameter(fqn)
-                p.grad = pm.tile(fqn, total).to(p.dtype)
 
     def local_parts(self) -> list[tuple[int, ParallelModule]]:
         """This rank's stages with their indices (``checkpoint_view.PartsModule``)."""

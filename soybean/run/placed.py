@@ -16,7 +16,11 @@ regions in order, as every rank does:
 Every rank walks the same regions and moves in the same order, sends never block (``Outbox``) and a receive waits
 only for a region earlier in that order (forward) or later (backward), so the walk cannot deadlock.  Branches
 placed on disjoint groups run at the same time because each rank skips the regions of the others.  Gradients of
-a region's replicated parameters are summed within its group only (its ``ParallelModule``'s ``GradSync``).
+a region's replicated parameters are summed within its group only (its ``ParallelModule``'s ``GradSync``); a
+trained weight several regions read (``placement_plan.tied_weights``) is a copy in each, and after the regions'
+backward every copy's gradient is the sum of every reader's (``checkpoint_view.PartsModule._sum_tied_grads``, as a
+pipeline's tied weights): each region's counted once, by its group's first rank, over the union of the readers'
+ranks (on each rank alone when they all hold the same ranks).
 """
 from __future__ import annotations
 
@@ -24,22 +28,24 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..capture.core import Captured
 from ..mesh import Mesh
-from ..parts.regions import Region
-from ..parts.stages import value_facts
+from ..parts.part import Part, value_facts
+from ..parts.placement_plan import tied_weights
 from ..plan import Plan
 from ..precision import policy
 from ..runtime.agree import guarded
+from ..runtime.launch import group_timeout
 from ..runtime.transfer import Move, Outbox, receive
-from .checkpoint_view import PartsModule
+from .checkpoint_view import PartsModule, Tie
 from .module import ParallelModule, forward_backward
 
 
-def region_moves(regions: Sequence[Region], ranks: Sequence[Sequence[int]], grads: dict[str, bool]
+def region_moves(regions: Sequence[Part], ranks: Sequence[Sequence[int]], grads: dict[str, bool]
                  ) -> list[list[Move]]:
     """For each region, the moves of the values it reads from a region on other ranks (``grads``: which values
     carry a gradient)."""
@@ -80,7 +86,7 @@ class PlacedModule(PartsModule):
     whole on every rank; call ``loss.backward()`` on every rank.  The state API (``full_state_dict``,
     ``save_sharded``, ...) is ``checkpoint_view.PartsModule``'s, over the regions."""
 
-    def __init__(self, model: nn.Module, cap: Captured, regions: Sequence[Region], plans: Sequence[Plan],
+    def __init__(self, model: nn.Module, cap: Captured, regions: Sequence[Part], plans: Sequence[Plan],
                  plan: Plan, rank: int, world: int) -> None:
         super().__init__()
         from ..runtime.comm import torch_groups
@@ -106,8 +112,14 @@ class PlacedModule(PartsModule):
                       for ms in self._moves for m in ms}
         self._outbox = Outbox()
         self._hold_parts(model, [r.cap for r in regions], self._ranks, plans)
-        self._ties = []  # no trained weight is in two regions (``placement_plan.shared_weights``)
-        self._groups = 1
+        self._ties = []
+        for t in tied_weights(cap, regions, self._ranks):
+            group = dist.new_group(ranks=t["ranks"], timeout=group_timeout()) if t["ranks"] else None  # every rank
+            local = [k for k in t["regions"] if rank in self._ranks[k]]
+            if local:  # each region's gradient counted by its first rank when summed across ranks
+                counted = [group is None or rank == self._ranks[k][0] for k in local]
+                self._ties.append(Tie(t["param"], local, [self._part(k) for k in local], counted,
+                                      group, self._ranks[t["regions"][0]][0]))
         self._anchor = torch.zeros((), requires_grad=True)  # not a parameter: what makes autograd call ``_Step``
 
     @property
@@ -152,7 +164,7 @@ class PlacedModule(PartsModule):
                 continue
             ins = [_leaf(values[t], self._grads.get(t, False)) if grad_on else values[t] for t in reg.takes]
             got = self._part(k)(*ins)
-            if reg.last:
+            if reg.final:
                 out = got
                 saved[k] = (ins, [])  # its outputs: the tracked leaves of ``out`` (below)
                 continue
@@ -191,7 +203,7 @@ class PlacedModule(PartsModule):
             reg = self._regions[k]
             if k in saved:
                 ins, outs = saved[k]
-                if reg.last:
+                if reg.final:
                     pairs = list(zip(outs, last_grads))
                 else:
                     pairs = [(o, self._grad_of(v, k, acc, device)) for v, o in zip(reg.returns, outs)]
@@ -209,6 +221,7 @@ class PlacedModule(PartsModule):
                         if src == self._rank:
                             self._outbox.send(uses[m.value], dst, 2 * m.tag + 1)
         self._outbox.flush()
+        self._sum_tied_grads()  # every region's backward is done: its gradients, its group's sums, are complete
 
     def _grad_of(self, value: str, k: int, acc: dict[str, torch.Tensor], device: torch.device
                  ) -> torch.Tensor | None:
