@@ -115,7 +115,8 @@ def test_the_file_round_trips_grows_and_is_ignored_when_unreadable(cap, tmp_path
     assert b.run.pricing.routes() == route_cache.load(Search(profile).run.pricing) == both
     route_cache.path().write_bytes(b"half a file")
     assert route_cache.load(Search(profile).run.pricing) == 0
-    assert route_cache.save(a.run.pricing, 0) and route_cache.load(Search(profile).run.pricing) == a.run.pricing.routes()
+    assert route_cache.save(a.run.pricing, 0)
+    assert route_cache.load(Search(profile).run.pricing) == a.run.pricing.routes()
     # a file of another code version is not read; old versions beyond KEEP are removed at the next save
     state = pickle.loads(route_cache.path().read_bytes())["state"]
     route_cache.path().write_bytes(pickle.dumps({"key": "another version", "state": state}))
