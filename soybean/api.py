@@ -13,6 +13,7 @@ import functools
 import json
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, overload
 
@@ -316,13 +317,13 @@ def placed_or_plain(cap: Captured, world: int, opts: PlanOptions, say: Callable[
     plain = make_plan(None, (), world, options=opts, baselines=baselines, captured=cap, cache_routes=cache_routes)
     say("placement")
     placed = plan_placement(cap, world, opts, say, cache_routes=cache_routes)
+    # The plan returned records the other's step: a new Plan, the two planned ones left as they were made.
     if placed is None or placed.cost["step_time_s"] >= plain.cost["step_time_s"]:
-        plain.solver["placement_s"] = None if placed is None else placed.cost["step_time_s"]
-        return plain
+        return replace(plain, solver={**plain.solver,
+                                      "placement_s": None if placed is None else placed.cost["step_time_s"]})
     assert placed.placement is not None
-    placed.placement["without_placement_s"] = plain.cost["step_time_s"]
-    placed.baselines = plain.baselines
-    return placed
+    return replace(placed, placement={**placed.placement, "without_placement_s": plain.cost["step_time_s"]},
+                   baselines=plain.baselines)
 
 
 def parts_module(model: torch.nn.Module, cap: Captured, p: Plan, rank: int,
@@ -434,13 +435,12 @@ def auto_plan(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptio
         base.update(pipeline_baselines.price(capture_at, batch, world, opts, say))
     piped, searched = search_pipeline(capture_at, batch, world, opts, say,
                                       incumbent=plain.cost["step_time_s"] if plain is not None else None)
+    # The plan returned records the search and every baseline: a new Plan, the planned ones left as they were made.
     if plain is not None and (piped is None or piped.cost["step_time_s"] >= plain.cost["step_time_s"]):
-        plain.solver["pipelines_searched"] = searched
-        plain.baselines = base
-        return plain
+        return replace(plain, solver={**plain.solver, "pipelines_searched": searched}, baselines=base)
     if piped is None:
         raise unfit
     assert piped.pipeline is not None
-    piped.pipeline["without_stages_s"] = plain.cost["step_time_s"] if plain is not None else None
-    piped.baselines = base
-    return piped
+    return replace(piped, pipeline={**piped.pipeline,
+                                    "without_stages_s": plain.cost["step_time_s"] if plain is not None else None},
+                   baselines=base)

@@ -7,9 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from soybean.search import Problem, brute_force, solve_ilp
-from soybean.search import columns
-from soybean.search.columns import lagrangian_bound, solve_by_columns
+from soybean.search import Problem, brute_force, columns, solve_ilp
+from soybean.search.columns import Hints, lagrangian_bound, solve_by_columns
 from soybean.search.formulation import formulate
 from soybean.search.highs import solve_formulation
 
@@ -28,11 +27,6 @@ def dense_problem(rng: random.Random, n: int, width: int, budget: bool = False) 
         p.memory = [np.array([rng.random() for _ in u]) for u in unary]
         p.budget = sum(float(np.median(m)) for m in p.memory)
     return p
-
-
-@pytest.fixture(autouse=True)
-def _no_hints() -> None:
-    columns._HINTS.clear()
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -91,13 +85,17 @@ def test_a_hint_from_the_last_solve_of_that_shape_is_used_and_changes_nothing() 
     rng = random.Random(7)
     p = dense_problem(rng, 8, 12)
     q = Problem([u * 1.1 for u in p.unary], {k: C * 0.9 for k, C in p.edges.items()})
-    solve_by_columns(p, formulate(p), 60.0, 0.0)
-    assert len(columns._HINTS) == 1
+    hints = Hints()
+    solve_by_columns(p, formulate(p), 60.0, 0.0, hints=hints)
+    assert len(hints) == 1 and hints.get(q) is not None  # the same shape
     fq = formulate(q)
-    out = solve_by_columns(q, fq, 60.0, 0.0)
+    out = solve_by_columns(q, fq, 60.0, 0.0, hints=hints)
     _, _, whole = solve_formulation(fq, False, 60.0, 0.0)
     assert out is not None and out[2] == pytest.approx(whole, rel=1e-7)
-    assert len(columns._HINTS) == 1
+    assert len(hints) == 1
+    other = Hints()  # a caller's own hints: another run's solves leave none in them
+    cold = solve_by_columns(q, fq, 60.0, 0.0, hints=other)
+    assert cold is not None and cold[2] == pytest.approx(whole, rel=1e-7) and len(other) == 1
 
 
 @pytest.mark.parametrize("seed", range(10))

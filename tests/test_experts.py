@@ -232,8 +232,10 @@ def _ffn_split_plan(name: str, mesh: tuple[int, ...]) -> tuple[torch.nn.Module, 
     """A tiny MoE's plan with every expert weight stored split along its FFN dim on mesh axis 0 (and by expert on
     axis 1 of a 2-D mesh), the rest chosen by the planner: tensor parallelism inside the experts, forced."""
     from soybean.cost.profiles import load_profile
-    from soybean.planner import baselines, core, solve as planner
     from soybean.graph.build import build
+    from soybean.options import PlanOptions
+    from soybean.planner import baselines, solve as planner
+    from soybean.planner.core import to_plan
 
     model, inputs = archs.build(next(a for a in archs.ARCHS if a.name == name))  # float32, as transformers runs it
     cap = capture(model, inputs)
@@ -241,9 +243,9 @@ def _ffn_split_plan(name: str, mesh: tuple[int, ...]) -> tuple[torch.nn.Module, 
     search = planner.Search(load_profile("cpu-gloo"))
     inside = (Shard(2), Shard(0))[:len(mesh)]
     doms = {f: [inside] for f in baselines.expert_weights(cap)}
-    g = build(cap, m, search.on_mesh(m), domains=doms, pin_params=True, pricing=search.pricing)
+    g = build(cap, m, search.on_mesh(m), domains=doms, pin_params=True, pricing=search.run.pricing)
     r = planner.solve_table_on(g, search)
-    return model, inputs, core.to_plan(cap, r, "time", "cpu-gloo", m.size, {}, 0.0, "auto", [r])
+    return model, inputs, to_plan(cap, r, PlanOptions(devices=m.size), "cpu-gloo", {}, 0.0, [r])
 
 
 @pytest.mark.sim

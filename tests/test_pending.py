@@ -31,6 +31,7 @@ class _AsyncGroup:
 
     def __init__(self, others: float) -> None:
         self.others, self.log = others, []
+        self.in_flight: list = []
 
     def all_reduce_inplace_async(self, t: torch.Tensor) -> _Work:
         return _Work(t, self.others, self.log)
@@ -51,9 +52,15 @@ def test_value_reads_wait_metadata_and_backward_do_not() -> None:
 
 def test_every_pending_sum_is_waited_at_the_next_forward() -> None:
     group = _AsyncGroup(others=1.0)
+    other = _AsyncGroup(others=5.0)
     loss = all_reduce_lazy(torch.tensor(1.0), group)
-    wait_all()
-    assert group.log == ["wait"] and torch.Tensor.item(loss) == 2.0
+    theirs = all_reduce_lazy(torch.tensor(1.0), other)
+    assert [id(t) for t in group.in_flight] == [id(loss)] and [id(t) for t in other.in_flight] == [id(theirs)]
+    wait_all([group])  # a module waits for its own groups' sums
+    assert group.log == ["wait"] and torch.Tensor.item(loss) == 2.0 and not group.in_flight
+    assert other.log == [] and len(other.in_flight) == 1  # another module's: still in flight
+    wait_all([group, other])
+    assert other.log == ["wait"] and torch.Tensor.item(theirs) == 6.0 and not other.in_flight
 
 
 def test_groups_without_async_sum_at_once() -> None:

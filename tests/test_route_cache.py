@@ -62,11 +62,11 @@ def test_adopted_walks_price_every_table_as_its_own_walks_and_walk_nothing(cap, 
     profile = load_profile(None)
     own = Search(profile)
     tables = {m: _edges(own, cap, m) for m in MESHES}
-    assert sum(walked) == own.pricing.routes() > 0
-    state = pickle.loads(pickle.dumps(own.pricing.state()))  # as stored: placements interned again
+    assert sum(walked) == own.run.pricing.routes() > 0
+    state = pickle.loads(pickle.dumps(own.run.pricing.state()))  # as stored: placements interned again
     again = Search(profile)
-    again.pricing.adopt(state)
-    assert again.pricing.routes() == own.pricing.routes()
+    again.run.pricing.adopt(state)
+    assert again.run.pricing.routes() == own.run.pricing.routes()
     walked.clear()
     for m in MESHES:
         _same(_edges(again, cap, m), tables[m])
@@ -79,13 +79,13 @@ def test_states_of_two_runs_merge(cap, walked: list[int]) -> None:
     profile = load_profile(None)
     a, b = Search(profile), Search(profile)
     ta, tb = _edges(a, cap, MESHES[0]), _edges(b, cap, MESHES[1])
-    both = a.pricing.routes() + b.pricing.routes() - _shared(a, b)
+    both = a.run.pricing.routes() + b.run.pricing.routes() - _shared(a, b)
     fresh = Search(profile)
-    fresh.pricing.adopt(a.pricing.state())
-    fresh.pricing.adopt(b.pricing.state())
-    fresh.pricing.adopt(b.pricing.state())  # twice: nothing new the second time
-    b.pricing.adopt(a.pricing.state())  # into a state that has pairs of its own
-    assert fresh.pricing.routes() == b.pricing.routes() == both
+    fresh.run.pricing.adopt(a.run.pricing.state())
+    fresh.run.pricing.adopt(b.run.pricing.state())
+    fresh.run.pricing.adopt(b.run.pricing.state())  # twice: nothing new the second time
+    b.run.pricing.adopt(a.run.pricing.state())  # into a state that has pairs of its own
+    assert fresh.run.pricing.routes() == b.run.pricing.routes() == both
     walked.clear()
     for s in (fresh, b):
         _same(_edges(s, cap, MESHES[0]), ta)
@@ -95,7 +95,7 @@ def test_states_of_two_runs_merge(cap, walked: list[int]) -> None:
 
 def _shared(a: Search, b: Search) -> int:
     """Routes both runs met (the pairs of a 1-axis and a 2-axis mesh's tilings: none)."""
-    return len(set(a.pricing.steps.ids) & set(b.pricing.steps.ids))
+    return len(set(a.run.pricing.steps.ids) & set(b.run.pricing.steps.ids))
 
 
 def test_the_file_round_trips_grows_and_is_ignored_when_unreadable(cap, tmp_path: Path,
@@ -104,27 +104,28 @@ def test_the_file_round_trips_grows_and_is_ignored_when_unreadable(cap, tmp_path
     profile = load_profile(None)
     a = Search(profile)
     _edges(a, cap, MESHES[0])
-    assert not route_cache.save(a.pricing, a.pricing.routes() - route_cache.MIN_NEW + 1)  # too few new routes
+    assert not route_cache.save(a.run.pricing, a.run.pricing.routes() - route_cache.MIN_NEW + 1)  # too few new routes
     assert not route_cache.path().exists()
     monkeypatch.setattr(route_cache, "MIN_NEW", 1)
-    assert route_cache.save(a.pricing, 0) and route_cache.path().exists()
+    assert route_cache.save(a.run.pricing, 0) and route_cache.path().exists()
     b = Search(profile)
     _edges(b, cap, MESHES[1])
-    both = a.pricing.routes() + b.pricing.routes()  # a 2-axis and a 1-axis mesh share no route
-    assert route_cache.save(b.pricing, 0)  # merged with a's: the file only grows
-    assert b.pricing.routes() == route_cache.load(Search(profile).pricing) == both
+    both = a.run.pricing.routes() + b.run.pricing.routes()  # a 2-axis and a 1-axis mesh share no route
+    assert route_cache.save(b.run.pricing, 0)  # merged with a's: the file only grows
+    assert b.run.pricing.routes() == route_cache.load(Search(profile).run.pricing) == both
     route_cache.path().write_bytes(b"half a file")
-    assert route_cache.load(Search(profile).pricing) == 0
-    assert route_cache.save(a.pricing, 0) and route_cache.load(Search(profile).pricing) == a.pricing.routes()
+    assert route_cache.load(Search(profile).run.pricing) == 0
+    assert route_cache.save(a.run.pricing, 0)
+    assert route_cache.load(Search(profile).run.pricing) == a.run.pricing.routes()
     # a file of another code version is not read; old versions beyond KEEP are removed at the next save
     state = pickle.loads(route_cache.path().read_bytes())["state"]
     route_cache.path().write_bytes(pickle.dumps({"key": "another version", "state": state}))
-    assert route_cache.load(Search(profile).pricing) == 0
+    assert route_cache.load(Search(profile).run.pricing) == 0
     for k in range(route_cache.KEEP + 2):
         old = tmp_path / "routes" / f"{k:032d}.pkl"
         old.write_bytes(b"")
         os.utime(old, (k, k))
-    assert route_cache.save(a.pricing, 0)
+    assert route_cache.save(a.run.pricing, 0)
     kept = sorted(f.name for f in (tmp_path / "routes").glob("*.pkl"))
     assert kept == sorted([route_cache.path().name] + [f"{k:032d}.pkl" for k in range(2, route_cache.KEEP + 2)])
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -140,7 +139,6 @@ def route_calls(route: Route, shape: tuple, itemsize: int, mesh: Mesh) -> list[C
             for w in route.walk() for c in w.calls if mesh.shape[w.step.axis] > 1]
 
 
-@lru_cache(maxsize=200_000)
 def priced_steps(route: Route) -> tuple[tuple[str, int, tuple, bool], ...]:
     """Shape-free: the (collective, mesh axis, tiling whose local tile is the message ``m``, is the
     gradient sync) of every forward and backward collective of ``route`` (``Route.walk``); one table serves
@@ -148,9 +146,10 @@ def priced_steps(route: Route) -> tuple[tuple[str, int, tuple, bool], ...]:
     return tuple((c.collective, w.step.axis, c.message, c.sync) for w in route.walk() for c in w.calls)
 
 
-@lru_cache(maxsize=400_000)
 def reshard_cost(route: Route, shape: tuple, itemsize: int, mesh: Mesh, profile: Profile) -> Cost:
-    """Forward + backward cost of ``route`` for one tensor of ``shape``."""
+    """Forward + backward cost of ``route`` for one tensor of ``shape``: the definition, one route at a time, uncached
+    (the tests compare against it); a planner run prices many routes at once and keeps them in its own
+    ``cost.pricing.PricingCache`` (``price_routes``, equal bit for bit)."""
     nb = ns = sync = 0.0
     for kind, axis, tiling, is_sync in priced_steps(route):
         c = choose(kind, float(max_local_numel(shape, tiling, mesh) * itemsize), mesh.shape[axis], axis, profile,

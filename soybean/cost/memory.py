@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import math
 import operator
-import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -354,18 +353,22 @@ class Liveness:
     largest_param: str | None
 
 
-_LIVENESS: weakref.WeakKeyDictionary[fx.Graph, dict[frozenset, tuple[int, Liveness]]] = weakref.WeakKeyDictionary()
+# ``GraphModule.meta`` key of a graph's ``liveness`` results, by units: (the graph's node count then, the result).
+_LIVENESS = "soybean_liveness"
 
 
 def liveness(graph: fx.Graph, units: Mapping[str, str] | None = None) -> Liveness:
-    """What is live at the end of ``graph``'s forward (cached per graph and ``units`` while its node count holds).
+    """What is live at the end of ``graph``'s forward (kept per ``units`` in the ``meta`` of the module that owns
+    ``graph``, while its node count holds; worked out anew for a graph no module owns).
 
     ``units``: op name -> the recomputed unit it lies in (``codegen.recompute``).  Such an op saves nothing:
     its unit's checkpoint keeps instead every value the unit reads from outside it, as produced (lowering
     emits the reads' reshards inside the unit), and backward reruns the unit to save the rest."""
     units = units or {}
     key = frozenset(units.items())
-    hit = _LIVENESS.setdefault(graph, {}).get(key)
+    owner = graph.owning_module
+    kept: dict[frozenset, tuple[int, Liveness]] = owner.meta.setdefault(_LIVENESS, {}) if owner is not None else {}
+    hit = kept.get(key)
     if hit is not None and hit[0] == len(graph.nodes):
         return hit[1]
     grad: dict[str, bool] = {}
@@ -436,7 +439,7 @@ def liveness(graph: fx.Graph, units: Mapping[str, str] | None = None) -> Livenes
             read.setdefault(reader[0], set()).add(reader[1])
     result = Liveness({k: frozenset(v) for k, v in live.items()}, {k: frozenset(v) for k, v in read.items()},
                       saves, largest[1] if largest else None)
-    _LIVENESS[graph][key] = (len(graph.nodes), result)
+    kept[key] = (len(graph.nodes), result)
     return result
 
 

@@ -37,7 +37,7 @@ from .baselines import price as price_baselines
 from .mesh_pool import FEW_PER_WORKER, default_jobs, each_mesh
 from .recompute import budget_hints, recompute_units, solve_plain, solve_recompute
 from .records import context_parallel_records, layer_rows, memory_breakdown, moe_records, reshard_records
-from .solve import Incumbent, MemoryBudgetError, Result, Search, now, peaked, solve_on, solve_table
+from .solve import Incumbent, MemoryBudgetError, PlannerRun, Result, Search, now, peaked, solve_on, solve_table
 
 # ``replicated``: the optimum with every parameter stored whole on every device (its use still split where that
 # pays), as the torch.compile backend runs plans on the user's own parameters (``soybean.compile``).
@@ -110,14 +110,15 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     mesh = Mesh(opts.mesh) if opts.mesh else None
     devices, objective, precision, recompute = opts.world, opts.objective, opts.precision, opts.recompute
     profile = opts.profile if isinstance(opts.profile, Profile) else load_profile(opts.profile)
+    run = PlannerRun()  # what this run learns as it goes, dropped with it
     search = Search(with_collectives(replace(profile, expert_imbalance=opts.expert_imbalance), opts.collectives), opts,
-                    budget_bytes(opts.memory_gb))
+                    budget_bytes(opts.memory_gb), run)
     prof, budget = search.profile, search.memory_bytes
-    loaded = route_cache.load(search.pricing) if cache_routes else None
+    loaded = route_cache.load(run.pricing) if cache_routes else None
 
     def keep_routes() -> None:  # this process's walks stored for the next run (``route_cache``)
         if loaded is not None:
-            route_cache.save(search.pricing, loaded)
+            route_cache.save(run.pricing, loaded)
 
     if captured is not None:
         cap = captured
@@ -135,63 +136,15 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     rec = recompute_units(cap, recompute) if recompute != "auto" else frozenset()
     t0 = time.perf_counter()
     meshes = [mesh] if mesh else factorizations(devices)
-    results: list[Result] = []
-    misfits: list[MemoryBudgetError] = []
-    failed: list[SearchError] = []
-    pruned: list[dict[str, Any]] = []
-    floors: dict[Mesh, float] = {}  # a mesh's plain plan's bound, where that plan does not fit the budget
-    estimate: dict[Mesh, float] = {}  # what each mesh searched reached: its plan's value (inf: no plan)
-
-    def rank(r: Result) -> tuple[float, int]:  # the best mesh: cheapest, then fewest axes
-        return r.value(objective), r.graph.mesh.ndim
-
+    found = _Outcomes(objective, search, say)
     jobs = opts.jobs if opts.jobs is not None else default_jobs(len(cap.graph.nodes), len(meshes))
-
-    def record(m: Mesh, outcome: Result | BaseException) -> None:
-        """A mesh's plan kept in ``results``, or why there is none recorded."""
-        # from above, for ``by_promise``: a plan's value, also one that does not fit the budget; no plan, none (a
-        # pruned mesh's bound is from below: on 64 devices it put two children of a pruned 2x32 first, 10 s each)
-        estimate[m] = (outcome.value if isinstance(outcome, _Floor) else
-                       outcome.value(objective) if isinstance(outcome, Result) else math.inf)
-        if isinstance(outcome, _Floor):
-            floors[m] = outcome.bound
-            say(f"mesh {m}: its fastest plan needs recomputation or more memory: bound {outcome.bound:.4g}")
-        elif isinstance(outcome, MemoryBudgetError):
-            misfits.append(outcome)
-            say(f"mesh {m}: no plan fits the memory budget")
-        elif isinstance(outcome, Pruned):  # proven no better than a mesh already solved
-            pruned.append({"mesh": list(m.shape), "bound": outcome.bound, "pruned": True})
-            say(f"mesh {m}: lower bound {outcome.bound:.4g} is no better than the best so far: not solved")
-        elif isinstance(outcome, SearchError):  # this mesh found no plan in its time: the others still count
-            failed.append(outcome)
-            say(f"mesh {m}: no plan found ({outcome})")
-        elif isinstance(outcome, BaseException):
-            raise outcome
-        else:
-            outcome.graph.pricing = search.pricing  # a worker's table comes without it
-            peaked(search, outcome)  # where the next stage's workers start their cap searches
-            results.append(outcome)
-            sol = outcome.solution
-            lead = min(results, key=rank)
-            for r in results:  # only the best mesh's tables are read again: free the others' (GBs at 64 devices)
-                if r is not lead and r.graph.vars:
-                    r.graph = PlanGraph(r.graph.mesh, r.graph.profile, pricing=search.pricing)
-            say(f"mesh {m}: {outcome.value(objective):.4g} ({objective}), "
-                f"gap {relative_gap(sol.objective, sol.bound):.2%}")
-
-    base: dict[str, dict[str, Any]] = {}
-    priced: list[bool] = []
 
     def price_base(tell: Callable[[str], None]) -> dict[str, dict[str, Any]]:
         """The baselines (``soybean.planner.baselines``): on a worker once out of meshes, else after the search."""
         tell("baselines")
         return price_baselines(cap, devices, prof, objective,
                                lambda g: solve_table(g, objective, "ilp", opts.time_limit_s, opts.tie_layers), budget,
-                               opts.gpus_per_node, search.pricing)
-
-    def got_base(records: dict[str, dict[str, Any]]) -> None:
-        base.update(records)
-        priced.append(True)
+                               opts.gpus_per_node, run.pricing)
 
     def each(ms: Sequence[Mesh], solve_mesh: Callable[[Mesh, Incumbent, Callable[[str], None]], Result],
              staged: bool = False) -> None:
@@ -202,13 +155,14 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
         low, high = [m for m in ms if m.ndim < 3], [m for m in ms if m.ndim >= 3]
         stages = [low, high] if staged and low and len(high) > FEW_PER_WORKER * jobs else [list(ms)]
         for stage in stages:
-            incumbent = min((r.step_time_s for r in results), default=None) if objective == "time" else None
-            for m, outcome in each_mesh(by_promise(stage, estimate) if staged else stage, solve_mesh, _light,
+            incumbent = min((r.step_time_s for r in found.results), default=None) if objective == "time" else None
+            for m, outcome in each_mesh(by_promise(stage, found.estimate) if staged else stage, solve_mesh, _light,
                                         lambda r: r.step_time_s if objective == "time" else None, jobs, say,
                                         (SearchError, _Floor), incumbent,
-                                        (price_base, got_base) if baselines and not priced else None,
+                                        (price_base, found.got_baselines)
+                                        if baselines and found.baselines is None else None,
                                         keep_routes if loaded is not None else None):
-                record(m, outcome)
+                found.record(m, outcome)
 
     # Under a budget with recomputation free, every mesh's fastest plan with nothing recomputed and no budget
     # (``solve_plain``) comes first: one table each; those that fit are their mesh's answer and set the
@@ -228,29 +182,30 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
 
     if recompute == "auto" and budget is not None and objective == "time":
         each(meshes, plain, staged=True)
-        meshes = sorted(floors, key=floors.__getitem__)
+        meshes = sorted(found.floors, key=found.floors.__getitem__)
 
     def searched(m: Mesh, incumbent: Incumbent, tell: Callable[[str], None]) -> Result:
         tell(f"mesh {m}: build and solve")
         if recompute != "auto":
             return solve_on(cap, m, search, incumbent, rec)
+        floors = found.floors
         if m in floors and (cut := now(incumbent)) is not None and floors[m] >= cut:
             raise Pruned(floors[m], cut)
         return solve_recompute(cap, m, search, incumbent, tell, floors.get(m))
 
-    each(meshes, searched, staged=not floors)
-    if not results:
-        if misfits and not failed:
-            least = min(misfits, key=lambda e: e.least)
+    each(meshes, searched, staged=not found.floors)
+    if not found.results:
+        if found.misfits and not found.failed:
+            least = min(found.misfits, key=lambda e: e.least)
             raise least.with_hints(budget_hints(cap, model, example_inputs, example_kwargs, search,
-                                                [e.mesh for e in misfits], recompute))
-        raise failed[0]
-    best = min(results, key=rank)
+                                                [e.mesh for e in found.misfits], recompute))
+        raise found.failed[0]
+    best = min(found.results, key=found.rank)
     # A worker sends a plan without its table only when another plan, sent whole, was at least as good (``_light``).
     assert best.graph.vars, f"mesh {best.graph.mesh}: the best plan came from a worker without its table"
     seconds = time.perf_counter() - t0
-    if baselines and not priced:
-        got_base(price_base(say))
+    if baselines and found.baselines is None:
+        found.got_baselines(price_base(say))
     if best.graph.fallback_ops:
         warnings.warn(
             f"soybean: no sharding rule for {', '.join(best.graph.fallback_ops)}; these ops run replicated",
@@ -258,13 +213,67 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
         )
     if best.graph.data_dependent:
         warnings.warn(data_dependent_warning(best.graph.data_dependent), stacklevel=2)
-    out = to_plan(cap, best, objective, prof.name, devices, base, seconds, opts.solver, results, best.recompute)
-    out.collectives = opts.collectives
-    out.meshes += pruned
-    out.local_batch = opts.local_batch
-    out.gpus_per_node = opts.gpus_per_node
+    out = to_plan(cap, best, opts, prof.name, found.baselines or {}, seconds, found.results, found.pruned)
     keep_routes()
     return out
+
+
+class _Outcomes:
+    """What ``_plan`` learns of its meshes as their outcomes arrive (``record``): the plans found (``results``), the
+    meshes no plan fits (``misfits``), those whose search failed (``failed``) and those pruned unsolved
+    (``pruned``: the plan's ``meshes`` rows), the bound of each mesh whose fastest plan does not fit (``floors``),
+    what each mesh searched reached (``estimate``, for ``by_promise``), and the baselines once priced (None before).
+    Each ``_plan`` call makes its own."""
+
+    def __init__(self, objective: str, search: Search, say: Callable[[str], None]) -> None:
+        self.objective, self.search, self.say = objective, search, say
+        self.results: list[Result] = []
+        self.misfits: list[MemoryBudgetError] = []
+        self.failed: list[SearchError] = []
+        self.pruned: list[dict[str, Any]] = []
+        self.floors: dict[Mesh, float] = {}  # a mesh's plain plan's bound, where that plan does not fit the budget
+        self.estimate: dict[Mesh, float] = {}  # what each mesh searched reached: its plan's value (inf: no plan)
+        self.baselines: dict[str, dict[str, Any]] | None = None
+
+    def rank(self, r: Result) -> tuple[float, int]:
+        """The best mesh: cheapest, then fewest axes."""
+        return r.value(self.objective), r.graph.mesh.ndim
+
+    def got_baselines(self, records: dict[str, dict[str, Any]]) -> None:
+        self.baselines = records
+
+    def record(self, m: Mesh, outcome: Result | BaseException) -> None:
+        """A mesh's plan kept in ``results``, or why there is none recorded."""
+        objective, say, run = self.objective, self.say, self.search.run
+        # from above, for ``by_promise``: a plan's value, also one that does not fit the budget; no plan, none (a
+        # pruned mesh's bound is from below: on 64 devices it put two children of a pruned 2x32 first, 10 s each)
+        self.estimate[m] = (outcome.value if isinstance(outcome, _Floor) else
+                            outcome.value(objective) if isinstance(outcome, Result) else math.inf)
+        if isinstance(outcome, _Floor):
+            self.floors[m] = outcome.bound
+            say(f"mesh {m}: its fastest plan needs recomputation or more memory: bound {outcome.bound:.4g}")
+        elif isinstance(outcome, MemoryBudgetError):
+            self.misfits.append(outcome)
+            say(f"mesh {m}: no plan fits the memory budget")
+        elif isinstance(outcome, Pruned):  # proven no better than a mesh already solved
+            self.pruned.append({"mesh": list(m.shape), "bound": outcome.bound, "pruned": True})
+            say(f"mesh {m}: lower bound {outcome.bound:.4g} is no better than the best so far: not solved")
+        elif isinstance(outcome, SearchError):  # this mesh found no plan in its time: the others still count
+            self.failed.append(outcome)
+            say(f"mesh {m}: no plan found ({outcome})")
+        elif isinstance(outcome, BaseException):
+            raise outcome
+        else:
+            outcome.graph.pricing = run.pricing  # a worker's table comes without it
+            peaked(self.search, outcome)  # where the next stage's workers start their cap searches
+            self.results.append(outcome)
+            sol = outcome.solution
+            lead = min(self.results, key=self.rank)
+            for r in self.results:  # only the best mesh's tables are read again: free the others' (GBs at 64 devices)
+                if r is not lead and r.graph.vars:
+                    r.graph = PlanGraph(r.graph.mesh, r.graph.profile, pricing=run.pricing)
+            say(f"mesh {m}: {outcome.value(objective):.4g} ({objective}), "
+                f"gap {relative_gap(sol.objective, sol.bound):.2%}")
 
 
 def by_promise(meshes: Sequence[Mesh], estimate: dict[Mesh, float]) -> list[Mesh]:
@@ -298,18 +307,13 @@ class _Floor(Exception):
         self.bound, self.value = bound, value
 
 
-def to_plan(
-    cap: Captured,
-    r: Result,
-    objective: str,
-    profile: str,
-    devices: int,
-    baselines: dict,
-    seconds: float,
-    solver: str,
-    all_results: list[Result],
-    recompute: frozenset[str] = frozenset(),
-) -> Plan:
+def to_plan(cap: Captured, r: Result, opts: PlanOptions, profile: str, baselines: dict, seconds: float,
+            all_results: Sequence[Result], pruned: Sequence[dict[str, Any]] = ()) -> Plan:
+    """The plan of result ``r`` (the best mesh's) of ``cap``, whole: made once, never patched after.  ``opts``: the
+    run's options (devices, objective, solver, contract, topology and collectives are recorded from them);
+    ``profile``: the profile's name; ``baselines``: their records; ``seconds``: the search's time; ``all_results``:
+    every mesh solved, and ``pruned``, every mesh pruned unsolved (``meshes``' rows, in that order)."""
+    devices, objective, solver = opts.world, opts.objective, opts.solver
     g, sol = r.graph, r.solution
     params: dict[str, list[str]] = {}
     inputs: dict[str, list[str]] = {}
@@ -342,13 +346,15 @@ def to_plan(
         solver={"name": sol.solver if solver != "brute" else "brute", "status": sol.status, "seconds": seconds,
                 "objective": sol.objective, "bound": sol.bound,
                 "gap": 0.0 if sol.status == "optimal" else relative_gap(sol.objective, sol.bound)},
-        meshes=[{"mesh": list(x.graph.mesh.shape), "objective": x.value(objective)} for x in all_results],
+        meshes=[{"mesh": list(x.graph.mesh.shape), "objective": x.value(objective)} for x in all_results]
+        + [dict(x) for x in pruned],
         fallback_ops=g.fallback_ops, layers=layer_rows(g, sol), memory=memory_breakdown(g, sol),
-        precision=cap.precision, recompute=sorted(recompute), reshards=reshard_records(g, sol.choice),
+        precision=cap.precision, recompute=sorted(r.recompute), reshards=reshard_records(g, sol.choice),
         tying={"used": bool(r.runs), "runs": [x.record() for x in r.runs],
                "variables": [len(g.vars), len(g.vars) - sum(len(b) for x in r.runs for b in x.blocks[1:])]},
         keys=[[n, k] for n, k in cap.keys.items() if n in nodes], moe=moe_records(g, sol),
-        context_parallel=context_parallel_records(g, sol),
+        context_parallel=context_parallel_records(g, sol), collectives=opts.collectives,
+        local_batch=opts.local_batch, gpus_per_node=opts.gpus_per_node,
     )
 
 

@@ -3,7 +3,8 @@
 Each mesh shape's table is built and solved on its own (``planner.solve_plain``, ``solve_on``,
 ``solve_recompute``): work that shares nothing but the *incumbent*, the best step time found so far, which
 prunes a mesh whose lower bound reaches it.  ``each_mesh`` forks ``jobs`` workers, which inherit the capture,
-the options and the run's pricing state (nothing is pickled in), hands them the meshes in order (with few
+the options and the run's pricing state (nothing is pickled in), each starting with a fresh HiGHS thread scheduler
+(``search.highs.fresh_scheduler``), hands them the meshes in order (with few
 meshes per worker, one worker from the end of the list, the largest, first), shares the
 incumbent through one shared double that a search reads whenever it may prune (so a worker drops a mesh as soon
 as another's better plan proves it cannot win), and yields each mesh's outcome as it arrives: its ``planner.Result``
@@ -31,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from ..mesh import Mesh
+from ..search.highs import fresh_scheduler
 
 R = TypeVar("R")
 
@@ -179,6 +181,7 @@ def _forked(meshes: Sequence[Mesh], solve: Callable[[Mesh, Live, Callable[[str],
     def run(worker: int) -> None:
         try:
             _die_with(parent)
+            fresh_scheduler()  # the fork copied HiGHS's scheduler (if this process ran it) without its threads
             if work(worker) and finish is not None:
                 out.close()
                 out.join_thread()  # the outcomes sent before the worker's own epilogue

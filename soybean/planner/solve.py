@@ -1,6 +1,7 @@
-"""Solving one mesh's table: the search's settings (``Search``), a solve under the memory budget with the
-gradient sync's overlap capped by backward compute (``capped_overlap``), the modelled cost of a solution
-(``evaluate``), and the least memory any plan of a table reaches (``least_memory``, ``MemoryBudgetError``)."""
+"""Solving one mesh's table: the search's settings (``Search``) and what a run learns as it goes (``PlannerRun``),
+a solve under the memory budget with the gradient sync's overlap capped by backward compute (``capped_overlap``),
+the modelled cost of a solution (``evaluate``), and the least memory any plan of a table reaches
+(``least_memory``, ``MemoryBudgetError``)."""
 from __future__ import annotations
 
 import math
@@ -21,7 +22,7 @@ from ..graph import (
 )
 from ..mesh import Mesh
 from ..options import PlanOptions
-from ..search import Pruned, Run, SearchError, Solution, relative_gap, solve
+from ..search import Hints, Pruned, Run, SearchError, Solution, relative_gap, solve
 from ..tiling import R
 from .baselines import batch_split, model_parallel_domains
 from .problem import to_problem
@@ -72,28 +73,43 @@ def _domains(cap: Captured, mesh: Mesh, mode: str, local_batch: bool = False) ->
     return doms
 
 
+@dataclass
+class PlannerRun:
+    """What one planner run learns as it goes: filled by its tables and solves (each mesh, each recomputation
+    choice, the baselines), read by the later ones, and dropped with the run.  ``planner.core.plan`` makes one per
+    call; a forked worker (``mesh_pool``) fills its own copy.
+
+    ``pricing``: the run's ``cost.pricing.PricingCache``, shared by every table it builds; ``placed``: the profile
+    on each mesh (``Profile.on_mesh``: which axes cross nodes), worked out once per mesh (``Search.on_mesh``);
+    ``peaks``: each cap search's peak member (``Result.peak_mu``), the last one where the next mesh's starts
+    (``capped_overlap``'s ``hint``); ``hints``: column generation's columns by problem shape (``search.columns``)."""
+
+    pricing: PricingCache = field(default_factory=PricingCache)
+    placed: dict[Mesh, Profile] = field(default_factory=dict)
+    peaks: list[float] = field(default_factory=list)
+    hints: Hints = field(default_factory=Hints)
+
+
 @dataclass(frozen=True)
 class Search:
     """How one planner run solves each mesh: its ``PlanOptions`` (objective, solver, mode, contract, time limit,
     topology, tying, gap: each read from there, never restated), the profile they name, loaded and restricted to
-    the allowed collectives, the budget in bytes (``cost.memory.budget_bytes`` of ``memory_gb``), and the run's
-    ``cost.pricing.PricingCache``, shared by every table the run builds (each mesh, each recomputation choice, the
-    baselines) and dropped with it."""
+    the allowed collectives, the budget in bytes (``cost.memory.budget_bytes`` of ``memory_gb``), and ``run``, the
+    state the run fills as it goes (``PlannerRun``).  The settings never change; ``run`` does, and a copy with
+    other settings (``dataclasses.replace``: no budget, less time) shares it."""
 
     profile: Profile
     options: PlanOptions = PlanOptions()
     memory_bytes: float | None = None
-    pricing: PricingCache = field(default_factory=PricingCache, repr=False, compare=False)
-    # the profile on each mesh (``Profile.on_mesh``: which axes cross nodes), worked out once per mesh
-    placed: dict[Mesh, Profile] = field(default_factory=dict, repr=False, compare=False)
-    # the last cap search's peak member (``Result.peak_mu``), where the next mesh's starts (``capped_overlap``)
-    peaks: list[float] = field(default_factory=list, repr=False, compare=False)
+    run: PlannerRun = field(default_factory=PlannerRun, repr=False, compare=False)
 
     def on_mesh(self, mesh: Mesh) -> Profile:
-        """The run's profile on ``mesh`` (``Profile.on_mesh`` with the run's ``gpus_per_node``)."""
-        if mesh not in self.placed:
-            self.placed[mesh] = self.profile.on_mesh(mesh, self.options.gpus_per_node)
-        return self.placed[mesh]
+        """The run's profile on ``mesh`` (``Profile.on_mesh`` with the run's ``gpus_per_node``), kept in
+        ``run.placed``."""
+        placed = self.run.placed
+        if mesh not in placed:
+            placed[mesh] = self.profile.on_mesh(mesh, self.options.gpus_per_node)
+        return placed[mesh]
 
     def table(self, cap: Captured, mesh: Mesh, recompute: frozenset[str] = frozenset(),
               work: SharedWork | None = None) -> PlanGraph:
@@ -104,7 +120,7 @@ class Search:
             return build(cap, mesh, self.on_mesh(mesh), objective=o.objective,
                          domains=_domains(cap, mesh, o.mode, o.local_batch), pin_params=o.mode in ("dp", "mp"),
                          local_outputs=o.local_batch, divide_work=True if o.mode in ("dp", "mp") else None,
-                         recompute=recompute, pricing=self.pricing, work=work, context_parallel=o.context_parallel,
+                         recompute=recompute, pricing=self.run.pricing, work=work, context_parallel=o.context_parallel,
                          context_parallel_method=o.context_parallel_method)
         except NoStrategyLeft as e:  # an option rules this mesh out
             raise SearchError(str(e)) from e
@@ -144,7 +160,7 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: Incumbent = None,
         ov = (1.0 - mu) * g.profile.grad_overlap
         problem = to_problem(g, objective, memory_bytes, overlap=ov, phase=phase, compute_credit=mu * BACKWARD_SHARE)
         r = evaluate(g, solve(problem, solver, search.options.time_limit_s, search.options.gap, runs, cutoff=cutoff,
-                              enough=enough))
+                              enough=enough, hints=search.run.hints))
         r.runs, r.recompute = runs, recompute
         return r
 
@@ -187,13 +203,14 @@ MU_MET = 1e-4
 
 
 def _hint(search: Search) -> float | None:
-    return search.peaks[-1] if search.peaks else None
+    peaks = search.run.peaks
+    return peaks[-1] if peaks else None
 
 
 def peaked(search: Search, r: Result) -> Result:
-    """``r``, its cap search's peak kept in ``search.peaks`` for the next mesh's."""
+    """``r``, its cap search's peak kept in ``search.run.peaks`` for the next mesh's."""
     if r.peak_mu is not None:
-        search.peaks.append(r.peak_mu)
+        search.run.peaks.append(r.peak_mu)
     return r
 
 

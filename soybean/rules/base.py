@@ -13,9 +13,9 @@ by ``soybean.verify.validate``.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import itertools
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -209,7 +209,9 @@ class RuleEntry:
 
 
 REGISTRY: dict[str, RuleEntry] = {}
-SPATIAL_SPLITS = [True]  # may windowed dims be split?  Set by ``rules.window.spatial_splits``.
+# May windowed dims be split?  Set for a ``with`` block by ``rules.window.spatial_splits`` (a context variable: one
+# thread's or task's block changes no other's, and it ends with the block).
+SPATIAL_SPLITS: contextvars.ContextVar[bool] = contextvars.ContextVar("soybean_spatial_splits", default=True)
 
 
 def op_name(target: Any) -> str:
@@ -339,57 +341,53 @@ def make_opspec(target: Any, args: tuple, kwargs: dict, output: Any) -> OpSpec:
     return OpSpec(target, a, k, ins, outs)
 
 
-_NODE_SPECS: weakref.WeakKeyDictionary[torch.fx.Node, OpSpec] = weakref.WeakKeyDictionary()
+# ``node.meta`` keys of what ``node_spec``, ``tensor_args`` and ``tensor_outputs`` work out once per node: kept by the
+# node itself, so they go with its graph.  Each entry holds the objects it was made from (fx replaces a node's args
+# tuple and kwargs dict on every edit, and a copied node's meta names another node's), and is used only while the
+# node's own are those same objects.
+_SPEC, _ARGS, _OUTPUTS = "soybean_spec", "soybean_tensor_args", "soybean_tensor_outputs"
 
 
 def node_spec(node: torch.fx.Node) -> OpSpec:
-    """``make_opspec`` of a captured op node, made once per node: a captured graph does not change after capture,
-    and every table of a planner run (each mesh shape, each recomputation choice) reads the same specs (flattening
-    the arguments was a fifth of building a Llama-3-8B table at 1,024 devices).  Held weakly: it goes with its
-    graph."""
-    spec = _NODE_SPECS.get(node)
-    if spec is None:
-        spec = _NODE_SPECS[node] = make_opspec(node.target, node.args, node.kwargs, node.meta.get("val"))
+    """``make_opspec`` of a captured op node, made once per node (kept in its ``meta``): a captured graph does not
+    change after capture, and every table of a planner run (each mesh shape, each recomputation choice) reads the
+    same specs (flattening the arguments was a fifth of building a Llama-3-8B table at 1,024 devices)."""
+    val = node.meta.get("val")
+    hit = node.meta.get(_SPEC)
+    if hit is not None and hit[0] is node.args and hit[1] is node.kwargs and hit[2] is val:
+        return hit[3]
+    spec = make_opspec(node.target, node.args, node.kwargs, val)
+    node.meta[_SPEC] = (node.args, node.kwargs, val, spec)
     return spec
-
-
-# node -> ((args, kwargs) it was flattened from, its tensor arguments): fx replaces a node's args tuple and kwargs
-# dict on every edit, so the same objects mean the same arguments.
-_TENSOR_ARGS: weakref.WeakKeyDictionary[torch.fx.Node, tuple[tuple, dict, tuple[torch.fx.Node, ...]]] = \
-    weakref.WeakKeyDictionary()
 
 
 def tensor_args(node: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
     """``node``'s tensor-valued arguments (fx nodes whose ``meta['val']`` is a tensor) in ``torch.utils._pytree``
     flatten order of ``(args, kwargs)``: the order of ``OpSpec.inputs``.  Every table of a planner run walks every
     node's arguments several times (flattening them was a sixth of building a Llama-3-8B table at 1,024 devices),
-    so it is kept per node while the node's arguments are the same objects."""
-    hit = _TENSOR_ARGS.get(node)
+    so it is kept per node (in its ``meta``) while the node's arguments are the same objects."""
+    hit = node.meta.get(_ARGS)
     if hit is not None and hit[0] is node.args and hit[1] is node.kwargs:
         return hit[2]
     from torch.utils._pytree import tree_flatten
 
     leaves, _ = tree_flatten((node.args, node.kwargs))
     out = tuple(a for a in leaves if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor))
-    _TENSOR_ARGS[node] = (node.args, node.kwargs, out)
+    node.meta[_ARGS] = (node.args, node.kwargs, out)
     return out
 
 
-_TENSOR_OUTPUTS: weakref.WeakKeyDictionary[torch.fx.Node, tuple[Any, tuple[torch.Tensor, ...]]] = \
-    weakref.WeakKeyDictionary()
-
-
 def tensor_outputs(node: torch.fx.Node) -> tuple[torch.Tensor, ...]:
-    """The tensors of ``node``'s traced value (``meta['val']``) in flatten order, kept per node while that value
-    is the same object."""
+    """The tensors of ``node``'s traced value (``meta['val']``) in flatten order, kept per node (in its ``meta``)
+    while that value is the same object."""
     val = node.meta.get("val")
-    hit = _TENSOR_OUTPUTS.get(node)
+    hit = node.meta.get(_OUTPUTS)
     if hit is not None and hit[0] is val:
         return hit[1]
     from torch.utils._pytree import tree_flatten
 
     out = tuple(t for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor))
-    _TENSOR_OUTPUTS[node] = (val, out)
+    node.meta[_OUTPUTS] = (val, out)
     return out
 
 
@@ -471,7 +469,7 @@ def expand(op: OpSpec, mesh: Mesh, one_axis: list[Strategy1D] | None = None) -> 
         ]
         good = True
         if windowed:
-            most = 1 if SPATIAL_SPLITS[0] else 0  # ``window.spatial_splits(False)``: none at all
+            most = 1 if SPATIAL_SPLITS.get() else 0  # ``window.spatial_splits(False)``: none at all
             good = all(sum(1 for pl in tilings[i] if pl == Shard(d)) <= most for i, d in windowed)
         if good:
             for s in combo:

@@ -154,12 +154,11 @@ def crops(split: Sequence[tuple[int, Window]], mesh: Mesh, coords: Sequence[int]
 def spatial_splits(enabled: bool) -> Iterator[None]:
     """Plan with (``True``, the default) or without domain parallelism: inside ``with spatial_splits(False)``
     no strategy splits a windowed dim (the channel- and batch-split plans benchmarks compare against)."""
-    prev = base.SPATIAL_SPLITS[0]
-    base.SPATIAL_SPLITS[0] = enabled
+    token = base.SPATIAL_SPLITS.set(enabled)
     try:
         yield
     finally:
-        base.SPATIAL_SPLITS[0] = prev
+        base.SPATIAL_SPLITS.reset(token)
 
 
 def spatial_list(v: int | Sequence[int], k: int) -> list[int]:

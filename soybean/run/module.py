@@ -108,6 +108,7 @@ class ParallelModule(nn.Module):
         self._mesh, self._rank, self._coords = mesh, rank, mesh.coords(rank)
         self._groups = list(groups)
         self.plan = plan
+        self._checkpoint_mesh: Any = None  # a ``runtime.checkpoint.KeptMesh``, made at the first save or load
         self._cap = cap
         # Parameters are kept as the policy's masters (the model's own dtype); buffers as it computes them.
         self._policy = pol = policy(plan.precision)
@@ -178,7 +179,7 @@ class ParallelModule(nn.Module):
         if len(given) != n_user:
             raise TypeError(f"this model takes {n_user} tensor inputs, got {len(given)}")
         user = [self._policy.cast(a) if isinstance(a, torch.Tensor) else a for a in given]
-        wait_all()  # the previous step's loss sum, if nobody read it
+        wait_all(self._groups)  # the previous step's loss sum, if nobody read it
         if self._grad_sync is not None and torch.is_grad_enabled() and not self._grad_sync.deferred:
             self._grad_sync.check_complete()
             params = [(t, self.get_parameter(f)) for t, (k, f) in zip(state, self._order) if k == "param"]
@@ -274,6 +275,15 @@ class ParallelModule(nn.Module):
 
     def _full_shape(self, fqn: str) -> tuple[int, ...]:
         return self._shapes[fqn]
+
+    def _mesh_of(self, fqn: str) -> Any:
+        """The DeviceMesh a checkpoint wraps this module's tiles on (``runtime.checkpoint``), kept here for every
+        save and load (``KeptMesh``)."""
+        from ..runtime.checkpoint import KeptMesh
+
+        if self._checkpoint_mesh is None:
+            self._checkpoint_mesh = KeptMesh()
+        return self._checkpoint_mesh.of(self.plan.mesh)
 
     def save_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
                      extra: Any = None, keep: int | None = None) -> Path:

@@ -305,6 +305,7 @@ class PiecesModule(nn.Module):
     def __init__(self, model: nn.Module, opts: PlanOptions, parallelize: Callable[..., Any]) -> None:
         super().__init__()
         self._plan: Plan | None = None  # ``use`` sets it
+        self._checkpoint_mesh: Any = None  # a ``runtime.checkpoint.KeptMesh``, made at the first save or load
         for n, p in model.named_parameters():
             _attach(self, n, p, "param", shared=True)
         for n, b in model.named_buffers():
@@ -350,6 +351,15 @@ class PiecesModule(nn.Module):
 
     def _full_shape(self, fqn: str) -> tuple[int, ...]:
         return self._shapes[fqn]
+
+    def _mesh_of(self, fqn: str) -> Any:
+        """The DeviceMesh a checkpoint wraps this module's tiles on (``runtime.checkpoint``), kept here for every
+        save and load (``KeptMesh``)."""
+        from ..runtime.checkpoint import KeptMesh
+
+        if self._checkpoint_mesh is None:
+            self._checkpoint_mesh = KeptMesh()
+        return self._checkpoint_mesh.of(self.plan.mesh)
 
     @torch.no_grad()
     def full_tensors(self) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ from ..tiling import R, to_torch
 from . import checkpoint_dir as store
 from .checkpoint_dir import CheckpointError
 
-__all__ = ["save", "load", "CheckpointError", "sharded_state_dict"]
+__all__ = ["save", "load", "CheckpointError", "KeptMesh", "device_mesh", "sharded_state_dict", "submesh"]
 
 
 class TiledPlan(Protocol):
@@ -70,8 +70,7 @@ class Tiled(Protocol):
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
 
-
-_MESHES: dict[tuple[Any, ...], DeviceMesh] = {}
+    def _mesh_of(self, fqn: str) -> DeviceMesh: ...  # the mesh tensor ``fqn``'s tiles lie on, kept by the module
 
 
 def _distributed(pm: Tiled) -> bool:
@@ -84,32 +83,45 @@ def _distributed(pm: Tiled) -> bool:
                        "`soybean run` or spawn (ranks simulated as threads cannot checkpoint)")
 
 
-def _device_mesh(pm: Tiled) -> DeviceMesh:
-    """The plan's mesh as a DeviceMesh, made once per process group and shape (making one creates groups)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    key = (device, tuple(pm.plan.mesh), id(dist.group.WORLD))
-    if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device, tuple(pm.plan.mesh))
-    return _MESHES[key]
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_mesh(shape: Sequence[int]) -> DeviceMesh:
+    """A new DeviceMesh of ``shape`` over the whole world (a ``ParallelModule``'s plan's mesh).  Making one creates
+    its process groups, a collective: every rank makes it, and the caller keeps it (a module, for all its
+    checkpoints)."""
+    return init_device_mesh(_device(), tuple(shape))
+
+
+class KeptMesh:
+    """The DeviceMesh a module's tiles lie on in its checkpoints, kept by that module for all of them (its
+    ``_mesh_of``): made at its first save or load (making one creates process groups, a collective every rank runs
+    alike), made anew for another shape or under a new world process group."""
+
+    def __init__(self) -> None:
+        self._made: tuple[int, tuple[int, ...], DeviceMesh] | None = None
+
+    def of(self, shape: Sequence[int]) -> DeviceMesh:
+        """The kept mesh of ``shape`` over the whole world."""
+        world, dims = id(dist.group.WORLD), tuple(shape)
+        if self._made is None or self._made[:2] != (world, dims):
+            self._made = (world, dims, device_mesh(dims))
+        return self._made[2]
 
 
 def submesh(ranks: Sequence[int], shape: Sequence[int]) -> DeviceMesh:
-    """A DeviceMesh of ``shape`` over ``ranks`` (a pipeline stage's devices), made once per process group; every
-    rank must make every one, in the same order (making one creates its groups)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    key = (device, tuple(ranks), tuple(shape), id(dist.group.WORLD))
-    if key not in _MESHES:
-        _MESHES[key] = DeviceMesh(device, torch.tensor(list(ranks)).reshape(tuple(shape)))
-    return _MESHES[key]
+    """A new DeviceMesh of ``shape`` over ``ranks`` (a pipeline stage's devices); every rank must make every one,
+    in the same order (making one creates its groups), and the caller keeps them (``CheckpointView``)."""
+    return DeviceMesh(_device(), torch.tensor(list(ranks)).reshape(tuple(shape)))
 
 
-def _wrap(t: torch.Tensor, pm: Tiled, fqn: str, mesh: DeviceMesh | None) -> torch.Tensor:
-    """The tile ``t`` of tensor ``fqn`` as a DTensor of its full shape (as it is without a mesh); a module whose
-    tensors live on several submeshes (a pipelined one) names each tensor's (``_mesh_of``)."""
-    if mesh is None:
+def _wrap(t: torch.Tensor, pm: Tiled, fqn: str, distributed: bool) -> torch.Tensor:
+    """The tile ``t`` of tensor ``fqn`` as a DTensor of its full shape on the mesh the module keeps for it
+    (``_mesh_of``; a pipelined module's tensors lie on several submeshes); as it is without a process group."""
+    if not distributed:
         return t
-    if (of := getattr(pm, "_mesh_of", None)) is not None:
-        mesh = of(fqn)
+    mesh = pm._mesh_of(fqn)
     shape = pm._full_shape(fqn)
     return DTensor.from_local(t, mesh, [to_torch(p) for p in pm.plan.param_tiling(fqn)], run_check=False,
                               shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
@@ -117,8 +129,8 @@ def _wrap(t: torch.Tensor, pm: Tiled, fqn: str, mesh: DeviceMesh | None) -> torc
 
 def sharded_state_dict(pm: Tiled) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of ParallelModule ``pm`` as a DTensor viewing the local tile."""
-    mesh = _device_mesh(pm) if _distributed(pm) else None
-    return {fqn: _wrap(pm._tensor(kind, fqn).detach(), pm, fqn, mesh) for kind, fqn in pm._state()}
+    distributed = _distributed(pm)
+    return {fqn: _wrap(pm._tensor(kind, fqn).detach(), pm, fqn, distributed) for kind, fqn in pm._state()}
 
 
 def _catalog(pm: Tiled) -> dict[str, dict[str, Any]]:
@@ -130,7 +142,7 @@ def _catalog(pm: Tiled) -> dict[str, dict[str, Any]]:
             for kind, fqn in pm._state()}
 
 
-def _optimizer_state(pm: Tiled, optimizer: torch.optim.Optimizer, mesh: DeviceMesh | None) -> dict[str, Any]:
+def _optimizer_state(pm: Tiled, optimizer: torch.optim.Optimizer, distributed: bool) -> dict[str, Any]:
     """DCP's state dict of ``optimizer`` (initialised by one zero-gradient step at learning rate 0 when empty,
     so a load has every state to fill) with its per-element states wrapped."""
     osd: dict[str, Any] = dict(get_optimizer_state_dict(pm, optimizer))  # type: ignore[arg-type]
@@ -151,7 +163,7 @@ def _optimizer_state(pm: Tiled, optimizer: torch.optim.Optimizer, mesh: DeviceMe
                 raise CheckpointError(f"optimizer state {k!r} of {fqn} has shape {list(v.shape)}, not its tile's "
                                       f"{list(tile.shape)}: soybean checkpoints per-element optimizer state (Adam, "
                                       "AdamW, SGD with momentum) of split parameters; keep this parameter whole")
-            states[k] = _wrap(v, pm, fqn, mesh)
+            states[k] = _wrap(v, pm, fqn, distributed)
     return osd
 
 
@@ -181,7 +193,6 @@ def save(pm: Tiled, root: str | os.PathLike[str], optimizer: torch.optim.Optimiz
     ``root``; every rank calls it.  Returns the committed checkpoint's directory.  ``keep``: how many
     committed checkpoints to leave (the newest), None for all."""
     distributed = _distributed(pm)
-    mesh = _device_mesh(pm) if distributed else None
     base = Path(root)
     box: list[Any] = [None]
     if _rank0(distributed):
@@ -200,7 +211,7 @@ def save(pm: Tiled, root: str | os.PathLike[str], optimizer: torch.optim.Optimiz
     partial = base / store.partial_name(box[0])
     state: dict[str, Any] = {"model": sharded_state_dict(pm)}
     if optimizer is not None:
-        state["optim"] = _optimizer_state(pm, optimizer, mesh)
+        state["optim"] = _optimizer_state(pm, optimizer, distributed)
     # Returns on every rank once rank 0 wrote DCP's .metadata (its last step gathers every rank's writes).
     with _quiet(distributed):
         dcp.save(state, checkpoint_id=str(partial), no_dist=not distributed)
@@ -237,7 +248,6 @@ def load(pm: Tiled, root: str | os.PathLike[str], optimizer: torch.optim.Optimiz
     ckpt = store.resolve(root)
     manifest = store.read_manifest(ckpt)
     distributed = _distributed(pm)
-    mesh = _device_mesh(pm) if distributed else None
     tensors = sharded_state_dict(pm)
     if manifest is None:  # a checkpoint of an older soybean: the model's tensors at top level
         with _quiet(distributed):
@@ -253,7 +263,7 @@ def load(pm: Tiled, root: str | os.PathLike[str], optimizer: torch.optim.Optimiz
             if saved != type(optimizer).__name__:
                 raise CheckpointError(f"checkpoint {ckpt} holds {saved}'s state, not {type(optimizer).__name__}'s: "
                                       f"build a {saved}, or load without optimizer=")
-            state["optim"] = _optimizer_state(pm, optimizer, mesh)
+            state["optim"] = _optimizer_state(pm, optimizer, distributed)
             some_unsaved = _without_unsaved(state["optim"], ckpt)
         with _quiet(distributed):
             dcp.load(state, checkpoint_id=str(ckpt), no_dist=not distributed)

@@ -26,7 +26,6 @@ by default.
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -411,12 +410,10 @@ def grad_to_partial(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _GradToPartial.apply(x, group)
 
 
-# Windows made by ``halo`` -> how to rebuild each from the tile it came from (see ``windowed_call``).
-_WINDOWS: dict[int, tuple[weakref.ref, torch.Tensor, int, int, int, int]] = {}
-
-
-def _forget(key: int) -> None:
-    _WINDOWS.pop(key, None)
+# The attribute of a window made by ``halo`` that says how to rebuild it from the tile it came from (``windowed_call``):
+# (the tile, dim, where my rows start in the tile, where they start in the window, how many).  Kept by the window
+# itself, so it goes with it.
+_WINDOW = "_sb_window"
 
 
 def halo(x: torch.Tensor, group: Group, dim: int, full: int, windows: Windows, fill: float = 0.0) -> torch.Tensor:
@@ -430,18 +427,17 @@ def halo(x: torch.Tensor, group: Group, dim: int, full: int, windows: Windows, f
     lo, _ = chunk_range(full, group.size, group.index)
     a, b = intersect((s, e), chunk_range(full, group.size, group.index))
     if b > a:  # the window is my rows [a, b) with others' rows and fill around them
-        _WINDOWS[id(out)] = (weakref.ref(out), x, dim, a - lo, a - s, b - a)
-        weakref.finalize(out, _forget, id(out))
+        setattr(out, _WINDOW, (x, dim, a - lo, a - s, b - a))
     return out
 
 
 def _pack(t: torch.Tensor) -> Any:
     """A halo window an op saves for backward is kept as its rows from others (and fill) only: its own
     rows are the tile, which the program keeps anyway."""
-    hit = _WINDOWS.get(id(t))
-    if hit is None or hit[0]() is not t:
+    hit = getattr(t, _WINDOW, None)
+    if hit is None:
         return t
-    _, x, dim, at, off, n = hit
+    x, dim, at, off, n = hit
     before = t.narrow(dim, 0, off).clone()
     after = t.narrow(dim, off + n, t.shape[dim] - off - n).clone()
     return (x, x._version, dim, at, n, before, after)

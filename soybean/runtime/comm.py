@@ -26,6 +26,7 @@ Two implementations:
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import threading
 from collections.abc import Iterable, Sequence
@@ -103,7 +104,11 @@ class Work(Protocol):
 
 class AsyncGroup(Group, Protocol):
     """A group that can also start a sum and return before it completes (``TorchGroup``; the thread
-    tier's groups cannot, and callers test for the method)."""
+    tier's groups cannot, and callers test for the method).  ``in_flight``: the sums started on it that nobody
+    has waited for yet (``runtime.pending``: each has an idempotent ``wait``), kept by the group, which waits for
+    them at exit; a module waits for its groups' at its next forward (``pending.wait_all``)."""
+
+    in_flight: list[Any]
 
     def all_reduce_inplace_async(self, t: torch.Tensor) -> Work:
         """Start summing ``t`` in place; ``wait`` on the result before reading ``t``."""
@@ -284,6 +289,18 @@ class ThreadGroup:
 # ---- torch.distributed -------------------------------------------------------------
 
 
+def wait_in_flight(pending: list[Any]) -> None:
+    """Wait for the sums a group still has in flight (``AsyncGroup.in_flight``), at exit.  The last step's sum on a
+    rank that never read its loss is still in flight when the script ends: left to the process group's teardown, it
+    aborted the process ("terminate called without an active exception", a torchrun restart test that had finished
+    every step).  A peer already gone is no error at exit."""
+    try:
+        while pending:
+            pending.pop().wait()
+    except Exception:  # the other ranks may have left: nothing to finish
+        pending.clear()
+
+
 class TorchGroup:
     """One member's view of an axis group backed by a ``torch.distributed`` process group.
 
@@ -303,6 +320,10 @@ class TorchGroup:
         if index is not None and index != self.index:
             raise ValueError(f"group rank {self.index} differs from the expected member index {index}")
         self._backend = str(dist.get_backend(pg)).lower()
+        self.in_flight: list[Any] = []  # ``AsyncGroup.in_flight``
+        # Registered now, after the process group was made: ``atexit`` runs the later-registered first, so this runs
+        # before the group is destroyed (``launch``'s teardown) and before torch's own exit handlers.
+        atexit.register(wait_in_flight, self.in_flight)
 
     def _check_device(self, t: torch.Tensor) -> None:
         dev = t.device.type

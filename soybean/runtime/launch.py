@@ -99,16 +99,14 @@ def init_from_env(backend: str | None = None, timeout_s: float | None = None) ->
 
 
 def _teardown() -> None:
-    """At exit, the process group this module made is destroyed, its pending sums first (``runtime.pending``).
+    """At exit, the process group this module made is destroyed, its pending sums first: each ``TorchGroup``
+    waits for its own (``comm.wait_in_flight``), registered after this, so run before it.
 
     A training script under torchrun seldom destroys it; left to the interpreter's finalisation, the group and
     its store were torn down with a worker thread still joinable and the rank aborted after its last step
     ("terminate called without an active exception"), failing a torchrun run that had finished.  A peer already
     gone is no error at exit."""
-    from .pending import wait_all
-
     try:
-        wait_all()
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception:  # the other ranks may have left: nothing to finish

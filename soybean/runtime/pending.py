@@ -10,15 +10,15 @@ summands is the replicated incoming gradient (identity, see ``collectives._AllRe
 ``item``, ``float``, arithmetic, ``print``, ``detach`` ...) first waits for the sum, while
 metadata (shape, dtype, ``grad_fn`` ...) and ``backward`` do not wait.  ``loss.backward()`` thus
 overlaps the all-reduce; the value is exact whenever it is read.  Ops on a ``PendingSum`` return
-plain tensors.  Every pending sum is also waited for at the start of the next forward
-(:func:`wait_all`), so none outlives its step.  Code that reads the storage without a torch
+plain tensors.  Every pending sum is kept by the group it runs on (``AsyncGroup.in_flight``) and waited for at the
+start of the module's next forward (:func:`wait_all`), so none outlives its step, and at exit (the group's own
+``comm.wait_in_flight``).  Code that reads the storage without a torch
 function (a ``torch.distributed`` call on the loss itself) calls ``loss.wait()`` first.
 """
 from __future__ import annotations
 
-import atexit
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 from torch.autograd import Function
@@ -36,9 +36,6 @@ _NO_WAIT = frozenset({
     "dim", "ndimension", "size", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "backward",
     "register_hook", "retain_grad", "requires_grad_", "__hash__", "__len__",
 })
-
-_PENDING: list[PendingSum] = []
-
 
 class PendingSum(torch.Tensor):
     """A tensor whose value is a cross-device sum started asynchronously (see the module docstring)."""
@@ -92,25 +89,14 @@ def all_reduce_lazy(x: torch.Tensor, group: Group) -> torch.Tensor:
     handles: list[Work] = []
     out = _StartSum.apply(x, group, handles).as_subclass(PendingSum)
     out._sb_finish = handles[0].wait
-    _PENDING.append(out)
+    cast(AsyncGroup, group).in_flight.append(out)  # kept by the group until waited for (``wait_all``, at exit)
     return out
 
 
-def wait_all() -> None:
-    """Wait for every pending sum started so far (the runtime calls this at each forward, and at exit)."""
-    while _PENDING:
-        _PENDING.pop().wait()
-
-
-def _wait_at_exit() -> None:
-    """The last step's sum on a rank that never read its loss is still in flight when the script ends: leaving it
-    to the process group's teardown aborted the process ("terminate called without an active exception", a
-    torchrun restart test that had finished every step).  Waited for here, before torch's own exit handlers
-    (``atexit`` runs the later-registered first); a peer already gone is no error at exit."""
-    try:
-        wait_all()
-    except Exception:  # the other ranks may have left: nothing to finish
-        _PENDING.clear()
-
-
-atexit.register(_wait_at_exit)
+def wait_all(groups: Iterable[Group]) -> None:
+    """Wait for every pending sum started on ``groups`` and not yet waited for (a module calls this with its own
+    groups at each forward)."""
+    for g in groups:
+        pending = getattr(g, "in_flight", None)
+        while pending:
+            pending.pop().wait()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from .brute import brute_force
 from .budget import lagrangian
+from .columns import Hints
 from .diffusion import diffusion_bound
 from .dp import solve_dp
 from .ilp import OPTIMAL_GAP, TARGET_GAP, Pruned, SearchError, Solution, relative_gap, solve_ilp
@@ -21,7 +22,8 @@ from .tying import Run, tie
 
 
 def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: float = TARGET_GAP,
-          runs: Sequence[Run] = (), cutoff: float | None = None, enough: float | None = None) -> Solution:
+          runs: Sequence[Run] = (), cutoff: float | None = None, enough: float | None = None,
+          hints: Hints | None = None) -> Solution:
     """The best choice per variable of ``p`` with ``solver`` in {ilp, dp, brute}: the ILP stops once its
     plan is proven within relative ``gap`` of optimal, or after ``time_limit_s`` with the best plan
     found and its bound.  A memory budget is met by Lagrangian
@@ -30,11 +32,12 @@ def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: floa
     ``cutoff``: raise ``Pruned`` once a lower bound reaches it: the reduction's cheap bound before the
     solve, the ILP's LP relaxation, and under a budget also each Lagrangian bound (``budget.lagrangian``).
     ``enough`` (no budget): the bound the caller can use; a rounded LP plan whose value is below it skips branch
-    and bound (``ilp.solve_ilp``), since no bound branch and bound proves exceeds that plan's value."""
+    and bound (``ilp.solve_ilp``), since no bound branch and bound proves exceeds that plan's value.
+    ``hints``: the caller's column hints, kept across its solves (``columns.Hints``; None: none kept)."""
     t0 = time.perf_counter()
     if runs:
         q, to = tie(p, list(runs))
-        s = solve(q, solver, time_limit_s, gap, cutoff=cutoff, enough=enough)
+        s = solve(q, solver, time_limit_s, gap, cutoff=cutoff, enough=enough, hints=hints)
         choice = [s.choice[to[v]] for v in range(p.n)]
         obj = p.evaluate(choice)  # equal to s.objective: tying prices a plan exactly
         return Solution(choice, obj, obj - (s.objective - s.bound), s.status, time.perf_counter() - t0, s.solver)
@@ -44,12 +47,13 @@ def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: floa
     if solver not in ("ilp", "dp"):
         raise ValueError(f"unknown solver {solver!r}: use ilp or dp")
     if p.budget is not None and p.memory is not None:
-        return _solve_budget(p, solver, time_limit_s, gap, t0, cutoff)
-    return _solve_free(p, solver, time_limit_s, gap, t0, cutoff, enough)
+        return _solve_budget(p, solver, time_limit_s, gap, t0, cutoff, hints)
+    return _solve_free(p, solver, time_limit_s, gap, t0, cutoff, enough, hints)
 
 
 def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: float | None = None,
-                cutoff: float | None = None, enough: float | None = None) -> Solution:
+                cutoff: float | None = None, enough: float | None = None, hints: Hints | None = None
+                ) -> Solution:
     """Exact reductions, then the solver on the core, then the eliminated choices restored."""
     t0 = time.perf_counter() if t0 is None else t0
     red = reduce(p)
@@ -66,7 +70,7 @@ def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: fl
         try:
             core = solve_ilp(red.core, time_limit_s=time_limit_s, gap=gap,
                              cutoff=None if cutoff is None else cutoff - shift,
-                             enough=None if enough is None else enough - shift)
+                             enough=None if enough is None else enough - shift, hints=hints)
         except Pruned as e:  # raised only under a cutoff
             assert cutoff is not None
             raise Pruned(e.bound + shift, cutoff) from None
@@ -82,10 +86,10 @@ REFINE_MAX = 150_000
 
 
 def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t0: float,
-                  cutoff: float | None = None) -> Solution:
+                  cutoff: float | None = None, hints: Hints | None = None) -> Solution:
     deadline = t0 + time_limit_s
     dual = lagrangian(p, lambda q, cut: _solve_free(q, solver, max(1.0, deadline - time.perf_counter()), target,
-                                                    cutoff=cut),
+                                                    cutoff=cut, hints=hints),
                       deadline, target, cutoff)
     best, bound = dual.solution, dual.bound
     size = sum(C.size for C in p.edges.values())
@@ -96,7 +100,7 @@ def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t
     left = deadline - time.perf_counter()
     if gap() > target and solver == "ilp" and size <= REFINE_MAX and left > 1.0:
         try:
-            s = solve_ilp(p, time_limit_s=left, gap=target)
+            s = solve_ilp(p, time_limit_s=left, gap=target, hints=hints)
         except SearchError:
             s = None
         if s is not None:
@@ -113,5 +117,5 @@ def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t
 
 __all__ = [
     "Problem", "SearchError", "Solution", "solve", "solve_ilp", "solve_dp", "brute_force", "reduce",
-    "TARGET_GAP", "relative_gap", "Run", "tie", "Pruned", "lower_bound",
+    "TARGET_GAP", "relative_gap", "Run", "tie", "Pruned", "lower_bound", "Hints",
 ]

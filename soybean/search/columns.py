@@ -48,7 +48,28 @@ class Hint:
     choice: list[int]
 
 
-_HINTS: OrderedDict[tuple, Hint] = OrderedDict()
+class Hints:
+    """The last solve's columns of each problem shape (at most ``HINTS_KEPT``, the most recent), kept by the caller
+    for one planner run (``planner.solve.PlannerRun``): the members of ``capped_overlap`` and the mesh shapes it
+    solves one after another share most columns.  Filled by ``solve_by_columns``."""
+
+    def __init__(self) -> None:
+        self._by_shape: OrderedDict[tuple, Hint] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_shape)
+
+    def get(self, p: Problem) -> Hint | None:
+        """The hint of a problem of ``p``'s shape, if one was solved."""
+        return self._by_shape.get(_shape(p))
+
+    def store(self, p: Problem, hint: Hint) -> None:
+        """Keep ``hint`` for ``p``'s shape, forgetting the oldest shape beyond ``HINTS_KEPT``."""
+        key = _shape(p)
+        self._by_shape[key] = hint
+        self._by_shape.move_to_end(key)
+        while len(self._by_shape) > HINTS_KEPT:
+            self._by_shape.popitem(last=False)
 
 
 def _shape(p: Problem) -> tuple:
@@ -102,32 +123,31 @@ def lagrangian_bound(f: Formulation, dual: np.ndarray, rc: np.ndarray) -> float:
     return bound
 
 
-def _store(p: Problem, f: Formulation, have: np.ndarray, choice: list[int]) -> None:
+def _hint(f: Formulation, have: np.ndarray, choice: list[int]) -> Hint:
+    """The columns ``have`` of ``f`` and its plan ``choice``, as a hint for a problem of the same shape."""
     pairs = {}
     for b in f.blocks:
         r, c = np.divmod(np.flatnonzero(have[b.start:b.start + b.rows * b.cols]), b.cols)
         rep_r, rep_c = np.empty(b.rows, dtype=np.int64), np.empty(b.cols, dtype=np.int64)
         rep_r[b.ri], rep_c[b.ci] = np.arange(len(b.ri)), np.arange(len(b.ci))
         pairs[b.edge] = (rep_r[r], rep_c[c])
-    key = _shape(p)
-    _HINTS[key] = Hint(pairs, choice)
-    _HINTS.move_to_end(key)
-    while len(_HINTS) > HINTS_KEPT:
-        _HINTS.popitem(last=False)
+    return Hint(pairs, choice)
 
 
 def solve_by_columns(p: Problem, f: Formulation, time_limit_s: float, tol: float,
-                     cutoff: float | None = None) -> tuple[str, np.ndarray | None, float] | None:
+                     cutoff: float | None = None, hints: Hints | None = None
+                     ) -> tuple[str, np.ndarray | None, float] | None:
     """``f``'s LP relaxation as ``highs.solve_formulation`` reports it: (``optimal``, values, proven bound),
     (``cutoff``, None, bound) once ``L`` reaches ``cutoff``, or (``time_limit``, values, -inf); ``None`` when the
-    restricted LP fails (the caller then solves it whole)."""
+    restricted LP fails (the caller then solves it whole).  ``hints``: the caller's, read for a start and given
+    this solve's columns (None: none kept)."""
     import highspy
 
     t0 = perf_counter()
     A = f.matrix()
     AT = A.T.tocsr()
     le = np.isneginf(f.row_lo)  # the memory row: its multiplier is <= 0
-    hint = _HINTS.get(_shape(p))
+    hint = hints.get(p) if hints is not None else None
     choice = hint.choice if hint is not None else _start_choice(p)
     have = np.zeros(f.num_col, dtype=bool)
     have[_first_columns(f, choice, hint)] = True
@@ -156,7 +176,8 @@ def solve_by_columns(p: Problem, f: Formulation, time_limit_s: float, tol: float
         if done or perf_counter() - t0 > time_limit_s:
             values = np.zeros(f.num_col)
             values[order] = np.asarray(sol.col_value)
-            _store(p, f, have, f.choice(values))
+            if hints is not None:
+                hints.store(p, _hint(f, have, f.choice(values)))
             if not done:
                 return "time_limit", values, -float("inf")
             return "optimal", values, min(obj, bound)

@@ -3,7 +3,7 @@
 ``solve_formulation`` solves a whole ``Formulation`` (as an LP, or with integral ``x``); ``lp_model`` builds
 the ``Highs`` object for any column subset (``columns``).  HiGHS prints its banner on file descriptor 1 even
 with output suppressed (``native_stdout_silenced``), and a process forked after its parent ran HiGHS needs a
-fresh thread scheduler (``_fresh_scheduler``).
+fresh thread scheduler (``fresh_scheduler``, which the planner's workers call as they start).
 """
 from __future__ import annotations
 
@@ -35,17 +35,14 @@ def native_stdout_silenced() -> Iterator[None]:
         os.close(null)
 
 
-_SCHEDULER_PID: list[int] = []  # the process whose HiGHS thread scheduler is set up
-
-
-def _fresh_scheduler(highspy: Any) -> None:
-    """HiGHS's thread scheduler made anew in a process forked from one that had set it up (a planner worker,
-    ``mesh_pool``): a fork copies the scheduler's state but not its threads, and branch and bound then waits
-    for threads that do not exist."""
-    pid = os.getpid()
-    if _SCHEDULER_PID and _SCHEDULER_PID[0] != pid:
+def fresh_scheduler() -> None:
+    """HiGHS's thread scheduler made anew: call it first in a process forked from one that may have run HiGHS (a
+    planner worker: ``planner.mesh_pool``).  A fork copies the scheduler's state but not its threads, and branch and
+    bound then waits for threads that do not exist.  Nothing to do when this process has not loaded ``highspy``
+    (its parent never ran HiGHS, so a scheduler made here starts fresh)."""
+    highspy = sys.modules.get("highspy")
+    if highspy is not None:
         highspy.Highs.resetGlobalScheduler(True)
-    _SCHEDULER_PID[:] = [pid]
 
 
 def lp_model(f: Formulation, A: Any, cols: np.ndarray | None = None, integer: bool = False,
@@ -69,7 +66,6 @@ def lp_model(f: Formulation, A: Any, cols: np.ndarray | None = None, integer: bo
         nx = int(f.x_start[-1])  # the x columns are integral, the pair columns continuous
         lp.integrality_ = [highspy.HighsVarType.kInteger] * nx + [highspy.HighsVarType.kContinuous] * (n - nx)
     with native_stdout_silenced():  # the banner is printed when the object is made
-        _fresh_scheduler(highspy)
         h = highspy.Highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("threads", 1)  # one per process: the planner runs one process per core (``mesh_pool``)

@@ -74,7 +74,8 @@ OPTIMAL_GAP = 1e-6
 TARGET_GAP = 1e-4
 
 def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP,
-              cutoff: float | None = None, enough: float | None = None) -> Solution:
+              cutoff: float | None = None, enough: float | None = None, hints: columns.Hints | None = None
+              ) -> Solution:
     """The best choice for ``p`` proven within relative ``gap`` of optimal, or the best found within
     ``time_limit_s``, always with the bound proven so far (status ``optimal`` only when proven within
     ``OPTIMAL_GAP``); ``SearchError`` when there is none; ``Pruned`` when the LP relaxation's optimum (a lower
@@ -87,6 +88,7 @@ def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP
     within the gap).  Branch and bound only lifts the bound towards the optimum, which is at most the rounded plan's
     value; a rounded plan below ``enough`` is returned with the LP's bound (GPT-2's 3-D members: 3 s each to prove
     a rounded plan 0.18% above its LP optimal, where the overlap's duality gap is 2.6%).
+    ``hints``: the caller's column hints for a large core's LP (``columns.Hints``; None: none kept).
     """
     t0 = time.perf_counter()
     name = "ilp-highs"
@@ -95,7 +97,7 @@ def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP
     f = formulate(p)
     lp = None
     if f.num_col - int(f.x_start[-1]) >= columns.COLUMNS_MIN:  # a large core: the LP by columns
-        lp = columns.solve_by_columns(p, f, time_limit_s, gap / 10, cutoff)
+        lp = columns.solve_by_columns(p, f, time_limit_s, gap / 10, cutoff, hints)
     status, values, bound = lp or solve_formulation(f, False, time_limit_s, gap, cutoff)
     if status == "infeasible":
         raise _infeasible(p, time_limit_s)
