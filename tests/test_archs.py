@@ -15,9 +15,9 @@ import pytest
 
 pytest.importorskip("transformers", reason="the architecture suite needs transformers: pip install -e '.[hf]'")
 
-from soybean import sweep  # noqa: E402
-from soybean.verify.check import check_model  # noqa: E402
-from soybean.models import archs  # noqa: E402
+from soybean.verify import sweep
+from soybean.verify.check import check_model
+from soybean.models import archs
 
 pytestmark = pytest.mark.unit
 
