@@ -126,7 +126,8 @@ def op_seconds(
     """Training-step seconds of ``op`` under each strategy, given which tensor inputs need a gradient; ``copies``:
     a view the program may run as a copy of its tile (``rules.views.may_copy``), priced by ``copy_seconds``."""
     n_flops, byts = flops(op)
-    rate = replace(profile, flops=op_flops(op, profile)) if profile.conv_flops or profile.fp32_flops else profile
+    f = op_flops(op, profile)
+    rate = profile if f == profile.flops else replace(profile, flops=f)  # a copy only for an op at another rate
     n_pass = passes(op, grads)
     skew = facts(op).skew
     seconds = np.array([compute_seconds(n_flops * (skew(op, s, mesh, profile) if skew is not None else 1.0),
