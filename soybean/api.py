@@ -27,7 +27,6 @@ from .plan import Plan
 from .planner.core import plan as make_plan
 from .precision import policy
 from .run.module import ParallelModule
-from .run.outputs import OUTPUTS
 from .run.pieces import CAPTURES, PiecesModule
 from .run.pipelined import PipelinedModule
 from .run.placed import PlacedModule
@@ -82,7 +81,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
 @agreed_setup
 def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, *,
                 options: PlanOptions | None = None, plan: Plan | str | Path | None = None, rank: int | None = None,
-                groups: Sequence[Group] | None = None, captured: Captured | None = None, outputs: str = "lazy",
+                groups: Sequence[Group] | None = None, captured: Captured | None = None, outputs: str | None = None,
                 share_params: bool = False, example_kwargs: dict | None = None, timeout_s: float | None = None,
                 capture_with: str = "auto", **option_fields: Any
                 ) -> ParallelModule | PipelinedModule | PlacedModule | PiecesModule:
@@ -116,9 +115,10 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     computed outside on the tile trains as DDP does: the mean over ranks of their losses
     (``soybean.run.outputs.local_mean``).
 
-    ``outputs`` (the full-batch contract): ``lazy`` (default) returns a split output as a
-    ``soybean.run.outputs.LazyFull``, this rank's tile, gathered on first full read; a loss of
-    ``torch.nn.functional`` on it reduces only the scalar.  ``full``: full tensors, gathered in the program.
+    ``outputs`` (the full-batch contract; ``PlanOptions.outputs``): ``lazy`` (default) returns a split output as a
+    ``soybean.run.outputs.LazyFull``, this rank's tile split along dim 0, gathered on first full read; a loss of
+    ``torch.nn.functional`` on it reduces only the scalar.  ``full``: full tensors, gathered in the program.  The
+    planner prices the one given: under ``lazy`` no gather of the logits a loop's loss reads.
 
     ``collectives``: the algorithm each collective runs, as ``soybean plan --collectives``: ``auto`` (the cheapest
     modelled for its group and message, ``cost.collectives.choose``), or one forced: ``backend`` (the backend's
@@ -156,11 +156,9 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     parameter stored whole, its use split; fp32, the full-batch contract, no pipeline stages or placement).  A plan
     saved from pieces runs as one.
     """
-    if outputs not in OUTPUTS:
-        raise ValueError(f"unknown outputs {outputs!r}: use one of {', '.join(OUTPUTS)}")
     if capture_with not in CAPTURES:
         raise ValueError(f"unknown capture_with {capture_with!r}: use one of {', '.join(CAPTURES)}")
-    opts = merge_options(options, **option_fields)
+    opts = merge_options(options, outputs=outputs, **option_fields)
     example_inputs, example_kwargs = split_example(example_inputs, example_kwargs)
     groups, rank, world = _world(opts, groups, rank, timeout_s)
     simulated = groups is not None
@@ -215,7 +213,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
         from .runtime.comm import torch_groups
 
         groups = torch_groups(Mesh(tuple(p.mesh)))
-    return ParallelModule(model, cap, p, rank, groups, lazy_outputs=outputs == "lazy", share_params=share_params)
+    return ParallelModule(model, cap, p, rank, groups, lazy_outputs=opts.outputs == "lazy", share_params=share_params)
 
 
 def _world(opts: PlanOptions, groups: Sequence[Group] | None, rank: int | None,
@@ -303,7 +301,8 @@ def _pieces(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions
 
 def _plan_piece(cap: Captured, opts: PlanOptions, world: int) -> Plan:
     """One piece's plan (``pieces.plan_pieces``): on every device, no baselines."""
-    return make_plan(None, (), world, options=opts, baselines=False, captured=cap)
+    # A piece hands its outputs to the Python between pieces whole (``run.pieces``): priced as such.
+    return make_plan(None, (), world, options=opts.merged(outputs="full"), baselines=False, captured=cap)
 
 
 def placed_or_plain(cap: Captured, world: int, opts: PlanOptions, say: Callable[[str], None] = lambda line: None,

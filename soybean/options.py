@@ -37,6 +37,11 @@ COLLECTIVES = ("auto", *ALGORITHMS)
 PRECISIONS = tuple(POLICIES)
 CP_METHODS = ("auto", "all_gather_kv", "ring")  # ``rules.attention.cp_method``'s names
 PLACEMENTS = ("none", "auto")
+# How a split non-scalar output leaves the program under the full-batch contract: ``lazy``, this rank's tile split
+# along dim 0 (or whole), gathered only when the caller reads it whole (``run.outputs.LazyFull``: a loss of
+# ``torch.nn.functional`` reduces only the scalar); ``full``, gathered whole in the program.  The planner prices the
+# one asked for (``graph.build``'s output), so a loop that computes its loss from the logits outside pays no gather.
+OUTPUTS = ("lazy", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")  # ``pipelined.schedule_class``'s names
 MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")  # schedules that run several stages per rank (``virtual_stages`` > 1)
 DEFAULT_VIRTUAL_STAGES = 2  # a ``MULTI_STAGE`` schedule's stages per rank group when ``virtual_stages`` is not given
@@ -86,6 +91,7 @@ class PlanOptions:
     schedule: str = "1f1b"
     virtual_stages: int | None = None
     placement: str = "none"
+    outputs: str = "lazy"
 
     def __post_init__(self) -> None:
         mesh = self.mesh
@@ -98,6 +104,7 @@ class PlanOptions:
         _choice("recompute", self.recompute, RECOMPUTE)
         _choice("collectives", self.collectives, COLLECTIVES)
         _choice("context_parallel_method", self.context_parallel_method, CP_METHODS)
+        _choice("outputs", self.outputs, OUTPUTS)
         if self.precision is not None:
             _choice("precision", self.precision, PRECISIONS)
         if self.devices is not None and self.devices < 1:
@@ -263,6 +270,11 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                                         "at F times the balanced share (default %(default)g; 1 is "
                                                         "balanced routing); its all-to-alls and expert compute "
                                                         "alike"}),
+    ("outputs", "--outputs", {"choices": OUTPUTS,
+                              "help": "a split non-scalar output (logits) under the full-batch contract: lazy, this "
+                                      "rank's batch rows, gathered only where the loop reads it whole (a loss of "
+                                      "torch.nn.functional needs no gather); full, gathered in the program; the "
+                                      "plan prices the one given (default %(default)s)"}),
     ("context_parallel", "--context-parallel", {"metavar": "auto|none|N",
                                                 "help": "attention split along the query sequence: auto (the "
                                                         "planner chooses), none, or N (every attention op's query "

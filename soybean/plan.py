@@ -191,6 +191,9 @@ class Plan:
     # its fingerprint, op count, parameters (the piece's slot -> the model's name) and its own tiling plan (this
     # class's dict); None, and no ``pieces`` key in the JSON, for a plan of one captured graph
     pieces: dict[str, Any] | None = None
+    # how split non-scalar outputs were priced (``options.OUTPUTS``): ``lazy``, left split along dim 0 where cheaper
+    # (the tilings under ``nodes["output"]``), or ``full``, gathered whole (a plan saved before the option)
+    outputs: str = "full"
     schema_version: int = SCHEMA_VERSION
 
     @property

@@ -190,3 +190,76 @@ def test_full_outputs_are_still_available() -> None:
     assert run_threads(Mesh((2,)), body) == [(torch.Tensor, True)] * 2
     with pytest.raises(ValueError, match="unknown outputs"):
         parallelize(model, (x,), plan=p, rank=0, groups=[None], captured=cap, outputs="gathered")
+
+
+class _Logits(torch.nn.Module):
+    """A language-model head in miniature: a hidden layer and a wide vocabulary, returning the logits (as a
+    Hugging Face model does; the loop computes the loss)."""
+
+    def __init__(self, hidden: int = 16, vocab: int = 256) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(hidden, hidden)
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("mesh", [(8,), (2, 4)], ids=lambda m: "x".join(map(str, m)))
+def test_the_planner_leaves_logits_split_where_the_gather_costs_more(mesh) -> None:
+    """A 32,000-word head at batch 4,096 on 8 modelled H100s (meta device): under ``outputs="lazy"`` (the default)
+    the plan leaves the logits split along dim 0 (``nodes["output"]``), as ``LazyFull`` hands them to the loop, and
+    is modelled faster than the same search under ``outputs="full"``, which prices their gather and records none."""
+    with torch.device("meta"):
+        model, x = _Logits(1024, 32000), torch.randn(4096, 1024)
+    cap = capture(model, (x,))
+    lazy = make_plan(None, (), 8, mesh=mesh, baselines=False, captured=cap, profile="h100-nvlink")
+    full = make_plan(None, (), 8, mesh=mesh, baselines=False, captured=cap, profile="h100-nvlink", outputs="full")
+    assert (lazy.outputs, full.outputs) == ("lazy", "full") and "output" not in full.nodes
+    tiling = lazy.nodes["output"]["in"][0]
+    assert set(tiling) <= {"R", "S(0)"} and "S(0)" in tiling
+    assert lazy.cost["step_time_s"] < full.cost["step_time_s"]
+
+
+@pytest.mark.parametrize("mesh", [(2,), (4,), (2, 2)], ids=lambda m: "x".join(map(str, m)))
+def test_logits_left_split_are_priced_as_the_lazy_read_and_train_as_serial(mesh) -> None:
+    """The lazy plan (data parallel forced, so the small logits split) records the output's tiling and is modelled
+    cheaper than the same layout priced with the gather; run, the output is the planned tile, the loss of the tiles
+    is the serial loss and the gradients are serial; the same plan run with ``outputs="full"`` gathers in the
+    program and returns the serial logits.  Batch 10: uneven over 4."""
+    from soybean.report.explain import explain
+
+    torch.manual_seed(0)
+    model = _Logits().double()
+    x, y = torch.randn(10, 16, dtype=torch.float64), torch.randint(0, 256, (10,))
+    cap = capture(model, (x,))
+    n = Mesh(mesh).size
+    lazy = make_plan(None, (), n, mesh=mesh, mode="dp", baselines=False, captured=cap)
+    full = make_plan(None, (), n, mesh=mesh, mode="dp", baselines=False, captured=cap, outputs="full")
+    tiling = lazy.nodes["output"]["in"][0]
+    assert tiling == ["S(0)"] * len(mesh) and "output" not in full.nodes
+    assert lazy.cost["step_time_s"] < full.cost["step_time_s"]
+    explain(cap, lazy)  # the table rebuilt from the plan holds the plan's own output choice
+    want, grads = _serial(model, x, y, F.cross_entropy)
+
+    def body(rank: int, groups: list):
+        pm = parallelize(model, (x,), plan=lazy, rank=rank, groups=groups, captured=cap)
+        out = pm(x)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        whole = parallelize(model, (x,), plan=lazy, rank=rank, groups=groups, captured=cap, outputs="full")(x)
+        return float(loss.detach()), _gather_grads(pm), out, whole
+
+    for loss, got, out, whole in run_threads(Mesh(mesh), body):
+        assert isinstance(out, LazyFull) and [str(p) for p in out.tiling] == tiling
+        assert loss == pytest.approx(want, rel=1e-12)
+        _close(got, grads)
+        assert type(whole) is torch.Tensor and torch.allclose(whole, model(x), rtol=1e-12)
+
+
+def test_the_outputs_option_is_checked_and_on_the_command_line() -> None:
+    from soybean.options import PlanOptions, default
+
+    assert default("outputs") == "lazy" and PlanOptions(outputs="full").outputs == "full"
+    with pytest.raises(ValueError, match="unknown outputs 'whole': use one of lazy, full"):
+        PlanOptions(outputs="whole")

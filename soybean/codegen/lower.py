@@ -40,7 +40,7 @@ from .. import rules
 from ..capture.core import Captured
 from ..capture.passes.mark_returned_sums import RETURNED_SUM, SCALINGS
 from ..cost.profiles import load_profile
-from ..graph import Edge, PlanGraph, build, node_module, value_name, value_source
+from ..graph import OUTPUT, Edge, PlanGraph, build, node_module, value_name, value_source
 from ..ir.algorithms import BACKEND, Algo
 from ..ir.kinds import KINDS, Step
 from ..mesh import Mesh
@@ -348,7 +348,9 @@ class Lowering:
 
     def output(self, node: fx.Node) -> None:
         flat, spec = tree_flatten(node.args[0])
-        edges = iter(self.into.get(self.pg.index["output"], []))
+        out_var = self.pg.vars[self.pg.index[OUTPUT]]
+        edges = iter(self.into.get(self.pg.index[OUTPUT], []))
+        planned = OUTPUT in self.prog.nodes  # a plan that left some output split along dim 0 (``outputs`` lazy)
         res: list[Any] = []
         for a in flat:
             v = _val(a)
@@ -357,11 +359,21 @@ class Lowering:
                 res.append(a)
             elif not isinstance(v, torch.Tensor):
                 res.append(self.env[a.name])
-            elif not self.tile_outputs or v.dim() == 0:
-                res.append(self.read(next(edges)))
+            elif not self.tile_outputs or v.dim() == 0 or (not self.prog.local_batch and planned):
+                e = next(edges)
+                res.append(self.read(e))  # in the tiling planned for it: whole, or split along dim 0 (lazy)
+                want = out_var.strategies[0].inputs[e.dst_in]
+                if _split(want, self.mesh):
+                    if self.tile_outputs:  # left split for ``run.outputs.LazyFull``, as the plan priced it
+                        tiling = want
+                    else:  # this module returns full tensors: the gather the lazy plan left to the loop, here
+                        route = Route.of(want, self.full, (), (), e.needs_grad)
+                        res[-1] = emit_reshard(self.g, res[-1], tuple(v.shape), route, self.mesh, self.coords)
             else:  # returned as a tile: only pending sums are reduced
                 if not self.prog.local_batch:
-                    next(edges)  # the planned gather to the full output, left to the module (``soybean.run.outputs``)
+                    # A plan that priced the gather to the full output (``outputs`` ``full``, or saved before the
+                    # option): the gather left to the module (``soybean.run.outputs``), the output as produced.
+                    next(edges)
                 u, k = value_source(self.pg, a)
                 U = self.pg.vars[u]
                 src = U.strategies[0].outputs[k]
@@ -373,9 +385,14 @@ class Lowering:
                 res.append(emit_reshard(self.g, x, tuple(v.shape), route, self.mesh, self.coords))
                 if a.meta.get(RETURNED_SUM) and res[-1] is not x:
                     res[-1].meta[RETURNED_SUM] = True
-                tiling = dst if any(isinstance(p, Shard) and n > 1 for p, n in zip(dst, self.mesh.shape)) else None
+                tiling = dst if _split(dst, self.mesh) else None
             self.output_tilings.append(tiling)
         self.g.output(tree_unflatten(res, spec))
+
+
+def _split(t: Tiling, mesh: Mesh) -> bool:
+    """Whether tiling ``t`` cuts its tensor: some mesh axis of more than one device shards it."""
+    return any(isinstance(p, Shard) and n > 1 for p, n in zip(t, mesh.shape))
 
 
 def lower(cap: Captured, plan: Plan | Program, rank: int, tile_outputs: bool = False,

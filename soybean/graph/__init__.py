@@ -30,6 +30,7 @@ The package: ``types`` (``Var``, ``Edge``, ``PlanGraph``), ``build`` (``build`` 
 phases), ``pinning`` (how a baseline holds a parameter to its stored tiling).
 """
 from .build import (
+    OUTPUT,
     NoStrategyLeft,
     SharedWork,
     backend_only,
@@ -49,7 +50,7 @@ from .types import Edge, PlanGraph, Var, VarKind
 from .units import attention_units, layer_of, node_layer, node_module, recomputable_layers, unit_of
 from .writes import written_inputs
 
-__all__ = ["PINNED", "NoStrategyLeft", "SharedWork", "Edge", "PlanGraph", "Var", "VarKind", "attention_units",
+__all__ = ["OUTPUT", "PINNED", "NoStrategyLeft", "SharedWork", "Edge", "PlanGraph", "Var", "VarKind", "attention_units",
            "backend_only", "build",
            "edge_profile", "fallback_ops", "gc_paused", "freed_after", "layer_of", "node_layer", "node_module",
            "op_key",

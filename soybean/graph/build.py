@@ -267,6 +267,7 @@ def build(
     domains: dict[str, list[tuple]] | None = None,
     pin_params: bool = False,
     local_outputs: bool = False,
+    lazy_outputs: bool = False,
     divide_work: bool | None = None,
     fixed: Plan | Program | None = None,
     gather_axes: tuple[int, ...] = (),
@@ -292,6 +293,8 @@ def build(
     baseline's, ``baselines.cp_tp_fsdp``) keeps only those splitting them on exactly those axes.
     ``context_parallel_method`` (``all_gather_kv`` or ``ring``; ``auto``: either) keeps, of the strategies
     splitting the query rows, those of that method (``rules.attention.cp_method``).
+    ``lazy_outputs`` (the full-batch contract with ``PlanOptions.outputs`` ``lazy``): a non-scalar output may leave
+    split along dim 0 (``lazy_output_tilings``), as ``run.outputs.LazyFull`` hands it to the loop, instead of whole.
     ``divide_work`` (default: only for the ``comm`` objective) keeps only strategies
     that cut every op's work on every axis wherever the rules allow one.
     ``fixed``: every variable takes the one strategy ``fixed`` chose (and its output contract);
@@ -309,7 +312,8 @@ def build(
         fixed = (fixed.program if isinstance(fixed, Plan) else fixed).aligned(cap.keys)
     with gc_paused():
         return _Builder(PlanGraph(mesh, profile, pricing=pricing or PricingCache()), cap, objective, domains or {},
-                        pin_params, local_outputs, divide_work, fixed, tuple(gather_axes), dict(gather_of or {}),
+                        pin_params, local_outputs, lazy_outputs, divide_work, fixed, tuple(gather_axes),
+                        dict(gather_of or {}),
                         context_parallel, context_parallel_method, share,
                         frozenset(fixed.recompute if fixed is not None else recompute), work).run()
 
@@ -336,7 +340,8 @@ class _Builder:
     """One ``build``: the planning graph of ``cap``, one method per captured node kind (as ``codegen.Lowering``)."""
 
     def __init__(self, g: PlanGraph, cap: Captured, objective: str, domains: dict[str, list[tuple]],
-                 pin_params: bool, local_outputs: bool, divide_work: bool | None, fixed: Program | None,
+                 pin_params: bool, local_outputs: bool, lazy_outputs: bool, divide_work: bool | None,
+                 fixed: Program | None,
                  gather_axes: tuple[int, ...], gather_of: dict[str, tuple[int, ...]],
                  context_parallel: str | int | tuple[int, ...], cp_method: str,
                  share: bool,
@@ -347,6 +352,7 @@ class _Builder:
         self.gather_of, self.context_parallel, self.cp_method = gather_of, context_parallel, cp_method
         self.mesh, self.profile = g.mesh, g.profile
         self.local_outputs = fixed.local_batch if fixed is not None else local_outputs
+        self.lazy_outputs = lazy_outputs and not self.local_outputs
         self.rerun = _Rerun(cap.graph, recompute)
         master_dtype = policy(cap.precision).master
         g.master_itemsize = master_dtype.itemsize if master_dtype is not None else 0
@@ -509,11 +515,40 @@ class _Builder:
         returned = [o for o in leaves if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
         if self.local_outputs:  # only scalars (losses) must be whole; other outputs stay as tiled
             returned = [o for o in returned if o.meta["val"].dim() == 0]
-        st = Strategy(tuple(self.full for _ in returned), ())
-        v = _add_var(self.g, Var("output", "output", [st], np.zeros(1), np.zeros(1)))
+        if self.fixed is not None and OUTPUT in self.fixed.nodes:  # the tilings the plan chose
+            sts = [Strategy(tuple(self.fixed.node_tilings(OUTPUT)[0]), ())]
+        elif self.lazy_outputs and self.fixed is None:
+            each = [lazy_output_tilings(tuple(o.meta["val"].shape), self.g.mesh) for o in returned]
+            if math.prod(len(c) for c in each) > MAX_OUTPUT_STRATEGIES:  # read whole: priced as the gather it is
+                each = [[self.full]] * len(returned)
+            sts = [Strategy(tuple(c), ()) for c in itertools.product(*each)]
+        else:
+            sts = [Strategy(tuple(self.full for _ in returned), ())]
+        n = len(sts)
+        v = _add_var(self.g, Var(OUTPUT, "output", sts, np.zeros(n), np.zeros(n)))
         for i, a in enumerate(returned):
             u, k = value_source(self.g, a)
             _add_edge(self.g, u, v, k, i, self.needs_grad.get(a.name, False), lazy=returned_sum(a, node))
+
+
+# The output variable's name, and the key of its tilings in a plan's ``nodes`` where any output leaves split.
+OUTPUT = "output"
+# The most combinations of lazy output tilings an output variable takes; past it every output is read whole.
+MAX_OUTPUT_STRATEGIES = 64
+
+
+def lazy_output_tilings(shape: tuple[int, ...], mesh: Mesh) -> list[tuple]:
+    """The tilings a non-scalar output of ``shape`` may leave in under ``PlanOptions.outputs`` ``lazy``: every
+    choice of ``R`` or ``S(0)`` per mesh axis whose split leaves every tile at least one row (the axes splitting
+    dim 0 divide it, the outer first) -- the batch slices ``run.outputs.LazyFull`` computes a loss on tile by tile
+    and gathers along dim 0 when read whole.  A scalar is whole."""
+    if not shape:
+        return [(R,) * mesh.ndim]
+    out = []
+    for split in itertools.product((False, True), repeat=mesh.ndim):
+        if math.prod(n for n, s in zip(mesh.shape, split) if s) <= shape[0]:
+            out.append(tuple(Shard(0) if s else R for s in split))
+    return out
 
 
 def returned_sum(value: fx.Node, consumer: fx.Node) -> bool:

@@ -55,7 +55,9 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
     bounds = list(bounds) if bounds is not None else even_bounds(len(names), total)
     cut = split(cap, bounds)
     per = world // stages
-    plans = [plan(None, (), per, options=options, baselines=False, captured=st.cap) for st in cut]
+    # A stage hands its outputs on whole (``run.pipelined``): priced as such, never left split for a lazy read.
+    plans = [plan(None, (), per, options=options.merged(outputs="full"), baselines=False, captured=st.cap)
+             for st in cut]
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
     facts = facts if facts is not None else value_facts(cap)
     per_mb = [microbatch_s(p) + sends_s(facts, st, per, profile) for p, st in zip(plans, cut)]
@@ -240,7 +242,7 @@ class StageCosts:
             st = split(self.cap, parts)[parts.index((a, b))]
             self.plans += 1
             try:
-                p = plan(None, (), per, options=self.options, baselines=False, captured=st.cap)
+                p = plan(None, (), per, options=self.options.merged(outputs="full"), baselines=False, captured=st.cap)
             except (MemoryBudgetError, SearchError):  # no plan of this stage fits (or none was found): never chosen
                 self.memo[key] = (math.inf, math.inf, 0.0, 0.0)
                 return math.inf

@@ -200,7 +200,9 @@ def plan_placement(cap: Captured, devices: int, options: PlanOptions,
     def planned(c: Captured, d: int) -> Plan:
         key = (shape_key(c), d)
         if key not in cache:
-            cache[key] = plan(None, (), d, options=options, baselines=False, captured=c, cache_routes=cache_routes)
+            # A region hands its outputs on whole (``run.placed``): priced as such, never left split for a lazy read.
+            cache[key] = plan(None, (), d, options=options.merged(outputs="full"), baselines=False, captured=c,
+                              cache_routes=cache_routes)
         return cache[key]
 
     chosen: list[Option | None] = []

@@ -98,14 +98,14 @@ class Layout:
     infeasible: str = ""    # why it cannot run at all, known before building its table
 
     def table(self, cap: Captured, profile: Profile, objective: str, gpus_per_node: int | None,
-              pricing: PricingCache | None = None) -> PlanGraph:
+              pricing: PricingCache | None = None, lazy_outputs: bool = False) -> PlanGraph:
         """The restricted candidate table, priced with the axes that cross nodes on the inter-node link
-        (``pricing``: the planner run's cache, ``graph.build``)."""
+        (``pricing``: the planner run's cache; ``lazy_outputs``: the plan's output contract, ``graph.build``)."""
         assert self.mesh is not None, self.infeasible
         return build(cap, self.mesh, profile.on_mesh(self.mesh, gpus_per_node), objective=objective,
                      domains=self.domains, pin_params=self.pin, gather_axes=self.gather, gather_of=self.gather_of,
                      divide_work=self.divide_work, recompute=self.recompute, pricing=pricing,
-                     context_parallel=self.sequence_axes or "auto")
+                     context_parallel=self.sequence_axes or "auto", lazy_outputs=lazy_outputs)
 
     def same_table(self, other: Layout) -> bool:
         return (self.mesh, self.domains, self.pin, self.gather, self.gather_of, self.divide_work, self.recompute,
@@ -393,11 +393,13 @@ def price(
     budget: float | None = None,
     gpus_per_node: int | None = None,
     pricing: PricingCache | None = None,
+    lazy_outputs: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Every baseline on ``devices``, each solved by ``solve`` on its restricted table, those of ``FITTED`` that miss
     ``budget`` again with selective then full checkpointing (module docstring).  A layout whose table equals one
     already solved (both TP baselines on one node; ``fsdp`` checkpointed and ``fsdp_recompute``) reuses that record.
-    ``pricing``: the planner run's cache (one fresh cache for all of them when none is given)."""
+    ``pricing``: the planner run's cache (one fresh cache for all of them when none is given); ``lazy_outputs``: the
+    plan's output contract (``PlanOptions.outputs``), so each baseline pays for its outputs what the plan pays."""
     pricing = pricing or PricingCache()
     out: dict[str, dict[str, Any]] = {}
     done: list[tuple[Layout, dict[str, Any], bool]] = []
@@ -407,7 +409,7 @@ def price(
         same = next(((rec, over) for other, rec, over in done if other.same_table(lay)), None)
         if same is None:
             try:
-                r = solve(lay.table(cap, profile, objective, gpus_per_node, pricing))
+                r = solve(lay.table(cap, profile, objective, gpus_per_node, pricing, lazy_outputs))
                 same = record(lay, r, budget), over_budget(r, budget)
             except SearchError as e:
                 same = infeasible(str(e)), False

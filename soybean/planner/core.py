@@ -22,6 +22,7 @@ from ..capture.core import Captured, CaptureError, capture, split_example
 from ..cost.memory import budget_bytes
 from ..cost.profiles import Profile, load_profile
 from ..graph import (
+    OUTPUT,
     PlanGraph,
     gc_paused,
 )
@@ -32,6 +33,7 @@ from ..plan import Plan
 from ..precision import policy
 from ..rules.datadep import data_dependent_warning
 from ..search import Pruned, SearchError, relative_gap
+from ..tiling import Replicate
 from . import route_cache
 from .baselines import price as price_baselines
 from .mesh_pool import FEW_PER_WORKER, default_jobs, each_mesh
@@ -144,7 +146,7 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
         tell("baselines")
         return price_baselines(cap, devices, prof, objective,
                                lambda g: solve_table(g, objective, "ilp", opts.time_limit_s, opts.tie_layers), budget,
-                               opts.gpus_per_node, run.pricing)
+                               opts.gpus_per_node, run.pricing, opts.outputs == "lazy")
 
     def each(ms: Sequence[Mesh], solve_mesh: Callable[[Mesh, Incumbent, Callable[[str], None]], Result],
              staged: bool = False) -> None:
@@ -329,6 +331,8 @@ def to_plan(cap: Captured, r: Result, opts: PlanOptions, profile: str, baselines
                              "out": [[str(p) for p in t] for t in st.outputs]}
             if st.variant:
                 nodes[v.name]["variant"] = st.variant
+        elif v.kind == "output" and any(not isinstance(p, Replicate) for t in st.inputs for p in t):
+            nodes[OUTPUT] = {"in": [[str(p) for p in t] for t in st.inputs], "out": []}  # left split, lazily read
         elif v.kind == "reshard":
             nodes[v.name] = {"in": [[str(p) for p in t] for t in st.inputs],
                              "out": [[str(p) for p in t] for t in st.outputs],
@@ -354,7 +358,7 @@ def to_plan(cap: Captured, r: Result, opts: PlanOptions, profile: str, baselines
                "variables": [len(g.vars), len(g.vars) - sum(len(b) for x in r.runs for b in x.blocks[1:])]},
         keys=[[n, k] for n, k in cap.keys.items() if n in nodes], moe=moe_records(g, sol),
         context_parallel=context_parallel_records(g, sol), collectives=opts.collectives,
-        local_batch=opts.local_batch, gpus_per_node=opts.gpus_per_node,
+        local_batch=opts.local_batch, gpus_per_node=opts.gpus_per_node, outputs=opts.outputs,
     )
 
 

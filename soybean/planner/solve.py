@@ -119,7 +119,8 @@ class Search:
         try:
             return build(cap, mesh, self.on_mesh(mesh), objective=o.objective,
                          domains=_domains(cap, mesh, o.mode, o.local_batch), pin_params=o.mode in ("dp", "mp"),
-                         local_outputs=o.local_batch, divide_work=True if o.mode in ("dp", "mp") else None,
+                         local_outputs=o.local_batch, lazy_outputs=o.outputs == "lazy",
+                         divide_work=True if o.mode in ("dp", "mp") else None,
                          recompute=recompute, pricing=self.run.pricing, work=work, context_parallel=o.context_parallel,
                          context_parallel_method=o.context_parallel_method)
         except NoStrategyLeft as e:  # an option rules this mesh out

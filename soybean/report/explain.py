@@ -43,6 +43,7 @@ from ..cost.compute import op_seconds
 from ..cost.memory import fmt_memory
 from ..cost.profiles import Profile, load_profile
 from ..graph import (
+    OUTPUT,
     Edge,
     PlanGraph,
     Var,
@@ -150,7 +151,7 @@ def plan_table(cap: Captured, plan: Plan, profile: Profile | None = None) -> Pla
         prof = replace(prof, expert_imbalance=float(plan.moe[0].get("imbalance", 1.0)))
     return build(cap, mesh, prof.on_mesh(mesh, plan.gpus_per_node), objective=plan.objective,
                  domains=batch_split(cap, mesh) if plan.local_batch else None, local_outputs=plan.local_batch,
-                 recompute=frozenset(plan.recompute))
+                 lazy_outputs=plan.outputs == "lazy", recompute=frozenset(plan.recompute))
 
 
 def _load(name: str) -> Profile:
@@ -171,8 +172,8 @@ def plan_choice(g: PlanGraph, plan: Plan) -> list[int]:
             want: tuple = (((), (plan.param_tiling(v.fqn),), ""), ())
         elif v.kind == "input":
             want = (((), (plan.input_tiling(v.name),), ""), ())
-        elif v.kind == "output":
-            want = _key(v, 0)
+        elif v.kind == "output":  # whole (the first strategy) unless the plan left some output split
+            want = ((tuple(plan.node_tilings(OUTPUT)[0]), (), ""), ()) if OUTPUT in plan.nodes else _key(v, 0)
         else:
             full = (R,) * n
             ins, outs = plan.node_tilings(v.name) if v.name in plan.nodes else (

@@ -19,7 +19,7 @@ from ..plan import Plan
 
 # The setting fields compared, in the order reported.
 SETTING = ("devices", "mesh", "objective", "profile", "fingerprint", "precision", "local_batch", "gpus_per_node",
-           "recompute", "collectives")
+           "recompute", "collectives", "outputs")
 
 
 def _value(x: Any) -> str:

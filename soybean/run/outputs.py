@@ -54,8 +54,6 @@ from ..runtime.context import use_groups
 from ..runtime.pending import all_reduce_lazy
 from ..tiling import Placement, Shard, local_tile
 
-OUTPUTS = ("lazy", "full")
-
 # The losses computed tile by tile: each with how to count a mean's denominator from the full target
 # (``None``: the input's element count).
 LOSSES: dict[Callable[..., Any], str] = {
