@@ -263,3 +263,83 @@ def test_the_outputs_option_is_checked_and_on_the_command_line() -> None:
     assert default("outputs") == "lazy" and PlanOptions(outputs="full").outputs == "full"
     with pytest.raises(ValueError, match="unknown outputs 'whole': use one of lazy, full"):
         PlanOptions(outputs="whole")
+
+
+class _TinyLM(torch.nn.Module):
+    """Token ids in, logits ``(batch, seq, vocab)`` out, as a causal language model returns them."""
+
+    def __init__(self, vocab: int = 32, hidden: int = 8) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.mix = torch.nn.Linear(hidden, hidden)
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.embed(ids))))
+
+
+def _hf_loss(logits, labels):
+    """transformers' own causal-LM loss: ``float()``, labels shifted, ``view(-1, vocab)``, cross-entropy."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(logits, labels, vocab_size=32)
+
+
+def _shift_loss(logits, labels):
+    """The classic loop's shift: ``logits[..., :-1, :].contiguous()`` against ``labels[..., 1:]``."""
+    shift = logits[..., :-1, :].contiguous()
+    return F.cross_entropy(shift.view(-1, shift.size(-1)), labels[..., 1:].contiguous().view(-1), ignore_index=-100)
+
+
+def _flat_sum_loss(logits, labels):
+    """A sum loss over ``flatten(0, 1)`` logits with some labels ignored."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.reshape(-1), reduction="sum", ignore_index=-100)
+
+
+@pytest.mark.parametrize("mesh", [(2,), (4,), (2, 2)], ids=lambda m: "x".join(map(str, m)))
+@pytest.mark.parametrize("loss_fn", [_hf_loss, _shift_loss, _flat_sum_loss], ids=lambda f: f.__name__)
+def test_a_language_models_loss_on_split_logits_gathers_nothing(mesh, loss_fn, monkeypatch) -> None:
+    """The losses loops compute from ``(batch, seq, vocab)`` logits (transformers' ``ForCausalLMLoss``, the shift
+    and flatten of older loops) run on the tiles: the views stay lazy, no gather, serial loss and gradients.
+    Batch 7: uneven over 2 and 4; some labels ignored."""
+    pytest.importorskip("transformers")
+    calls = _gathers(monkeypatch)
+    torch.manual_seed(0)
+    model = _TinyLM().double()
+    ids = torch.randint(0, 32, (7, 6))
+    labels = torch.randint(0, 32, (7, 6))
+    labels[1, 2] = labels[6, 0] = -100
+    want, grads = _serial(model, ids, labels, loss_fn)
+    p, ranks = _run(model, ids, labels, mesh, loss_fn)
+    assert p.nodes["output"]["in"][0] == ["S(0)"] * len(mesh)
+    rel = 1e-6 if loss_fn is _hf_loss else 1e-12  # transformers' loss upcasts to float32: its sums round there
+    for loss, got, kind in ranks:
+        assert kind is LazyFull
+        assert loss == pytest.approx(want, rel=rel)
+        for k, g in grads.items():
+            assert torch.allclose(got[k], g, rtol=rel * 10, atol=1e-12 if rel < 1e-9 else 1e-7), k
+    assert calls == []
+
+
+def test_lazy_views_match_the_full_tensor() -> None:
+    """Each lazy view's tile is the matching rows of the full tensor's view, and gathering it gives that view:
+    ``view(-1, v)``, ``flatten(0, 1)``, ``[..., :-1, :]``, ``[:, 0]``; other views gather (``view(b, -1)``)."""
+    torch.manual_seed(0)
+    model = _TinyLM().double()
+    ids = torch.randint(0, 32, (5, 6))
+    full = model(ids)
+    cap = capture(model, (ids,))
+    p = make_plan(None, (), 2, mesh=(2,), mode="dp", baselines=False, captured=cap)
+
+    def body(rank: int, groups: list):
+        out = parallelize(model, (ids,), plan=p, rank=rank, groups=groups, captured=cap)(ids)
+        views = {"view": out.view(-1, 32), "flatten": out.flatten(0, 1), "shift": out[..., :-1, :].contiguous(),
+                 "first": out[:, 0], "reshape": out.float().reshape(30, 32)}
+        return {k: (type(v), v.full().detach()) for k, v in views.items()}, out.view(5, -1).detach()
+
+    for views, other in run_threads(Mesh((2,)), body):
+        wants = {"view": full.view(-1, 32), "flatten": full.flatten(0, 1), "shift": full[..., :-1, :],
+                 "first": full[:, 0], "reshape": full.float().reshape(30, 32)}
+        for k, (kind, got) in views.items():
+            assert kind is LazyFull and torch.allclose(got, wants[k].detach(), rtol=1e-6), k
+        assert torch.allclose(other, full.view(5, -1).detach(), rtol=1e-12)

@@ -24,6 +24,12 @@ the loss.  So a split output is returned as a ``LazyFull``: this rank's tile, wi
   moves, and the all-reduce's adjoint hands every tile the gradient 1 (or ``1 / numel``), the serial one.
   A cast before them (``float()``, ``double()``, ``half()``, ``bfloat16()``, ``to(dtype)``) casts the tile and
   stays lazy, so a loop's ``out.float().sum()`` never gathers.
+* Views that keep the tiles batch slices stay lazy too, so a Hugging Face loss (``logits.float()``,
+  ``logits.view(-1, vocab)``, ``cross_entropy`` against the flattened labels) and a loop's shift
+  (``logits[..., :-1, :].contiguous()``) gather nothing: ``view``/``reshape``/``flatten`` that merge dim 0 with
+  the dims after it (the rows of tile ``k`` become ``unit`` consecutive rows each, ``unit`` the product of the
+  merged dims: exact for uneven tiles too, since a target is cut in the same units), indexing that leaves dim 0
+  whole (slices and integers on the other dims: each tile's own rows), and ``contiguous()``.
 
 A ``LazyFull`` is not a ``torch.Tensor`` (``isinstance`` is False); ``.full()`` gives the tensor, ``.local``
 the tile.  ``parallelize(..., outputs="full")`` returns full tensors as before.
@@ -90,10 +96,22 @@ class LazyFull:
     """A split output, gathered on first full read (module docstring)."""
 
     def __init__(self, tile: torch.Tensor, tiling: tuple, shape: tuple[int, ...], mesh: Mesh,
-                 coords: tuple[int, ...], groups: Sequence[Group]) -> None:
+                 coords: tuple[int, ...], groups: Sequence[Group], unit: int = 1) -> None:
         self.local, self.tiling, self._shape = tile, tiling, torch.Size(shape)
         self._mesh, self._coords, self._groups = mesh, coords, list(groups)
+        # Rows of dim 0 per row of the tiled batch (a view merged dim 0 with the dims after it): the tiling cuts
+        # ``shape[0] // unit`` rows, each tile's rows are ``unit`` consecutive rows per batch row it holds.
+        self._unit = unit
         self._full: torch.Tensor | None = None
+
+    def _like(self, tile: torch.Tensor, shape: Sequence[int] | None = None, unit: int | None = None) -> LazyFull:
+        """Another split output tiled as this one: ``tile`` with the full ``shape`` and ``unit`` (default ours)."""
+        return LazyFull(tile, self.tiling, tuple(self._shape if shape is None else shape), self._mesh, self._coords,
+                        self._groups, self._unit if unit is None else unit)
+
+    def _batch_view(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (this output's shape, or its tile's) seen with the tiled batch as dim 0 and ``unit`` after it."""
+        return x.reshape(-1, self._unit, *x.shape[1:]) if self._unit > 1 else x
 
     # ---- what needs no values ----
     @property
@@ -135,8 +153,10 @@ class LazyFull:
     def full(self) -> torch.Tensor:
         """The whole output (differentiable), gathered once."""
         if self._full is None:
+            whole = (self._shape[0] // self._unit, self._unit, *self._shape[1:]) if self._unit > 1 else self._shape
             with use_groups(self._groups):
-                self._full = gather_now(self.local, self.tiling, tuple(self._shape), self._mesh, self._coords)
+                self._full = gather_now(self._batch_view(self.local), self.tiling, tuple(whole), self._mesh,
+                                        self._coords).reshape(self._shape)
         return self._full
 
     def __getattr__(self, name: str) -> Any:
@@ -144,8 +164,39 @@ class LazyFull:
             raise AttributeError(name)
         return getattr(self.full(), name)
 
-    def __getitem__(self, idx: Any) -> torch.Tensor:
+    def __getitem__(self, idx: Any) -> Any:
+        """Indexing that leaves dim 0 whole (a leading ``...`` or ``:``, then slices and integers) is each tile's
+        own; anything else is the full tensor's."""
+        if _keeps_rows(idx, self.ndim):
+            return self._like(self.local[idx], torch.empty(self._shape, device="meta")[idx].shape)
         return self.full()[idx]
+
+    # ---- views that keep the tiles batch slices ----
+    def view(self, *shape: Any) -> Any:
+        """A view merging dim 0 with the dims after it (``view(-1, vocab)``) stays lazy; any other, the full's."""
+        dims = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+        if dims and all(isinstance(d, int) for d in dims):
+            rest = tuple(dims[1:])
+            lead = self.numel() // max(math.prod(rest), 1) if dims[0] == -1 else dims[0]
+            j = _merged_lead(tuple(self._shape), (lead, *rest))
+            if j is not None:
+                unit = self._unit * math.prod(self._shape[1:j + 1])
+                return self._like(self.local.reshape(-1, *rest), (lead, *rest), unit)
+        return self.full().view(*shape)
+
+    def reshape(self, *shape: Any) -> Any:
+        """As ``view`` (a reshape merging dim 0 with the dims after it stays lazy)."""
+        return self.view(*shape)
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Any:
+        """``flatten`` from dim 0 stays lazy (a ``view`` merging dims 0..end_dim); from another dim, the full's."""
+        if start_dim != 0:
+            return self.full().flatten(start_dim, end_dim)
+        end = end_dim % self.ndim if self.ndim else 0
+        return self.view(math.prod(self._shape[:end + 1]), *self._shape[end + 1:])
+
+    def contiguous(self, *args: Any, **kwargs: Any) -> LazyFull:
+        return self._like(self.local.contiguous(*args, **kwargs))
 
     def __iter__(self) -> Any:
         return iter(self.full())
@@ -169,7 +220,7 @@ class LazyFull:
     # ---- casts and whole reductions, tile by tile ----
     def _cast(self, dtype: torch.dtype) -> LazyFull:
         """The same split output in ``dtype`` (elementwise: the tile's cast, tiled the same way)."""
-        out = LazyFull(self.local.to(dtype), self.tiling, tuple(self._shape), self._mesh, self._coords, self._groups)
+        out = self._like(self.local.to(dtype))
         if self._full is not None:
             out._full = self._full.to(dtype)
         return out
@@ -208,7 +259,7 @@ class LazyFull:
         return self._cast(kwargs.get("dtype", self.dtype))._scaled(1.0 / self.numel()).sum()
 
     def _scaled(self, factor: builtins.float) -> LazyFull:
-        return LazyFull(self.local * factor, self.tiling, tuple(self._shape), self._mesh, self._coords, self._groups)
+        return self._like(self.local * factor)
 
     # ---- a loss, tile by tile ----
     def _batch_split(self) -> bool:
@@ -233,7 +284,9 @@ class LazyFull:
             return None  # broadcasting targets: the whole path
         if kw.get("pos_weight") is not None or (kind == "numel" and kw.get("weight") is not None):
             return None  # per-element weights would need tiling too
-        mine = local_tile(target, self.tiling, self._mesh, self._coords, copy=False)  # a target needs no copy
+        # a target needs no copy; cut in the batch's units, as the tiles are
+        mine = local_tile(self._batch_view(target), self.tiling, self._mesh, self._coords, copy=False)
+        mine = mine.reshape(-1, *target.shape[1:]) if self._unit > 1 else mine
         part = func(self.local, mine, reduction="sum", **kw)
         if reduction == "mean":  # (sum_k s_k) / c = sum_k (s_k / c): scaled first, so the sum is the last step
             part = part / mean_count(kind, self.numel(), target, kw)
@@ -246,6 +299,29 @@ class LazyFull:
             part = all_reduce(part, self._groups[a])
         # The last sum arrives while backward runs, as the loss a model returns does (``runtime.pending``).
         return all_reduce_lazy(part, self._groups[axes[-1]]) if axes else part
+
+
+def _keeps_rows(idx: Any, ndim: int) -> bool:
+    """Whether index ``idx`` of a tensor of ``ndim`` dims leaves dim 0 whole and indexes the others by slices and
+    integers only: ``x[:, 1:]``, ``x[..., :-1, :]``, ``x[:, 0]`` (not ``x[0]``, ``x[None]``, ``x[mask]``)."""
+    parts = idx if isinstance(idx, tuple) else (idx,)
+    if not parts or ndim == 0 or any(p is None or not isinstance(p, (slice, int, type(Ellipsis))) for p in parts):
+        return False
+    if sum(p is Ellipsis for p in parts) > 1:
+        return False
+    explicit = sum(p is not Ellipsis for p in parts)
+    first = parts[0]
+    if first is Ellipsis:  # it covers dim 0 when it covers any dim
+        return ndim - explicit >= 1
+    return isinstance(first, slice) and first == slice(None)
+
+
+def _merged_lead(shape: tuple[int, ...], new: tuple[int, ...]) -> int | None:
+    """``j`` when ``new`` is ``shape`` with dims ``0..j`` merged into one (the others as they were), else None."""
+    for j in range(len(shape)):
+        if math.prod(shape[:j + 1]) == new[0] and tuple(shape[j + 1:]) == tuple(new[1:]):
+            return j
+    return None
 
 
 def _forward(name: str) -> Callable[..., Any]:
