@@ -23,6 +23,7 @@ from ..cost.memory import budget_bytes
 from ..cost.profiles import Profile, load_profile
 from ..graph import (
     OUTPUT,
+    PINNED,
     PlanGraph,
     gc_paused,
 )
@@ -203,6 +204,10 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
                                                 [e.mesh for e in found.misfits], recompute))
         raise found.failed[0]
     best = min(found.results, key=found.rank)
+    if best.step_time_s >= PINNED or best.comm_bytes >= PINNED:  # only a forced layout pins (``mode`` dp or mp)
+        raise SearchError(f"mode {opts.mode!r} on mesh {best.graph.mesh}: every plan of the forced layout needs a "
+                          "resharding the layout forbids (a batch that leaves some device no rows, or a parameter "
+                          "used unlike it is stored); use mode='auto', or a batch every device gets rows of")
     # A worker sends a plan without its table only when another plan, sent whole, was at least as good (``_light``).
     assert best.graph.vars, f"mesh {best.graph.mesh}: the best plan came from a worker without its table"
     seconds = time.perf_counter() - t0
