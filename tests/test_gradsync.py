@@ -80,3 +80,39 @@ def test_buckets_close_as_ddp_closes_them() -> None:
         [[512, mib], [512, mib], [512, mib]]
     for h in sync.handles:
         h.remove()
+
+
+@pytest.mark.parametrize("mesh,mode", [((2,), "dp"), ((4,), "dp"), ((2, 2), "auto")])
+def test_gradient_accumulation_over_backward_passes_is_serial(mesh, mode) -> None:
+    """Three backward passes (two batches, one of them twice) without ``zero_grad`` between them, as a loop that
+    accumulates gradients runs: each parameter's gradient is the serial accumulated one, not an earlier pass's sum
+    counted once more per rank (``GradSync``: the earlier gradient set aside while this one is summed).  A
+    parameter summed by ``GradSync`` is checked to exist (the data-parallel plans sum every weight so)."""
+    from examples.models import mlp
+    from soybean.api import parallelize
+    from soybean.capture.core import capture
+    from soybean.planner.core import plan as make_plan
+    from soybean.verify.testing import _gather_grads
+
+    model, (x, y) = mlp(batch=10, hidden=8, layers=1)
+    model, x, y = model.double(), x.double(), y.double()
+    x2, y2 = torch.randn_like(x), torch.randn_like(y)
+    batches = [(x, y), (x2, y2), (x, y)]
+    model.zero_grad()
+    for a, b in batches:
+        torch.nn.functional.mse_loss(model(a), b).backward()
+    serial = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    cap = capture(model, (x,))
+    p = make_plan(None, (), Mesh(mesh).size, mesh=mesh, mode=mode, objective="comm", baselines=False, captured=cap)
+
+    def body(rank: int, groups: list):
+        pm = parallelize(model, (x,), plan=p, rank=rank, groups=groups, captured=cap)
+        assert pm._grad_sync is not None
+        for a, b in batches:
+            torch.nn.functional.mse_loss(pm(a), b).backward()
+        return _gather_grads(pm)
+
+    for grads in run_threads(Mesh(mesh), body):
+        for k, g in serial.items():
+            assert torch.allclose(grads[k], g, rtol=1e-12, atol=1e-14), k

@@ -13,13 +13,18 @@ closes once it reaches its cap; the first cap small, so communication starts ear
 flushed strictly in bucket order, so every rank issues the same collectives in the same order whatever order autograd
 finishes the gradients in.  On a process group a bucket reduced over one axis is
 all-reduced asynchronously, overlapping the rest of backward; the last bucket's
-hook waits for all of them, so gradients are complete when backward returns.  With gradient
-accumulation over several backward passes, call ``zero_grad`` before each
-backward: the hook sums the whole accumulated gradient.
+hook waits for all of them, so gradients are complete when backward returns.
+
+Gradient accumulation (several backward passes before the optimizer step) stays exact: a gradient already summed
+by an earlier backward must not be summed again (``n`` ranks would count it ``n`` times).  So a parameter's hook
+before accumulation (``Tensor.register_hook``, which sees this backward's gradient before ``AccumulateGrad`` adds
+it) sets the earlier, already summed gradient ``E`` aside and lets this backward's ``G_r`` land alone; the bucket
+sums ``sum_r G_r`` and adds ``E`` back: ``E + sum_r G_r``, the serial accumulated gradient.  It holds one more
+gradient per parameter while a backward runs, only where there is an earlier one.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -74,7 +79,20 @@ class GradSync:
         self._absent: set[int] = set()  # parameters this backward does not reach (``watch``)
         self._watch: torch.utils.hooks.RemovableHandle | None = None
         self.deferred = False  # ``defer``: summed by ``sync_now``, once per step
+        # Each parameter's earlier, already summed gradient, set aside while this backward's is summed (module doc).
+        self._earlier: dict[int, torch.Tensor] = {}
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for ps in self.buckets for p in ps]
+        self.handles += [p.register_hook(self._set_aside(p)) for ps in self.buckets for p in ps]
+
+    def _set_aside(self, p: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``p``'s hook before accumulation: its earlier gradient set aside, so this backward's lands alone."""
+        def hook(g: torch.Tensor) -> torch.Tensor:
+            if not self.deferred and p.grad is not None and id(p) not in self._earlier:
+                self._earlier[id(p)] = p.grad
+                p.grad = None
+            return g
+
+        return hook
 
     def watch(self, uses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
         """Learn, during the coming backward, which of ``params`` it does not reach: ``uses[i]`` is the tensor
@@ -185,6 +203,8 @@ class GradSync:
             if id(p) not in self._absent:
                 g = self._grad(p)
                 g.copy_(flat[off:off + n].view_as(g))
+                if (earlier := self._earlier.pop(id(p), None)) is not None:
+                    g.add_(earlier)  # the earlier backward's sum, back beside this one's
             off += n
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
