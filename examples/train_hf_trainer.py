@@ -83,7 +83,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> Any:
+def build(argv: list[str] | None = None) -> tuple[Any, argparse.Namespace]:
+    """The Trainer the command line asks for, not yet trained, and the parsed flags."""
     import transformers as tf
 
     a = parse(argv)
@@ -114,6 +115,11 @@ def main(argv: list[str] | None = None) -> Any:
     trainer = trainer_cls(model=model, args=args, train_dataset=Patterns(rows, a.length, seq2seq),
                           eval_dataset=Patterns(a.batch, a.length, seq2seq),
                           data_collator=tf.default_data_collator, **extra)
+    return trainer, a
+
+
+def main(argv: list[str] | None = None) -> Any:
+    trainer, a = build(argv)
     trainer.train(resume_from_checkpoint=a.resume)
     if trainer.is_world_process_zero():
         if a.soybean:

@@ -33,9 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..mesh import Mesh
 from ..run.module import ParallelModule
 from ..runtime.agree import guarded
-from ..tiling import R
+from ..tiling import R, local_tile
 
 CONTRACTS = ("auto", "local", "full")
 
@@ -133,6 +134,7 @@ class SoybeanModel(nn.Module):
         self._rows: dict[str, tuple[int, ...]] = {}  # each row input's shape in one rank's slice, as planned
         self._deferred = False  # a backward ran under ``no_sync``: its gradients are not summed yet
         self._summed_passes = 0  # forwards since the last step whose backward sums the accumulated gradients
+        self._no_sync = False  # inside ``no_sync``
 
     # ---- planning ----------------------------------------------------------------------------------------
 
@@ -188,25 +190,22 @@ class SoybeanModel(nn.Module):
 
     @staticmethod
     def _aligned(pm: ParallelModule, example: Mapping[str, Any], rows: int, size: int) -> bool:
-        """Whether, under the local contract, this rank's tile of every row input is the rows its data loader
-        gives it, ``[r b, (r + 1) b)`` (every rank checks its own; all agree, or none trains)."""
-        rank, _ = world()
+        """Whether, under the local contract, every rank's tile of every row input is the rows its data loader
+        gives it, ``[r b, (r + 1) b)``: read from the plan for every rank (no collective), so all ranks agree."""
+        mesh = Mesh(tuple(pm.plan.mesh))
         b = rows // size
         names = pm.input_names
         for k, v in _batch_tensors(example).items():
             if k not in names:
                 return False
-            index = torch.arange(rows).view(rows, *([1] * (v.dim() - 1))).expand(v.shape)
-            got = pm.local_slice(index, names.index(k)).reshape(-1, *v.shape[1:])
-            first = got.reshape(got.shape[0], -1)[:, 0] if got.numel() else got.reshape(0)
-            if not torch.equal(first, torch.arange(rank * b, (rank + 1) * b)):
-                ok = torch.tensor(0)
-                break
-        else:
-            ok = torch.tensor(1)
-        if size > 1:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        return bool(ok)
+            tiling = pm.plan.input_tiling(k)
+            index = torch.arange(rows).view(rows, *([1] * (v.dim() - 1))).expand(v.shape)  # each element's row
+            for r in range(size):
+                tile = local_tile(index, tiling, mesh, mesh.coords(r), copy=False)
+                want = torch.arange(r * b, (r + 1) * b).view(b, *([1] * (v.dim() - 1))).expand(b, *v.shape[1:])
+                if tile.shape != want.shape or not torch.equal(tile, want):
+                    return False
+        return True
 
     def describe(self) -> str:
         """One line: the plan's mesh, the contract it runs under and how many parameters it splits."""
@@ -238,16 +237,14 @@ class SoybeanModel(nn.Module):
         (``GradSync``: the replicated parameters' of a plan that splits others) unsummed, and the next backward
         outside (or the optimizer's step, or ``grad_norm``) sums the accumulated total once.  Summing after every
         backward would count the earlier micro-batches' already summed gradients again."""
-        sync = self._grad_sync()
-        if sync is None:
-            yield
-            return
-        sync.defer()
-        self._deferred = True
+        self._no_sync = True  # read by ``_run``: the module may be planned only by the first call inside
         try:
             yield
         finally:
-            sync.deferred = False
+            self._no_sync = False
+            sync = self._grad_sync() if self.pm is not None else None
+            if sync is not None:
+                sync.deferred = False
 
     def _grad_sync(self) -> Any:
         return getattr(self._module(), "_grad_sync", None)
@@ -256,7 +253,7 @@ class SoybeanModel(nn.Module):
         """Sum the gradients backward passes under ``no_sync`` left unsummed (the step's last backward ran there
         too, or the step follows without one outside): once, before anything reads them."""
         sync = self._grad_sync()
-        if sync is not None and self._deferred and not sync.deferred:
+        if sync is not None and self._deferred:
             sync.sync_now()
         self._deferred = False
 
@@ -273,7 +270,10 @@ class SoybeanModel(nn.Module):
     def _run(self, batch: dict[str, Any]) -> Any:
         pm = self._module()
         sync = self._grad_sync()
-        if sync is not None and torch.is_grad_enabled() and not sync.deferred:
+        if sync is not None and self._no_sync:
+            sync.defer()
+            self._deferred = True
+        elif sync is not None and torch.is_grad_enabled():
             if self._summed_passes:
                 raise RuntimeError(
                     "soybean: a second backward before the optimizer step would sum the first one's gradients across "

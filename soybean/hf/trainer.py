@@ -24,7 +24,8 @@ events).  What the subclass replaces, and why each stays the serial run's:
   rank's share of the evaluation set as Trainer does under DDP.
 
 Not offered (a clear error at ``train()``): DeepSpeed, FSDP, ``nn.DataParallel`` (several GPUs in one process),
-a ``compute_loss_func`` or label smoothing (they read the logits, which the local contract keeps split).
+fp16/bf16 autocast (soybean's ``precision`` option instead), a ``compute_loss_func`` or label smoothing (they read
+the logits, which the local contract keeps split).
 """
 from __future__ import annotations
 
@@ -82,6 +83,9 @@ class SoybeanTrainerMixin:
         if t.args.n_gpu > 1:
             why.append(f"{t.args.n_gpu} GPUs in one process (nn.DataParallel): launch one process per GPU with "
                        "torchrun --nproc-per-node N")
+        if t.args.fp16 or t.args.bf16:
+            why.append("fp16/bf16 autocast (soybean computes in the plan's precision): pass soybean_options="
+                       "{'precision': 'bf16-mixed'} instead")
         if t.compute_loss_func is not None or t.label_smoother is not None:
             why.append("a compute_loss_func or label_smoothing_factor (they read the logits, which the plan may keep "
                        "split): compute the loss in the model's forward")
