@@ -181,6 +181,21 @@ class SoybeanTrainerMixin:
             self.soybean.sync_serial()
         super().save_model(output_dir, _internal_call=_internal_call)  # type: ignore[misc]
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """The checkpoint's weights into the serial model as ``from_pretrained`` reads them.  ``save_pretrained``
+        may write a model's weights under other keys than its ``state_dict``'s (transformers 5 writes a Mixtral's
+        fused experts as the per-expert ``w1``/``w2``/``w3`` of older checkpoints), which ``from_pretrained``
+        converts back but Trainer's own resume does not (it warns of missing keys and keeps the current weights:
+        measured with the plain Trainer); so the weights are read through ``from_pretrained``."""
+        target = self.model if model is None else model
+        files = ("config.json", "model.safetensors")
+        if not (isinstance(target, transformers.PreTrainedModel)
+                and all(os.path.isfile(os.path.join(resume_from_checkpoint, f)) for f in files)):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        loaded = type(target).from_pretrained(resume_from_checkpoint, dtype=target.dtype)
+        target.load_state_dict(loaded.state_dict())
+        del loaded
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The optimizer's state gathered to the serial layout (every rank), written by rank 0 with the
         scheduler's."""
