@@ -159,6 +159,24 @@ def test_full_batch_contract(serial: Any, tmp_path: Path) -> None:
     _assert_close(_losses(tmp_path / "log.json"), serial("llama")[0])
 
 
+def test_accelerate_launch(serial: Any, tmp_path: Path) -> None:
+    """``accelerate launch`` (two processes; on a CPU machine accelerate's multi-process launcher is ``--multi_gpu``
+    and the script's ``use_cpu`` makes the gloo group): the serial losses."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+           str(TRAINER), "--output-dir", str(tmp_path / "out"), "--log-history", str(tmp_path / "log.json")]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "soybean: mesh 2," in done.stdout
+    _assert_close(_losses(tmp_path / "log.json"), serial("llama")[0])
+
+
 @pytest.mark.parametrize("objective", ["time", "comm"])
 def test_accelerate_loop(objective: str, tmp_path: Path) -> None:
     """The Accelerate pattern (``accelerator.prepare`` then ``SoybeanModel``; ``accumulate``, ``backward``,
@@ -203,3 +221,38 @@ def test_refuses_label_smoothing(tmp_path: Path) -> None:
                       data_collator=tf.default_data_collator)
     with pytest.raises(ValueError, match="label_smoothing_factor"):
         trainer.train()
+
+
+@pytest.mark.sim
+def test_one_process_model_contract() -> None:
+    """``SoybeanModel`` in one process (a simulated group of one): the serial loss and gradient norm, clipping as
+    torch clips, the optimizer's state in the serial layout and back, and a batch of another shape refused by name."""
+    import transformers as tf
+
+    from examples.train_hf_trainer import Patterns, tiny_model
+    from soybean.hf import SoybeanModel
+
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    serial = tiny_model("llama")
+    serial.load_state_dict(model.state_dict())
+    batch = tf.default_data_collator([Patterns(8, 16, False)[i] for i in range(4)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sb = SoybeanModel(model, optimizer=opt)
+    loss = sb(**batch).loss
+    want = serial(**batch).loss
+    assert loss.item() == pytest.approx(want.item(), rel=RTOL)
+    loss.backward()
+    want.backward()
+    ref = torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.5)
+    assert sb.clip_grad_norm_(0.5).item() == pytest.approx(ref.item(), rel=RTOL)
+    assert sb.grad_norm().item() == pytest.approx(0.5, rel=1e-4)  # clipped to max_norm
+    opt.step()
+    full = sb.optimizer_state_full(opt)
+    assert {tuple(s["exp_avg"].shape) for s in full["state"].values()} == {tuple(p.shape) for p in serial.parameters()}
+    before = {k: v.clone() for k, v in full["state"][0].items()}
+    sb.load_optimizer_state_full(opt, full)
+    assert all(torch.equal(before[k], v) for k, v in sb.optimizer_state_full(opt)["state"][0].items())
+    assert sb.sync_serial() is model and torch.equal(model.lm_head.weight, sb.full_state_dict()["lm_head.weight"])
+    with pytest.raises(ValueError, match="the plan was made for"):
+        sb(**{k: v[:2] for k, v in batch.items()})
