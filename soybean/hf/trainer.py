@@ -83,6 +83,11 @@ class SoybeanTrainerMixin:
         if t.args.n_gpu > 1:
             why.append(f"{t.args.n_gpu} GPUs in one process (nn.DataParallel): launch one process per GPU with "
                        "torchrun --nproc-per-node N")
+        _, size = world()
+        if size != t.args.world_size:
+            why.append(f"{size} processes that Trainer runs as {t.args.world_size} (each alone, on all the data): on a "
+                       "machine without GPUs pass use_cpu=True to TrainingArguments, so that accelerate makes the "
+                       "gloo group")
         if t.args.fp16 or t.args.bf16:
             why.append("fp16/bf16 autocast (soybean computes in the plan's precision): pass soybean_options="
                        "{'precision': 'bf16-mixed'} instead")
