@@ -164,6 +164,7 @@ class SoybeanModel(nn.Module):
         if rows % size:
             raise ValueError(f"the global batch has {rows} rows, not a multiple of the {size} ranks: each rank's "
                              "data loader gives it an equal slice")
+        pm: Any = None
         try:
             with kept_rng():
                 if self.contract != "full":
@@ -174,14 +175,20 @@ class SoybeanModel(nn.Module):
                         if self.contract == "local" or "local_batch" not in str(e):
                             raise
                         pm = None  # this model or mode has no local contract: the whole batch then
-                if self.contract == "full" or pm is None:
+                    if pm is not None and not self._aligned(pm, example, rows, size):
+                        if self.contract == "local":  # the same answer on every rank: read from the plan
+                            raise ValueError(f"the local contract's split of the batch is not the data loader's "
+                                             f"(rank {rank} of {size}): use contract='auto' or 'full'")
+                        pm = None  # the plan reads other rows than the loader gives: gather the batch instead
+                if pm is None:
                     pm = soybean.parallelize(serial, example, devices=size, **self.options)
                     self.used = "full"
         finally:
             serial.train(was_training)
-        if self.used == "local" and not self._aligned(pm, example, rows, size):
-            raise RuntimeError(f"soybean: the plan's split of the batch is not the data loader's (rank {rank} of "
-                               f"{size}); use contract='full'")
+        if not isinstance(pm, ParallelModule):
+            raise ValueError(f"soybean.hf runs one program over every device, but the plan made a {type(pm).__name__}"
+                             " (pipeline stages, placed regions or a model captured in pieces): drop pipeline= and "
+                             "placement=, or make the model exportable")
         self.pm = pm
         self._rows = {k: (rows // size, *v.shape[1:]) for k, v in _batch_tensors(example).items()}
         if self._optimizer is not None:
@@ -189,9 +196,11 @@ class SoybeanModel(nn.Module):
         return pm
 
     @staticmethod
-    def _aligned(pm: ParallelModule, example: Mapping[str, Any], rows: int, size: int) -> bool:
+    def _aligned(pm: Any, example: Mapping[str, Any], rows: int, size: int) -> bool:
         """Whether, under the local contract, every rank's tile of every row input is the rows its data loader
         gives it, ``[r b, (r + 1) b)``: read from the plan for every rank (no collective), so all ranks agree."""
+        if not isinstance(pm, ParallelModule):
+            return True  # refused by the caller, by name
         mesh = Mesh(tuple(pm.plan.mesh))
         b = rows // size
         names = pm.input_names
