@@ -43,7 +43,7 @@ CORE = ["soybean.capture", "soybean.graph", "soybean.reshard", "soybean.mesh", "
         "soybean.planner", "soybean.rules", "soybean.cost", "soybean.search", "soybean.ir", "soybean.codegen",
         "soybean.runtime", "soybean.parts", "soybean.run", "soybean.precision", "soybean.options"]
 TOOLING = ["soybean.bench", "soybean.verify", "soybean.models", "soybean.report", "soybean.cli", "soybean.api",
-           "soybean.compile"]
+           "soybean.compile", "soybean.hf"]
 # Planning works on data (a mesh is data): it never reaches the code that runs the plan, not even through a
 # module of neither list.  Codegen and the runtime read planning's vocabulary from ``soybean.ir``.  ``parts``
 # (stages and regions cut and priced) is planning; the module classes that run them, and their checkpoint view,

@@ -227,6 +227,21 @@ class ParallelModule(nn.Module):
         """This rank's tile of ``full`` under the stored tiling of ``fqn`` (``whole``'s inverse)."""
         return local_tile(full, self.plan.param_tiling(fqn), self._mesh, self._coords)
 
+    @property
+    def input_names(self) -> list[str]:
+        """The model's tensor inputs in call order (a keyword input by its name): ``local_slice``'s indices."""
+        return list(self._cap.inputs)
+
+    def full_of(self, fqn: str, tile: torch.Tensor) -> torch.Tensor:
+        """``whole`` in the model's own shape of ``fqn`` (a tensor the graph reads in another shape,
+        ``Captured.views``, given back as the model holds it): a parameter's optimizer state as the serial
+        optimizer keeps it.  Every rank of this module's groups calls it."""
+        return self._cap.unstored(fqn, self.whole(fqn, tile))
+
+    def tile_of(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
+        """``full_of``'s inverse: this rank's tile of ``full``, given in the model's own shape of ``fqn``."""
+        return self.tile(fqn, self._cap.stored(fqn, full))
+
     @torch.no_grad()
     def full_tensors(self) -> dict[str, torch.Tensor]:
         """Full tensors of every parameter and buffer (non-persistent ones included) by the model's own names,

@@ -1,0 +1,258 @@
+"""soybean inside ``transformers.Trainer`` and Accelerate (``soybean.hf``): the example scripts as users run them.
+
+The acceptance (docs/guide/hf_trainer.md): ``torchrun --nproc-per-node 2 examples/train_hf_trainer.py`` on two gloo
+processes logs the training losses of the same script on one process without soybean (the plain Trainer, the same
+global batch; float32, rtol 1e-5) for 20 steps with gradient accumulation 2 and ``max_grad_norm=1.0``, under a
+plan that keeps every parameter whole (``--objective time`` at this size) and one that splits parameters
+(``--objective comm``); the checkpoint at step 10 loads with ``from_pretrained`` as the serial model holding the
+parallel run's parameters; resuming from it reproduces steps 11-20 exactly.  For a tiny Llama, Mixtral (MoE) and
+T5 (``Seq2SeqTrainer``).  Each run is a subprocess (``torchrun``), so Trainer's and accelerate's process-wide state
+never meets the test process's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="soybean.hf needs the hf extra (transformers): pip install 'soybean[hf]'")
+pytest.importorskip("accelerate", reason="soybean.hf needs the hf extra (accelerate): pip install 'soybean[hf]'")
+
+pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINER = ROOT / "examples" / "train_hf_trainer.py"
+ACCELERATE = ROOT / "examples" / "train_hf_accelerate.py"
+RTOL = 1e-5
+STEPS = 20
+
+# A run of the Trainer example that also records, at its step-10 checkpoint, the parameters the tiles hold (gathered
+# from them on every rank, written by rank 0): what the checkpoint must load as.
+PROBE = '''
+import sys, torch, transformers
+sys.path.insert(0, {root!r})
+from examples.train_hf_trainer import build
+
+trainer, a = build(sys.argv[1:])
+
+class Probe(transformers.TrainerCallback):
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == 10:
+            tensors = trainer.soybean.pm.full_tensors()
+            if trainer.is_world_process_zero():
+                torch.save({{k: v.clone() for k, v in tensors.items()}}, {out!r})
+
+trainer.add_callback(Probe())
+trainer.train(resume_from_checkpoint=a.resume)
+if trainer.is_world_process_zero():
+    import json
+    json.dump(trainer.state.log_history, open(a.log_history, "w"))
+'''
+
+
+def _run(script: Path, nproc: int, *args: str, cwd: Path) -> None:
+    """``script`` on ``nproc`` processes (``torchrun --standalone``; one process: plain ``python``), failing the test
+    with the tail of its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+              if nproc > 1 else [sys.executable])
+    done = subprocess.run([*launch, str(script), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, f"{script.name} {' '.join(args)} failed:\n{(done.stdout + done.stderr)[-4000:]}"
+
+
+def _losses(path: Path) -> list[tuple[int, float, float]]:
+    """(step, loss, grad_norm) of each training log entry of a ``log_history`` JSON."""
+    return [(e["step"], e["loss"], e["grad_norm"]) for e in json.loads(path.read_text()) if "loss" in e]
+
+
+def _assert_close(got: list[tuple[int, float, float]], want: list[tuple[int, float, float]]) -> None:
+    assert [s for s, _, _ in got] == [s for s, _, _ in want] == list(range(1, STEPS + 1))
+    assert [x for _, x, _ in got] == pytest.approx([x for _, x, _ in want], rel=RTOL)
+    assert [g for _, _, g in got] == pytest.approx([g for _, _, g in want], rel=RTOL)
+
+
+def _split(out: Path) -> int:
+    """How many parameters the plan a run wrote (``soybean_plan.json``) splits."""
+    from soybean.plan import Plan
+
+    p = Plan.load(out / "soybean_plan.json")
+    return sum(1 for f in p.params if any(str(x) != "R" for x in p.param_tiling(f)))
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The plain Trainer (``--no-soybean``) on one process, per model, run once: (log, output dir)."""
+    cache: dict[str, tuple[list, Path]] = {}
+
+    def get(model: str) -> tuple[list, Path]:
+        if model not in cache:
+            d = tmp_path_factory.mktemp(f"serial-{model}")
+            _run(TRAINER, 1, "--model", model, "--no-soybean", "--output-dir", str(d / "out"),
+                 "--log-history", str(d / "log.json"), cwd=d)
+            cache[model] = (_losses(d / "log.json"), d / "out")
+        return cache[model]
+
+    return get
+
+
+@pytest.mark.parametrize("model", ["llama", "mixtral", "t5"])
+def test_two_ranks_equal_one_process(model: str, serial: Any, tmp_path: Path) -> None:
+    """``--objective time`` on two processes: every logged loss and gradient norm of the plain one-process run."""
+    _run(TRAINER, 2, "--model", model, "--objective", "time", "--output-dir", str(tmp_path / "out"),
+         "--log-history", str(tmp_path / "log.json"), cwd=tmp_path)
+    _assert_close(_losses(tmp_path / "log.json"), serial(model)[0])
+
+
+@pytest.mark.parametrize("model", ["llama", "mixtral", "t5"])
+def test_split_parameters_checkpoint_and_resume(model: str, serial: Any, tmp_path: Path) -> None:
+    """``--objective comm`` (a plan that splits parameters) on two processes: the serial losses; its step-10
+    checkpoint is the serial model (``from_pretrained``, the serial model's keys) holding exactly the parameters the
+    tiles held there, with the serial optimizer's layout; resuming from it on two processes logs steps 11-20
+    exactly as the uninterrupted run did."""
+    import transformers as tf
+
+    probe, params = tmp_path / "probe.py", tmp_path / "params10.pt"
+    probe.write_text(PROBE.format(root=str(ROOT), out=str(params)))
+    out = tmp_path / "out"
+    _run(probe, 2, "--model", model, "--objective", "comm", "--output-dir", str(out),
+         "--log-history", str(tmp_path / "log.json"), cwd=tmp_path)
+    assert _split(out) > 0, "the comm plan was meant to split parameters"
+    run = _losses(tmp_path / "log.json")
+    want, serial_out = serial(model)
+    _assert_close(run, want)
+
+    ckpt = out / "checkpoint-10"
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
+    auto = tf.AutoModelForSeq2SeqLM if model == "t5" else tf.AutoModelForCausalLM
+    loaded = auto.from_pretrained(ckpt).state_dict()
+    reference = auto.from_pretrained(serial_out / "checkpoint-10").state_dict()
+    assert loaded.keys() == reference.keys()
+    tiles = torch.load(params)
+    for name, t in tiles.items():
+        if name in loaded:
+            assert torch.equal(loaded[name], t), name
+    named = {n for n, _ in auto.from_pretrained(ckpt).named_parameters(remove_duplicate=False)}
+    assert named <= tiles.keys()  # every parameter (tied names too) compared
+    mine, theirs = torch.load(ckpt / "optimizer.pt"), torch.load(serial_out / "checkpoint-10" / "optimizer.pt")
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert {i: {k: tuple(v.shape) for k, v in s.items()} for i, s in mine["state"].items()} == \
+        {i: {k: tuple(v.shape) for k, v in s.items()} for i, s in theirs["state"].items()}
+
+    _run(TRAINER, 2, "--model", model, "--objective", "comm", "--output-dir", str(tmp_path / "resumed"),
+         "--resume", str(ckpt), "--log-history", str(tmp_path / "resumed.json"), cwd=tmp_path)
+    resumed = _losses(tmp_path / "resumed.json")
+    assert resumed == run  # steps 1-10 from the checkpoint's state, 11-20 run again: bit for bit
+
+
+def test_full_batch_contract(serial: Any, tmp_path: Path) -> None:
+    """``--contract full``: each rank's slice all-gathered into the global batch the plan reads whole; the same
+    losses."""
+    _run(TRAINER, 2, "--contract", "full", "--objective", "comm", "--output-dir", str(tmp_path / "out"),
+         "--log-history", str(tmp_path / "log.json"), cwd=tmp_path)
+    _assert_close(_losses(tmp_path / "log.json"), serial("llama")[0])
+
+
+def test_accelerate_launch(serial: Any, tmp_path: Path) -> None:
+    """``accelerate launch`` (two processes; on a CPU machine accelerate's multi-process launcher is ``--multi_gpu``
+    and the script's ``use_cpu`` makes the gloo group): the serial losses."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+           str(TRAINER), "--output-dir", str(tmp_path / "out"), "--log-history", str(tmp_path / "log.json")]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "soybean: mesh 2," in done.stdout
+    _assert_close(_losses(tmp_path / "log.json"), serial("llama")[0])
+
+
+@pytest.mark.parametrize("objective", ["time", "comm"])
+def test_accelerate_loop(objective: str, tmp_path: Path) -> None:
+    """The Accelerate pattern (``accelerator.prepare`` then ``SoybeanModel``; ``accumulate``, ``backward``,
+    ``clip_grad_norm_``) on two processes: the plain loop's losses and norms on one process."""
+    _run(ACCELERATE, 1, "--no-soybean", "--losses", str(tmp_path / "plain.json"), cwd=tmp_path)
+    _run(ACCELERATE, 2, "--objective", objective, "--losses", str(tmp_path / "sb.json"), cwd=tmp_path)
+    plain, sb = json.loads((tmp_path / "plain.json").read_text()), json.loads((tmp_path / "sb.json").read_text())
+    assert len(sb) == len(plain) > 0
+    assert [e["loss"] for e in sb] == pytest.approx([e["loss"] for e in plain], rel=RTOL)
+    assert [e["grad_norm"] for e in sb] == pytest.approx([e["grad_norm"] for e in plain], rel=RTOL)
+
+
+@pytest.mark.unit
+def test_accelerate_only_in_the_hf_extra() -> None:
+    import re
+
+    text = (ROOT / "pyproject.toml").read_text()
+    lists = dict(re.findall(r'^(\w+) = \[(.*)\]$', text, flags=re.M))
+    assert "accelerate" in lists["hf"]
+    assert "accelerate" not in lists["dependencies"] and "accelerate" not in lists["test"]
+
+
+@pytest.mark.unit
+def test_unknown_contract() -> None:
+    from soybean.hf import SoybeanModel
+
+    with pytest.raises(ValueError, match="unknown contract 'half'"):
+        SoybeanModel(torch.nn.Linear(2, 2), contract="half")
+
+
+@pytest.mark.unit
+def test_refuses_label_smoothing(tmp_path: Path) -> None:
+    """A loss Trainer computes from the logits is refused by name before anything is planned."""
+    import transformers as tf
+
+    from examples.train_hf_trainer import Patterns, tiny_model
+    from soybean.hf import Trainer
+
+    args = tf.TrainingArguments(output_dir=str(tmp_path), max_steps=1, label_smoothing_factor=0.1, report_to="none",
+                                use_cpu=True, per_device_train_batch_size=2)
+    trainer = Trainer(model=tiny_model("llama"), args=args, train_dataset=Patterns(4, 8, False),
+                      data_collator=tf.default_data_collator)
+    with pytest.raises(ValueError, match="label_smoothing_factor"):
+        trainer.train()
+
+
+@pytest.mark.sim
+def test_one_process_model_contract() -> None:
+    """``SoybeanModel`` in one process (a simulated group of one): the serial loss and gradient norm, clipping as
+    torch clips, the optimizer's state in the serial layout and back, and a batch of another shape refused by name."""
+    import transformers as tf
+
+    from examples.train_hf_trainer import Patterns, tiny_model
+    from soybean.hf import SoybeanModel
+
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    serial = tiny_model("llama")
+    serial.load_state_dict(model.state_dict())
+    batch = tf.default_data_collator([Patterns(8, 16, False)[i] for i in range(4)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sb = SoybeanModel(model, optimizer=opt)
+    loss = sb(**batch).loss
+    want = serial(**batch).loss
+    assert loss.item() == pytest.approx(want.item(), rel=RTOL)
+    loss.backward()
+    want.backward()
+    ref = torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.5)
+    assert sb.clip_grad_norm_(0.5).item() == pytest.approx(ref.item(), rel=RTOL)
+    assert sb.grad_norm().item() == pytest.approx(0.5, rel=1e-4)  # clipped to max_norm
+    opt.step()
+    full = sb.optimizer_state_full(opt)
+    assert {tuple(s["exp_avg"].shape) for s in full["state"].values()} == {tuple(p.shape) for p in serial.parameters()}
+    before = {k: v.clone() for k, v in full["state"][0].items()}
+    sb.load_optimizer_state_full(opt, full)
+    assert all(torch.equal(before[k], v) for k, v in sb.optimizer_state_full(opt)["state"][0].items())
+    assert sb.sync_serial() is model and torch.equal(model.lm_head.weight, sb.full_state_dict()["lm_head.weight"])
+    with pytest.raises(ValueError, match="the plan was made for"):
+        sb(**{k: v[:2] for k, v in batch.items()})
