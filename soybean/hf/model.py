@@ -133,7 +133,6 @@ class SoybeanModel(nn.Module):
         self.used = ""  # the contract the plan runs under: "local" or "full"
         self._rows: dict[str, tuple[int, ...]] = {}  # each row input's shape in one rank's slice, as planned
         self._deferred = False  # a backward ran under ``no_sync``: its gradients are not summed yet
-        self._summed_passes = 0  # forwards since the last step whose backward sums the accumulated gradients
         self._no_sync = False  # inside ``no_sync``
 
     # ---- planning ----------------------------------------------------------------------------------------
@@ -244,8 +243,8 @@ class SoybeanModel(nn.Module):
         """DDP's ``no_sync``, which Trainer and ``accelerator.no_sync`` / ``accumulate`` call for every micro-batch
         but an optimizer step's last: the backward passes inside leave the gradients the plan sums across ranks
         (``GradSync``: the replicated parameters' of a plan that splits others) unsummed, and the next backward
-        outside (or the optimizer's step, or ``grad_norm``) sums the accumulated total once.  Summing after every
-        backward would count the earlier micro-batches' already summed gradients again."""
+        outside (or the optimizer's step, or ``grad_norm``) sums them once: one sum per step, not one per micro-batch
+        (a backward outside is exact too, ``GradSync`` keeps earlier sums aside)."""
         self._no_sync = True  # read by ``_run``: the module may be planned only by the first call inside
         try:
             yield
@@ -268,7 +267,6 @@ class SoybeanModel(nn.Module):
 
     def _stepped(self) -> None:
         """After an optimizer step (its hook) or ``zero_grad``: a new accumulation starts."""
-        self._summed_passes = 0
         self._deferred = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -283,13 +281,7 @@ class SoybeanModel(nn.Module):
             sync.defer()
             self._deferred = True
         elif sync is not None and torch.is_grad_enabled():
-            if self._summed_passes:
-                raise RuntimeError(
-                    "soybean: a second backward before the optimizer step would sum the first one's gradients across "
-                    "ranks again: run every micro-batch but the last under `with model.no_sync():` (Trainer and "
-                    "accelerator.accumulate / no_sync do), or step and zero the gradients after each")
-            self._summed_passes += 1
-            self._deferred = False  # this backward sums everything accumulated so far
+            self._deferred = False  # this backward sums what was left unsummed (``GradSync``: exact over passes)
         got = {k: tuple(v.shape) for k, v in _batch_tensors(batch).items()}
         want = self._rows
         if got != want:

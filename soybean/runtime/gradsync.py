@@ -18,9 +18,11 @@ hook waits for all of them, so gradients are complete when backward returns.
 Gradient accumulation (several backward passes before the optimizer step) stays exact: a gradient already summed
 by an earlier backward must not be summed again (``n`` ranks would count it ``n`` times).  So a parameter's hook
 before accumulation (``Tensor.register_hook``, which sees this backward's gradient before ``AccumulateGrad`` adds
-it) sets the earlier, already summed gradient ``E`` aside and lets this backward's ``G_r`` land alone; the bucket
-sums ``sum_r G_r`` and adds ``E`` back: ``E + sum_r G_r``, the serial accumulated gradient.  It holds one more
-gradient per parameter while a backward runs, only where there is an earlier one.
+it) sets the earlier gradient ``E`` aside when it is a sum (``_summed``: what the last sum left, untouched since)
+and lets this backward's ``G_r`` land alone; the bucket sums ``sum_r G_r`` and adds ``E`` back: ``E + sum_r G_r``,
+the serial accumulated gradient.  Passes whose sum is deferred (``defer``, or a caller's ``no_sync``) accumulate
+their unsummed parts together, and the next sum sums them once, ``E`` added back after.  It holds one more
+gradient per parameter while a backward runs, only where there is an earlier sum.
 """
 from __future__ import annotations
 
@@ -79,17 +81,20 @@ class GradSync:
         self._absent: set[int] = set()  # parameters this backward does not reach (``watch``)
         self._watch: torch.utils.hooks.RemovableHandle | None = None
         self.deferred = False  # ``defer``: summed by ``sync_now``, once per step
-        # Each parameter's earlier, already summed gradient, set aside while this backward's is summed (module doc).
+        # Each parameter's earlier, already summed gradient, set aside while this backward's is summed (module doc),
+        # and the parameters whose gradient is such a sum, untouched since.
         self._earlier: dict[int, torch.Tensor] = {}
+        self._summed: set[int] = set()
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for ps in self.buckets for p in ps]
         self.handles += [p.register_hook(self._set_aside(p)) for ps in self.buckets for p in ps]
 
     def _set_aside(self, p: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
         """``p``'s hook before accumulation: its earlier gradient set aside, so this backward's lands alone."""
         def hook(g: torch.Tensor) -> torch.Tensor:
-            if not self.deferred and p.grad is not None and id(p) not in self._earlier:
+            if p.grad is not None and id(p) in self._summed and id(p) not in self._earlier:
                 self._earlier[id(p)] = p.grad
                 p.grad = None
+            self._summed.discard(id(p))  # an unsummed part arrives
             return g
 
         return hook
@@ -200,11 +205,15 @@ class GradSync:
         off = 0
         for p in self.buckets[b]:
             n = p.numel()
+            earlier = self._earlier.pop(id(p), None)
             if id(p) not in self._absent:
                 g = self._grad(p)
                 g.copy_(flat[off:off + n].view_as(g))
-                if (earlier := self._earlier.pop(id(p), None)) is not None:
+                if earlier is not None:
                     g.add_(earlier)  # the earlier backward's sum, back beside this one's
+                self._summed.add(id(p))
+            elif earlier is not None:
+                p.grad = earlier
             off += n
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
