@@ -432,23 +432,25 @@ def _llama_rank(rank: int, world: int, config: dict, context_parallel: object, m
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("config,world,context_parallel,mesh", [(_LLAMA, 2, 2, None), (_LONG, 4, "auto", (2, 2))],
-                         ids=["256-tokens-2-procs-cp2", "1536-tokens-2x2-auto"])
+@pytest.mark.parametrize("config,world,context_parallel,mesh", [(_LLAMA, 2, 2, None), (_LLAMA, 4, 2, (2, 2))],
+                         ids=["256-tokens-2-procs-cp2", "256-tokens-2x2-cp2"])
 def test_a_causal_llama_split_along_the_sequence_trains_as_serial_on_gloo(
         config: dict, world: int, context_parallel: object, mesh: tuple | None) -> None:
-    """Issue 23's first acceptance point on gloo: a tiny causal Llama (transformers) at batch 1 x 256 tokens on 2
-    processes with ``context_parallel=2`` splits both attention ops' query sequence 2 ways (keys and values
-    gathered); at 1 x 1,536 tokens on 4 processes (mesh 2x2) under ``auto`` the planner splits them along the
-    sequence on one axis, by either method.  Three AdamW steps equal serial training (every loss, gradient and
-    parameter, judged against the float64 run)."""
+    """Issue 23's first acceptance point on gloo: a tiny causal Llama (transformers) at batch 1 x 256 tokens with
+    ``context_parallel=2`` splits both attention ops' query sequence 2 ways (keys and values gathered), on 2
+    processes and on 4 (mesh 2x2: the sequence split on one axis, a process subgroup).  Three AdamW steps equal
+    serial training (every loss, gradient and parameter, judged against the float64 run).
+
+    That ``auto`` chooses the split at 1 x 1,536 tokens on 2x2, and that plan trains as serial, is
+    ``test_auto_splits_a_long_causal_llama_along_the_sequence_on_2x2`` (every rank a thread): run here too on 4
+    processes it proved nothing more than these two and cost three times both."""
     pytest.importorskip("transformers")
     from soybean.models import load
     from soybean.runtime.launch import spawn
     from soybean.verify.sweep import differences, exact_serial
 
     par, rows = spawn(_llama_rank, world, config, context_parallel, mesh, timeout_s=600)[0]
-    methods = ("all_gather_kv",) if context_parallel == 2 else ("all_gather_kv", "ring")
-    assert len(rows) == 2 and all(r["degree"] == 2 and r["method"] in methods for r in rows), rows
+    assert len(rows) == 2 and all(r["degree"] == 2 and r["method"] == "all_gather_kv" for r in rows), rows
     model, inputs = load("hf:llama", config)
     serial = train_serial(model, inputs, steps=3, lr=1e-4)
     assert not differences(serial, exact_serial(model, inputs, serial, lr=1e-4), par, lr=1e-4)

@@ -306,38 +306,50 @@ def _save_inside_load_by_expert(rank: int, world: int, plan_path: str, ckpt: str
     return out
 
 
-@pytest.mark.dist
-def test_a_checkpoint_saved_with_the_experts_split_inside_loads_under_expert_parallelism(tmp_path) -> None:
+def _a_checkpoint_saved_with_the_experts_split_inside_loads_under_expert_parallelism(got: list[dict]) -> None:
     """A checkpoint (weights and AdamW's moments) of a plan splitting each expert inside along its FFN dim loads
     under a plan splitting the experts by expert (DCP reshards the packed weight as the graph stores it,
     ``(experts, 2, ffn, hidden)``): the same full state, in the model's own shapes, and the next step's loss is the
     one the saving run took."""
-    from soybean.runtime.launch import spawn
-
-    model, _, p = _ffn_split_plan("mixtral", (2,))
-    path = str(tmp_path / "plan.json")
-    p.save(path)
-    got = spawn(_save_inside_load_by_expert, 2, path, str(tmp_path / "ckpt"), timeout_s=240)
     for r in got:
         assert r["tiles"] == (4, 2, 64, 64)  # this rank's half of every expert's pairs
         assert r["equal"] and abs(r["next"] - r["went_on"]) <= 1e-5 * abs(r["went_on"]), r
         assert r["experts"] == [([0], []), ([0], [])]  # loaded split by expert, not inside
 
 
+def _gloo_cases(rank: int, world: int, plan_path: str, ckpt: str) -> dict[str, object]:
+    """Every 2-process case in turn, in this one process group (their start-up was most of each run): ``sweep``'s
+    gloo rank of each MoE under ``comm``, then the checkpoint case."""
+    from soybean.verify import sweep
+
+    out: dict[str, object] = {name: sweep._gloo_rank(rank, world, f"arch:{name}", "comm", sweep.STEPS, sweep.LR)
+                              for name in ("mixtral", "deepseek_v3")}
+    out["checkpoint"] = _save_inside_load_by_expert(rank, world, plan_path, ckpt)
+    return out
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
-def test_gloo_processes_train_with_expert_parallelism_as_serial(name: str) -> None:
-    """Two gloo processes (``parallelize``): under the plan that minimises communication every MoE layer's experts
-    are split 2 ways with rows moved by all-to-all, and training equals the serial run."""
-    from soybean.verify.sweep import LR, STEPS, build, differences, exact_serial, train
+def test_gloo_processes_train_with_expert_parallelism_and_checkpoint_as_serial(tmp_path) -> None:
+    """Two gloo processes (``parallelize``), Mixtral and DeepSeek-V3: under the plan that minimises communication
+    every MoE layer's experts are split 2 ways with rows moved by all-to-all, and training equals the serial run.
+    Then ``_a_checkpoint_saved_with_the_experts_split_inside_loads_under_expert_parallelism`` on the same
+    processes."""
+    from soybean.runtime.launch import spawn
+    from soybean.verify.sweep import LR, STEPS, build, differences, exact_serial
     from soybean.verify.testing import train_serial
 
-    model, inputs = build(f"arch:{name}")
-    par, params = train(f"arch:{name}", "comm", 2, "gloo")
-    experts = {k: v for k, v in params.items() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
-    assert experts and all(v == ["S(0)"] for v in experts.values()), experts
-    serial = train_serial(model, inputs, steps=STEPS, lr=LR)
-    assert not differences(serial, exact_serial(model, inputs, serial), par)
+    _, _, p = _ffn_split_plan("mixtral", (2,))
+    path = str(tmp_path / "plan.json")
+    p.save(path)
+    got = spawn(_gloo_cases, 2, path, str(tmp_path / "ckpt"), timeout_s=600)
+    for name in ("mixtral", "deepseek_v3"):
+        par, params = got[0][name]  # rank 0's trace, as ``sweep.train`` reads it
+        model, inputs = build(f"arch:{name}")
+        experts = {k: v for k, v in params.items() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+        assert experts and all(v == ["S(0)"] for v in experts.values()), (name, experts)
+        serial = train_serial(model, inputs, steps=STEPS, lr=LR)
+        assert not differences(serial, exact_serial(model, inputs, serial), par), name
+    _a_checkpoint_saved_with_the_experts_split_inside_loads_under_expert_parallelism([r["checkpoint"] for r in got])
 
 
 def test_expert_parallel_fsdp_is_a_baseline_the_plan_is_never_worse_than() -> None:

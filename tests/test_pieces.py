@@ -120,7 +120,7 @@ def test_compile_backend_on_one_device_is_exact(name: str) -> None:
 def _ranks(rank: int, world: int, path: str) -> dict[str, list[float]]:
     torch._dynamo.reset()
     out = {}
-    for name, objective in (("switch_transformers", "comm"), ("longt5", "time"), ("led", "comm")):
+    for name, objective in (("longt5", "time"), ("led", "comm")):
         model, ex, labels = _outside(name)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -143,9 +143,15 @@ def _ranks(rank: int, world: int, path: str) -> dict[str, list[float]]:
 
 @pytest.mark.dist
 def test_two_gloo_processes_train_as_serial(tmp_path: Path) -> None:
-    """``parallelize`` (both objectives among the three models: ``comm`` splits the pieces' work) and the compile
-    backend, 2 gloo processes, the loss outside from ``out.logits``: every step's loss equals serial; a sharded
-    checkpoint saved from one model's pieces loads into a fresh model run with the same plan."""
+    """``parallelize`` (both objectives: ``comm`` splits the pieces' work) and the compile backend, 2 gloo
+    processes, the loss outside from ``out.logits``: every step's loss equals serial; a sharded checkpoint saved
+    from one model's pieces loads into a fresh model run with the same plan.
+
+    Switch Transformers runs here through the compile backend only: ``parallelize``'s pieces and the backend's are
+    one machine (``PieceBackend``: the same per-piece plans, made on rank 0, run whole-in whole-out), so a second
+    pass of the slowest model to trace through ``parallelize`` proved nothing the backend's run, LED's and LongT5's
+    (``parallelize`` at 2 processes) and ``test_the_plan_records_every_piece_and_why`` (Switch's pieces planned on
+    2 devices) do not already prove; it doubled this test's time."""
     from soybean.runtime.launch import spawn
 
     want = {}
@@ -153,6 +159,7 @@ def test_two_gloo_processes_train_as_serial(tmp_path: Path) -> None:
         model, ex, labels = _outside(name)
         want[name] = _sgd(model, list(model.parameters()), ex, labels)
     for got in spawn(_ranks, 2, str(tmp_path / "ckpt"), timeout_s=900):
+        assert sorted(got) == ["led comm", "longt5 time", "switch_transformers compile comm"]
         for key, losses in got.items():
             assert losses == pytest.approx(want[key.split()[0]], rel=1e-5), key
 

@@ -124,12 +124,9 @@ def _pipelined(rank: int, world: int, schedule: str, microbatches: int, outside:
     return losses, _own(pm, model), pm.plan.to_json()
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("schedule,microbatches,outside", [("1f1b", 4, False)])
-def test_two_stages_on_two_processes_train_as_serial(schedule: str, microbatches: int, outside: bool) -> None:
+def _two_stages_on_two_processes_train_as_serial(got: list, schedule: str, microbatches: int, outside: bool) -> None:
     """3 layers over 2 stages (an uneven split: 2 and 1), 3 SGD steps in float64."""
     ref_losses, ref_params = _serial(3, outside)
-    got = spawn(_pipelined, 2, schedule, microbatches, outside, 3, timeout_s=180)
     params: dict[str, torch.Tensor] = {}
     for losses, p, _ in got:
         assert losses == pytest.approx(ref_losses, rel=1e-10)
@@ -176,12 +173,10 @@ def _mlp_pipelined(rank: int, world: int, steps: int) -> tuple[list[float], dict
     return losses, _own(pm, model), out.detach()
 
 
-@pytest.mark.dist
-def test_a_loss_outside_the_model_with_its_target_trains_as_serial() -> None:
+def _a_loss_outside_the_model_with_its_target_trains_as_serial(got: list) -> None:
     """The model returns its output; ``loss_fn(output, target)`` runs on the last stage per microbatch, the
     target split as the inputs are (GPipe: every forward, then every backward)."""
     ref_losses, ref_params = _mlp_serial(3)
-    got = spawn(_mlp_pipelined, 2, 3, timeout_s=180)
     params: dict[str, torch.Tensor] = {}
     model, x, _ = _mlp()
     model.load_state_dict(ref_params)
@@ -307,15 +302,12 @@ def _tiled(rank: int, world: int, mode: str, steps: int, path: str) -> tuple[lis
         [s["mesh"] for s in (pm.plan.pipeline or {})["stages"]]
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("mode", ["mp"])  # data-parallel tiled stages: the interleaved test below
-def test_two_stages_each_tiled_over_two_devices_train_as_serial(mode: str, tmp_path: Path) -> None:
+def _two_stages_each_tiled_over_two_devices_train_as_serial(got: list) -> None:
     """4 processes: 2 stages of 2 devices, each stage model-parallel (its boundary values sliced in and gathered
     out, their gradients back alike); ``full_state_dict`` gathers every stage's tensors on every rank, and
     ``load_full_state_dict`` loads each stage's own; a sharded checkpoint of the tiled stages loads into a plan
     of 4 devices without stages."""
     ref_losses, ref_params = _serial(2, outside=False)
-    got = spawn(_tiled, 4, mode, 2, str(tmp_path), timeout_s=300)
     params: dict[str, torch.Tensor] = {}
     for losses, p, meshes in got:
         assert losses == pytest.approx(ref_losses, rel=1e-10)
@@ -340,9 +332,7 @@ def _interleaved(rank: int, world: int, steps: int, schedule: str,
     return _steps(pm, steps, *inputs, loss_fn=lambda out: out), _own(pm, model), pm.plan.pipeline or {}
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("schedule,mode", [("interleaved-1f1b", "dp"), ("zero-bubble", "mp")])
-def test_interleaved_schedules_over_two_tiled_groups_train_as_serial(schedule: str, mode: str) -> None:
+def _interleaved_schedules_over_two_tiled_groups_train_as_serial(got: list, schedule: str) -> None:
     """4 layers as 4 stages on 2 rank groups of 2 devices (2 virtual stages each): interleaved 1F1B with each stage
     data-parallel (its weights' gradients summed once per step, after every microbatch's backward), and zero
     bubble with each stage model-parallel (its input- and weight-gradient passes apart; the loss a pending sum),
@@ -351,7 +341,6 @@ def test_interleaved_schedules_over_two_tiled_groups_train_as_serial(schedule: s
     model = model.double()
     inputs = tuple(x.double() for x in inputs)
     ref = serial_losses(model, 2, *inputs)
-    got = spawn(_interleaved, 4, 2, schedule, mode, timeout_s=300)
     params: dict[str, torch.Tensor] = {}
     for losses, p, pipe in got:
         assert losses == pytest.approx(ref, rel=1e-10)
@@ -428,8 +417,7 @@ def _tied(rank: int, world: int, steps: int, path: str) -> tuple[list[float], di
     return losses, trained, pipe
 
 
-@pytest.mark.dist
-def test_tied_embeddings_across_stages_under_zero_bubble_train_as_serial(tmp_path: Path) -> None:
+def _tied_embeddings_across_stages_under_zero_bubble_train_as_serial(got: list) -> None:
     """A language model whose head is its token embedding, 4 layers as 4 stages on 2 processes under torch's
     zero-bubble schedule: the embedding (stage 0, rank 0) and the head (stage 3, rank 1) each hold a copy of the
     weight, stepped with the sum of both gradients, so both copies stay the serial weight; the integer targets
@@ -439,7 +427,6 @@ def test_tied_embeddings_across_stages_under_zero_bubble_train_as_serial(tmp_pat
     saving module's."""
     model, inputs = _tied_model()
     ref = serial_losses(model, 3, *inputs)
-    got = spawn(_tied, 2, 3, str(tmp_path), timeout_s=180)
     after = float(model(*inputs).detach())
     for losses, sd, pipe in got:
         assert losses == pytest.approx(ref, rel=1e-10)
@@ -517,11 +504,6 @@ def _checkpoints(rank: int, world: int, path: str) -> None:
         torch.testing.assert_close(v, after[k], rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.dist
-def test_sharded_checkpoints_load_under_another_pipeline_layout_or_none(tmp_path: Path) -> None:
-    """A checkpoint (weights and AdamW's moments) saved by 2 stages loads into a plan without stages, whose next
-    step equals the pipeline's; one saved without stages loads into 2 stages of other microbatches and schedule."""
-    spawn(_checkpoints, 2, str(tmp_path), timeout_s=240)
 
 
 def test_3d_baselines_are_torchtitans_layouts_priced_as_pipelines() -> None:
@@ -611,17 +593,13 @@ def _auto(rank: int, world: int, memory_gb: float) -> tuple[list[float], dict | 
     return losses, pm.plan.pipeline, _own(pm, model)
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("memory_gb,staged", [(0.015, True)])  # roomy: test_the_command_line_searches_...
-def test_auto_chooses_stages_only_where_they_are_faster_and_trains_as_serial(memory_gb: float,
-                                                                             staged: bool) -> None:
+def _auto_chooses_stages_only_where_they_are_faster_and_trains_as_serial(got: list, staged: bool) -> None:
     """Two devices on two nodes: with room, no stages (every weight replicated: no communication at all); under
     a tight budget (each weight on one device only), the pipelined plan the search found, faster than any plan
     without stages that fits.  Either way one loop
     (``train_step``) trains as serial does."""
     model, x, y = _auto_mlp()
     ref = serial_losses(model, 2, x, y)
-    got = spawn(_auto, 2, memory_gb, timeout_s=240)
     params: dict[str, torch.Tensor] = {}
     for losses, pipe, p in got:
         assert losses == pytest.approx(ref, rel=1e-10)
@@ -686,3 +664,56 @@ def test_diff_compares_the_stages() -> None:
     whole = plan_pipeline(cap, 2, 2, 2, "1f1b", opts)[2]
     whole.pipeline = None
     assert diff(a, whole)[-1] == "pipeline: 2 stages -> none"
+
+
+# ---- on gloo processes: one spawn per world size runs every case in turn (their start-up was most of each run) ----
+
+AUTO_GB = 0.015  # tight for float64 here (test_the_command_line_searches_stages_with_auto: roomy, and fp32 tight)
+
+
+def _two_process_cases(rank: int, world: int, path: str) -> dict[str, object]:
+    """Every 2-process pipeline case, one after another on this process group, each checkpoint in its own
+    directory."""
+    return {"1f1b": _pipelined(rank, world, "1f1b", 4, False, 3), "outside": _mlp_pipelined(rank, world, 3),
+            "tied": _tied(rank, world, 3, f"{path}/tied"), "checkpoints": _checkpoints(rank, world, f"{path}/ckpt"),
+            "auto": _auto(rank, world, AUTO_GB)}
+
+
+@pytest.mark.dist
+def test_pipelines_on_two_processes_train_as_serial(tmp_path: Path) -> None:
+    """On 2 gloo processes, each case as its function says: two stages under 1F1B (3 layers, uneven: 2 and 1); a
+    loss outside the model with its target under GPipe; tied embeddings across 4 stages under zero bubble (the
+    bytes sent are the priced ones, the tied weight and its moments checkpointed once); sharded checkpoints
+    (weights and AdamW's moments) saved by 2 stages load into a plan without stages, whose next step equals the
+    pipeline's, and one saved without stages loads into 2 stages of other microbatches and schedule (checked on
+    the ranks); ``pipeline="auto"`` under a tight budget chooses stages, faster than no stages, and trains as
+    serial."""
+    got = spawn(_two_process_cases, 2, str(tmp_path), timeout_s=600)
+    _two_stages_on_two_processes_train_as_serial([r["1f1b"] for r in got], "1f1b", 4, False)
+    _a_loss_outside_the_model_with_its_target_trains_as_serial([r["outside"] for r in got])
+    _tied_embeddings_across_stages_under_zero_bubble_train_as_serial([r["tied"] for r in got])
+    _auto_chooses_stages_only_where_they_are_faster_and_trains_as_serial([r["auto"] for r in got], staged=True)
+
+
+FOUR = [("tiled", "1f1b", "mp"), ("interleaved", "interleaved-1f1b", "dp"), ("interleaved", "zero-bubble", "mp")]
+
+
+def _four_process_cases(rank: int, world: int, path: str) -> list[object]:
+    """Every 4-process case (``FOUR``: 2 stages or 4 virtual ones over 2 groups of 2 devices), in turn."""
+    return [_tiled(rank, world, mode, 2, f"{path}/tiled") if kind == "tiled"
+            else _interleaved(rank, world, 2, sched, mode) for kind, sched, mode in FOUR]
+
+
+@pytest.mark.dist
+def test_pipelines_over_two_tiled_groups_on_four_processes_train_as_serial(tmp_path: Path) -> None:
+    """On 4 gloo processes: 2 stages each model-parallel over 2 devices (the mesh per stage ``[2]``; the full and
+    sharded state round-trips of ``_tiled``), and 4 layers as 4 stages on 2 groups of 2 under interleaved 1F1B with
+    each stage data-parallel and under zero bubble with each stage model-parallel (data-parallel tiled stages are
+    the interleaved case)."""
+    got = spawn(_four_process_cases, 4, str(tmp_path), timeout_s=600)
+    for i, (kind, schedule, _) in enumerate(FOUR):
+        ranks = [r[i] for r in got]
+        if kind == "tiled":
+            _two_stages_each_tiled_over_two_devices_train_as_serial(ranks)
+        else:
+            _interleaved_schedules_over_two_tiled_groups_train_as_serial(ranks, schedule)

@@ -254,12 +254,10 @@ def _check(got: list[dict], kw: dict, steps: int) -> None:
             assert torch.allclose(r["params"][k], v, rtol=1e-10, atol=1e-12), k
 
 
-@pytest.mark.dist
-def test_towers_on_disjoint_processes_train_as_serial() -> None:
+def _towers_on_disjoint_processes_train_as_serial(got: list[dict]) -> None:
     """The issue's acceptance: 2 towers x 4 layers of 64, batch 8, loss outside, ``placement="auto"`` on 2 gloo
     processes: each tower on its own process, loss, first gradients and every parameter after 3 AdamW steps
     equal to serial in float64; what each rank sent is what the plan priced."""
-    got = spawn(_placed, 2, TOWERS, 3, None, timeout_s=240)
     _check(got, TOWERS, 3)
     plan = Plan.from_dict(json.loads(got[0]["plan"]))
     assert plan.placement is not None
@@ -269,14 +267,13 @@ def test_towers_on_disjoint_processes_train_as_serial() -> None:
         assert g["sent"] == 3 * plan.placement["regions"][rank]["send_bytes"]
 
 
-@pytest.mark.dist
-def test_stages_searched_with_placement_on_processes_train_as_serial(capsys: pytest.CaptureFixture) -> None:
+def _stages_searched_with_placement_on_processes_train_as_serial(got: list[dict], capsys: pytest.CaptureFixture
+                                                                  ) -> None:
     """``pipeline="auto"`` with ``placement="auto"`` (one plan selector, ``options.plan_kind``): the stages searched
     against the plan without stages, placed; on 2 gloo processes the placed towers win, train as serial (float64),
     and are the plan ``soybean plan --pipeline auto --placement auto`` makes."""
     from soybean.cli import main
 
-    got = spawn(_placed, 2, TOWERS, 2, None, "auto", timeout_s=300)
     _check(got, TOWERS, 2)
     plan = Plan.from_dict(json.loads(got[0]["plan"]))
     assert plan.placement is not None and plan.pipeline is None and plan.solver["pipelines_searched"]
@@ -436,14 +433,12 @@ def _tied_placed(rank: int, world: int, steps: int, root: str) -> dict:
     return {"losses": losses, "grads": grads, "after": after}
 
 
-@pytest.mark.dist
-def test_weights_shared_by_placed_regions_train_as_serial(tmp_path) -> None:
+def _weights_shared_by_placed_regions_train_as_serial(got: list[dict]) -> None:
     """Both towers on their own process read one shared layer, and the head is tied to the embedding: loss,
     first gradients and every weight after 3 AdamW steps equal serial training (float64), the copies of each
     shared weight stepped with the sum of every reader's gradient; a sharded checkpoint keeps each weight's
     optimizer state once and restores a fresh module whose next step equals the trained one's."""
     steps = 3
-    got = spawn(_tied_placed, 2, steps, str(tmp_path), timeout_s=300)
     model = _TiedTowers().double()
     ids, y = _tied_inputs()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -497,11 +492,9 @@ def _checkpointed(rank: int, world: int, kw: dict, root: str) -> dict:
             "after": (placed.full_tensors(), plain.full_tensors())}
 
 
-@pytest.mark.dist
-def test_a_placed_checkpoint_loads_under_a_plan_without_placement(tmp_path) -> None:
+def _a_placed_checkpoint_loads_under_a_plan_without_placement(got: list[dict]) -> None:
     """``save_sharded`` of a placed plan (each region's tiles on its group's submesh) loads into a plan without
     placement on the same 2 processes: every tensor, and AdamW's moments (the next step equal)."""
-    got = spawn(_checkpointed, 2, TOWERS, str(tmp_path), timeout_s=240)
     for r in got:
         assert r["extra"] == {"step": 2}
         assert r["losses"][0] == pytest.approx(r["losses"][1], rel=1e-12)
@@ -510,3 +503,24 @@ def test_a_placed_checkpoint_loads_under_a_plan_without_placement(tmp_path) -> N
         placed, plain = r["after"]
         for k, v in placed.items():  # AdamW's moments were carried over: the next step agrees
             assert torch.allclose(plain[k], v, rtol=1e-10, atol=1e-12), k
+
+
+def _two_process_cases(rank: int, world: int, root: str) -> dict[str, dict]:
+    """Every 2-process placement case, one after another on this process group (their start-up was most of each
+    run), each checkpoint in its own directory."""
+    return {"towers": _placed(rank, world, TOWERS, 3, None), "auto": _placed(rank, world, TOWERS, 2, None, "auto"),
+            "tied": _tied_placed(rank, world, 3, f"{root}/tied"),
+            "checkpointed": _checkpointed(rank, world, TOWERS, f"{root}/placed")}
+
+
+@pytest.mark.dist
+def test_placed_plans_on_two_processes_train_as_serial(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    """On 2 gloo processes, each case as its function says: the towers on disjoint processes (the issue's
+    acceptance; what each rank sent is what the plan priced); ``pipeline="auto"`` with ``placement="auto"``, the
+    placed towers winning as ``soybean plan`` chooses; weights shared by placed regions (a shared layer, a tied
+    head) and their checkpoint; a placed checkpoint loading under a plan without placement."""
+    got = spawn(_two_process_cases, 2, str(tmp_path), timeout_s=600)
+    _towers_on_disjoint_processes_train_as_serial([r["towers"] for r in got])
+    _stages_searched_with_placement_on_processes_train_as_serial([r["auto"] for r in got], capsys)
+    _weights_shared_by_placed_regions_train_as_serial([r["tied"] for r in got])
+    _a_placed_checkpoint_loads_under_a_plan_without_placement([r["checkpointed"] for r in got])
