@@ -94,7 +94,24 @@ def forward_backward(module: nn.Module, inputs: tuple, kwargs: dict[str, Any], l
     return loss.detach()
 
 
-class ParallelModule(nn.Module):
+class KeepsMesh:
+    """A module whose tiles lie on one mesh of its plan's shape in its checkpoints (``runtime.checkpoint``): the
+    DeviceMesh kept for every save and load (``KeptMesh``), made at the first (the import and the groups wait until
+    a checkpoint needs them).  ``ParallelModule`` and ``pieces.PiecesModule`` are such modules."""
+
+    plan: Any  # the ``Plan`` that runs
+    _checkpoint_mesh: Any = None  # a ``runtime.checkpoint.KeptMesh``, made at the first save or load
+
+    def _mesh_of(self, fqn: str) -> Any:
+        """The DeviceMesh a checkpoint wraps ``fqn``'s tile on: one for every tensor of this module."""
+        from ..runtime.checkpoint import KeptMesh
+
+        if self._checkpoint_mesh is None:
+            self._checkpoint_mesh = KeptMesh()
+        return self._checkpoint_mesh.of(self.plan.mesh)
+
+
+class ParallelModule(KeepsMesh, nn.Module):
     """The per-rank program plus the local tiles it runs on."""
 
     program: fx.GraphModule  # set with object.__setattr__ in __init__ (a plain attribute, not a submodule)
@@ -108,7 +125,6 @@ class ParallelModule(nn.Module):
         self._mesh, self._rank, self._coords = mesh, rank, mesh.coords(rank)
         self._groups = list(groups)
         self.plan = plan
-        self._checkpoint_mesh: Any = None  # a ``runtime.checkpoint.KeptMesh``, made at the first save or load
         self._cap = cap
         # Parameters are kept as the policy's masters (the model's own dtype); buffers as it computes them.
         self._policy = pol = policy(plan.precision)
@@ -290,15 +306,6 @@ class ParallelModule(nn.Module):
 
     def _full_shape(self, fqn: str) -> tuple[int, ...]:
         return self._shapes[fqn]
-
-    def _mesh_of(self, fqn: str) -> Any:
-        """The DeviceMesh a checkpoint wraps this module's tiles on (``runtime.checkpoint``), kept here for every
-        save and load (``KeptMesh``)."""
-        from ..runtime.checkpoint import KeptMesh
-
-        if self._checkpoint_mesh is None:
-            self._checkpoint_mesh = KeptMesh()
-        return self._checkpoint_mesh.of(self.plan.mesh)
 
     def save_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
                      extra: Any = None, keep: int | None = None) -> Path:

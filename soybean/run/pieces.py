@@ -38,7 +38,7 @@ from torch import fx, nn
 from ..capture.core import Captured, capture
 from ..options import PlanOptions, plan_kind
 from ..plan import Plan
-from .module import _attach, forward_backward
+from .module import KeepsMesh, _attach, forward_backward
 
 CAPTURES = ("auto", "export", "dynamo")
 
@@ -292,7 +292,7 @@ def piece_plans(plan: Plan) -> list[Plan]:
     return [Plan.from_dict(r["plan"]) for r in plan.pieces["graphs"]]
 
 
-class PiecesModule(nn.Module):
+class PiecesModule(KeepsMesh, nn.Module):
     """A model captured by dynamo in pieces (module docstring), as one rank runs it: the model compiled with
     ``PieceBackend``; the parameters and buffers are the model's own objects, registered under the model's names,
     so ``torch.optim.AdamW(pm.parameters())`` (or the model's) updates what runs.  The same API as
@@ -305,7 +305,6 @@ class PiecesModule(nn.Module):
     def __init__(self, model: nn.Module, opts: PlanOptions, parallelize: Callable[..., Any]) -> None:
         super().__init__()
         self._plan: Plan | None = None  # ``use`` sets it
-        self._checkpoint_mesh: Any = None  # a ``runtime.checkpoint.KeptMesh``, made at the first save or load
         for n, p in model.named_parameters():
             _attach(self, n, p, "param", shared=True)
         for n, b in model.named_buffers():
@@ -351,15 +350,6 @@ class PiecesModule(nn.Module):
 
     def _full_shape(self, fqn: str) -> tuple[int, ...]:
         return self._shapes[fqn]
-
-    def _mesh_of(self, fqn: str) -> Any:
-        """The DeviceMesh a checkpoint wraps this module's tiles on (``runtime.checkpoint``), kept here for every
-        save and load (``KeptMesh``)."""
-        from ..runtime.checkpoint import KeptMesh
-
-        if self._checkpoint_mesh is None:
-            self._checkpoint_mesh = KeptMesh()
-        return self._checkpoint_mesh.of(self.plan.mesh)
 
     @torch.no_grad()
     def full_tensors(self) -> dict[str, torch.Tensor]:
