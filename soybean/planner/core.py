@@ -205,9 +205,12 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
         raise found.failed[0]
     best = min(found.results, key=found.rank)
     if best.step_time_s >= PINNED or best.comm_bytes >= PINNED:  # only a forced layout pins (``mode`` dp or mp)
-        raise SearchError(f"mode {opts.mode!r} on mesh {best.graph.mesh}: every plan of the forced layout needs a "
-                          "resharding the layout forbids (a batch that leaves some device no rows, or a parameter "
-                          "used unlike it is stored); use mode='auto', or a batch every device gets rows of")
+        # The plan runs (and trains as serial): it leaves the forced layout where the model needs it to, and that
+        # step carries the layout's penalty, so its modelled figures mean nothing.
+        warnings.warn(f"soybean: mode {opts.mode!r} on mesh {best.graph.mesh}: the forced layout cannot run this model "
+                      "as it is (a batch that leaves some device no rows, or a parameter used unlike it is stored), "
+                      "so the plan leaves it where needed and its modelled cost is the layout's penalty, not a time; "
+                      "use mode='auto', or a batch every device gets rows of", stacklevel=3)
     # A worker sends a plan without its table only when another plan, sent whole, was at least as good (``_light``).
     assert best.graph.vars, f"mesh {best.graph.mesh}: the best plan came from a worker without its table"
     seconds = time.perf_counter() - t0
