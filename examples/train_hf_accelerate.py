@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         if a.losses:
             with open(a.losses, "w") as f:
                 json.dump(log, f, indent=1)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # every rank leaves together and closes its process group
     return log
 
 

@@ -127,6 +127,11 @@ def main(argv: list[str] | None = None) -> Any:
         if a.log_history:
             with open(a.log_history, "w") as f:
                 json.dump(trainer.state.log_history, f, indent=1)
+    if torch.distributed.is_initialized():
+        # Every rank leaves together and closes its group: a rank whose gloo threads are still open at interpreter
+        # exit, while a peer is still writing, can abort ("terminate called without an active exception").
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return trainer
 
 

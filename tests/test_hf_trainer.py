@@ -53,6 +53,9 @@ trainer.train(resume_from_checkpoint=a.resume)
 if trainer.is_world_process_zero():
     import json
     json.dump(trainer.state.log_history, open(a.log_history, "w"))
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 '''
 
 
