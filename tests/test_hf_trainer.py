@@ -32,29 +32,34 @@ ACCELERATE = ROOT / "examples" / "train_hf_accelerate.py"
 RTOL = 1e-5
 STEPS = 20
 
-# A run of the Trainer example that also records, at its step-10 checkpoint, the parameters the tiles hold (gathered
-# from them on every rank, written by rank 0): what the checkpoint must load as.
-PROBE = '''
-import sys, torch, transformers
+# Several runs of the Trainer example in one launch (the runs of a test share one process start, the bulk of a tiny
+# run's time): each run's flags, where rank 0 writes its log history, and optionally where it writes, at the step-10
+# checkpoint, the parameters the tiles hold (gathered from them on every rank): what the checkpoint must load as.
+RUNS = '''
+import json, sys, torch, transformers
 sys.path.insert(0, {root!r})
 from examples.train_hf_trainer import build
 
-trainer, a = build(sys.argv[1:])
-
 class Probe(transformers.TrainerCallback):
+    def __init__(self, trainer, out):
+        self.trainer, self.out = trainer, out
+
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == 10:
-            tensors = trainer.soybean.pm.full_tensors()
-            if trainer.is_world_process_zero():
-                torch.save({{k: v.clone() for k, v in tensors.items()}}, {out!r})
+            tensors = self.trainer.soybean.pm.full_tensors()
+            if self.trainer.is_world_process_zero():
+                torch.save({{k: v.clone() for k, v in tensors.items()}}, self.out)
 
-trainer.add_callback(Probe())
-trainer.train(resume_from_checkpoint=a.resume)
-if trainer.is_world_process_zero():
-    import json
-    json.dump(trainer.state.log_history, open(a.log_history, "w"))
+for run in json.load(open(sys.argv[1])):
+    trainer, a = build(run["argv"])
+    if run.get("probe"):
+        trainer.add_callback(Probe(trainer, run["probe"]))
+    trainer.train(resume_from_checkpoint=a.resume)
+    if trainer.is_world_process_zero():
+        json.dump(trainer.state.log_history, open(run["log"], "w"))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
 if torch.distributed.is_initialized():
-    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 '''
 
@@ -89,49 +94,56 @@ def _split(out: Path) -> int:
     return sum(1 for f in p.params if any(str(x) != "R" for x in p.param_tiling(f)))
 
 
+def _runs(nproc: int, runs: list[dict[str, Any]], cwd: Path) -> None:
+    """``runs`` (each ``{"argv": [...], "log": path, "probe": path?}``) one after another in one launch of ``nproc``
+    processes (``RUNS``)."""
+    script, spec = cwd / "runs.py", cwd / "runs.json"
+    script.write_text(RUNS.format(root=str(ROOT)))
+    spec.write_text(json.dumps(runs))
+    _run(script, nproc, str(spec), cwd=cwd)
+
+
+MODELS = ("llama", "mixtral", "t5")
+
+
 @pytest.fixture(scope="module")
-def serial(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The plain Trainer (``--no-soybean``) on one process, per model, run once: (log, output dir)."""
-    cache: dict[str, tuple[list, Path]] = {}
-
-    def get(model: str) -> tuple[list, Path]:
-        if model not in cache:
-            d = tmp_path_factory.mktemp(f"serial-{model}")
-            _run(TRAINER, 1, "--model", model, "--no-soybean", "--output-dir", str(d / "out"),
-                 "--log-history", str(d / "log.json"), cwd=d)
-            cache[model] = (_losses(d / "log.json"), d / "out")
-        return cache[model]
-
-    return get
+def serial(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list, Path]]:
+    """The plain Trainer (``--no-soybean``) on one process, each model, in one launch: model -> (log, output dir)."""
+    d = tmp_path_factory.mktemp("serial")
+    _runs(1, [{"argv": ["--model", m, "--no-soybean", "--output-dir", str(d / m)], "log": str(d / f"{m}.json")}
+              for m in MODELS], d)
+    return {m: (_losses(d / f"{m}.json"), d / m) for m in MODELS}
 
 
-@pytest.mark.parametrize("model", ["llama", "mixtral", "t5"])
-def test_two_ranks_equal_one_process(model: str, serial: Any, tmp_path: Path) -> None:
-    """``--objective time`` on two processes: every logged loss and gradient norm of the plain one-process run."""
-    _run(TRAINER, 2, "--model", model, "--objective", "time", "--output-dir", str(tmp_path / "out"),
-         "--log-history", str(tmp_path / "log.json"), cwd=tmp_path)
-    _assert_close(_losses(tmp_path / "log.json"), serial(model)[0])
-
-
-@pytest.mark.parametrize("model", ["llama", "mixtral", "t5"])
-def test_split_parameters_checkpoint_and_resume(model: str, serial: Any, tmp_path: Path) -> None:
-    """``--objective comm`` (a plan that splits parameters) on two processes: the serial losses; its step-10
-    checkpoint is the serial model (``from_pretrained``, the serial model's keys) holding exactly the parameters the
-    tiles held there, with the serial optimizer's layout; resuming from it on two processes logs steps 11-20
-    exactly as the uninterrupted run did."""
+@pytest.mark.parametrize("model", MODELS)
+def test_two_ranks_split_checkpoint_and_resume_as_one_process(model: str, serial: Any, tmp_path: Path) -> None:
+    """On two processes, in one launch: ``--objective time`` logs every loss and gradient norm of the plain
+    one-process run; so does ``--objective comm`` (a plan that splits parameters), whose step-10 checkpoint is the
+    serial model (``from_pretrained``, the serial model's keys) holding exactly the parameters the tiles held there,
+    with the serial optimizer's layout; resuming from it logs steps 11-20 exactly as the uninterrupted run did.
+    Llama also runs ``--contract full`` (each rank's slice all-gathered into the global batch the plan reads whole):
+    the same losses."""
     import transformers as tf
 
-    probe, params = tmp_path / "probe.py", tmp_path / "params10.pt"
-    probe.write_text(PROBE.format(root=str(ROOT), out=str(params)))
-    out = tmp_path / "out"
-    _run(probe, 2, "--model", model, "--objective", "comm", "--output-dir", str(out),
-         "--log-history", str(tmp_path / "log.json"), cwd=tmp_path)
+    params, out, ckpt = tmp_path / "params10.pt", tmp_path / "out", tmp_path / "out" / "checkpoint-10"
+    comm = ["--model", model, "--objective", "comm"]
+    runs = [{"argv": ["--model", model, "--objective", "time", "--output-dir", str(tmp_path / "time")],
+             "log": str(tmp_path / "time.json")},
+            {"argv": [*comm, "--output-dir", str(out)], "log": str(tmp_path / "log.json"), "probe": str(params)},
+            {"argv": [*comm, "--output-dir", str(tmp_path / "resumed"), "--resume", str(ckpt)],
+             "log": str(tmp_path / "resumed.json")}]
+    if model == "llama":
+        runs.append({"argv": [*comm, "--contract", "full", "--output-dir", str(tmp_path / "full")],
+                     "log": str(tmp_path / "full.json")})
+    _runs(2, runs, tmp_path)
+    want, serial_out = serial[model]
+    _assert_close(_losses(tmp_path / "time.json"), want)
     assert _split(out) > 0, "the comm plan was meant to split parameters"
     run = _losses(tmp_path / "log.json")
-    want, serial_out = serial(model)
     _assert_close(run, want)
+    if model == "llama":
+        _assert_close(_losses(tmp_path / "full.json"), want)
 
-    ckpt = out / "checkpoint-10"
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
     auto = tf.AutoModelForSeq2SeqLM if model == "t5" else tf.AutoModelForCausalLM
     loaded = auto.from_pretrained(ckpt).state_dict()
@@ -147,19 +159,8 @@ def test_split_parameters_checkpoint_and_resume(model: str, serial: Any, tmp_pat
     assert mine["param_groups"] == theirs["param_groups"]
     assert {i: {k: tuple(v.shape) for k, v in s.items()} for i, s in mine["state"].items()} == \
         {i: {k: tuple(v.shape) for k, v in s.items()} for i, s in theirs["state"].items()}
-
-    _run(TRAINER, 2, "--model", model, "--objective", "comm", "--output-dir", str(tmp_path / "resumed"),
-         "--resume", str(ckpt), "--log-history", str(tmp_path / "resumed.json"), cwd=tmp_path)
-    resumed = _losses(tmp_path / "resumed.json")
-    assert resumed == run  # steps 1-10 from the checkpoint's state, 11-20 run again: bit for bit
-
-
-def test_full_batch_contract(serial: Any, tmp_path: Path) -> None:
-    """``--contract full``: each rank's slice all-gathered into the global batch the plan reads whole; the same
-    losses."""
-    _run(TRAINER, 2, "--contract", "full", "--objective", "comm", "--output-dir", str(tmp_path / "out"),
-         "--log-history", str(tmp_path / "log.json"), cwd=tmp_path)
-    _assert_close(_losses(tmp_path / "log.json"), serial("llama")[0])
+    # Steps 1-10 from the checkpoint's state, 11-20 run again: bit for bit.
+    assert _losses(tmp_path / "resumed.json") == run
 
 
 def test_accelerate_launch(serial: Any, tmp_path: Path) -> None:
@@ -177,16 +178,23 @@ def test_accelerate_launch(serial: Any, tmp_path: Path) -> None:
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "soybean: mesh 2," in done.stdout
-    _assert_close(_losses(tmp_path / "log.json"), serial("llama")[0])
+    _assert_close(_losses(tmp_path / "log.json"), serial["llama"][0])
+
+
+@pytest.fixture(scope="module")
+def plain_loop(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, float]]:
+    """The Accelerate example's plain loop (``--no-soybean``) on one process: its losses and norms per step."""
+    d = tmp_path_factory.mktemp("plain-loop")
+    _run(ACCELERATE, 1, "--no-soybean", "--losses", str(d / "plain.json"), cwd=d)
+    return json.loads((d / "plain.json").read_text())
 
 
 @pytest.mark.parametrize("objective", ["time", "comm"])
-def test_accelerate_loop(objective: str, tmp_path: Path) -> None:
+def test_accelerate_loop(objective: str, plain_loop: list[dict[str, float]], tmp_path: Path) -> None:
     """The Accelerate pattern (``accelerator.prepare`` then ``SoybeanModel``; ``accumulate``, ``backward``,
     ``clip_grad_norm_``) on two processes: the plain loop's losses and norms on one process."""
-    _run(ACCELERATE, 1, "--no-soybean", "--losses", str(tmp_path / "plain.json"), cwd=tmp_path)
     _run(ACCELERATE, 2, "--objective", objective, "--losses", str(tmp_path / "sb.json"), cwd=tmp_path)
-    plain, sb = json.loads((tmp_path / "plain.json").read_text()), json.loads((tmp_path / "sb.json").read_text())
+    plain, sb = plain_loop, json.loads((tmp_path / "sb.json").read_text())
     assert len(sb) == len(plain) > 0
     assert [e["loss"] for e in sb] == pytest.approx([e["loss"] for e in plain], rel=RTOL)
     assert [e["grad_norm"] for e in sb] == pytest.approx([e["grad_norm"] for e in plain], rel=RTOL)

@@ -265,13 +265,15 @@ def test_a_budget_holds_when_the_plan_runs(devices: int) -> None:
         free = make_plan(None, (), captured=cap, devices=devices, baselines=False, collectives="backend")
         _, least = _budgets(cap, dict(captured=cap, devices=devices, baselines=False, collectives="backend"))
         budget = (least + free.cost["memory_bytes"] / (1 - MEMORY_HEADROOM)) / 2
-        # The joint budgeted ILP that closes a Lagrangian duality gap may run to the time limit (per solve).
+        # The joint budgeted ILP that closes a Lagrangian duality gap may run to the time limit (per solve): 3 s, as
+        # any plan the search returns fits the budget and is the one measured (10 s found the same meshes and
+        # recomputation, 1% cheaper, at 2.5x the test's time).
         # The backend's collectives, as when these budgets were set: with soybean's own algorithms the cheaper
         # all-reduce makes a hybrid plan on 4 ranks (MLPs split, attention data-parallel) best, whose measured
         # peak (4.11 MB, within the 4.37 MB budget) is 17% above the model's 3.51 MB -- a memory-model miss of
         # that plan, noted on issue 15, not of the algorithms (the same plan with backend calls peaks alike).
         p = make_plan(None, (), captured=cap, devices=devices, memory_gb=budget / 2**30, baselines=False,
-                      recompute="auto", time_limit_s=10.0, collectives="backend")
+                      recompute="auto", time_limit_s=3.0, collectives="backend")
         assert p.cost["memory_bytes"] <= budget
         runs.append((name, p.to_json()))
         plans.append((name, p, budget))
