@@ -16,6 +16,13 @@ capture another test or an earlier run stored; ``tests/test_capture_cache.py`` t
 The planner searches meshes in-process (``SOYBEAN_JOBS=1``, ``soybean.mesh_pool``): the suite already runs on
 every core (pytest-xdist), and workers forked beside it would only contend for them; ``tests/test_mesh_pool.py``
 asks for workers explicitly.
+
+Under pytest-xdist (``-n 2``, ``--dist load``, the default) two groups of tests each run on one worker
+(``GROUPS``), every other test wherever a worker is free: each group shares work that a split would do twice.  The
+architectures' rule checks (``tests/test_archs.py``: an op checked for one model is skipped for the next; 107 s on
+one worker against 209 s of the two workers' time split) and the Trainer runs (``tests/test_hf_trainer.py``: the
+serial runs every test compares with, made once per worker).  xdist's own ``--dist loadgroup`` would say this by a
+mark, but it renames the test ids to do it, which pytest 9 no longer honours.
 """
 from __future__ import annotations
 
@@ -27,6 +34,27 @@ os.environ.setdefault("SOYBEAN_NO_CACHE", "1")
 os.environ.setdefault("SOYBEAN_JOBS", "1")
 
 TIERS = ("unit", "sim", "dist")
+
+# (test id prefix, group): the tests of one group run on one xdist worker (the module docstring says why).
+GROUPS = (
+    ("tests/test_archs.py::test_every_rule_the_architecture_uses_is_exact[", "architecture rule checks"),
+    ("tests/test_hf_trainer.py::", "Trainer runs"),
+)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist there is nothing to schedule
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist load`` with ``GROUPS`` kept together: xdist's scope scheduler, every test its own scope but a group's
+    tests one scope (the largest scopes are handed out first).  Any other ``--dist``: xdist's own choice."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Grouped(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return next((group for prefix, group in GROUPS if nodeid.startswith(prefix)), nodeid)
+
+    return Grouped(config, log)
 
 
 def _tier_marks(node: pytest.Item | pytest.Collector) -> list[pytest.Mark]:
