@@ -166,11 +166,9 @@ def test_two_ranks_split_checkpoint_and_resume_as_one_process(model: str, serial
 def test_accelerate_launch(serial: Any, tmp_path: Path) -> None:
     """``accelerate launch`` (two processes; on a CPU machine accelerate's multi-process launcher is ``--multi_gpu``
     and the script's ``use_cpu`` makes the gloo group): the serial losses."""
-    import socket
+    from soybean.runtime.launch import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),

@@ -41,11 +41,12 @@ from .model import SoybeanModel, world
 
 try:
     import transformers
+
+    # Trainer's own checkpoint file names: it looks for these when it resumes.
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 except ImportError as e:  # pragma: no cover - the hf extra is missing
     raise ImportError("soybean.hf needs transformers and accelerate: pip install 'soybean[hf]'") from e
 
-OPTIMIZER_NAME = "optimizer.pt"
-SCHEDULER_NAME = "scheduler.pt"
 PLAN_NAME = "soybean_plan.json"  # written by rank 0 into ``output_dir`` when the plan is made
 
 logger = logging.getLogger(__name__)
