@@ -239,19 +239,17 @@ def test_a_bound_the_caller_cannot_use_skips_branch_and_bound() -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_budget_lagrangian_certificate_holds(seed: int) -> None:
-    """Without the joint ILP's refinement (REFINE_MAX 0) the Lagrangian plan fits, and its bound is a
-    true lower bound of the budgeted optimum: bound <= OPT <= objective."""
-    from soybean import search
+    """The Lagrangian alone (before the frontier elimination or the joint ILP close its gap): its plan fits, and
+    its bound is a true lower bound of the budgeted optimum: bound <= OPT <= objective."""
+    from soybean.search import _solve_free
+    from soybean.search.budget import lagrangian
 
     rng = random.Random(400 + seed)
     p = random_problem(rng, 7, True, budget=True)
     _, opt = brute_force(p)
-    saved = search.REFINE_MAX
-    search.REFINE_MAX = 0
-    try:
-        sol = solve(p, "ilp")
-    finally:
-        search.REFINE_MAX = saved
+    dual = lagrangian(p, lambda q, cut: _solve_free(q, "ilp", 10.0, 0.0), float("inf"))
+    assert dual.solution is not None
+    sol = replace(dual.solution, bound=dual.bound)
     assert p.memory_of(sol.choice) <= p.budget + 1e-9
     assert sol.bound <= opt + 1e-9 <= sol.objective + 2e-9
     if sol.status == "optimal":

@@ -16,6 +16,7 @@ from .budget import lagrangian
 from .columns import Hints
 from .diffusion import diffusion_bound
 from .dp import solve_dp
+from .frontier import TooLarge, solve_frontier
 from .ilp import OPTIMAL_GAP, TARGET_GAP, Pruned, SearchError, Solution, relative_gap, solve_ilp
 from .problem import Problem, isolated, lower_bound, reduce
 from .tying import Run, tie
@@ -27,7 +28,9 @@ def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: floa
     """The best choice per variable of ``p`` with ``solver`` in {ilp, dp, brute}: the ILP stops once its
     plan is proven within relative ``gap`` of optimal, or after ``time_limit_s`` with the best plan
     found and its bound.  A memory budget is met by Lagrangian
-    relaxation (``budget``), refined by the joint ILP on problems of at most ``REFINE_MAX`` pair costs.
+    relaxation (``budget``); a duality gap left is closed exactly by elimination over (time, memory) frontiers
+    (``frontier``) where the graph is narrow enough, else narrowed by the joint ILP on problems of at most
+    ``REFINE_MAX`` pair costs.
     ``runs``: repeated layers solved tied (``tying``); the bound is then the tied problem's.
     ``cutoff``: raise ``Pruned`` once a lower bound reaches it: the reduction's cheap bound before the
     solve, the ILP's LP relaxation, and under a budget also each Lagrangian bound (``budget.lagrangian``).
@@ -97,6 +100,26 @@ def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t
     def gap() -> float:
         return float("inf") if best is None else relative_gap(best.objective, bound)
 
+    if gap() > target and (cutoff is None or bound < cutoff):
+        # The exact frontier elimination closes the duality gap where the graph allows (``frontier``): a plan
+        # below the Lagrangian's (and the cutoff), or proof that none is.
+        upper = min(best.objective if best is not None else float("inf"),
+                    cutoff if cutoff is not None else float("inf"))
+        try:
+            choice = solve_frontier(p, upper, dual.multiplier, deadline)
+        except TooLarge:
+            pass
+        else:
+            if choice is not None:
+                obj = p.evaluate(choice)
+                best = Solution(choice, obj, obj, "optimal", time.perf_counter() - t0, "frontier")
+                bound = obj
+            elif cutoff is not None and (best is None or cutoff <= best.objective):
+                raise Pruned(cutoff, cutoff)  # no fitting plan lies below the cutoff
+            elif best is None:
+                raise SearchError("no plan satisfies the memory budget: raise it")
+            else:
+                bound = best.objective  # no fitting plan is cheaper: the Lagrangian's plan is optimal
     left = deadline - time.perf_counter()
     if gap() > target and solver == "ilp" and size <= REFINE_MAX and left > 1.0:
         try:

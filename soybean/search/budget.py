@@ -53,6 +53,7 @@ class Dual:
     solution: Solution | None   # None: no relaxed solution fitted (the caller raises)
     bound: float
     solves: int
+    multiplier: float = 0.0     # the multiplier of the best bound (``frontier`` prunes by its relaxed costs)
 
 
 def relaxed(p: Problem, lam: float) -> Problem:
@@ -72,16 +73,18 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem, float | None], Solutio
     best: Solution | None = None
     bound = -float("inf")
     solves = 0
+    best_lam = 0.0
 
     def at(lam: float) -> tuple[Solution, bool]:
-        nonlocal best, bound, solves
+        nonlocal best, bound, solves, best_lam
         try:  # SearchError (time ran out): caught below, the best so far stands
             s = solve_free(relaxed(p, lam), None if cutoff is None else cutoff + lam * M)
         except Pruned as e:  # only raised under a cutoff
             assert cutoff is not None
             raise Pruned(e.bound - lam * M, cutoff) from None
         solves += 1
-        bound = max(bound, s.bound - lam * M)
+        if s.bound - lam * M > bound:
+            bound, best_lam = s.bound - lam * M, lam
         if cutoff is not None and bound >= cutoff:
             raise Pruned(bound, cutoff)
         fits = p.memory_of(s.choice) <= M
@@ -103,14 +106,14 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem, float | None], Solutio
     try:
         free, fits = at(0.0)
         if fits:
-            return Dual(best, bound, solves)
+            return Dual(best, bound, solves, best_lam)
         # A first multiplier that makes memory matter: the unbudgeted cost spread over the budget.
         lo, hi = 0.0, max(abs(free.objective), 1e-30) / max(M, 1.0)
         lo_line = line(free)
         while not (got := at(hi))[1]:
             lo, hi, lo_line = hi, hi * 8.0, line(got[0])
             if solves > MAX_STEPS or time.perf_counter() > deadline:
-                return Dual(best, bound, solves)
+                return Dual(best, bound, solves, best_lam)
         hi_line = line(got[0])
         for _ in range(MAX_STEPS):
             if gap() <= tol or time.perf_counter() > deadline or hi - lo <= 1e-12 * hi:
@@ -132,4 +135,4 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem, float | None], Solutio
         raise
     except SearchError:  # a relaxed solve ran out of time: the fitting plan and the bound found so far stand
         pass
-    return Dual(best, bound, solves)
+    return Dual(best, bound, solves, best_lam)
