@@ -46,6 +46,14 @@ def _llama(layers: int, hidden: int, heads: int, ffn: int) -> list[str]:
 
 LLAMA3_8B = _llama(32, 4096, 32, 14336)
 LLAMA3_70B = _llama(80, 8192, 64, 28672)
+# Llama-3-8B at 128K tokens a sequence (issue 23's long context).
+LLAMA3_8B_128K = [("seq=131072" if a == "seq=8192" else "max_position_embeddings=131072"
+                   if a == "max_position_embeddings=8192" else a) for a in LLAMA3_8B]
+# Mixtral-8x7B: 32 layers of 8 experts, 2 per token, 4K tokens a sequence.
+MIXTRAL_8X7B = ["hf:mixtral"] + [x for k, v in {
+    "meta": "True", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+    "seq": 4096, "max_position_embeddings": 4096}.items() for x in ("--arg", f"{k}={v}")]
 SEQ = 8192
 
 
@@ -79,6 +87,11 @@ CASES = [
     Case("llama3-8b-1024-raw", LLAMA3_8B + ["--arg", "raw=True"], 1024, 128, _cluster(1024, bf16=True)),
     Case("qwen2-8b-1024-raw", ["hf:qwen2"] + LLAMA3_8B[1:] + ["--arg", "raw=True"], 1024, 128,
          _cluster(1024, bf16=True)),
+    # Issue 25's rows where the memory budget binds: 8B at batch 16 on one node in fp32, Mixtral on 64, 128K tokens.
+    Case("llama3-8b-8-b16", LLAMA3_8B, 8, 16, _cluster(8)),
+    Case("mixtral-8x7b-64", MIXTRAL_8X7B, 64, 64, _cluster(64, bf16=True)),
+    Case("llama3-8b-128k-64", LLAMA3_8B_128K, 64, 8, _cluster(64, bf16=True)),
+    Case("llama3-8b-128k-64-b1", LLAMA3_8B_128K, 64, 1, _cluster(64, bf16=True)),
 ]
 
 # torchtitan's published measurements (docs/performance.md, github.com/pytorch/torchtitan): Llama 3.1 8B

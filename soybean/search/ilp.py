@@ -79,15 +79,15 @@ TARGET_GAP = 1e-4
 def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP,
               cutoff: float | None = None, enough: float | None = None, hints: columns.Hints | None = None
               ) -> Solution:
-    """``_solve_ilp`` on ``p`` with its costs scaled by a power of two to a largest cost between 1/2 and 1 (exact in
-    floating point), and the result scaled back.  HiGHS's tolerances are absolute (1e-7 on reduced costs): a step
-    time of tens of microseconds has pair costs below them, and on such a table HiGHS called a plan optimal at gap 0
-    that was 0.04% above the optimum (``frontier`` found it; scaled, HiGHS found it too)."""
+    """``_solve_ilp`` on ``p`` with costs below 1/2 scaled up by a power of two to a largest cost between 1/2 and 1
+    (exact in floating point), and the result scaled back.  HiGHS's tolerances are absolute (1e-7 on reduced
+    costs): a step time of tens of microseconds has pair costs below them, and on such a table HiGHS called a plan
+    optimal at gap 0 that was 0.04% above the optimum (``frontier`` found it; scaled, HiGHS found it too)."""
     top = max((float(np.abs(t).max(initial=0.0)) for t in [*p.unary, *p.edges.values()]), default=0.0)
     if top == 0.0 or not np.isfinite(top):
         return _solve_ilp(p, time_limit_s, gap, cutoff, enough, hints)
     k = 2.0 ** -math.ceil(math.log2(top))
-    if k == 1.0:
+    if k <= 1.0:  # scaled up only: a ``comm`` table's bytes keep their seconds added to break ties above 1e-7
         return _solve_ilp(p, time_limit_s, gap, cutoff, enough, hints)
     q = Problem([u * k for u in p.unary], {e: C * k for e, C in p.edges.items()}, p.memory, p.budget, p.names)
     try:
