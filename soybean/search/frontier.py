@@ -33,6 +33,7 @@ is raised and the caller falls back to the joint ILP.
 """
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass
 
@@ -94,11 +95,19 @@ def schedule(p: Problem) -> Schedule:
     def table(v: int) -> float:
         return float(np.prod([sizes[w] for w in around(v)])) * sizes[v]
 
+    # The smallest table first, from a heap whose stale entries (a neighbourhood changed since) are pushed again.
+    heap = [(table(v), v) for v in range(p.n)]
+    heapq.heapify(heap)
     while alive:
-        v = min(alive, key=lambda x: (table(x), x))
+        size, v = heapq.heappop(heap)
+        if v not in alive:
+            continue
+        if (now := table(v)) != size:
+            heapq.heappush(heap, (now, v))
+            continue
         scope = around(v)
-        if table(v) > MAX_TABLE:
-            raise TooLarge(f"eliminating a variable with {len(scope)} neighbours: a table of {table(v):.3g} entries")
+        if size > MAX_TABLE:
+            raise TooLarge(f"eliminating a variable with {len(scope)} neighbours: a table of {size:.3g} entries")
         joined = tuple(sorted(holding[v]))
         made = len(scopes)
         scopes.append(scope)
@@ -109,6 +118,7 @@ def schedule(p: Problem) -> Schedule:
         live.add(made)
         for w in scope:
             holding[w].add(made)
+            heapq.heappush(heap, (table(w), w))
         alive.discard(v)
         steps.append(Step(v, joined, scope, made))
     return Schedule(tuple(scopes), pairs, tuple(steps), tuple(sorted(live)))
