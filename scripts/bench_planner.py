@@ -37,24 +37,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2_SMALL = ["hf:gpt2", "--arg", "meta=True", "--arg", "batch=8", "--arg", "seq=1024"]
 
 
-def _llama(layers: int, hidden: int, heads: int, ffn: int) -> list[str]:
-    args = {"meta": "True", "num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
-            "num_key_value_heads": 8, "intermediate_size": ffn, "vocab_size": 128256, "seq": 8192,
-            "max_position_embeddings": 8192}
-    return ["hf:llama"] + [x for k, v in args.items() for x in ("--arg", f"{k}={v}")]
+SEQ = 8192
+
+
+def _hf(model_type: str, **args: object) -> list[str]:
+    """``hf:<model_type>`` on the meta device with ``args`` as ``--arg key=value``."""
+    return [f"hf:{model_type}"] + [x for k, v in {"meta": "True", **args}.items() for x in ("--arg", f"{k}={v}")]
+
+
+def _llama(layers: int, hidden: int, heads: int, ffn: int, seq: int = SEQ) -> list[str]:
+    return _hf("llama", num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+               num_key_value_heads=8, intermediate_size=ffn, vocab_size=128256, seq=seq, max_position_embeddings=seq)
 
 
 LLAMA3_8B = _llama(32, 4096, 32, 14336)
 LLAMA3_70B = _llama(80, 8192, 64, 28672)
 # Llama-3-8B at 128K tokens a sequence (issue 23's long context).
-LLAMA3_8B_128K = [("seq=131072" if a == "seq=8192" else "max_position_embeddings=131072"
-                   if a == "max_position_embeddings=8192" else a) for a in LLAMA3_8B]
+LLAMA3_8B_128K = _llama(32, 4096, 32, 14336, seq=131072)
 # Mixtral-8x7B: 32 layers of 8 experts, 2 per token, 4K tokens a sequence.
-MIXTRAL_8X7B = ["hf:mixtral"] + [x for k, v in {
-    "meta": "True", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
-    "seq": 4096, "max_position_embeddings": 4096}.items() for x in ("--arg", f"{k}={v}")]
-SEQ = 8192
+MIXTRAL_8X7B = _hf("mixtral", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                   intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, seq=4096,
+                   max_position_embeddings=4096)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class Case:
     devices: int
     batch: int            # global batch (sequences per step)
     extra: tuple[str, ...] = ()
+    seq: int = SEQ        # tokens per sequence
+    family: str = ""      # the model in the weak-scaling table ("": not in it)
 
 
 def _cluster(devices: int, bf16: bool = False) -> tuple[str, ...]:
@@ -78,20 +83,22 @@ CASES = [
     Case("gpt2-12", GPT2_SMALL + ["--arg", "n_layer=12"], 8, 8, ("--profile", "h100-nvlink")),
     Case("gpt2-48", GPT2_SMALL + ["--arg", "n_layer=48"], 8, 8, ("--profile", "h100-nvlink")),
     # Issue 17's settings: 8B fp32 at batch 1 on 8 and batch 8 on 64; the cluster cases in bf16-mixed.
-    Case("llama3-8b-8", LLAMA3_8B, 8, 1, _cluster(8)),
-    Case("llama3-8b-64", LLAMA3_8B, 64, 8, _cluster(64)),
-    Case("llama3-8b-1024", LLAMA3_8B, 1024, 128, _cluster(1024, bf16=True)),
-    Case("llama3-70b-64", LLAMA3_70B, 64, 8, _cluster(64, bf16=True)),
-    Case("llama3-70b-512", LLAMA3_70B, 512, 256, _cluster(512, bf16=True)),
+    Case("llama3-8b-8", LLAMA3_8B, 8, 1, _cluster(8), family="llama3-8b"),
+    Case("llama3-8b-64", LLAMA3_8B, 64, 8, _cluster(64), family="llama3-8b"),
+    Case("llama3-8b-1024", LLAMA3_8B, 1024, 128, _cluster(1024, bf16=True), family="llama3-8b"),
+    Case("llama3-70b-64", LLAMA3_70B, 64, 8, _cluster(64, bf16=True), family="llama3-70b"),
+    Case("llama3-70b-512", LLAMA3_70B, 512, 256, _cluster(512, bf16=True), family="llama3-70b"),
     # Issue 25's loss outside: the model returns its ModelOutput and the loop computes the loss from the logits.
     Case("llama3-8b-1024-raw", LLAMA3_8B + ["--arg", "raw=True"], 1024, 128, _cluster(1024, bf16=True)),
     Case("qwen2-8b-1024-raw", ["hf:qwen2"] + LLAMA3_8B[1:] + ["--arg", "raw=True"], 1024, 128,
          _cluster(1024, bf16=True)),
     # Issue 25's rows where the memory budget binds: 8B at batch 16 on one node in fp32, Mixtral on 64, 128K tokens.
-    Case("llama3-8b-8-b16", LLAMA3_8B, 8, 16, _cluster(8)),
-    Case("mixtral-8x7b-64", MIXTRAL_8X7B, 64, 64, _cluster(64, bf16=True)),
-    Case("llama3-8b-128k-64", LLAMA3_8B_128K, 64, 8, _cluster(64, bf16=True)),
-    Case("llama3-8b-128k-64-b1", LLAMA3_8B_128K, 64, 1, _cluster(64, bf16=True)),
+    Case("llama3-8b-8-b16", LLAMA3_8B, 8, 16, _cluster(8), family="llama3-8b"),
+    Case("mixtral-8x7b-64", MIXTRAL_8X7B, 64, 64, _cluster(64, bf16=True), seq=4096, family="mixtral-8x7b"),
+    Case("llama3-8b-128k-64", LLAMA3_8B_128K, 64, 8, _cluster(64, bf16=True), seq=131072,
+         family="llama3-8b-128k"),
+    Case("llama3-8b-128k-64-b1", LLAMA3_8B_128K, 64, 1, _cluster(64, bf16=True), seq=131072,
+         family="llama3-8b-128k"),
 ]
 
 # torchtitan's published measurements (docs/performance.md, github.com/pytorch/torchtitan): Llama 3.1 8B
@@ -165,8 +172,9 @@ def _run_once(case: Case, time_limit: float, timeout: float, cache: str, jobs: i
             plan = json.load(f)
     cost, solver = plan["cost"], plan["solver"]
     return {
-        "case": case.name, "devices": case.devices, "global_batch": case.batch, "wall_s": round(wall, 1),
-        "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2), "peak_rss_sum_gb": round(peak[0] / 2**30, 2),
+        "case": case.name, "devices": case.devices, "global_batch": case.batch, "seq": case.seq,
+        "family": case.family, "wall_s": round(wall, 1), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),
+        "peak_rss_sum_gb": round(peak[0] / 2**30, 2),
         "mesh": "x".join(map(str, plan["mesh"])),
         "status": solver["status"], "gap": solver["gap"], "step_s": cost["step_time_s"],
         "memory_gb": round(cost["memory_bytes"] / 2**30, 1), "tied": plan.get("tying", {}).get("used", False),
@@ -202,17 +210,17 @@ def table(rows: list[dict]) -> str:
 def weak_scaling(rows: list[dict]) -> str:
     """Modelled tokens/s/GPU = global batch x sequence / step time / devices, soybean's plan and the best
     baseline that fits, beside torchtitan's published measurement where one exists."""
-    head = f"{'model':<11} {'GPUs':>5} {'soybean':>9} {'best baseline':>22}  torchtitan (measured, bf16)"
+    head = f"{'model':<14} {'GPUs':>5} {'soybean':>9} {'best baseline':>22}  torchtitan (measured, bf16)"
     lines = [head, "-" * len(head)]
     for r in rows:
-        if not r["case"].startswith("llama3") or r["case"].endswith("-raw") or "error" in r:
+        if not r.get("family") or "error" in r:
             continue
-        model = r["case"].rsplit("-", 1)[0]
-        tok = r["global_batch"] * SEQ / r["devices"]
+        model = r["family"]
+        tok = r["global_batch"] * r["seq"] / r["devices"]
         fits = {k: v for k, v in r["baselines"].items() if isinstance(v, float)}
         best = min(fits.items(), key=lambda kv: kv[1]) if fits else None
         base = f"{tok / best[1]:,.0f} ({best[0]})" if best else "none fits"
-        lines.append(f"{model:<11} {r['devices']:>5} {tok / r['step_s']:>9,.0f} {base:>22}  "
+        lines.append(f"{model:<14} {r['devices']:>5} {tok / r['step_s']:>9,.0f} {base:>22}  "
                      f"{TORCHTITAN.get((model, r['devices']), '-')}")
     return "\n".join(lines)
 
