@@ -17,7 +17,7 @@ from .columns import Hints
 from .diffusion import diffusion_bound
 from .dp import solve_dp
 from .frontier import TooLarge, solve_frontier
-from .ilp import OPTIMAL_GAP, TARGET_GAP, Pruned, SearchError, Solution, relative_gap, solve_ilp
+from .ilp import OPTIMAL_GAP, TARGET_GAP, Pruned, SearchError, Solution, _infeasible, relative_gap, solve_ilp
 from .problem import Problem, isolated, lower_bound, reduce
 from .tying import Run, tie
 
@@ -117,7 +117,7 @@ def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t
             elif cutoff is not None and (best is None or cutoff <= best.objective):
                 raise Pruned(cutoff, cutoff)  # no fitting plan lies below the cutoff
             elif best is None:
-                raise SearchError("no plan satisfies the memory budget: raise it")
+                raise _infeasible(p, time_limit_s)  # nothing fits: the ILP's own error for it
             else:
                 bound = best.objective  # no fitting plan is cheaper: the Lagrangian's plan is optimal
     left = deadline - time.perf_counter()

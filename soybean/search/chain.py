@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .budget import relaxed
 from .diffusion import diffusion_bound
 from .problem import Problem, reduce
 from .tying import Run, tie
@@ -74,9 +75,8 @@ class Dual:
     def at(self, i: int) -> float:
         """The lower bound at multiplier ``lams[i]``: min-sum diffusion on the reduced relaxed problem."""
         if self.lower[i] == -np.inf:
-            q, lam = self.problem, float(self.lams[i])
-            assert q.memory is not None
-            r = Problem([u + lam * m for u, m in zip(q.unary, q.memory)], q.edges, None, None, q.names)
+            lam = float(self.lams[i])
+            r = relaxed(self.problem, lam)
             self.lower[i] = diffusion_bound(reduce(r, argmins=False), r) - lam * self.budget
         return float(self.lower[i])
 

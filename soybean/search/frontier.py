@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .budget import relaxed
 from .problem import Problem
 
 # Points a join may make (each a row of a few integers and two floats).
@@ -207,12 +208,11 @@ class _Points:
     refs: np.ndarray | None = None
 
 
-def _join(a: _Points, b: _Points) -> tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray]:
-    """The pairs of points of ``a`` and ``b`` that agree on their common variables: the joined scope, its
-    assignments, and each pair's point of ``a`` and of ``b``."""
+def _join(a: _Points, b: _Points, sizes: list[int]) -> tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray]:
+    """The pairs of points of ``a`` and ``b`` that agree on their common variables (``sizes``: each variable's
+    strategy count): the joined scope, its assignments, and each pair's point of ``a`` and of ``b``."""
     common = [v for v in a.scope if v in b.scope]
-    radix = [int(max(a.assign[:, a.scope.index(v)].max(initial=0), b.assign[:, b.scope.index(v)].max(initial=0)))
-             + 1 for v in common]
+    radix = [sizes[v] for v in common]
     ka = _key(a.assign, [a.scope.index(v) for v in common], radix)
     kb = _key(b.assign, [b.scope.index(v) for v in common], radix)
     order = np.argsort(kb, kind="stable")
@@ -247,14 +247,15 @@ def solve_frontier(p: Problem, upper: float = float("inf"), multiplier: float = 
     (``time.perf_counter``)."""
     assert p.memory is not None and p.budget is not None
     budget = float(p.budget) * (1 + SLACK)
+    sizes = [len(u) for u in p.unary]
     s = schedule(p)
     lam = max(0.0, float(multiplier))
     finite = np.isfinite(upper)
     limit = (upper + lam * float(p.budget)) * (1 + SLACK) if finite else np.inf
-    out_rel = _outside(p, s, [u + lam * m for u, m in zip(p.unary, p.memory)], True) if finite else {}
+    if sum(float(m.min(initial=0.0)) for m in p.memory) > budget:
+        return None  # memory is per variable: no plan fits at all
+    out_rel = _outside(p, s, relaxed(p, lam).unary, True) if finite else {}
     out_mem = _outside(p, s, [np.asarray(m, float) for m in p.memory], False)
-    if any(float(np.min(t)) > budget for i, t in out_mem.items() if i in s.last):
-        return None  # no plan fits at all
 
     pts: dict[int, _Points] = {}
     for v in range(p.n):
@@ -274,12 +275,12 @@ def solve_frontier(p: Problem, upper: float = float("inf"), multiplier: float = 
         cur = _Points(first.scope, first.assign, first.cost, first.mem)
         refs = np.arange(len(first.cost))[:, None]
         for i in ids[1:]:
-            scope, assign, ia, ib = _join(cur, pts[i])
+            scope, assign, ia, ib = _join(cur, pts[i], sizes)
             cur = _Points(scope, assign, cur.cost[ia] + pts[i].cost[ib], cur.mem[ia] + pts[i].mem[ib])
             refs = np.hstack([refs[ia], ib[:, None]])
             # Of the points of one assignment of the whole joined scope, one another beats stays beaten whatever
             # the rest adds: pruned after each join, so parallel factors (several frontiers on one pair) stay short.
-            keep = _pareto(_key(cur.assign, list(range(len(scope))), [len(p.unary[w]) for w in scope]),
+            keep = _pareto(_key(cur.assign, list(range(len(scope))), [sizes[w] for w in scope]),
                            cur.cost, cur.mem)
             cur = _Points(scope, cur.assign[keep], cur.cost[keep], cur.mem[keep])
             refs = refs[keep]
@@ -290,7 +291,7 @@ def solve_frontier(p: Problem, upper: float = float("inf"), multiplier: float = 
         at = into.index(st.var)
         others = [into.index(w) for w in st.scope]
         assign, cost, mem, refs = cur.assign[ok], cur.cost[ok], cur.mem[ok], refs[ok]
-        keep = _pareto(_key(assign, others, [len(p.unary[w]) for w in st.scope]), cost, mem)
+        keep = _pareto(_key(assign, others, [sizes[w] for w in st.scope]), cost, mem)
         if len(keep) == 0:
             return None  # no plan fits below ``upper``
         order = [ids.index(i) for i in st.joined]  # refs' columns in ``st.joined`` order
