@@ -13,11 +13,10 @@ import pytest
 from examples.models import transformer
 from soybean.capture.core import capture
 from soybean.cost.profiles import load_profile
-from soybean.graph import recomputable_layers
 from soybean.mesh import Mesh
 from soybean.options import PlanOptions
 from soybean.planner.solve import MemoryBudgetError, Search, evaluate, least_memory, solve_on
-from soybean.planner.recompute import layers_in, recompute_choices, solve_recompute
+from soybean.planner.recompute import chain_counts, recompute_choices, solve_recompute
 from soybean.planner.problem import chain_dual
 from soybean.planner.repeats import find_repeats
 from soybean.search.chain import MULTIPLIERS, affine, stretch_bound
@@ -41,12 +40,11 @@ def setting() -> tuple:
 
 
 def _duals(cap: object, mesh: Mesh, search: Search, budget: float, chain: list[frozenset[str]]) -> list:
-    layers = set(recomputable_layers(cap))  # type: ignore[arg-type]
     scale = 1e-3  # seconds: the tests' step times are milliseconds
     out = []
-    for units in chain:
+    for units, k in zip(chain, chain_counts(cap, chain)):  # type: ignore[arg-type]
         g = search.table(cap, mesh, units)  # type: ignore[arg-type]
-        d = chain_dual(g, layers_in(units, layers), find_repeats(g), np.array(MULTIPLIERS) * scale / budget, budget)
+        d = chain_dual(g, k, find_repeats(g), np.array(MULTIPLIERS) * scale / budget, budget)
         for i in range(len(d.lams)):
             d.at(i)
         out.append(d)

@@ -174,6 +174,35 @@ def test_auto_is_the_best_recomputation_choice() -> None:
     assert p.cost["step_time_s"] < all_layers.cost["step_time_s"]
 
 
+def test_auto_recomputes_the_attention_of_some_layers_and_trains_like_serial() -> None:
+    """At 90% of what the best plan without a budget needs, the cheapest choice reruns the attention of some layers
+    and nothing else (``recompute_choices``' chain ``C_k``): ``auto`` finds it, it is faster than every choice that
+    reruns whole layers or every attention (each solved on its own), and its program trains like serial."""
+    model, inputs = transformer(batch=4, seq=64, hidden=64, layers=6, heads=4)
+    model = model.double()  # float64: ``_trains_like_serial``'s tolerance
+    inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
+    cap = capture(model, inputs)
+    att, layers = set(attention_units(cap)), set(recomputable_layers(cap))
+    kw = dict(captured=cap, mesh=(2,), baselines=False)
+    budget = 0.9 * make_plan(None, (), **kw).cost["memory_bytes"]  # type: ignore[arg-type]
+    gb = budget / (1 - MEMORY_HEADROOM) / 2**30
+    p = make_plan(None, (), memory_gb=gb, recompute="auto", **kw)  # type: ignore[arg-type]
+    chosen = set(p.recompute)
+    assert chosen and chosen <= att and len(chosen) < len(att), chosen
+    assert p.cost["memory_bytes"] <= budget * (1 + 1e-9)
+    from soybean.cost.profiles import load_profile
+    others = math.inf  # the best choice that reruns a whole layer or every attention
+    for units in (u for chain in recompute_choices(cap) for u in chain if u & layers or att <= u):
+        try:
+            r = solve_on(cap, Mesh((2,)), Search(load_profile(None), memory_bytes=budget), recompute=units)
+        except MemoryBudgetError:
+            continue
+        others = min(others, r.step_time_s)
+    assert p.cost["step_time_s"] < others
+    bad = _trains_like_serial(model, inputs, p)
+    assert not bad, "; ".join(bad[:5])
+
+
 def test_auto_never_slower_than_the_memory_baselines() -> None:
     """At budgets from everything-fits down to the least: soybean's plan is never slower than FSDP, FSDP with
     every layer recomputed, or FSDP with attention recomputed, where they fit; the recomputing baselines are

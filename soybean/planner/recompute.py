@@ -41,21 +41,35 @@ def recompute_units(cap: Captured, recompute: str) -> frozenset[str]:
 def recompute_choices(cap: Captured) -> list[list[frozenset[str]]]:
     """The recomputation choices ``solve_recompute`` searches, as chains along which the step time can only
     grow: ``A_k``, the first ``k`` recomputable layers (graph order) recomputed whole; ``B_k``, the same with
-    every other layer's attention recomputed (selective recomputation, where the layers have one).  ``k = 1``
-    is left out: a role's single recomputed unit keeps its whole activations as its rerun buffer, so it never
-    saves memory over ``k = 0`` and only adds time."""
+    every other layer's attention recomputed (selective recomputation, where the layers have one); ``C_k``, the
+    attention of the first ``k`` layers alone, nothing else (selective recomputation where only some layers need
+    it: between nothing, ``A_0``, and every attention, ``B_0``, which close the chain at either end and are not
+    repeated in it).  ``k = 1`` is left out: a role's single recomputed unit keeps its whole activations as its
+    rerun buffer, so it never saves memory over ``k = 0`` and only adds time.  ``chain_counts`` gives each
+    choice's ``k``."""
     layers = recomputable_layers(cap)
     att = {layer_of(u): u for u in attention_units(cap)}
     ks = [k for k in range(len(layers) + 1) if k != 1]
     chains = [[frozenset(layers[:k]) for k in ks]]
     if att:
         chains.append([frozenset(layers[:k]) | {att[x] for x in layers[k:] if x in att} for k in ks[:-1]])
+        some = [frozenset(att[x] for x in layers[:k] if x in att) for k in ks[1:-1]]
+        if len(some) >= 2 and len(set(some)) == len(some):  # every layer has its attention: a chain of k = 2..L-1
+            chains.append(some)
     return chains
 
 
 def layers_in(units: frozenset[str], layers: Collection[str]) -> int:
     """How many whole layers a recomputation choice reruns: the ``k`` of ``A_k`` and ``B_k``."""
     return sum(1 for u in units if u in layers)
+
+
+def chain_counts(cap: Captured, chain: Sequence[frozenset[str]]) -> list[int]:
+    """The ``k`` of each choice of a chain of ``recompute_choices``: its whole layers (``A_k``, ``B_k``), or, in
+    a chain that reruns no whole layer, its attention units (``C_k``)."""
+    layers = set(recomputable_layers(cap))
+    counted = layers if any(u in layers for u in chain[-1]) else set(attention_units(cap))
+    return [layers_in(units, counted) for units in chain]
 
 
 def solve_plain(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent = None) -> Result:
@@ -173,7 +187,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     from ..search.chain import MULTIPLIERS, Dual, affine, stretch_bound, tighten
 
     objective, budget, gap = search.options.objective, search.memory_bytes, search.options.gap
-    layer_set = set(recomputable_layers(cap))
+    counts = [chain_counts(cap, chain) for chain in chains]  # each choice's k
     ties = search.options.tie_layers and search.options.solver != "brute"
     duals: dict[tuple[int, int], Dual] = {}
     broken: set[int] = set()  # chains whose tied problems were found not affine in k
@@ -195,7 +209,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
             g = table(units)
             lams = np.array(MULTIPLIERS) * scale / budget if budget is not None else np.zeros(1)
             runs = find_repeats(g) if ties else []
-            duals[(c, i)] = chain_dual(g, layers_in(units, layer_set), runs, lams, budget or 0.0)
+            duals[(c, i)] = chain_dual(g, counts[c][i], runs, lams, budget or 0.0)
         return duals[(c, i)]
 
     def ends(c: int, a: int, b: int) -> list[Dual]:
@@ -249,15 +263,16 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
             shift(c, i, r)
 
     def shift(c: int, i: int, r: Result) -> None:
-        """A plan for free: ``r``'s tilings with fewer layers recomputed, as many fewer as the memory it leaves
-        under the budget pays for (each layer kept saves its rerun).  Every choice's table has the same variables
-        and strategies (recomputation changes costs, not domains), so ``r``'s choice is a plan of each; its memory
-        per layer is read off a second choice (a line: each layer kept adds its activations), and the plan is
-        priced exactly on the choice it lands on, and kept when it fits and beats the best."""
+        """A plan for free: ``r``'s tilings with fewer layers (on chain ``C``, attentions) recomputed, as many fewer
+        as the memory it leaves under the budget pays for (each layer kept saves its rerun).  Every choice's table
+        has the same variables and strategies (recomputation changes costs, not domains), so ``r``'s choice is a
+        plan of each; its memory per layer is read off a second choice (a line: each layer kept adds its
+        activations), and the plan is priced exactly on the choice it lands on, and kept when it fits and beats the
+        best."""
         nonlocal best
         assert budget is not None
-        k_of = {layers_in(u, layer_set): j for j, u in enumerate(chains[c])}
-        k_here = layers_in(chains[c][i], layer_set)
+        k_of = {k: j for j, k in enumerate(counts[c])}
+        k_here = counts[c][i]
         if r.memory >= budget or i == 0:
             return
         x = r.solution.choice
@@ -271,7 +286,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
             return evaluate(g, Solution(list(x), 0.0, -math.inf, "feasible", 0.0, "shifted"))
 
         probe = priced(0)  # the chain's first choice: the fewest layers recomputed that can fit
-        k_probe = layers_in(chains[c][0], layer_set)
+        k_probe = counts[c][0]
         if probe is None or k_probe >= k_here:
             return
         per_layer = (probe.memory - r.memory) / (k_here - k_probe)  # bytes each layer kept adds

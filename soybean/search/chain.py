@@ -1,6 +1,7 @@
 """Lower bounds over a chain of recomputation choices, without solving each one.
 
-A chain (``planner.recompute_choices``) recomputes the first ``k`` layers of a stack, ``k`` growing.  Choice ``k``'s
+A chain (``planner.recompute_choices``) recomputes the first ``k`` layers of a stack (or their attention alone), ``k``
+growing.  Choice ``k``'s
 budgeted optimum ``OPT_k = min {T_k(x) : M_k(x) <= B}`` is bounded, for every multiplier ``lam >= 0``, by
 
     F_k(lam) = min_x  T_k(x) + lam * (M_k(x) - B)  <=  OPT_k          (weak duality)
