@@ -343,3 +343,47 @@ def test_lazy_views_match_the_full_tensor() -> None:
         for k, (kind, got) in views.items():
             assert kind is LazyFull and torch.allclose(got, wants[k].detach(), rtol=1e-6), k
         assert torch.allclose(other, full.view(5, -1).detach(), rtol=1e-12)
+
+
+class _SplitVocabHead(torch.nn.Module):
+    """MobileBERT's masked-LM head in small (``h @ cat([decoder.weight.t(), dense.weight]) + bias``): under ``comm`` on
+    2 devices the plan leaves its logits split along the vocabulary, their last dim."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 64, embed: int = 32) -> None:
+        super().__init__()
+        self.emb, self.lin = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, hidden)
+        self.dense = torch.nn.Linear(vocab, hidden - embed, bias=False)
+        self.decoder = torch.nn.Linear(embed, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(self.emb(ids)))
+        return h.matmul(torch.cat([self.decoder.weight.t(), self.dense.weight], dim=0)) + self.decoder.bias
+
+
+def test_views_of_an_output_split_along_another_dim_are_the_full_tensors() -> None:
+    """An output split along its last dim (not the batch): ``reshape(-1, vocab)`` and ``[..., :100]`` are the full
+    tensor's (they took the tile for rows and failed in the gather: MobileBERT under ``comm``), and a loop's loss
+    through them trains as serial, gradients included."""
+    torch.manual_seed(0)
+    model = _SplitVocabHead().double()
+    ids = torch.randint(0, 128, (4, 16))
+    cap = capture(model, (ids,))
+    p = make_plan(None, (), 2, objective="comm", baselines=False, captured=cap)
+
+    def loss_of(out):
+        return F.cross_entropy(out.reshape(-1, 128), ids.reshape(-1)) + out[..., :100].float().pow(2).mean()
+
+    want, grads = _serial(model, ids, None, lambda out, _: loss_of(out))
+
+    def body(rank: int, groups: list):
+        pm = parallelize(model, (ids,), plan=p, rank=rank, groups=groups, captured=cap)
+        out = pm(ids)
+        tiling = out.tiling
+        loss = loss_of(out)
+        loss.backward()
+        return tiling, float(loss.detach()), _gather_grads(pm)
+
+    for tiling, got, g in run_threads(Mesh(tuple(p.mesh)), body):
+        assert any(getattr(t, "dim", 0) == 2 for t in tiling), tiling  # the case: split along the vocabulary
+        assert got == pytest.approx(want, rel=1e-12)
+        _close(g, grads)

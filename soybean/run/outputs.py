@@ -24,7 +24,8 @@ the loss.  So a split output is returned as a ``LazyFull``: this rank's tile, wi
   moves, and the all-reduce's adjoint hands every tile the gradient 1 (or ``1 / numel``), the serial one.
   A cast before them (``float()``, ``double()``, ``half()``, ``bfloat16()``, ``to(dtype)``) casts the tile and
   stays lazy, so a loop's ``out.float().sum()`` never gathers.
-* Views that keep the tiles batch slices stay lazy too, so a Hugging Face loss (``logits.float()``,
+* Views that keep the tiles batch slices stay lazy too (where the output is split along dim 0 only; an output
+  split along another dim, vocabulary-split logits, gathers for them), so a Hugging Face loss (``logits.float()``,
   ``logits.view(-1, vocab)``, ``cross_entropy`` against the flattened labels) and a loop's shift
   (``logits[..., :-1, :].contiguous()``) gather nothing: ``view``/``reshape``/``flatten`` that merge dim 0 with
   the dims after it (the rows of tile ``k`` become ``unit`` consecutive rows each, ``unit`` the product of the
@@ -166,16 +167,18 @@ class LazyFull:
 
     def __getitem__(self, idx: Any) -> Any:
         """Indexing that leaves dim 0 whole (a leading ``...`` or ``:``, then slices and integers) is each tile's
-        own; anything else is the full tensor's."""
-        if _keeps_rows(idx, self.ndim):
+        own, where the tiles are batch slices; anything else is the full tensor's (an output split along another
+        dim, as MobileBERT's vocabulary-split logits are: its tile's ``[..., :100]`` is not the full's)."""
+        if self._batch_split() and _keeps_rows(idx, self.ndim):
             return self._like(self.local[idx], torch.empty(self._shape, device="meta")[idx].shape)
         return self.full()[idx]
 
     # ---- views that keep the tiles batch slices ----
     def view(self, *shape: Any) -> Any:
-        """A view merging dim 0 with the dims after it (``view(-1, vocab)``) stays lazy; any other, the full's."""
+        """A view merging dim 0 with the dims after it (``view(-1, vocab)``) stays lazy where the tiles are batch
+        slices; any other, and any view of an output split along another dim, the full's."""
         dims = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
-        if dims and all(isinstance(d, int) for d in dims):
+        if self._batch_split() and dims and all(isinstance(d, int) for d in dims):
             rest = tuple(dims[1:])
             lead = self.numel() // max(math.prod(rest), 1) if dims[0] == -1 else dims[0]
             j = _merged_lead(tuple(self._shape), (lead, *rest))
