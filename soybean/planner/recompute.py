@@ -149,9 +149,15 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumb
             raise p  # no recomputation choice fits a plan of this mesh that beats the cut
     misfits: list[MemoryBudgetError] = []
     starts: list[list[frozenset[str]]] = []
+    misfit: list[frozenset[str]] = []  # choices known not to fit
     for chain in chains:
+        # Rerunning a subset of a choice's units keeps at least its memory: no choice of a chain inside one that
+        # cannot fit can (``C_k`` inside ``B_0``, every attention: known from ``B``'s bisection, no table built).
+        if any(chain[-1] <= u for u in misfit):
+            continue
         if not fits(chain[-1]):
             misfits.append(MemoryBudgetError(least[chain[-1]], mesh))
+            misfit.append(chain[-1])
             continue
         lo, hi = 0, len(chain) - 1
         while lo < hi:  # the first choice that can fit
@@ -159,6 +165,7 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumb
             lo, hi = (lo, mid) if fits(chain[mid]) else (mid + 1, hi)
         if lo > 0:
             misfits.append(MemoryBudgetError(least[chain[lo - 1]], mesh))
+            misfit.append(chain[0])  # least memory only shrinks along a chain: its first cannot fit either
         starts.append(chain[lo:])
     return chain_search(cap, mesh, search, starts, table, incumbent, say, floor, misfits)
 
