@@ -42,7 +42,7 @@ def setting() -> tuple:
 def _duals(cap: object, mesh: Mesh, search: Search, budget: float, chain: list[frozenset[str]]) -> list:
     scale = 1e-3  # seconds: the tests' step times are milliseconds
     out = []
-    for units, k in zip(chain, chain_counts(cap, chain)):  # type: ignore[arg-type]
+    for units, k in zip(chain, chain_counts(cap, [chain])[0]):  # type: ignore[arg-type]
         g = search.table(cap, mesh, units)  # type: ignore[arg-type]
         d = chain_dual(g, k, find_repeats(g), np.array(MULTIPLIERS) * scale / budget, budget)
         for i in range(len(d.lams)):

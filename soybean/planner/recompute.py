@@ -64,12 +64,16 @@ def layers_in(units: frozenset[str], layers: Collection[str]) -> int:
     return sum(1 for u in units if u in layers)
 
 
-def chain_counts(cap: Captured, chain: Sequence[frozenset[str]]) -> list[int]:
-    """The ``k`` of each choice of a chain of ``recompute_choices``: its whole layers (``A_k``, ``B_k``), or, in
-    a chain that reruns no whole layer, its attention units (``C_k``)."""
-    layers = set(recomputable_layers(cap))
-    counted = layers if any(u in layers for u in chain[-1]) else set(attention_units(cap))
-    return [layers_in(units, counted) for units in chain]
+def chain_counts(cap: Captured, chains: Sequence[Sequence[frozenset[str]]]) -> list[list[int]]:
+    """The ``k`` of each choice of each chain of ``recompute_choices``: its whole layers (``A_k``, ``B_k``), or, in
+    a chain that reruns no whole layer, its attention units (``C_k``).  The graph's layers and attention units are
+    read once for every chain (each reads every node's op)."""
+    layers, att = set(recomputable_layers(cap)), set(attention_units(cap))
+    out = []
+    for chain in chains:
+        counted = layers if any(u in layers for u in chain[-1]) else att
+        out.append([layers_in(units, counted) for units in chain])
+    return out
 
 
 def solve_plain(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent = None) -> Result:
@@ -194,7 +198,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     from ..search.chain import MULTIPLIERS, Dual, affine, stretch_bound, tighten
 
     objective, budget, gap = search.options.objective, search.memory_bytes, search.options.gap
-    counts = [chain_counts(cap, chain) for chain in chains]  # each choice's k
+    counts = chain_counts(cap, chains)  # each choice's k
     ties = search.options.tie_layers and search.options.solver != "brute"
     duals: dict[tuple[int, int], Dual] = {}
     broken: set[int] = set()  # chains whose tied problems were found not affine in k
