@@ -119,3 +119,36 @@ def test_the_search_finds_a_fitting_plan_priced_exactly_with_a_true_bound(settin
     full, short = found  # each one's bound is below the other's plan too
     assert short.solution.bound <= full.step_time_s * (1 + 1e-9)
     assert full.solution.bound <= short.step_time_s * (1 + 1e-9)
+
+
+def test_single_choices_stop_tightening_where_it_does_not_prune_and_the_plan_stays(setting: tuple,
+                                                                                  monkeypatch: pytest.MonkeyPatch
+                                                                                  ) -> None:
+    """``chain_search`` stops trying more multipliers on single choices once they miss their targets
+    (``SINGLE_ODDS``): the search then solves them, so the plan and its step time are those of a search that
+    tightens every single choice, with no more reductions of tied problems (at this size the first single choice's
+    tightening is the only one either search tries; at Llama-3-8B's, 92 reductions -> 53, docs/performance.md)."""
+    import soybean.planner.recompute as rc
+    from soybean.search.chain import Dual
+
+    cap, mesh, search, budget, _ = setting
+    s = Search(search.profile, PlanOptions(time_limit_s=60.0), budget)
+    reductions = []
+    at = Dual.at
+
+    def counted(self: Dual, i: int) -> float:
+        if self.lower[i] == -np.inf:
+            reductions[-1] += 1
+        return at(self, i)
+
+    monkeypatch.setattr(Dual, "at", counted)
+    found = []
+    for odds in (10**9, rc.SINGLE_ODDS):
+        monkeypatch.setattr(rc, "SINGLE_ODDS", odds)
+        reductions.append(0)
+        found.append(solve_recompute(cap, mesh, s))
+    every, default = found
+    assert default.step_time_s == pytest.approx(every.step_time_s, rel=1e-12)
+    assert default.memory <= budget * (1 + 1e-9)
+    assert default.solution.bound <= every.step_time_s * (1 + 1e-9)
+    assert reductions[1] <= reductions[0], reductions
