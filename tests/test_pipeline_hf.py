@@ -26,12 +26,18 @@ VOCAB, HIDDEN, BATCH, SEQ = 32, 16, 4, 5
 
 
 class _Block(nn.Module):
-    def __init__(self) -> None:
+    """A residual MLP; ``strided``: its output is a transposed view of a contiguous tensor (as Ministral's attention
+    returns its heads), so the value the pipeline sends between stages is not contiguous (gloo receives into
+    contiguous buffers only: this failed on the receiving rank before the boundary was sent dense)."""
+
+    def __init__(self, strided: bool = False) -> None:
         super().__init__()
+        self.strided = strided
         self.up, self.down = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(torch.tanh(self.up(h)))
+        out = h + self.down(torch.tanh(self.up(h)))
+        return out.transpose(0, 1).contiguous().transpose(0, 1) if self.strided else out
 
 
 class _Net(nn.Module):
@@ -43,7 +49,7 @@ class _Net(nn.Module):
         super().__init__()
         self.kind = kind
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.blocks = nn.ModuleList(_Block(strided=kind == "dict") for _ in range(3))
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, ids: torch.Tensor) -> Any:

@@ -116,9 +116,22 @@ def boundary_examples(stages: Sequence[Part], cast: Callable[[torch.Tensor], tor
     with the trained parameters tracked; ``cast``: the precision policy's cast of parameters and inputs, as the
     stage's program applies it.  The last stage's outputs are the leaves of the model's output."""
     try:
-        return _run_on_meta(stages, cast)
+        got = _run_on_meta(stages, cast)
     except (NotImplementedError, RuntimeError):  # an op that reads data (MoE routing): the captures' own shapes
-        return _from_captures(stages, cast)
+        got = _from_captures(stages, cast)
+    last = len(got) - 1
+    return [(tuple(_dense(t) for t in ins), outs if k == last else tuple(_dense(t) for t in outs))
+            for k, (ins, outs) in enumerate(got)]
+
+
+def _dense(t: Any) -> Any:
+    """``t``'s metadata laid out contiguously: what a stage sends and receives.  torch's schedule receives into a
+    buffer with the example's strides, and gloo (like NCCL) sends and receives contiguous tensors only; a value a
+    stage returns as a view (Ministral's attention output, transposed back) is sent as a contiguous copy
+    (``run.pipelined._StageModule``)."""
+    if not isinstance(t, torch.Tensor) or t.is_contiguous():
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
 
 
 def _from_captures(stages: Sequence[Part], cast: Callable[[torch.Tensor], torch.Tensor]

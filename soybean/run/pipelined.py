@@ -113,7 +113,10 @@ class _StageModule(nn.Module):
             flat, spec = tree_flatten(out)
             self._layout = (spec, [(True, None) if isinstance(x, torch.Tensor) else (False, x) for x in flat])
             return tuple(x for x in flat if isinstance(x, torch.Tensor))
-        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        # what is sent to the next stage: contiguous, as its receive buffer (``stages.boundary_examples``) and gloo
+        # and NCCL's sends are
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in outs)
 
     def rebuild(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> Any:
         """The model's own output from the tensors the last stage's ``forward`` returned (its structure, a single
