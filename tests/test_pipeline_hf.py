@@ -26,8 +26,9 @@ VOCAB, HIDDEN, BATCH, SEQ = 32, 16, 4, 5
 
 
 class _Block(nn.Module):
-    """A residual MLP; ``strided``: its output is a transposed view of a contiguous tensor (as Ministral's attention
-    returns its heads), so the value the pipeline sends between stages is not contiguous (gloo receives into
+    """A residual MLP; ``strided``: its output is a transposed view of a contiguous tensor (Ministral's stage boundary
+    is strided too: its sliding-window mask, made by ``expand``), so the value the pipeline sends between stages is
+    not contiguous (gloo receives into
     contiguous buffers only: this failed on the receiving rank before the boundary was sent dense)."""
 
     def __init__(self, strided: bool = False) -> None:

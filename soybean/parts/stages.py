@@ -127,8 +127,8 @@ def boundary_examples(stages: Sequence[Part], cast: Callable[[torch.Tensor], tor
 def _dense(t: Any) -> Any:
     """``t``'s metadata laid out contiguously: what a stage sends and receives.  torch's schedule receives into a
     buffer with the example's strides, and gloo (like NCCL) sends and receives contiguous tensors only; a value a
-    stage returns as a view (Ministral's attention output, transposed back) is sent as a contiguous copy
-    (``run.pipelined._StageModule``)."""
+    stage returns strided (Ministral's sliding-window mask, made by ``expand``: stride 0 along the batch) is sent as
+    a contiguous copy (``run.pipelined._StageModule``)."""
     if not isinstance(t, torch.Tensor) or t.is_contiguous():
         return t
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)

@@ -105,18 +105,23 @@ class _StageModule(nn.Module):
         self._layout: tuple[TreeSpec, list[tuple[bool, Any]]] | None = None
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # torch's zero-bubble schedules detach a stage's outputs in place after the input-gradient pass: a view (a
-        # returned tile, the loss's pending sum) is copied out first
-        out = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t._base is not None else t,
-                       self.pm(*xs))
+        out = tree_map(self._copied, self.pm(*xs))
         if self.last:
             flat, spec = tree_flatten(out)
             self._layout = (spec, [(True, None) if isinstance(x, torch.Tensor) else (False, x) for x in flat])
             return tuple(x for x in flat if isinstance(x, torch.Tensor))
-        # what is sent to the next stage: contiguous, as its receive buffer (``stages.boundary_examples``) and gloo
-        # and NCCL's sends are
-        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in outs)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    def _copied(self, t: Any) -> Any:
+        """An output as the schedule takes it, copied at most once.  torch's zero-bubble schedules detach a stage's
+        outputs in place after the input-gradient pass, so a view (a returned tile, the loss's pending sum) is
+        copied out; and what a stage sends to the next is contiguous, as its receive buffer
+        (``stages.boundary_examples``) and gloo's and NCCL's sends are (a mask made by ``expand``, Ministral's)."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not self.last and not t.is_contiguous():
+            return t.contiguous()  # a copy, never a view: detaching it leaves the stage's own tensors alone
+        return t.clone() if t._base is not None else t
 
     def rebuild(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> Any:
         """The model's own output from the tensors the last stage's ``forward`` returned (its structure, a single
