@@ -195,3 +195,12 @@ def test_an_unrolled_recurrence_fails_fast_with_the_fix() -> None:
     with pytest.raises(ValueError, match=r"--arg seq=\d+ or less"):
         hf.build("rwkv", meta=True, batch=16, seq=128, num_hidden_layers=12, hidden_size=768,
                  attention_hidden_size=768, intermediate_size=3072)
+
+
+def test_a_config_transformers_cannot_build_names_the_unset_field() -> None:
+    """transformers' own Ministral config leaves ``head_dim`` None, and its model divides by it: the error names the
+    field and the ``--arg`` that gives it; given, the model builds."""
+    with pytest.raises(ValueError, match=r"could not build MinistralForCausalLM .* --arg head_dim=N"):
+        hf.build("ministral", meta=True, num_hidden_layers=1)
+    model, _ = hf.build("ministral", meta=True, num_hidden_layers=1, head_dim=128)
+    assert model is not None

@@ -81,3 +81,37 @@ def test_plan_json_says_whether_tying_was_used() -> None:
     assert untied.tying == {"used": False, "runs": [], "variables": [untied.tying["variables"][0]] * 2}
     assert tied.cost["step_time_s"] == pytest.approx(untied.cost["step_time_s"], rel=1e-4)
     assert '"tying"' in tied.to_json()
+
+
+# Gemma 2's layers alternate sliding-window and full attention: no two consecutive layers are alike.
+GEMMA2 = {"num_hidden_layers": 8, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 8, "intermediate_size": 48, "vocab_size": 96, "sliding_window": 4, "batch": 2, "seq": 8}
+
+
+def test_alternating_layers_tie_two_by_two_and_the_tied_optimum_is_the_untied_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of two layers (sliding, full) tie where single layers cannot: layers 1-6 as three blocks, the
+    first (reading the embedding) and last (feeding the norm) free; the tied optimum equals the untied one."""
+    from soybean.planner import repeats
+
+    g = _graph("hf:gemma2", GEMMA2, (2, 2))
+    runs = find_repeats(g)
+    assert [(r.first, r.last, r.period, len(r.blocks)) for r in runs] == [(1, 6, 2, 3)]
+    assert runs[0].record()["period"] == 2
+    for b in runs[0].blocks:  # position by position, each block's variables are the first block's kinds
+        assert [g.vars[v].kind for v in b] == [g.vars[v].kind for v in runs[0].blocks[0]]
+    with monkeypatch.context() as m:
+        m.setattr(repeats, "MAX_PERIOD", 1)
+        assert sum(len(b) for r in find_repeats(g) for b in r.blocks[1:]) == 0  # single layers: nothing ties
+    p = to_problem(g, "time")
+    untied = solve(p, "ilp", gap=0.0)
+    tied = solve(p, "ilp", gap=0.0, runs=runs)
+    assert tied.objective == pytest.approx(untied.objective, rel=1e-9)
+    assert np.isclose(p.evaluate(tied.choice), tied.objective)
+
+
+def test_a_sequential_of_single_ops_is_not_tied_by_period() -> None:
+    """VGG's numbered ``features.N`` are single ops (a conv, a relu): blocks of them tied two by two lost to the
+    untied plan, so only stacks of whole layers are tied by period (``repeats.MIN_LAYER_VARS``)."""
+    g = _graph("examples.models:vgg16", {}, (2, 2))
+    assert all(r.period == 1 for r in find_repeats(g))

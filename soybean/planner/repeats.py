@@ -8,6 +8,16 @@ kinds, op names, roles, strategy lists, unary costs and memory agree, and so do 
 block is described by its source (a variable of the same block or of the previous one, by position; any other
 variable by identity), its ends and its cost key, and so is each edge out of the block to anything but the next
 block.  A maximal run of consecutive isomorphic blocks (at least ``MIN_RUN``) is tied.
+
+Stacks whose layers alternate (EXAONE-4's three sliding-window layers to one of full attention, Gemma 2's and
+gpt-oss's two kinds in turn) have few consecutive isomorphic layers, so runs are also sought of *periods*: a block
+of ``p`` consecutive layers is tied to the next ``p`` when their layers are isomorphic position by position (each
+layer's signature as above: an edge from the layer before names a position in that layer, so also in the block
+or the block before).  Per stack, the period (``MAX_PERIOD`` at most) and first layer that tie the most variables
+away are kept, the smallest period on a tie, so a stack of equal layers keeps its runs of single layers; only
+stacks of whole layers (``MIN_LAYER_VARS``) are tried at periods.  Tying is
+exact at any period (each tied variable has its representative's strategies: ``search.tying``); the period decides
+how much of the stack one tied block stands for.
 """
 from __future__ import annotations
 
@@ -22,6 +32,13 @@ from ..search.tying import Run
 
 # Runs shorter than this are not worth tying.
 MIN_RUN = 2
+# The longest period of layers tried (``find_repeats``): Gemma 3 repeats five sliding-window layers and one global.
+MAX_PERIOD = 8
+# Periods are tried only on stacks of whole layers, each at least this many variables (a transformer layer: 78 at
+# the least), not on a ``Sequential``'s single ops: VGG's (conv, relu) pairs tied two by two lost to the untied
+# optimum (the cheapest layout changes op by op there, before each pooling), where a layer's residual stream keeps
+# its tiling from layer to layer.
+MIN_LAYER_VARS = 16
 _NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
 
@@ -106,14 +123,45 @@ def find_repeats(g: PlanGraph) -> list[Run]:
     runs: list[Run] = []
     for prefix in sorted({p for p, _ in members}):
         idxs = sorted(i for p, i in members if p == prefix)
-        sigs = {i: signature(prefix, i) for i in idxs}
-        start = 0
-        for j in range(1, len(idxs) + 1):
-            same = j < len(idxs) and idxs[j] == idxs[j - 1] + 1 and sigs[idxs[j]] == sigs[idxs[start]]
-            if same:
-                continue
-            if j - start >= MIN_RUN:
-                chosen = idxs[start:j]
-                runs.append(Run(prefix, chosen[0], chosen[-1], tuple(tuple(members[(prefix, i)]) for i in chosen)))
-            start = j
+        numbers: dict[tuple, int] = {}
+        kinds = [numbers.setdefault(signature(prefix, i), len(numbers)) for i in idxs]
+        best: list[Run] = []
+        whole = min(len(members[(prefix, i)]) for i in idxs) >= MIN_LAYER_VARS
+        for period in range(1, min(MAX_PERIOD if whole else 1, len(idxs) // MIN_RUN) + 1):
+            for offset in range(period):
+                found = _periodic(prefix, idxs, kinds, period, offset, members)
+                if _tied_away(found) > _tied_away(best):
+                    best = found
+        runs.extend(best)
+    return runs
+
+
+def _tied_away(runs: list[Run]) -> int:
+    """How many variables tying ``runs`` removes."""
+    return sum(len(b) for r in runs for b in r.blocks[1:])
+
+
+def _periodic(prefix: str, idxs: list[int], kinds: list[int], period: int, offset: int,
+              members: dict[tuple[str, int], list[int]]) -> list[Run]:
+    """The maximal runs (at least ``MIN_RUN`` blocks) of consecutive equal blocks of ``period`` layers of one stack,
+    the first block starting at position ``offset`` of ``idxs`` (the stack's layer numbers; ``kinds``, each layer's
+    signature as a small int); each block's variables in layer order."""
+    blocks: list[tuple[list[int], tuple[int, ...]] | None] = []
+    for s in range(offset, len(idxs) - period + 1, period):
+        layers = idxs[s:s + period]
+        # a gap in the layers' numbering: no block here
+        blocks.append((layers, tuple(kinds[s:s + period])) if layers[-1] - layers[0] == period - 1 else None)
+    runs: list[Run] = []
+    start = 0
+    for j in range(1, len(blocks) + 1):
+        a, b = blocks[start], blocks[j] if j < len(blocks) else None
+        prev = blocks[j - 1]
+        if a is not None and b is not None and prev is not None and b[0][0] == prev[0][-1] + 1 and b[1] == a[1]:
+            continue
+        if a is not None and j - start >= MIN_RUN:
+            chosen = [c[0] for c in blocks[start:j] if c is not None]
+            runs.append(Run(prefix, chosen[0][0], chosen[-1][-1],
+                            tuple(tuple(v for i in layers for v in members[(prefix, i)]) for layers in chosen),
+                            period))
+        start = j
     return runs

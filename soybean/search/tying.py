@@ -32,16 +32,22 @@ from .problem import Problem
 
 @dataclass(frozen=True)
 class Run:
-    """Consecutive isomorphic blocks ``first..last`` of ``prefix``: ``blocks[j][k]`` is the ``k``-th
-    variable (graph order) of the ``j``-th block."""
+    """Consecutive isomorphic blocks of ``period`` layers each, layers ``first..last`` of ``prefix``:
+    ``blocks[j][k]`` is the ``k``-th variable (graph order) of the ``j``-th block."""
 
     prefix: str
     first: int
     last: int
     blocks: tuple[tuple[int, ...], ...]
+    period: int = 1  # layers per block: more than one where the stack alternates kinds of layer
 
     def record(self) -> dict[str, object]:
-        return {"prefix": self.prefix, "layers": [self.first, self.last], "count": len(self.blocks)}
+        """The plan JSON's row: the stack, its first and last layer tied, how many blocks, and (only where it is
+        more than one) how many layers a block holds."""
+        out: dict[str, object] = {"prefix": self.prefix, "layers": [self.first, self.last], "count": len(self.blocks)}
+        if self.period > 1:
+            out["period"] = self.period
+        return out
 
 
 def tie(p: Problem, runs: list[Run]) -> tuple[Problem, list[int]]:
