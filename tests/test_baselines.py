@@ -262,3 +262,29 @@ def test_plan_is_never_worse_than_a_feasible_baseline_under_a_budget(share: floa
     assert any("recompute" in v for v in feasible.values()), p.baselines  # some fit only checkpointed
     for name, base in feasible.items():
         assert p.cost["step_time_s"] <= base["step_time_s"] * (1 + 1e-6), (name, p.cost, base)
+
+
+COHERE2 = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 48, "vocab_size": 96, "sliding_window": 4, "batch": 4, "seq": 8}
+
+
+@pytest.mark.sim
+def test_a_norm_that_casts_its_weight_leaves_data_parallelism_feasible_and_exact() -> None:
+    """Cohere's layer norms cast their weight to float32, an op on a weight alone: data parallelism and FSDP price
+    it (both were "infeasible": the cast was asked to divide a batch it does not have, splitting a weight they keep
+    whole), and a plan forced to data parallelism trains as serial."""
+    from soybean.models import hf
+    from soybean.verify.sweep import differences, exact_serial
+    from soybean.verify.testing import train_parallel_threads, train_serial
+
+    model, inputs = hf.build("cohere2", **COHERE2)
+    p = plan(model, inputs, 2, mesh=(2,), profile="h100-nvlink")
+    for name in ("data_parallel", "fsdp"):
+        assert "infeasible" not in p.baselines[name], p.baselines[name]
+    serial = train_serial(model, inputs, steps=2, lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "the forced layout cannot run this model" warning either
+        par, forced = train_parallel_threads(model, inputs, mesh=(2,), mode="dp", steps=2, lr=1e-3)
+    assert all(t == ["R"] for t in forced.params.values())
+    bad = differences(serial, exact_serial(model, inputs, serial, steps=2, lr=1e-3), par, lr=1e-3, steps=2)
+    assert not bad, "; ".join(bad[:5])

@@ -357,6 +357,9 @@ class _Builder:
         master_dtype = policy(cap.precision).master
         g.master_itemsize = master_dtype.itemsize if master_dtype is not None else 0
         self.needs_grad: dict[str, bool] = {}
+        # Values computed from parameters and buffers alone (a norm's weight cast to float32): no batch in them, so
+        # ``divide_work`` never asks their ops to divide work a batch split cannot divide.
+        self.weights_only: set[str] = set()
         self.fallback: set[str] = set()
         self.uses = value_uses(cap.graph)
         self.full = (R,) * g.mesh.ndim
@@ -386,6 +389,8 @@ class _Builder:
         shape = tuple(int(d) for d in val.shape)
         kind = "param" if node.name in cap.params else "buffer" if node.name in cap.buffers else "input"
         fqn = cap.params.get(node.name) or cap.buffers.get(node.name) or node.name
+        if kind != "input":
+            self.weights_only.add(node.name)
         if self.fixed is not None:
             tilings = [self.fixed.param_tiling(fqn) if kind != "input" else self.fixed.input_tiling(fqn)]
         else:
@@ -426,6 +431,8 @@ class _Builder:
             src = node.args[0]
             assert isinstance(src, fx.Node)  # a getitem of a multi-output op
             self.needs_grad[node.name] = self.needs_grad.get(src.name, False)
+            if src.name in self.weights_only:
+                self.weights_only.add(node.name)
             return
         g, mesh, profile, memo, rerun, fixed = self.g, self.mesh, self.profile, self.memo, self.rerun, self.fixed
         op = node_spec(node)
@@ -434,12 +441,15 @@ class _Builder:
         targs = tensor_args(node)
         sources = [value_source(g, a) for a in targs]
         grads = [self.needs_grad.get(a.name, False) for a in targs]
+        weights = bool(targs) and all(a.name in self.weights_only for a in targs)
+        if weights:
+            self.weights_only.add(node.name)
         okey = op_key(op) if memo is not None else None
         copies = may_copy(node) if op.name in RESHAPES else False  # a view that may copy its tile: priced
         kid = None
         if memo is not None and okey is not None:
             kid = memo.key_id(("op", okey, tuple((memo.cls[u], k) for u, k in sources), tuple(grads), rerun.key(node),
-                               copies))
+                               copies, weights))
         hit = memo.vars.get(kid) if memo is not None and kid is not None else None
         if hit is not None:
             strategies, compute, mem, _, op_comm, buffer = hit
@@ -470,8 +480,11 @@ class _Builder:
                         raise NoStrategyLeft(f"mesh {mesh}: attention {node.name}'s query sequence {why}")
                 if self.cp_method != "auto" and op.name == SDPA:
                     strategies = [s for s in strategies if cp_method(op, s) in ("", self.cp_method)]
-                if self.divide_work if self.divide_work is not None else self.objective == "comm":
-                    # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.
+                if (self.divide_work if self.divide_work is not None else self.objective == "comm") and not weights:
+                    # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.  Not
+                    # an op on weights alone: its work has no batch to divide, and asking it to split a weight the
+                    # layout keeps whole is a forbidden resharding (data parallelism was "infeasible" on Cohere 2,
+                    # whose norms cast their weight to float32).
                     whole = [s for s in strategies if all(s.divides_work())]
                     strategies = whole or strategies
             compute = op_seconds(op, strategies, grads, mesh, profile, copies)
