@@ -183,8 +183,48 @@ def test_moves_send_what_the_plan_prices() -> None:
 # ---- gloo processes ---------------------------------------------------------------------------------------
 
 
+class _Unread(models.Towers):
+    """The towers with two values nothing reads, as models users load keep them: a slice of a tower's output (a
+    cache's kept keys: Ministral, EXAONE-4) and a pooler beside the head (a masked LM's: SqueezeBERT)."""
+
+    def __init__(self, towers: int, layers: int, width: int, classes: int):
+        super().__init__(towers, layers, width, classes)
+        self.pool = torch.nn.Linear(towers * width, width)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None):
+        outs = [t(x) for t in self.towers]
+        _kept = outs[0][:, :2]  # noqa: F841 (never read)
+        h = torch.cat(outs, dim=-1)
+        _pooled = torch.tanh(self.pool(h))  # noqa: F841 (never read)
+        out = self.head(h)
+        return out if y is None else self.loss_fn(out, y)
+
+
+def _towers(kw: dict) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """``models.towers(**kw)``, or ``_Unread`` with the same weights and inputs where ``kw["unread"]``."""
+    kw = dict(kw)
+    if not kw.pop("unread", False):
+        return models.towers(**kw)
+    model, xy = models.towers(**kw)
+    unread = _Unread(kw.get("towers", 2), kw["layers"], kw["width"], kw.get("classes", 10))
+    unread.load_state_dict(model.state_dict(), strict=False)
+    return unread, xy
+
+
+@pytest.mark.unit
+def test_a_value_nothing_reads_neither_hides_branches_nor_is_one() -> None:
+    """An unread value is no end of the graph: the towers are still two branches (an unread slice of one made the
+    whole model one serial segment), and the pooler nobody reads stays in the head's serial segment with the
+    output (beside the head it was a placed last segment: one group never ran the output, ``forward`` returned
+    None there)."""
+    model, (x, _) = _towers({**TOWERS, "unread": True})
+    segs = segments(capture(model, (x,)))
+    assert [len(s.branches) for s in segs] == [2, 1]
+    assert "output" in segs[-1].nodes and any("linear" in n for n in segs[-1].nodes)
+
+
 def _serial(kw: dict, steps: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    model, (x, y) = models.towers(**kw)
+    model, (x, y) = _towers(kw)
     model = model.double()
     x = x.double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -194,7 +234,7 @@ def _serial(kw: dict, steps: int) -> tuple[list[float], dict[str, torch.Tensor],
         loss = model.loss_fn(model(x), y)  # the loss outside the model
         loss.backward()
         if step == 0:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
         opt.step()
         losses.append(float(loss.detach()))
     return losses, grads, {k: p.detach().clone() for k, p in model.named_parameters()}
@@ -206,7 +246,7 @@ def _placed(rank: int, world: int, kw: dict, steps: int, sizes: tuple[int, ...] 
     from soybean.api import parts_module
 
     torch.set_num_threads(1)
-    model, (x, y) = models.towers(**kw)
+    model, (x, y) = _towers(kw)
     model = model.double()
     x = x.double()
     if sizes is None:
@@ -236,7 +276,7 @@ def _full_grads(pm) -> dict[str, torch.Tensor]:
     saved = {k: p.detach().clone() for k, p in pm.named_parameters()}
     with torch.no_grad():
         for _, p in pm.named_parameters():
-            p.copy_(p.grad)
+            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))  # an unread weight has none
     full = pm.full_tensors()
     with torch.no_grad():
         for k, p in pm.named_parameters():
@@ -466,7 +506,7 @@ def _checkpointed(rank: int, world: int, kw: dict, root: str) -> dict:
     import soybean
 
     torch.set_num_threads(1)
-    model, (x, y) = models.towers(**kw)
+    model, (x, y) = _towers(kw)
     model = model.double()
     x = x.double()
     placed = soybean.parallelize(model, (x,), devices=world, placement="auto")
@@ -509,6 +549,7 @@ def _two_process_cases(rank: int, world: int, root: str) -> dict[str, dict]:
     """Every 2-process placement case, one after another on this process group (their start-up was most of each
     run), each checkpoint in its own directory."""
     return {"towers": _placed(rank, world, TOWERS, 3, None), "auto": _placed(rank, world, TOWERS, 2, None, "auto"),
+            "unread": _placed(rank, world, {**TOWERS, "unread": True}, 2, (1, 1)),
             "tied": _tied_placed(rank, world, 3, f"{root}/tied"),
             "checkpointed": _checkpointed(rank, world, TOWERS, f"{root}/placed")}
 
@@ -518,9 +559,13 @@ def test_placed_plans_on_two_processes_train_as_serial(tmp_path, capsys: pytest.
     """On 2 gloo processes, each case as its function says: the towers on disjoint processes (the issue's
     acceptance; what each rank sent is what the plan priced); ``pipeline="auto"`` with ``placement="auto"``, the
     placed towers winning as ``soybean plan`` chooses; weights shared by placed regions (a shared layer, a tied
-    head) and their checkpoint; a placed checkpoint loading under a plan without placement."""
+    head) and their checkpoint; a placed checkpoint loading under a plan without placement; the towers with values
+    nothing reads (``_Unread``), placed and equal to serial."""
     got = spawn(_two_process_cases, 2, str(tmp_path), timeout_s=600)
     _towers_on_disjoint_processes_train_as_serial([r["towers"] for r in got])
+    _check([r["unread"] for r in got], {**TOWERS, "unread": True}, 2)  # values nothing reads: placed all the same
+    assert [x["ranks"] for x in Plan.from_dict(json.loads(got[0]["unread"]["plan"])).placement["regions"]] == \
+        [[0], [1], [0, 1]]
     _stages_searched_with_placement_on_processes_train_as_serial([r["auto"] for r in got], capsys)
     _weights_shared_by_placed_regions_train_as_serial([r["tied"] for r in got])
     _a_placed_checkpoint_loads_under_a_plan_without_placement([r["checkpointed"] for r in got])

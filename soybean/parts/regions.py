@@ -124,7 +124,8 @@ def segments(cap: Captured) -> list[Segment]:
     serial ones merged into one."""
     g = value_graph(cap)
     order = {n.name: i for i, n in enumerate(cap.graph.nodes)}
-    pieces = _series(g, set(g.nodes) - {SOURCE}, order)
+    output = next(n.name for n in cap.graph.nodes if n.op == "output")
+    pieces = _series(g, set(g.nodes) - {SOURCE}, order, output)
     free, own = free_nodes(cap), owners(cap)
     elements: dict[str, list[str]] = {}  # each multi-output op's elements go where it goes
     for n in cap.graph.nodes:
@@ -144,18 +145,27 @@ def segments(cap: Captured) -> list[Segment]:
 SINK = "__sink__"
 
 
-def _series(g: nx.DiGraph, nodes: set[str], order: dict[str, int]) -> list[tuple[tuple[str, ...], ...]]:
+def _series(g: nx.DiGraph, nodes: set[str], order: dict[str, int], output: str
+            ) -> list[tuple[tuple[str, ...], ...]]:
     """The series of the stretch ``nodes`` of the value graph ``g``, in order: each a tuple of branches (one for a
     serial piece).  The stretch is read on its own, from a source before every node that reads from outside it to a
-    sink after every node read outside it (or read by none); its cuts are the nodes that dominate the sink, and a
-    serial piece of several nodes is read again the same way, so branches nested in a serial stretch are found."""
+    sink after every node read outside it (and after ``output``, the graph's output node); its cuts are the nodes
+    that dominate the sink, and a serial piece of several nodes is read again the same way, so branches nested in a
+    serial stretch are found."""
     sub = nx.DiGraph(g.subgraph(nodes))
     sub.add_edge(SOURCE, SINK)  # an empty stretch still has its two ends
+    # A value nothing reads that is not the graph's output (an unused pooler, a cache's slices) is no end of the
+    # stretch: taken as one, it stood beside the output as a branch of its own (SqueezeBERT's pooler made the head a
+    # placed last segment, so one group never ran the output), or kept every later node from dominating the output
+    # (Ministral's cache slices hid every branch after them).  A stretch of such values alone ends at them.
+    read_out = [n for n in nodes if any(t not in nodes for t in g.successors(n))]
+    unread = [n for n in nodes if g.out_degree(n) == 0]
+    outputs = [n for n in unread if n == output]
     for n in nodes:
         if g.in_degree(n) == 0 or any(p not in nodes for p in g.predecessors(n)):
             sub.add_edge(SOURCE, n)
-        if g.out_degree(n) == 0 or any(t not in nodes for t in g.successors(n)):
-            sub.add_edge(n, SINK)
+    for n in read_out + outputs if read_out or outputs else unread:
+        sub.add_edge(n, SINK)
     sub.remove_edge(SOURCE, SINK)
     idom = nx.immediate_dominators(sub, SOURCE)
     chain = [idom[SINK]]
@@ -179,7 +189,7 @@ def _series(g: nx.DiGraph, nodes: set[str], order: dict[str, int]) -> list[tuple
                  for comp in nx.weakly_connected_components(g.subgraph(interior))]
         comps.sort(key=lambda b: order[b[0]])
         if len(comps) == 1 and len(comps[0]) > 1 and set(comps[0]) != nodes:
-            pieces.extend(_series(g, set(comps[0]), order))  # a serial stretch: read again on its own
+            pieces.extend(_series(g, set(comps[0]), order, output))  # a serial stretch: read again on its own
         else:
             pieces.append(tuple(comps))
     return pieces

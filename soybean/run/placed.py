@@ -97,6 +97,13 @@ class PlacedModule(PartsModule):
         self._regions = list(regions)
         self._rank, self._world = rank, world
         self._ranks = [list(r["ranks"]) for r in plan.placement["regions"]]
+        final = [k for k, reg in enumerate(self._regions) if reg.final]
+        if not final or sorted(self._ranks[final[-1]]) != list(range(world)):
+            # ``forward`` hands every rank the output region's result: a plan whose output runs on some ranks only
+            # would return None on the others (a plan made by another soybean, or edited)
+            where = self._ranks[final[-1]] if final else []
+            raise ValueError(f"this placed plan runs its output region on ranks {where}, not on all {world}: plan "
+                             "again with this soybean (placement='auto')")
         self.parts = nn.ModuleDict()
         for k, (reg, p, rk) in enumerate(zip(regions, plans, self._ranks)):
             groups = torch_groups(Mesh(tuple(p.mesh)), ranks=rk)  # every rank makes every group, in order
