@@ -204,3 +204,9 @@ def test_a_config_transformers_cannot_build_names_the_unset_field() -> None:
         hf.build("ministral", meta=True, num_hidden_layers=1)
     model, _ = hf.build("ministral", meta=True, num_hidden_layers=1, head_dim=128)
     assert model is not None
+
+
+def test_unset_expert_counts_are_named_too() -> None:
+    """dots.llm1's config leaves its expert counts None (and its token ids, which the model does not need)."""
+    with pytest.raises(ValueError, match=r"leaves n_shared_experts, n_routed_experts, num_experts_per_tok unset"):
+        hf.build("dots1", meta=True, num_hidden_layers=1)

@@ -194,3 +194,14 @@ def test_a_forced_layout_that_needs_a_forbidden_resharding_says_so() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert plan(model, (x,), 4, mesh=(4,), mode="dp", baselines=False).cost["step_time_s"] < 1
+
+
+def test_the_solver_line_says_when_a_plan_is_not_proven_near_optimal() -> None:
+    """A search stopped at its time limit with no bound, or a plan further than 1% from its bound, is said on the
+    solver line: the printed plan may not be the fastest."""
+    from soybean.report.table import _unproven
+
+    assert "time limit" in _unproven({"bound": float("-inf"), "gap": float("inf"), "status": "feasible"})
+    assert _unproven({"bound": 0.371, "gap": 0.0219, "status": "feasible"}) == \
+        ": gap 2.19%, a plan up to that much faster may exist"
+    assert _unproven({"bound": 1.0, "gap": 1e-5, "status": "optimal"}) == ""

@@ -290,7 +290,8 @@ def build(model_type: str, *, task: str | None = None, batch: int = 8, seq: int 
             model = cls(config)
         except Exception as e:  # transformers' own failure on this config: say which fields it lacked
             unset = [k for k, v in config.to_dict().items()
-                     if v is None and any(w in k for w in ("dim", "size", "heads", "layers"))]
+                     if v is None and not k.endswith("token_id")
+                     and any(w in k for w in ("dim", "size", "heads", "layers", "expert", "num_", "n_"))]
             fix = (f"its config leaves {', '.join(unset)} unset: give {'them' if len(unset) > 1 else 'it'} with "
                    f"--arg {unset[0]}=N" if unset else "give the config fields it needs with --arg key=value")
             raise ValueError(f"hf:{model_type}: transformers could not build {cls.__name__} from this config "
