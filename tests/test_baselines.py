@@ -288,3 +288,36 @@ def test_a_norm_that_casts_its_weight_leaves_data_parallelism_feasible_and_exact
     assert all(t == ["R"] for t in forced.params.values())
     bad = differences(serial, exact_serial(model, inputs, serial, steps=2, lr=1e-3), par, lr=1e-3, steps=2)
     assert not bad, "; ".join(bad[:5])
+
+
+class _Squeezed(torch.nn.Module):
+    """A linear layer and a (1, width) bias read through ``squeeze()``, as ERNIE 4.5 MoE's router reads its score
+    correction bias."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.bias = torch.nn.Parameter(torch.randn(1, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(self.lin(x)) + self.bias.squeeze()).square().sum()
+
+
+@pytest.mark.sim
+def test_a_squeezed_weight_splits_and_tensor_parallelism_stores_it_split() -> None:
+    """The bias's ``squeeze()`` names its dims (``capture.passes.squeeze_dims``), so the kept dim can be split:
+    the tensor-parallel baselines, which store every 2-D weight split, are priced (they were infeasible), and a
+    plan forced to store weights where they are used (model parallel) trains on 2 threads as serial."""
+    from soybean.verify.sweep import differences, exact_serial
+    from soybean.verify.testing import train_parallel_threads, train_serial
+
+    torch.manual_seed(0)
+    model, inputs = _Squeezed(), (torch.randn(8, 16),)
+    p = plan(model, inputs, 2, mesh=(2,), profile="h100-nvlink")
+    for name in ("model_parallel", "megatron_tp_dp"):
+        assert "infeasible" not in p.baselines[name], p.baselines[name]
+    serial = train_serial(model, inputs, steps=2, lr=1e-3)
+    par, forced = train_parallel_threads(model, inputs, mesh=(2,), mode="mp", steps=2, lr=1e-3)
+    assert forced.params["bias"] == ["S(1)"], forced.params
+    bad = differences(serial, exact_serial(model, inputs, serial, steps=2, lr=1e-3), par, lr=1e-3, steps=2)
+    assert not bad, "; ".join(bad[:5])

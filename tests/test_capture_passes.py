@@ -32,7 +32,8 @@ BATCH, SEQ, HIDDEN, EXPERTS = 2, 5, 8, 3
 
 
 class Toy(nn.Module):
-    """A linear layer, causal self-attention with an explicit mask, and a sum of three mean losses."""
+    """A linear layer, a (1, HIDDEN) bias squeezed, causal self-attention with an explicit mask, routed experts and a
+    sum of three mean losses."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,6 +41,7 @@ class Toy(nn.Module):
         self.lin = nn.Linear(HIDDEN, HIDDEN)
         self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
         self.experts = nn.Parameter(torch.randn(EXPERTS, HIDDEN, HIDDEN) / HIDDEN)
+        self.bias = nn.Parameter(torch.full((1, HIDDEN), 0.1))  # squeezed where it is read, as ERNIE 4.5's router
 
     def routed(self, h: torch.Tensor) -> torch.Tensor:
         """Top-2 routed experts, transformers' dataflow (``integrations.moe.grouped_mm_experts_forward``)."""
@@ -55,7 +57,7 @@ class Toy(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():  # a grad-mode region
             pos = torch.arange(SEQ, device=x.device).to(x.dtype) / SEQ
-        h = self.lin(x.to(torch.float32)) + pos[:, None]  # .to(dtype): an assertion under export
+        h = self.lin(x.to(torch.float32)) + pos[:, None] + self.bias.squeeze()  # .to(dtype): an assertion
         h = torch.cat([h.reshape(-1), torch.tensor([], device=x.device)]).view_as(h)  # an empty constant
         shifted = h.new_zeros(h.shape)
         shifted[:, 1:] = h[:, :-1]  # an in-place update through a view of a value forward made
@@ -103,6 +105,7 @@ CONSTRUCT: dict[str, Callable[[fx.Graph], bool]] = {
                                     or any(_reduction(n, 2) == 1 for n in calls(g, aten.mse_loss.default))
                                     or any(_reduction(n, 3) == 1 for n in calls(g, aten.cross_entropy_loss.default))),
     "fuse_routed_experts": lambda g: bool(calls(g, torch.ops.transformers.grouped_mm_fallback.default)),
+    "squeeze_dims": lambda g: bool(calls(g, aten.squeeze.default)),
 }
 
 

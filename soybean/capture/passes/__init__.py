@@ -22,6 +22,8 @@ each a module of this package named after it (``<name>.<name>(gm)``):
 7. ``fuse_routed_experts``: a mixture-of-experts layer's routed experts (transformers' grouped-matmul experts:
    rows sorted by expert, grouped matmuls, weighted and summed back per token) become one op,
    ``soybean::routed_experts``, whose rule splits the tokens, the experts or both.
+8. ``squeeze_dims``: ``x.squeeze()`` becomes ``squeeze`` of the dims the example has of size 1, so that a tile
+   one row wide keeps its dim and the dims kept can be split.
 
 After them, whichever were given, ``capture`` runs one analysis, ``mark_returned_sums`` (a module here too).
 What several passes share is ``common``; ``masks`` is ``fold_constant_masks``' reading of a mask it does not build.
@@ -41,6 +43,7 @@ from . import (
     inline_empty_constants,
     inline_grad_regions,
     means_to_sums,
+    squeeze_dims,
 )
 
 
@@ -69,6 +72,7 @@ PASSES: tuple[Pass, ...] = (
          "mean, mse_loss(mean), cross_entropy(mean) -> sum / count"),
     Pass("fuse_routed_experts", fuse_routed_experts.fuse_routed_experts,
          "routed experts (sort, grouped matmuls, combine) -> one op"),
+    Pass("squeeze_dims", squeeze_dims.squeeze_dims, "squeeze() -> squeeze of the dims of size 1 named"),
 )
 
 
