@@ -171,6 +171,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         return 0
     p = _planned(not a.quiet, model, inputs, options=one, captured=cap, cache_routes=_caching(a))
     _write_plan(a, p, p.to_json() if a.format == "json" else table(p))
+    _warn_over_device(p, one)
     if a.emit_code:
         from . import models
         from .codegen import emit_files
@@ -180,6 +181,23 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         for path in emit_files(model, inputs, p, a.emit_code):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _warn_over_device(p: Plan, opts: PlanOptions) -> None:
+    """On stderr, where no memory budget was given and the plan's modelled peak is over the profile's device memory:
+    the plan may not run there, and ``--memory-gb`` plans within it (dots.llm1's default config: 393 GiB a device on
+    the 80 GiB H100 profile, printed without a word)."""
+    from .cost.memory import GIB
+    from .cost.profiles import Profile, load_profile
+
+    peak = p.memory.get("peak") if p.memory else None
+    if opts.memory_gb is not None or not isinstance(peak, (int, float)):
+        return
+    prof = opts.profile if isinstance(opts.profile, Profile) else load_profile(opts.profile)
+    if peak > prof.memory_gb * GIB:
+        print(f"soybean plan: warning: the plan's modelled peak, {peak / GIB:.4g} GiB per device, is over "
+              f"{prof.name}'s {prof.memory_gb:g} GiB: give --memory-gb {prof.memory_gb:g} to plan within it",
+              file=sys.stderr)
 
 
 def _pieces_plan(a: argparse.Namespace, opts: PlanOptions, err: Exception, given: Plan | None = None

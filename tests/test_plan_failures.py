@@ -205,3 +205,19 @@ def test_the_solver_line_says_when_a_plan_is_not_proven_near_optimal() -> None:
     assert _unproven({"bound": 0.371, "gap": 0.0219, "status": "feasible"}) == \
         ": gap 2.19%, a plan up to that much faster may exist"
     assert _unproven({"bound": 1.0, "gap": 1e-5, "status": "optimal"}) == ""
+
+
+def test_a_plan_over_the_devices_memory_without_a_budget_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+    """No ``--memory-gb``, and the plan's modelled peak is over the profile's device memory: one warning line on
+    stderr naming the option; with a budget given, none."""
+    from soybean.cli import main
+
+    args = ["plan", "hf:llama", "--arg", "meta=True", "--arg", "num_hidden_layers=1", "--arg", "hidden_size=256",
+            "--arg", "num_attention_heads=4", "--arg", "num_key_value_heads=2", "--arg", "intermediate_size=512",
+            "--arg", "vocab_size=32000", "--arg", "batch=64", "--arg", "seq=8192", "--devices", "2",
+            "--profile", "cpu-gloo", "--quiet", "--no-cache"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "is over cpu-gloo's 12 GiB: give --memory-gb 12 to plan within it" in err
+    assert main(args + ["--memory-gb", "10000"]) == 0
+    assert "warning" not in capsys.readouterr().err
