@@ -158,13 +158,11 @@ def _series(g: nx.DiGraph, nodes: set[str], order: dict[str, int], output: str
     # stretch: taken as one, it stood beside the output as a branch of its own (SqueezeBERT's pooler made the head a
     # placed last segment, so one group never ran the output), or kept every later node from dominating the output
     # (Ministral's cache slices hid every branch after them).  A stretch of such values alone ends at them.
-    read_out = [n for n in nodes if any(t not in nodes for t in g.successors(n))]
-    unread = [n for n in nodes if g.out_degree(n) == 0]
-    outputs = [n for n in unread if n == output]
+    ends = [n for n in nodes if n == output or any(t not in nodes for t in g.successors(n))]
     for n in nodes:
         if g.in_degree(n) == 0 or any(p not in nodes for p in g.predecessors(n)):
             sub.add_edge(SOURCE, n)
-    for n in read_out + outputs if read_out or outputs else unread:
+    for n in ends or [n for n in nodes if g.out_degree(n) == 0]:
         sub.add_edge(n, SINK)
     sub.remove_edge(SOURCE, SINK)
     idom = nx.immediate_dominators(sub, SOURCE)

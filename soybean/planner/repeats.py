@@ -15,9 +15,9 @@ of ``p`` consecutive layers is tied to the next ``p`` when their layers are isom
 layer's signature as above: an edge from the layer before names a position in that layer, so also in the block
 or the block before).  Per stack, the period (``MAX_PERIOD`` at most) and first layer that tie the most variables
 away are kept, the smallest period on a tie, so a stack of equal layers keeps its runs of single layers; only
-stacks of whole layers (``MIN_LAYER_VARS``) are tried at periods.  Tying is
-exact at any period (each tied variable has its representative's strategies: ``search.tying``); the period decides
-how much of the stack one tied block stands for.
+stacks of whole layers (``MIN_LAYER_VARS``) are tried at periods.  Tying is exact at any period (each tied variable
+has its representative's strategies: ``search.tying``); the period decides how much of the stack one tied block
+stands for.
 """
 from __future__ import annotations
 

@@ -158,14 +158,12 @@ def formulate(p: Problem) -> Formulation:
         blocks.append(Block((u, v), ncol, nrow, a, b, ri, ci))
         nrow += a + b
         ncol += a * b
-    for v in range(p.n):  # each variable's least cost as a constant, as each edge's: a layout every plan of which
-        # pays a forbidden resharding (``graph.PINNED``, 1e30) has it in the offset, not in costs HiGHS reads as
-        # infinite (Cohere 2's data-parallel baseline: "error (Unknown)" where it is infeasible)
-        block = x_cost[x_start[v]:x_start[v + 1]]
-        if len(block):
-            least = float(block.min())
-            block -= least
-            offset += least
+    if nx:  # each variable's least cost as a constant, as each edge's: a layout every plan of which pays a forbidden
+        # resharding (``graph.PINNED``, 1e30) has it in the offset, not in costs HiGHS reads as infinite (Cohere 2's
+        # data-parallel baseline: "error (Unknown)" where it is infeasible).  Every variable has a strategy.
+        least = np.minimum.reduceat(x_cost, x_start[:-1])
+        x_cost -= np.repeat(least, sizes)
+        offset += float(least.sum())
     if p.budget is not None and p.memory is not None:
         rows_r.append(np.full(nx, nrow))
         rows_c.append(np.arange(nx))
