@@ -351,7 +351,11 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
         assert isinstance(opts.pipeline, int)
         stages, microbatches = opts.pipeline, opts.microbatches_for(opts.pipeline)
     margs, mkwargs, _ = micro_inputs(args, kwargs, microbatches)
-    cap = capture(model, margs, mkwargs, precision=precision)
+    try:
+        cap = capture(model, margs, mkwargs, precision=precision)
+    except CaptureError as e:  # what parallelize does without stages, said where a user reads it
+        raise CaptureError(f"{e} (pipeline stages need one exported graph; without pipeline= and placement=, "
+                           f"soybean.parallelize trains {type(model).__name__} captured by dynamo in pieces)") from e
     if given is None:
         given = _from_rank0(lambda: plan_pipeline(cap, world, stages, microbatches, opts.schedule, opts.one_program(),
                                                   opts.virtual)[2], rank)

@@ -225,3 +225,70 @@ def test_mixture_of_experts_with_its_loss_inside_trains_as_serial_in_two_stages(
         want.append(float(loss))
     for got in spawn(_moe_loss_inside, 2, timeout_s=400):
         assert got == pytest.approx(want, rel=1e-5)
+
+
+def _bart(batch: int = 4) -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' BART as loaded (tiny), its token ids, the decoder's inputs (the labels fed in, as a loop feeds
+    an encoder-decoder) and the labels: the same on every process."""
+    from soybean.models import archs
+
+    model, kwargs = archs.build(archs.BY_NAME["bart"])
+    torch.manual_seed(1)
+    ids = torch.randint(4, model.config.vocab_size, (batch, 9))
+    labels = torch.randint(4, model.config.vocab_size, (batch, 9))
+    return model, ids, labels.clone(), labels
+
+
+def _encoder_decoder(rank: int, world: int) -> dict[str, Any]:
+    """BART in 2 stages parallelized from a keyword example and stepped with keywords, and from a positional
+    example with ``None`` among its inputs (``attention_mask``) stepped alike; then a call unlike the one
+    parallelized (the keyword example's tensors passed by position, the second taken as ``attention_mask``)."""
+    import soybean
+
+    torch.set_num_threads(1)
+    got: dict[str, Any] = {}
+    for how in ("keywords", "none"):
+        model, ids, dec, labels = _bart()
+        ex = {"input_ids": ids, "decoder_input_ids": dec} if how == "keywords" else (ids, None, dec)
+        pm = soybean.parallelize(model, ex, devices=world, pipeline=2, microbatches=2)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        losses = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            step = pm.train_step(loss_fn=_logits_loss, target=labels, **ex) if isinstance(ex, dict) else \
+                pm.train_step(*ex, loss_fn=_logits_loss, target=labels)
+            losses.append(float(step))
+            opt.step()
+        got[how] = losses
+        if how == "keywords":
+            got["forward"] = _detached(pm(**ex)).logits  # forward alone, trained, from the same keywords
+            try:
+                pm.train_step(ids, dec, loss_fn=_logits_loss, target=labels)
+            except Exception as e:
+                got["wrong call"] = (type(e).__name__, str(e))
+    return got
+
+
+def test_an_encoder_decoder_from_keywords_or_with_none_inputs_trains_as_serial_in_two_stages() -> None:
+    """BART as loaded, 2 stages on 2 processes, the loss outside from ``out.logits``: the model's call as it was
+    parallelized (keywords, or ``None`` among the positional inputs) goes to the first stage whole while torch's
+    schedule passes only its tensors; both train as serial.  A call unlike the one parallelized is the same
+    ``TypeError`` on every rank, before any stage runs (it left the second stage waiting in its receive)."""
+    pytest.importorskip("transformers")
+    model, ids, dec, labels = _bart()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = _logits_loss(model(input_ids=ids, decoder_input_ids=dec), labels)
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    with torch.no_grad():
+        trained = model(input_ids=ids, decoder_input_ids=dec).logits
+    for got in spawn(_encoder_decoder, 2, timeout_s=400):
+        assert got["keywords"] == pytest.approx(want, rel=1e-5)
+        assert got["none"] == pytest.approx(want, rel=1e-5)
+        torch.testing.assert_close(got["forward"], trained, rtol=1e-4, atol=1e-5)
+        kind, message = got["wrong call"]
+        assert kind in ("TypeError", "RankFailedError") and "keyword arguments" in message, got["wrong call"]

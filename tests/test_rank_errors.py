@@ -20,7 +20,7 @@ from soybean.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
 
-BOOM = "boom on rank 1"
+BOOM = "boom on rank 1"  # the injected failure (on rank 0 in the pipeline-stage test)
 
 
 def _mlp() -> tuple[nn.Module, torch.Tensor]:
@@ -143,3 +143,34 @@ def test_the_bench_reports_a_variant_failing_on_one_rank_and_measures_the_others
     assert report["step_s"]["ddp"] is None, report["reasons"]
     assert report["reasons"]["ddp"] == f"ValueError: {BOOM} (rank 1)", report["reasons"]
     assert report["step_s"]["soybean_dp"] is not None, report["reasons"]
+
+
+def _stage_fails_on_rank_0(rank: int, world: int) -> tuple[str, str, list[str]] | None:
+    """GPT-2 (input and output embeddings tied: a group of the tie's holders is made after the stages) in 2 stages,
+    torch's ``PipelineStage`` failing on rank 0 alone."""
+    import torch.distributed.pipelining as pipelining
+
+    import soybean
+    from soybean.models import archs
+
+    torch.set_num_threads(1)
+    if rank == 0:
+        pipelining.PipelineStage = _boom  # type: ignore[assignment,misc]
+    model, kwargs = archs.build(archs.BY_NAME["gpt2"])
+    kwargs.pop("labels")
+    try:
+        soybean.parallelize(model, kwargs, devices=world, pipeline=2, microbatches=2)
+    except Exception as e:
+        return _error(e)
+    return None
+
+
+def test_a_pipeline_stage_failing_on_one_rank_is_its_error_on_every_rank() -> None:
+    """Each rank builds only its own stage, between the groups every rank makes: rank 0's stage failing there left
+    rank 1 waiting to make the tied embeddings' group until the timeout.  Every group is made first now, and the
+    failure is rank 0's error on both."""
+    pytest.importorskip("transformers")
+    got = spawn(_stage_fails_on_rank_0, 2, timeout_s=180)
+    assert got[0] is not None and got[0][:2] == ("ValueError", BOOM), got
+    assert got[1] is not None and got[1][:2] == got[0][:2], got
+    assert any("rank 0" in n for n in got[1][2]), got

@@ -7,8 +7,10 @@ planner (``planner.plan`` on the stage's capture).  Rank ``r`` runs stage ``r //
 stage-local process groups from ``runtime.comm.torch_groups``) inside a ``PipelineStage``, driven by one of
 torch's schedules (``SCHEDULES``), never a schedule of our own.
 
-``train_step(*inputs, loss_fn=fn)`` runs forward and backward of the whole batch through the schedule: the
-schedule splits every input along dim 0 into the microbatches, the last stage calls ``fn(output)`` (or
+``train_step(*inputs, loss_fn=fn, **kwargs)`` runs forward and backward of the whole batch through the schedule
+(the model's call as it was parallelized: keywords, ``None`` and constants among its inputs; torch's schedule is
+passed its tensors and the first stage rebuilds the call): the schedule splits every input tensor along dim 0 into
+the microbatches, the last stage calls ``fn(output)`` (or
 ``fn(output, target)`` when ``target=`` is given, split alike) per microbatch, and torch scales the gradients by
 ``1 / microbatches`` (``scale_grads``), so for a loss that is a mean over its microbatch the gradients are those of
 the whole batch's mean; the loss returned on every rank is the mean of the microbatches' losses (``reduction=
@@ -103,9 +105,19 @@ class _StageModule(nn.Module):
         # The last output's structure and, per leaf, whether it is a tensor or else its value (a constant, ``None``:
         # a leaf of torch's pytrees): the same for every microbatch, the captured program's structure and constants.
         self._layout: tuple[TreeSpec, list[tuple[bool, Any]]] | None = None
+        # The first stage's call as the model takes it (``PipelinedModule._feed``): its inputs' structure (None:
+        # positional leaves) and, per leaf, whether it is a tensor the schedule passes or else its value.
+        self.call: tuple[TreeSpec | None, list[tuple[bool, Any]]] | None = None
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = tree_map(self._copied, self.pm(*xs))
+        if self.call is None:
+            out = tree_map(self._copied, self.pm(*xs))
+        else:  # the first stage: the model's own call rebuilt around the microbatch's tensors
+            spec, template = self.call
+            given = iter(xs)
+            leaves = [next(given) if is_tensor else x for is_tensor, x in template]
+            args, kwargs = tree_unflatten(leaves, spec) if spec is not None else (tuple(leaves), {})
+            out = tree_map(self._copied, self.pm(*args, **kwargs))
         if self.last:
             flat, spec = tree_flatten(out)
             self._layout = (spec, [(True, None) if isinstance(x, torch.Tensor) else (False, x) for x in flat])
@@ -172,6 +184,18 @@ class PipelinedModule(PartsModule):
             g = dist.new_group(ranks=[k * per + j for k in range(groups)], timeout=group_timeout())
             if rank % per == j:
                 pp = g
+        # The tied weights' groups, made here with the others: every ``dist.new_group`` of this call comes before the
+        # work one rank may fail in alone (its stages' programs, torch's ``PipelineStage`` checks), so a rank that
+        # fails meets its peers at the call's next exchange (``runtime.agree``), never in a group they wait in.
+        shared = shared_params(cap, [st.nodes for st in stages])
+        tie_groups: dict[str, Any] = {}
+        for fqn, readers in shared.items():
+            holders = sorted({k % groups for k in readers})
+            if len(holders) > 1:
+                for j in range(per):  # every rank makes every group, in order
+                    g = dist.new_group(ranks=[h * per + j for h in holders], timeout=group_timeout())
+                    if rank % per == j and gi in holders:
+                        tie_groups[fqn] = g
         self.stage_modules = nn.ModuleList()
         self._pstages = []
         # Static metadata (shapes, dtypes, which values carry gradients), for every stage (``boundary_examples``: from
@@ -188,6 +212,8 @@ class PipelinedModule(PartsModule):
             m = _StageModule(pm, last=i == n - 1)
             self.stage_modules.append(m)
             ins, outs = examples[i]
+            if i == 0:  # the schedule passes the first stage the tensors of the call (``_feed``), not ``None``
+                ins = tuple(t for t in ins if isinstance(t, torch.Tensor))
             self._pstages.append(PipelineStage(m, i, n, device, input_args=ins, output_args=outs, group=pp))
         self._schedules: dict[tuple[int, bool, str], Any] = {}
         self._hold_parts(model, [st.cap for st in stages],
@@ -195,19 +221,12 @@ class PipelinedModule(PartsModule):
         # A weight several stages read: summed over this rank's readers, then over the groups' ranks of one index
         # (one rank per holding group, each counting its own stages' gradients).
         self._ties: list[Tie] = []
-        for fqn, readers in shared_params(cap, [st.nodes for st in stages]).items():
-            holders = sorted({k % groups for k in readers})
-            tie_group = None
-            if len(holders) > 1:
-                for j in range(per):  # every rank makes every group, in order
-                    g = dist.new_group(ranks=[h * per + j for h in holders], timeout=group_timeout())
-                    if rank % per == j and gi in holders:
-                        tie_group = g
+        for fqn, readers in shared.items():
             local = [(i, m.pm) for i, m in zip(self.stage_indices, self.stage_modules)
                      if i in readers and isinstance(m, _StageModule)]
             if local:
                 self._ties.append(Tie(fqn, [i for i, _ in local], [pm for _, pm in local], [True] * len(local),
-                                      tie_group, (readers[0] % groups) * per + rank % per))
+                                      tie_groups.get(fqn), (readers[0] % groups) * per + rank % per))
 
     @property
     def stage_module(self) -> _StageModule:
@@ -243,13 +262,28 @@ class PipelinedModule(PartsModule):
             self._schedules = {key: cls(stage, self._microbatches, loss_fn=loss, scale_grads=reduction == "mean")}
         return self._schedules[key]
 
+    def _feed(self, inputs: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """The tensors of the call ``model(*inputs, **kwargs)`` that the schedule splits into microbatches and passes
+        the first stage, which rebuilds the call around them (``_StageModule.call``: keywords, ``None`` and Python
+        constants in place, as torch's ``PipelineStage`` takes tensors only).  Checked against the capture on every
+        rank, before any stage runs: a call unlike the one parallelized is the same ``TypeError`` on every rank."""
+        leaves = self._cap.flatten_inputs(tuple(inputs), kwargs)
+        template = [(True, None) if isinstance(x, torch.Tensor) else (False, x) for x in leaves]
+        if self.is_first:
+            first = self.stage_modules[self.stage_indices.index(0)]
+            assert isinstance(first, _StageModule)
+            first.call = (self._cap.in_spec, template)
+        return tuple(x for x in leaves if isinstance(x, torch.Tensor))
+
     @guarded()  # a stage failing on one rank is one error on every rank (``runtime.agree``)
     def train_step(self, *inputs: Any, loss_fn: Callable[..., torch.Tensor], target: torch.Tensor | None = None,
-                   reduction: str = "mean") -> torch.Tensor:
-        """Forward and backward of the whole batch ``inputs`` through the schedule (module docstring); the whole
-        batch's loss on every rank, this stage's gradients ready for ``opt.step()``."""
+                   reduction: str = "mean", **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of the whole batch ``inputs`` (and ``kwargs``: the model's call as it was
+        parallelized) through the schedule (module docstring); the whole batch's loss on every rank, this stage's
+        gradients ready for ``opt.step()``."""
         if reduction not in REDUCTIONS:
             raise ValueError(f"unknown reduction {reduction!r}: use one of {', '.join(REDUCTIONS)}")
+        inputs = self._feed(inputs, kwargs)
         batch = None
         for x in [*inputs, *([target] if target is not None else [])]:
             if isinstance(x, torch.Tensor):
@@ -312,11 +346,10 @@ class PipelinedModule(PartsModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, the whole batch: the model's output on every rank (each tensor output concatenated over
         the microbatches along its batch dimension; a scalar, a loss computed inside, the mean of the
-        microbatches', as ``train_step`` reads it).  Training goes through ``train_step``: a ``backward()``
-        through this output is an error saying so."""
-        if kwargs:
-            raise TypeError("a pipelined plan takes its inputs positionally")
-        outs = self._forward_microbatches(args)
+        microbatches', as ``train_step`` reads it); ``args`` and ``kwargs`` as the model was parallelized with
+        (``_feed``).  Training goes through ``train_step``: a ``backward()`` through this output is an error saying
+        so."""
+        outs = self._forward_microbatches(self._feed(args, kwargs))
         box: list[Any] = [None]
         if outs is not None:
             flat = [tree_flatten(o) for o in outs]
