@@ -2,6 +2,8 @@
 
 - Planning: rank 0's error (an impossible memory budget) is raised on every rank as the same exception, and a
   capture failing on rank 1 alone is raised on rank 0 too, not left waiting for a plan.
+- Building a rank's part of a pipelined or placed plan: a failure on one rank (a pipeline stage, a placed region)
+  is its error on every rank, not a wait in a process group the others never make (the tied weights').
 - Steps: a ``loss_fn`` raising on rank 1 only ends both ranks, rank 1 with its own exception and rank 0 with
   ``RankFailedError`` naming rank 1 and that exception, for a plain ``ParallelModule`` and a 2-stage
   ``PipelinedModule``.
@@ -171,6 +173,38 @@ def test_a_pipeline_stage_failing_on_one_rank_is_its_error_on_every_rank() -> No
     failure is rank 0's error on both."""
     pytest.importorskip("transformers")
     got = spawn(_stage_fails_on_rank_0, 2, timeout_s=180)
+    assert got[0] is not None and got[0][:2] == ("ValueError", BOOM), got
+    assert got[1] is not None and got[1][:2] == got[0][:2], got
+    assert any("rank 0" in n for n in got[1][2]), got
+
+
+def _placed_fails_on_rank_0(rank: int, world: int) -> tuple[str, str, list[str]] | None:
+    """``tests.test_placement``'s tied towers placed 1 + 1 (a weight both towers read: its gradient's group is made
+    after every region's program), rank 0 failing after its regions are built (``value_facts``)."""
+    import soybean
+    import soybean.run.placed as placed
+    from soybean.capture.core import capture
+    from soybean.options import options
+    from soybean.parts.placement_plan import plan_placement
+    from tests.test_placement import _tied_inputs, _TiedTowers
+
+    torch.set_num_threads(1)
+    model = _TiedTowers().double()
+    ids, _ = _tied_inputs()
+    p = plan_placement(capture(model, (ids,)), world, options(None, devices=world), sizes=(1, 1))
+    if rank == 0:
+        placed.value_facts = _boom  # type: ignore[assignment]
+    try:
+        soybean.parallelize(model, (ids,), devices=world, plan=p)
+    except Exception as e:
+        return _error(e)
+    return None
+
+
+def test_a_placed_region_failing_on_one_rank_is_its_error_on_every_rank() -> None:
+    """The placed module's tied weights' groups come after the work one rank may fail in alone: a failure there left
+    the other rank waiting to make the group; it now meets it at an exchange first."""
+    got = spawn(_placed_fails_on_rank_0, 2, timeout_s=180)
     assert got[0] is not None and got[0][:2] == ("ValueError", BOOM), got
     assert got[1] is not None and got[1][:2] == got[0][:2], got
     assert any("rank 0" in n for n in got[1][2]), got

@@ -89,6 +89,7 @@ class PlacedModule(PartsModule):
     def __init__(self, model: nn.Module, cap: Captured, regions: Sequence[Part], plans: Sequence[Plan],
                  plan: Plan, rank: int, world: int) -> None:
         super().__init__()
+        from ..runtime.agree import checkpoint
         from ..runtime.comm import torch_groups
 
         assert plan.placement is not None
@@ -120,7 +121,10 @@ class PlacedModule(PartsModule):
         self._outbox = Outbox()
         self._hold_parts(model, [r.cap for r in regions], self._ranks, plans)
         self._ties = []
-        for t in tied_weights(cap, regions, self._ranks):
+        ties = tied_weights(cap, regions, self._ranks)
+        if any(t["ranks"] for t in ties):
+            checkpoint()  # a rank whose regions failed above meets the others here, not in the ties' ``new_group``
+        for t in ties:
             group = dist.new_group(ranks=t["ranks"], timeout=group_timeout()) if t["ranks"] else None  # every rank
             local = [k for k in t["regions"] if rank in self._ranks[k]]
             if local:  # each region's gradient counted by its first rank when summed across ranks
