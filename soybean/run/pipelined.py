@@ -47,7 +47,6 @@ from ..parts.stages import boundary_examples
 from ..plan import Plan
 from ..precision import policy
 from ..runtime.agree import guarded
-from ..runtime.launch import group_timeout
 from .checkpoint_view import PartsModule, Tie
 from .module import ParallelModule
 
@@ -90,6 +89,22 @@ def batch_loss(losses: Sequence[torch.Tensor], last: bool, src: int, reduction: 
     return loss
 
 
+Template = list[tuple[bool, Any]]
+
+
+def _template(leaves: Sequence[Any]) -> Template:
+    """Per pytree leaf, whether it is a tensor (passed through the schedule) or else its value (``None``, a Python
+    constant), which is the same for every microbatch."""
+    return [(True, None) if isinstance(x, torch.Tensor) else (False, x) for x in leaves]
+
+
+def _refill(template: Template, tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """The leaves of ``template`` with its tensors taken from ``tensors`` in order: the inverse of keeping the
+    tensors of ``leaves`` that ``_template`` described."""
+    given = iter(tensors)
+    return [next(given) if is_tensor else x for is_tensor, x in template]
+
+
 class _StageModule(nn.Module):
     """A stage's ``ParallelModule`` as ``PipelineStage`` calls it: boundary tensors in, a tuple of them out.
 
@@ -104,23 +119,22 @@ class _StageModule(nn.Module):
         self.last = last
         # The last output's structure and, per leaf, whether it is a tensor or else its value (a constant, ``None``:
         # a leaf of torch's pytrees): the same for every microbatch, the captured program's structure and constants.
-        self._layout: tuple[TreeSpec, list[tuple[bool, Any]]] | None = None
+        self._layout: tuple[TreeSpec, Template] | None = None
         # The first stage's call as the model takes it (``PipelinedModule._feed``): its inputs' structure (None:
         # positional leaves) and, per leaf, whether it is a tensor the schedule passes or else its value.
-        self.call: tuple[TreeSpec | None, list[tuple[bool, Any]]] | None = None
+        self.call: tuple[TreeSpec | None, Template] | None = None
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.call is None:
-            out = tree_map(self._copied, self.pm(*xs))
-        else:  # the first stage: the model's own call rebuilt around the microbatch's tensors
+        args: tuple = xs
+        kwargs: dict[str, Any] = {}
+        if self.call is not None:  # the first stage: the model's own call rebuilt around the microbatch's tensors
             spec, template = self.call
-            given = iter(xs)
-            leaves = [next(given) if is_tensor else x for is_tensor, x in template]
+            leaves = _refill(template, xs)
             args, kwargs = tree_unflatten(leaves, spec) if spec is not None else (tuple(leaves), {})
-            out = tree_map(self._copied, self.pm(*args, **kwargs))
+        out = tree_map(self._copied, self.pm(*args, **kwargs))
         if self.last:
             flat, spec = tree_flatten(out)
-            self._layout = (spec, [(True, None) if isinstance(x, torch.Tensor) else (False, x) for x in flat])
+            self._layout = (spec, _template(flat))
             return tuple(x for x in flat if isinstance(x, torch.Tensor))
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
@@ -141,8 +155,7 @@ class _StageModule(nn.Module):
         unpacks a one-tensor output before it calls the loss)."""
         assert self._layout is not None, "rebuild follows the last stage's forward"
         spec, template = self._layout
-        given = iter((tensors,) if isinstance(tensors, torch.Tensor) else tensors)
-        return tree_unflatten([next(given) if is_tensor else x for is_tensor, x in template], spec)
+        return tree_unflatten(_refill(template, (tensors,) if isinstance(tensors, torch.Tensor) else tensors), spec)
 
 
 class PipelinedModule(PartsModule):
@@ -157,7 +170,7 @@ class PipelinedModule(PartsModule):
         from torch.distributed.pipelining import PipelineStage
 
         from ..mesh import Mesh
-        from ..runtime.comm import torch_groups
+        from ..runtime.comm import new_groups, torch_groups
 
         pipe = plan.pipeline
         assert pipe is not None
@@ -179,23 +192,18 @@ class PipelinedModule(PartsModule):
             got = torch_groups(Mesh(tuple(p.mesh)), ranks=range((k % groups) * per, (k % groups + 1) * per))
             if k % groups == gi:
                 mine[k] = got
-        pp = None  # the ranks of one in-group index across the groups: the pipeline's point-to-point group
-        for j in range(per):
-            g = dist.new_group(ranks=[k * per + j for k in range(groups)], timeout=group_timeout())
-            if rank % per == j:
-                pp = g
-        # The tied weights' groups, made here with the others: every ``dist.new_group`` of this call comes before the
-        # work one rank may fail in alone (its stages' programs, torch's ``PipelineStage`` checks), so a rank that
-        # fails meets its peers at the call's next exchange (``runtime.agree``), never in a group they wait in.
+        # the ranks of one in-group index across the groups: the pipeline's point-to-point group
+        pp = new_groups([[k * per + j for k in range(groups)] for j in range(per)])[rank % per]
+        # The tied weights' groups, made here with the others, before the work one rank may fail in alone (its
+        # stages' programs, torch's ``PipelineStage`` checks).
         shared = shared_params(cap, [st.nodes for st in stages])
         tie_groups: dict[str, Any] = {}
         for fqn, readers in shared.items():
             holders = sorted({k % groups for k in readers})
             if len(holders) > 1:
-                for j in range(per):  # every rank makes every group, in order
-                    g = dist.new_group(ranks=[h * per + j for h in holders], timeout=group_timeout())
-                    if rank % per == j and gi in holders:
-                        tie_groups[fqn] = g
+                g = new_groups([[h * per + j for h in holders] for j in range(per)])[rank % per]
+                if g is not None:
+                    tie_groups[fqn] = g
         self.stage_modules = nn.ModuleList()
         self._pstages = []
         # Static metadata (shapes, dtypes, which values carry gradients), for every stage (``boundary_examples``: from
@@ -268,11 +276,10 @@ class PipelinedModule(PartsModule):
         constants in place, as torch's ``PipelineStage`` takes tensors only).  Checked against the capture on every
         rank, before any stage runs: a call unlike the one parallelized is the same ``TypeError`` on every rank."""
         leaves = self._cap.flatten_inputs(tuple(inputs), kwargs)
-        template = [(True, None) if isinstance(x, torch.Tensor) else (False, x) for x in leaves]
         if self.is_first:
             first = self.stage_modules[self.stage_indices.index(0)]
             assert isinstance(first, _StageModule)
-            first.call = (self._cap.in_spec, template)
+            first.call = (self._cap.in_spec, _template(leaves))
         return tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
     @guarded()  # a stage failing on one rank is one error on every rank (``runtime.agree``)

@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -39,7 +38,6 @@ from ..parts.placement_plan import tied_weights
 from ..plan import Plan
 from ..precision import policy
 from ..runtime.agree import guarded
-from ..runtime.launch import group_timeout
 from ..runtime.transfer import Move, Outbox, receive
 from .checkpoint_view import PartsModule, Tie
 from .module import ParallelModule, forward_backward
@@ -89,8 +87,7 @@ class PlacedModule(PartsModule):
     def __init__(self, model: nn.Module, cap: Captured, regions: Sequence[Part], plans: Sequence[Plan],
                  plan: Plan, rank: int, world: int) -> None:
         super().__init__()
-        from ..runtime.agree import checkpoint
-        from ..runtime.comm import torch_groups
+        from ..runtime.comm import new_groups, torch_groups
 
         assert plan.placement is not None
         self.plan = plan
@@ -122,10 +119,10 @@ class PlacedModule(PartsModule):
         self._hold_parts(model, [r.cap for r in regions], self._ranks, plans)
         self._ties = []
         ties = tied_weights(cap, regions, self._ranks)
-        if any(t["ranks"] for t in ties):
-            checkpoint()  # a rank whose regions failed above meets the others here, not in the ties' ``new_group``
+        # after this rank built its regions: one that failed there meets the others in ``new_groups``' exchange
+        made = iter(new_groups([t["ranks"] for t in ties if t["ranks"]]))
         for t in ties:
-            group = dist.new_group(ranks=t["ranks"], timeout=group_timeout()) if t["ranks"] else None  # every rank
+            group = next(made) if t["ranks"] else None
             local = [k for k in t["regions"] if rank in self._ranks[k]]
             if local:  # each region's gradient counted by its first rank when summed across ranks
                 counted = [group is None or rank == self._ranks[k][0] for k in local]

@@ -488,6 +488,24 @@ def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(_resized(x.shape, {dim: size - x.shape[dim]}))], dim)
 
 
+def new_groups(members: Sequence[Sequence[int]]) -> list[dist.ProcessGroup | None]:
+    """One process group per list of global ranks in ``members``, made by every rank in the same order
+    (``dist.new_group`` is collective over the whole world): this rank's group where it is a member, else None.
+
+    An exchange comes first (``agree.checkpoint``): a rank that failed in work of its own before this call meets
+    the others there and every rank raises its error, where they would otherwise wait in ``new_group`` until the
+    timeout."""
+    from .agree import checkpoint
+
+    checkpoint()
+    rank = dist.get_rank()
+    made: list[dist.ProcessGroup | None] = []
+    for ranks in members:
+        g = dist.new_group(ranks=list(ranks), timeout=group_timeout())
+        made.append(g if rank in ranks else None)
+    return made
+
+
 def torch_groups(mesh: Mesh, backend: str | None = None, ranks: Sequence[int] | None = None) -> list[TorchGroup]:
     """This rank's :class:`TorchGroup` on every axis of ``mesh``, whose devices are the global ``ranks`` (row-major;
     default: the whole world).  Empty when this rank is not one of them (a pipeline stage of other ranks).
