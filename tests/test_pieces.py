@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -205,3 +207,81 @@ def test_the_command_line_plans_explains_and_draws_pieces(tmp_path: Path, capsys
     assert capsys.readouterr().out.count("== piece ") == len(saved.pieces["graphs"])
     assert main(["draw", ref, "--plan", str(out), "--out", str(tmp_path / "plan.svg")]) == 0
     assert (tmp_path / "plan.svg").read_text().startswith("<")
+
+
+class _ClippedSqrt(torch.autograd.Function):
+    """RecurrentGemma's ``SqrtBoundDerivative``: ``sqrt`` with its derivative bounded (the bound not reached here)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return torch.sqrt(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad / torch.sqrt(torch.clip(4.0 * x, min=1e-6))
+
+
+class _Gated(torch.nn.Module):
+    """Every weight's gradient passes through the custom Function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_ClippedSqrt.apply(F.softplus(self.a(x)) + 1.0))
+
+
+def _grads(run: Any, params: list[torch.nn.Parameter], call: Callable[[Any], torch.Tensor]) -> list[torch.Tensor]:
+    loss = call(run)
+    loss.backward()
+    out = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+    for p in params:
+        p.grad = None
+    return out
+
+
+def test_a_custom_autograd_function_passes_its_gradient_through_the_compile_backend_and_dynamo_pieces() -> None:
+    """Dynamo hands a custom ``autograd.Function`` as ``autograd_function_apply``, its forward run without grad;
+    captured as it came, its output was a constant to autograd and every gradient through it was lost (transformers'
+    RecurrentGemma through the compile backend: its recurrent block's weights trained wrong from the first step, the
+    losses still equal).  Through the compile backend and ``parallelize``'s dynamo pieces, each weight's gradient
+    (float64) is eager's; RecurrentGemma as users load it trains as serial through the compile backend."""
+    torch.manual_seed(0)
+    model = _Gated().double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    want = _grads(model, list(model.parameters()), lambda m: m(x).square().sum())
+    assert all(g.abs().max() > 0 for g in want)
+    compiled = copy.deepcopy(model)
+    torch._dynamo.reset()
+    run = torch.compile(compiled, backend=soybean.compile_backend(devices=1), dynamic=False)
+    got = _grads(run, list(compiled.parameters()), lambda m: m(x).square().sum())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    pieces = copy.deepcopy(model)
+    torch._dynamo.reset()
+    pm = soybean.parallelize(pieces, (x,), devices=1, capture_with="dynamo")
+    got = _grads(pm, list(pm.parameters()), lambda m: m(x).square().sum())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+    from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
+
+    config = RecurrentGemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=8, vocab_size=99, lru_width=32,
+                                  attention_window_size=4, block_types=["recurrent", "attention"])
+    torch.manual_seed(0)
+    serial = RecurrentGemmaForCausalLM(config).train()
+    g = torch.Generator().manual_seed(1)
+    ex = {"input_ids": torch.randint(3, 99, (2, 8), generator=g)}
+    labels = torch.randint(3, 99, (2, 8), generator=g)
+    model = copy.deepcopy(serial)
+    want_losses = _sgd(serial, list(serial.parameters()), ex, labels)
+    torch._dynamo.reset()
+    run = torch.compile(model, backend=soybean.compile_backend(devices=1), dynamic=False)
+    assert _sgd(run, list(model.parameters()), ex, labels) == pytest.approx(want_losses, rel=1e-6)
+    trained = dict(serial.named_parameters())
+    for name, p in model.named_parameters():  # the recurrent block's weights were the ones trained wrong
+        torch.testing.assert_close(p, trained[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -24,6 +24,7 @@ outputs and slicing its inputs (the full-batch contract), and tilings are not ch
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import warnings
@@ -43,12 +44,46 @@ from .module import KeepsMesh, _attach, forward_backward
 CAPTURES = ("auto", "export", "dynamo")
 
 
+def _forward_only(fwd: fx.GraphModule, bwd: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    """What a custom ``autograd.Function``'s call returns, computed by its forward's graph with autograd recording
+    (``_through_functions``); ``bwd`` and the call's keywords (what it saves) are not read."""
+    return fwd(*args)[0]
+
+
+def _through_functions(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with each custom ``autograd.Function`` it calls (dynamo's ``autograd_function_apply``: a forward graph
+    run without grad, a backward graph) replaced by its forward run with grad, as ``torch.export`` captures a
+    Function called by a model (the whole-graph path).
+
+    Captured as dynamo hands it, the forward's output was a constant to autograd (``aten.detach``): every gradient
+    through it was lost (RecurrentGemma's ``SqrtBoundDerivative``: the compile backend trained its recurrent
+    block's weights wrong from the first step, its losses still equal to serial's).  Both paths then train with the
+    derivative of the Function's forward, which is its backward wherever the backward is the forward's gradient
+    (``docs/guide/python.md``, its limits).  ``gm`` is returned as it is when it calls none; else a copy, the graph
+    dynamo runs left alone."""
+    apply = torch.ops.higher_order.autograd_function_apply
+    if not any(n.op == "call_function" and n.target is apply for n in gm.graph.nodes):
+        return gm
+    out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    for n in out.graph.nodes:
+        if n.op == "call_function" and n.target is apply:
+            fwd = getattr(out, n.args[0].target)
+            graph = copy.deepcopy(fwd.graph)
+            for m in list(graph.nodes):  # the forward's own ``no_grad``: recorded, its output would be a constant
+                if m.op == "call_function" and m.target is torch._C._set_grad_enabled and not m.users:
+                    graph.erase_node(m)
+            setattr(out, n.args[0].target, fx.GraphModule(fwd, graph))
+            n.target = _forward_only
+    out.recompile()
+    return out
+
+
 class _Piece(nn.Module):
     """One captured graph as a module: its parameter inputs registered as the user's own objects."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         super().__init__()
-        self.gm = gm
+        self.gm = _through_functions(gm)
         self.slots: list[str | None] = []  # per graph input: a parameter's name here, or None (a user input)
         for i, x in enumerate(example_inputs):
             if isinstance(x, nn.Parameter):
