@@ -33,6 +33,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..precision import compute_inputs, compute_model, policy
+from .functions import warn_custom_functions
 from .passes import Pass, run_passes
 from .passes.common import CONSTANTS
 from .passes.fuse_routed_experts import PARAMETERS, STORED_VIEWS
@@ -198,6 +199,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
             "Fix: make forward traceable for these example inputs (no data-dependent Python control flow on "
             "tensor values, no .item()/.tolist() on activations) or pass inputs of the shapes you will train with."
         ) from e
+    warn_custom_functions(ep.graph_module, type(model).__name__)
     sig = ep.graph_signature
     params = _canonical_names(dict(sig.inputs_to_parameters), model.named_parameters(remove_duplicate=False))
     buffers = _canonical_names(dict(sig.inputs_to_buffers), model.named_buffers(remove_duplicate=False))

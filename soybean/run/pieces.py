@@ -37,6 +37,7 @@ import torch
 from torch import fx, nn
 
 from ..capture.core import Captured, capture
+from ..capture.functions import warn_custom_functions
 from ..options import PlanOptions, plan_kind
 from ..plan import Plan
 from .module import KeepsMesh, _attach, forward_backward
@@ -68,6 +69,7 @@ def _through_functions(gm: fx.GraphModule) -> fx.GraphModule:
     for n in out.graph.nodes:
         if n.op == "call_function" and n.target is apply:
             fwd = getattr(out, n.args[0].target)
+            warn_custom_functions(fwd, "a piece dynamo captured")  # by the lines its forward's ops came from
             graph = copy.deepcopy(fwd.graph)
             for m in list(graph.nodes):  # the forward's own ``no_grad``: recorded, its output would be a constant
                 if m.op == "call_function" and m.target is torch._C._set_grad_enabled and not m.users:
