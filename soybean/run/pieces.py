@@ -85,7 +85,7 @@ class _Piece(nn.Module):
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         super().__init__()
-        self.gm = _through_functions(gm)
+        self.gm = gm
         self.slots: list[str | None] = []  # per graph input: a parameter's name here, or None (a user input)
         for i, x in enumerate(example_inputs):
             if isinstance(x, nn.Parameter):
@@ -207,18 +207,20 @@ class _Graph:
 
     def __init__(self, backend: PieceBackend, gm: fx.GraphModule) -> None:
         self.backend, self.gm = backend, gm
+        # What the piece's capture and program read (once per graph): its custom Functions' forwards with grad.
+        self.piece_gm = _through_functions(gm)
         self.kept = False
         self.bound: _Bound | None = None
 
     def __call__(self, *args: Any) -> Any:
         if self.backend.collecting:
             if not self.kept:
-                piece = _Piece(self.gm, args)
+                piece = _Piece(self.piece_gm, args)
                 self.backend.collected.append((piece, tuple(piece.user_inputs(args))))
                 self.kept = True
             return self.gm(*args)
         if self.bound is None:
-            self.bound = self.backend.bind(self.gm, args)
+            self.bound = self.backend.bind(self.piece_gm, args)
         return self.bound(*args)
 
 

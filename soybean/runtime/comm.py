@@ -488,9 +488,10 @@ def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(_resized(x.shape, {dim: size - x.shape[dim]}))], dim)
 
 
-def new_groups(members: Sequence[Sequence[int]]) -> list[dist.ProcessGroup | None]:
+def new_groups(members: Sequence[Sequence[int]], backend: str | None = None) -> list[dist.ProcessGroup | None]:
     """One process group per list of global ranks in ``members``, made by every rank in the same order
     (``dist.new_group`` is collective over the whole world): this rank's group where it is a member, else None.
+    ``backend=None`` inherits the default group's backend; a collective waits ``timeouts.group_timeout()``.
 
     An exchange comes first (``agree.checkpoint``): a rank that failed in work of its own before this call meets
     the others there and every rank raises its error, where they would otherwise wait in ``new_group`` until the
@@ -501,7 +502,7 @@ def new_groups(members: Sequence[Sequence[int]]) -> list[dist.ProcessGroup | Non
     rank = dist.get_rank()
     made: list[dist.ProcessGroup | None] = []
     for ranks in members:
-        g = dist.new_group(ranks=list(ranks), timeout=group_timeout())
+        g = dist.new_group(ranks=list(ranks), backend=backend, timeout=group_timeout())
         made.append(g if rank in ranks else None)
     return made
 
@@ -510,25 +511,17 @@ def torch_groups(mesh: Mesh, backend: str | None = None, ranks: Sequence[int] | 
     """This rank's :class:`TorchGroup` on every axis of ``mesh``, whose devices are the global ``ranks`` (row-major;
     default: the whole world).  Empty when this rank is not one of them (a pipeline stage of other ranks).
 
-    ``dist.new_group`` is collective over the whole world, so every rank creates
-    every group of every axis in the same order and keeps the ones it belongs to.
-    ``backend=None`` inherits the default group's backend; a collective waits ``timeouts.group_timeout()``.
+    Every rank creates every group of every axis in the same order (``new_groups``, after its exchange) and keeps
+    the ones it belongs to.
     """
-    from .agree import checkpoint
-
-    checkpoint()  # inside parallelize: a rank that failed meets the others here, not in ``new_group``
     world, rank = dist.get_world_size(), dist.get_rank()
     ranks = list(range(world)) if ranks is None else list(ranks)
     if len(ranks) != mesh.size:
         raise ValueError(f"mesh {mesh} has {mesh.size} devices but {len(ranks)} ranks were given for it "
                          f"(the world has {world})")
     coords = mesh.coords(ranks.index(rank)) if rank in ranks else None
-    mine: list[TorchGroup] = []
-    for axis in range(mesh.ndim):
-        for local in mesh.axis_groups(axis):
-            members = [ranks[r] for r in local]
-            pg = dist.new_group(ranks=members, backend=backend, timeout=group_timeout())
-            if coords is not None and rank in members:
-                # members are sorted by coordinate, so the group rank is my coordinate.
-                mine.append(TorchGroup(pg, index=coords[axis]))
-    return mine
+    axes = [(axis, [ranks[r] for r in local]) for axis in range(mesh.ndim) for local in mesh.axis_groups(axis)]
+    made = new_groups([members for _, members in axes], backend)
+    # members are sorted by coordinate, so the group rank is my coordinate.
+    return [TorchGroup(pg, index=coords[axis]) for (axis, _), pg in zip(axes, made)
+            if pg is not None and coords is not None]
