@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .capture.core import Captured, CaptureError, capture, split_example
+from .capture.functions import exported_with, own_backwards, pieces_reason
 from .mesh import Mesh
 from .options import PlanOptions, options as merge_options, plan_kind
 from .plan import Plan
@@ -151,10 +152,12 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
 
     ``capture_with``: how the model is captured.  ``auto`` (default): ``torch.export``, and where export cannot
     capture the model (a graph break: data-dependent Python control flow, code that runs only when not compiling),
-    dynamo in pieces split at its graph breaks, with one warning saying why (``soybean.run.pieces``); ``export`` or
-    ``dynamo``: only that one.  A model captured in pieces runs as a ``pieces.PiecesModule`` (the same API; every
-    parameter stored whole, its use split; fp32, the full-batch contract, no pipeline stages or placement).  A plan
-    saved from pieces runs as one.
+    dynamo in pieces split at its graph breaks, with one warning saying why (``soybean.run.pieces``); so too a model
+    that calls a custom ``torch.autograd.Function``, which then runs as written between pieces, with its own
+    backward (exported, it would train with its forward's derivative: ``capture.functions``; where pieces are not
+    offered, a ``CustomFunctionWarning`` says so); ``export`` or ``dynamo``: only that one.  A model captured in
+    pieces runs as a ``pieces.PiecesModule`` (the same API; every parameter stored whole, its use split; fp32, the
+    full-batch contract, no pipeline stages or placement).  A plan saved from pieces runs as one.
     """
     if capture_with not in CAPTURES:
         raise ValueError(f"unknown capture_with {capture_with!r}: use one of {', '.join(CAPTURES)}")
@@ -176,7 +179,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
         if simulated:
             raise ValueError("a pipelined plan runs on a torch.distributed process group (torchrun or soybean run), "
                              "not on simulated groups")
-        return _pipelined(model, example_inputs, example_kwargs, opts, world, rank, prec, p)
+        return _pipelined(model, example_inputs, example_kwargs, opts, world, rank, prec, p, capture_with == "export")
     if p is not None and p.pieces is not None:
         capture_with = "dynamo"  # a plan saved from pieces runs as one
     why = "capture_with='dynamo' was asked"
@@ -190,6 +193,14 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
             if capture_with == "export":
                 raise
             why = str(e).split(". Fix:")[0]
+    if cap is not None and cap.functions and captured is None:
+        # The exported graph trains a custom Function's forward's derivative; in pieces it runs as written.
+        own = own_backwards(model, example_inputs, example_kwargs, cap.functions)
+        kept = _function_kept_by(capture_with, p, kind, prec, simulated and world > 1)
+        if own and kept is None:
+            why, cap = pieces_reason(list(own)), None
+        elif own:
+            exported_with(own, type(model).__name__, kept or "", capture_with == "export")
     if cap is None:
         return _pieces(model, example_inputs, example_kwargs, one, world, rank, simulated, prec, p, kind == "placed",
                        why)
@@ -214,6 +225,22 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
 
         groups = torch_groups(Mesh(tuple(p.mesh)))
     return ParallelModule(model, cap, p, rank, groups, lazy_outputs=opts.outputs == "lazy", share_params=share_params)
+
+
+def _function_kept_by(capture_with: str, given: Plan | None, kind: str, precision: str, simulated: bool) -> str | None:
+    """Why a model that calls a custom ``autograd.Function`` runs as its one exported graph, not in pieces where
+    the Function runs as written (``capture.functions``); None when nothing keeps it from pieces."""
+    if capture_with == "export":
+        return "captured by torch.export as asked (capture_with='export')"
+    if given is not None:
+        return "under a plan made from its exported graph"
+    if kind == "placed":
+        return "placed (placement=)"
+    if precision != "fp32":
+        return f"in precision {precision}"
+    if simulated:
+        return "on simulated groups"
+    return None
 
 
 def _world(opts: PlanOptions, groups: Sequence[Group] | None, rank: int | None,
@@ -293,9 +320,9 @@ def _pieces(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions
                          f"launch {given.devices} processes or re-plan with --devices {world}")
     pm.use(given)
     assert given.pieces is not None
-    warnings.warn(f"soybean: {type(model).__name__} captured by dynamo in {len(given.pieces['graphs'])} pieces split "
-                  f"at graph breaks, not by torch.export ({why}); parameters are stored whole, the pieces' work is "
-                  "split", stacklevel=3)
+    warnings.warn(f"soybean: {type(model).__name__} captured by dynamo in {len(given.pieces['graphs'])} pieces (split "
+                  f"at graph breaks and custom Function calls), not by torch.export ({why}); "
+                  "parameters are stored whole, the pieces' work is split", stacklevel=3)
     return pm
 
 
@@ -338,10 +365,11 @@ def parts_module(model: torch.nn.Module, cap: Captured, p: Plan, rank: int,
 
 
 def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions, world: int, rank: int,
-               precision: str, given: Plan | None) -> PipelinedModule:
+               precision: str, given: Plan | None, exported: bool = False) -> PipelinedModule:
     """``parallelize`` with pipeline stages (its docstring): capture at the microbatch, plan ``opts.pipeline``
     stages on rank 0 (or read ``given``, a plan with stages: ``options.plan_kind``), every rank cuts the same
-    stages and runs its own."""
+    stages and runs its own.  ``exported``: ``capture_with="export"`` was asked (a custom Function trains with its
+    forward's derivative, warned: ``capture.functions.exported_with``)."""
     from .parts.pipeline_plan import plan_pipeline
 
     if given is not None:
@@ -356,6 +384,9 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
     except CaptureError as e:  # what parallelize does without stages, said where a user reads it
         raise CaptureError(f"{e} (pipeline stages need one exported graph; without pipeline= and placement=, "
                            f"soybean.parallelize trains {type(model).__name__} captured by dynamo in pieces)") from e
+    if cap.functions:
+        exported_with(own_backwards(model, args, kwargs, cap.functions), type(model).__name__, "in pipeline stages",
+                      exported)
     if given is None:
         given = _from_rank0(lambda: plan_pipeline(cap, world, stages, microbatches, opts.schedule, opts.one_program(),
                                                   opts.virtual)[2], rank)

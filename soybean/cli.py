@@ -154,6 +154,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         return _plan_pipelined(a, opts)
     try:
         model, inputs, cap = _captured(a, opts.precision)
+        if cap.functions and kind == "plain" and opts.precision in (None, "fp32"):
+            _pieces_if_own_backwards(a, model, inputs, cap.functions)
     except CaptureError as e:  # captured by dynamo in pieces, as parallelize captures it
         from .report.table import pieces_table
 
@@ -198,6 +200,20 @@ def _warn_over_device(p: Plan, opts: PlanOptions) -> None:
         print(f"soybean plan: warning: the plan's modelled peak, {peak / GIB:.4g} GiB per device, is over "
               f"{prof.name}'s {prof.memory_gb:g} GiB: give --memory-gb {prof.memory_gb:g} to plan within it",
               file=sys.stderr)
+
+
+def _pieces_if_own_backwards(a: argparse.Namespace, model: Any, inputs: Any, functions: tuple[str, ...]) -> None:
+    """Raise the ``CaptureError`` that plans the model in pieces where a custom Function it calls (``functions``)
+    must run as written, as ``parallelize`` captures it (``capture.functions.own_backwards``)."""
+    from . import models
+    from .capture.core import CaptureError, split_example
+    from .capture.functions import own_backwards, pieces_reason
+
+    if model is None:  # a cached capture: the model itself runs the check
+        model, inputs = models.load(a.model, models.parse_args(a.arg))
+    own = own_backwards(model, *split_example(inputs, None), functions)
+    if own:
+        raise CaptureError(pieces_reason(list(own)))
 
 
 def _pieces_plan(a: argparse.Namespace, opts: PlanOptions, err: Exception, given: Plan | None = None
@@ -253,7 +269,10 @@ def _explained(a: argparse.Namespace) -> list[tuple[str, Explanation, list[int] 
     if kind == "placed":
         return _explained_regions(a, model, inputs, given, profile)
     try:
-        capture(model, inputs)
+        functions = capture(model, inputs).functions
+        if functions and (given.pieces is not None if given is not None else
+                          plan_options(a).precision in (None, "fp32")):
+            _pieces_if_own_backwards(a, model, inputs, functions)  # planned in pieces, as ``soybean plan`` plans it
     except CaptureError as e:  # a plan made of pieces: one part per piece
         from .run.pieces import piece_plans
 

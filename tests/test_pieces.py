@@ -20,10 +20,13 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers", reason="the models come from transformers: pip install -e '.[hf]'")
 
+from test_custom_functions import _Reversed
+
 import soybean
 from soybean.capture.core import CaptureError
 from soybean.models import archs
 from soybean.plan import Plan
+from soybean.run.pieces import PiecesModule
 
 pytestmark = pytest.mark.sim
 
@@ -138,14 +141,31 @@ def _ranks(rank: int, world: int, path: str) -> dict[str, list[float]]:
     model, ex, labels = _outside("switch_transformers")
     compiled = torch.compile(model, backend=soybean.compile_backend(objective="comm"), dynamic=False)
     out["switch_transformers compile comm"] = _sgd(compiled, list(model.parameters()), ex, labels)
+    model, x = _reversal()  # a gradient reversal, run as written between pieces whose work is split
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = soybean.parallelize(model, (x,), devices=world, objective="comm")
+    assert isinstance(pm, PiecesModule)
+    out["reversal comm"] = _flat_grads(pm, x)
     return out
+
+
+def _reversal() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return _Reversed(), torch.randn(8, 4)
+
+
+def _flat_grads(run: torch.nn.Module, x: torch.Tensor) -> list[float]:
+    run(x).square().sum().backward()
+    return [float(v) for p in run.parameters() for v in p.grad.flatten()]
 
 
 @pytest.mark.dist
 def test_two_gloo_processes_train_as_serial(tmp_path: Path) -> None:
     """``parallelize`` (``comm``: the pieces' work split) and the compile backend, 2 gloo
     processes, the loss outside from ``out.logits``: every step's loss equals serial; a sharded checkpoint saved
-    from one model's pieces loads into a fresh model run with the same plan.
+    from one model's pieces loads into a fresh model run with the same plan; a gradient reversal (a custom
+    ``autograd.Function``) gives eager's gradients, the pieces cut at its call.
 
     Switch Transformers runs here through the compile backend only: ``parallelize``'s pieces and the backend's are
     one machine (``PieceBackend``: the same per-piece plans, made on rank 0, run whole-in whole-out), so a second
@@ -160,10 +180,12 @@ def test_two_gloo_processes_train_as_serial(tmp_path: Path) -> None:
     for name in ("switch_transformers", "led"):
         model, ex, labels = _outside(name)
         want[name] = _sgd(model, list(model.parameters()), ex, labels)
+    want["reversal"] = _flat_grads(*_reversal())
     for got in spawn(_ranks, 2, str(tmp_path / "ckpt"), timeout_s=900):
-        assert sorted(got) == ["led comm", "switch_transformers compile comm"]
+        assert sorted(got) == ["led comm", "reversal comm", "switch_transformers compile comm"]
         for key, losses in got.items():
-            assert losses == pytest.approx(want[key.split()[0]], rel=1e-5), key
+            # (the reversal's gradients: a split sum's round-off on elements near zero)
+            assert losses == pytest.approx(want[key.split()[0]], rel=1e-5, abs=1e-6 if "reversal" in key else None), key
 
 
 class Branchy(torch.nn.Module):
@@ -247,8 +269,9 @@ def test_a_custom_autograd_function_passes_its_gradient_through_the_compile_back
     """Dynamo hands a custom ``autograd.Function`` as ``autograd_function_apply``, its forward run without grad;
     captured as it came, its output was a constant to autograd and every gradient through it was lost (transformers'
     RecurrentGemma through the compile backend: its recurrent block's weights trained wrong from the first step, the
-    losses still equal).  Through the compile backend and ``parallelize``'s dynamo pieces, each weight's gradient
-    (float64) is eager's; RecurrentGemma as users load it trains as serial through the compile backend."""
+    losses still equal).  The graph is now cut around the call, which runs eagerly with the Function's own
+    backward.  Through the compile backend and ``parallelize``'s dynamo pieces, each weight's gradient (float64) is
+    eager's; RecurrentGemma as users load it trains as serial through the compile backend."""
     torch.manual_seed(0)
     model = _Gated().double()
     x = torch.randn(6, 8, dtype=torch.float64)

@@ -33,7 +33,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..precision import compute_inputs, compute_model, policy
-from .functions import warn_custom_functions
+from .functions import function_names
 from .passes import Pass, run_passes
 from .passes.common import CONSTANTS
 from .passes.fuse_routed_experts import PARAMETERS, STORED_VIEWS
@@ -73,6 +73,9 @@ class Captured:
     # dynamo piece, ``soybean.run.pieces``; a pipeline stage; a placed region) takes activations whose gradient its
     # backward must return whole (``graph.build``: such an input needs a gradient, so partial sums are summed).
     grad_inputs: frozenset[str] = frozenset()
+    # The user-defined ``torch.autograd.Function``s whose forwards the graph's ops came from (qualified names;
+    # ``functions.function_names``): the graph differentiates their forwards, not their own backwards.
+    functions: tuple[str, ...] = ()
 
     @property
     def graph(self) -> fx.Graph:
@@ -199,7 +202,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
             "Fix: make forward traceable for these example inputs (no data-dependent Python control flow on "
             "tensor values, no .item()/.tolist() on activations) or pass inputs of the shapes you will train with."
         ) from e
-    warn_custom_functions(ep.graph_module, type(model).__name__)
+    functions = function_names(ep.graph_module)  # before the passes rewrite the nodes their stack traces are on
     sig = ep.graph_signature
     params = _canonical_names(dict(sig.inputs_to_parameters), model.named_parameters(remove_duplicate=False))
     buffers = _canonical_names(dict(sig.inputs_to_buffers), model.named_buffers(remove_duplicate=False))
@@ -236,9 +239,26 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
                             and x.requires_grad and x.is_floating_point()) if len(given) == len(inputs) else frozenset()
     cap = Captured(gm, params, buffers, inputs, aliases, _fingerprint(keys), out_spec=ep.call_spec.out_spec,
                    in_spec=ep.call_spec.in_spec, constants=constants, frozen=frozen, arg_names=_arg_names(model),
-                   keys=keys, views=views, grad_inputs=grad_inputs)
+                   keys=keys, views=views, grad_inputs=grad_inputs, functions=functions)
     _record_sizes(cap, model, example_inputs, example_kwargs or {})
     return cap
+
+
+@contextmanager
+def untouched(model: torch.nn.Module) -> Iterator[None]:
+    """The block may run ``model`` (dynamo collecting its pieces, ``soybean.run.pieces``; a custom Function's
+    backward checked, ``functions.own_backwards``): its buffers (batch norm's running statistics) and the random
+    state are as before afterwards, so planning changes nothing a training run sees."""
+    saved = {k: b.detach().clone() for k, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                if k in saved:
+                    b.copy_(saved[k])
 
 
 def _record_sizes(cap: Captured, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:

@@ -24,20 +24,19 @@ outputs and slicing its inputs (the full-batch contract), and tilings are not ch
 """
 from __future__ import annotations
 
-import copy
 import hashlib
+import operator
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx.passes.split_module import split_module
 
-from ..capture.core import Captured, capture
-from ..capture.functions import warn_custom_functions
+from ..capture.core import Captured, capture, untouched
 from ..options import PlanOptions, plan_kind
 from ..plan import Plan
 from .module import KeepsMesh, _attach, forward_backward
@@ -45,39 +44,57 @@ from .module import KeepsMesh, _attach, forward_backward
 CAPTURES = ("auto", "export", "dynamo")
 
 
-def _forward_only(fwd: fx.GraphModule, bwd: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-    """What a custom ``autograd.Function``'s call returns, computed by its forward's graph with autograd recording
-    (``_through_functions``); ``bwd`` and the call's keywords (what it saves) are not read."""
-    return fwd(*args)[0]
+_APPLY = torch.ops.higher_order.autograd_function_apply  # dynamo's call of a custom ``autograd.Function``
 
 
-def _through_functions(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with each custom ``autograd.Function`` it calls (dynamo's ``autograd_function_apply``: a forward graph
-    run without grad, a backward graph) replaced by its forward run with grad, as ``torch.export`` captures a
-    Function called by a model (the whole-graph path).
+def _split_at_functions(gm: fx.GraphModule, backend: PieceBackend) -> fx.GraphModule | None:
+    """``gm`` split at each custom ``autograd.Function`` it calls, or None where it calls none.
 
-    Captured as dynamo hands it, the forward's output was a constant to autograd (``aten.detach``): every gradient
-    through it was lost (RecurrentGemma's ``SqrtBoundDerivative``: the compile backend trained its recurrent
-    block's weights wrong from the first step, its losses still equal to serial's).  Both paths then train with the
-    derivative of the Function's forward, which is its backward wherever the backward is the forward's gradient
-    (``docs/guide/python.md``, its limits).  ``gm`` is returned as it is when it calls none; else a copy, the graph
-    dynamo runs left alone."""
-    apply = torch.ops.higher_order.autograd_function_apply
-    if not any(n.op == "call_function" and n.target is apply for n in gm.graph.nodes):
-        return gm
-    out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    for n in out.graph.nodes:
-        if n.op == "call_function" and n.target is apply:
-            fwd = getattr(out, n.args[0].target)
-            warn_custom_functions(fwd, "a piece dynamo captured")  # by the lines its forward's ops came from
-            graph = copy.deepcopy(fwd.graph)
-            for m in list(graph.nodes):  # the forward's own ``no_grad``: recorded, its output would be a constant
-                if m.op == "call_function" and m.target is torch._C._set_grad_enabled and not m.users:
-                    graph.erase_node(m)
-            setattr(out, n.args[0].target, fx.GraphModule(fwd, graph))
-            n.target = _forward_only
-    out.recompile()
-    return out
+    Dynamo hands a Function it can trace over as ``autograd_function_apply(fwd, bwd, *args)``: a forward graph and
+    the Function's own backward graph.  Captured into a piece's program, the call would be differentiated through
+    its forward, and a Function whose backward is not that derivative (a gradient reversal, a straight-through
+    estimator, an approximate backward) would train differently from serial.  So the graph is cut around each call
+    (``torch.fx``'s ``split_module``): the runs of ops between calls are ``_Segment``s, each planned and run as a
+    piece, and each call runs as dynamo gave it, eagerly (an ``autograd.Function`` of its two graphs: the Function's
+    own backward), whole on every rank, as the Python between graph breaks runs."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _APPLY]
+    if not calls:
+        return None
+    part, parts = 0, {}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            continue
+        if n.target is _APPLY:
+            parts[n], part = part + 1, part + 2
+        elif n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0].target is _APPLY:
+            parts[n] = parts[n.args[0]]  # the call's outputs taken apart beside it
+        else:
+            parts[n] = part
+    funcs = {parts[n] for n in calls}
+    top = split_module(gm, gm, lambda n: parts.get(n, 0), keep_original_order=True)
+    for name, sub in list(top.named_children()):
+        if name.startswith("submod_") and int(name.removeprefix("submod_")) not in funcs:
+            assert isinstance(sub, fx.GraphModule)
+            setattr(top, name, _Segment(backend, sub))
+    return top
+
+
+class _Segment(nn.Module):
+    """The ops of a dynamo graph between two custom Function calls (``_split_at_functions``), run as the backend
+    runs a graph dynamo hands it (``PieceBackend.runner``, decided on its first call, when its inputs are known)."""
+
+    def __init__(self, backend: PieceBackend, gm: fx.GraphModule) -> None:
+        super().__init__()
+        self.backend, self.gm = backend, gm
+        self.run: Callable[..., Any] | None = None
+        out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        self.single = not isinstance(out.args[0], (tuple, list))  # ``split_module`` returns one output bare
+
+    def forward(self, *args: Any) -> Any:
+        if self.run is None:
+            self.run = self.backend.runner(self.gm, list(args))
+        out = self.run(*args)
+        return out[0] if self.single and isinstance(out, (tuple, list)) else out
 
 
 class _Piece(nn.Module):
@@ -184,6 +201,12 @@ class PieceBackend:
         return _Bound(piece, pm, args, self._make)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        split = _split_at_functions(gm, self)
+        return self.runner(gm, example_inputs) if split is None else split.forward
+
+    def runner(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        """What runs graph ``gm`` (no custom Function calls) for calls like ``example_inputs``: its program
+        (``_Graph``), or ``gm`` itself where it has nothing to split."""
         piece = _Piece(gm, example_inputs)
         users = piece.user_inputs(example_inputs)
         if not any(isinstance(x, torch.Tensor) for x in users):
@@ -207,37 +230,19 @@ class _Graph:
 
     def __init__(self, backend: PieceBackend, gm: fx.GraphModule) -> None:
         self.backend, self.gm = backend, gm
-        # What the piece's capture and program read (once per graph): its custom Functions' forwards with grad.
-        self.piece_gm = _through_functions(gm)
         self.kept = False
         self.bound: _Bound | None = None
 
     def __call__(self, *args: Any) -> Any:
         if self.backend.collecting:
             if not self.kept:
-                piece = _Piece(self.piece_gm, args)
+                piece = _Piece(self.gm, args)
                 self.backend.collected.append((piece, tuple(piece.user_inputs(args))))
                 self.kept = True
             return self.gm(*args)
         if self.bound is None:
-            self.bound = self.backend.bind(self.piece_gm, args)
+            self.bound = self.backend.bind(self.gm, args)
         return self.bound(*args)
-
-
-@contextmanager
-def _untouched(model: nn.Module) -> Iterator[None]:
-    """The block may run ``model``: its buffers (batch norm's running statistics) and the random state are as
-    before afterwards, so planning changes nothing a training run sees."""
-    saved = {k: b.detach().clone() for k, b in model.named_buffers()}
-    rng = torch.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(rng)
-        with torch.no_grad():
-            for k, b in model.named_buffers():
-                if k in saved:
-                    b.copy_(saved[k])
 
 
 def run_collecting(model: nn.Module, compiled: Callable[..., Any], backend: PieceBackend, args: tuple,
@@ -246,7 +251,7 @@ def run_collecting(model: nn.Module, compiled: Callable[..., Any], backend: Piec
     its first call that are not parameters: the model is run once, as captured, and left as it was."""
     backend.collecting, backend.collected = True, []
     try:
-        with _untouched(model):
+        with untouched(model):
             compiled(*args, **kwargs)
         return backend.collected
     finally:
@@ -261,15 +266,20 @@ def collect(model: nn.Module, args: tuple, kwargs: dict) -> list[tuple[_Piece, t
 
 
 def graphs(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None) -> list[Captured]:
-    """What ``parallelize`` captures of ``model``: its one ``torch.export`` graph, or where export fails, every
-    distinct piece dynamo splits its forward into (``collect``, ``distinct``)."""
+    """What ``parallelize`` captures of ``model`` (fp32, one program): its one ``torch.export`` graph, or where
+    export fails or a custom Function must run as written (``capture.functions.own_backwards``), every distinct
+    piece dynamo splits its forward into (``collect``, ``distinct``)."""
     from ..capture.core import CaptureError, split_example
+    from ..capture.functions import own_backwards
 
     args, kwargs = split_example(example_inputs, example_kwargs)
     try:
-        return [capture(model, args, kwargs)]
+        cap = capture(model, args, kwargs)
+        if not cap.functions or not own_backwards(model, args, kwargs, cap.functions):
+            return [cap]
     except CaptureError:
-        return [cap for _, cap in distinct(collect(model, args, kwargs))]
+        pass
+    return [cap for _, cap in distinct(collect(model, args, kwargs))]
 
 
 def pieces_fingerprint(fingerprints: Sequence[str]) -> str:
