@@ -34,12 +34,16 @@ class _Reversal(torch.autograd.Function):
 
 
 class _Reversed(torch.nn.Module):
+    """Two layers with the Function ``fn`` between them."""
+
+    fn: Any = _Reversal
+
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(_Reversal.apply(self.a(x)))
+        return self.b(self.fn.apply(self.a(x)))
 
 
 class _Square(torch.autograd.Function):
@@ -56,13 +60,8 @@ class _Square(torch.autograd.Function):
         return 2 * x * grad
 
 
-class _Squared(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(_Square.apply(self.a(x)))
+class _Squared(_Reversed):
+    fn = _Square
 
 
 class _Straight(torch.nn.Module):
