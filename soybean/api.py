@@ -153,9 +153,10 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
     ``capture_with``: how the model is captured.  ``auto`` (default): ``torch.export``, and where export cannot
     capture the model (a graph break: data-dependent Python control flow, code that runs only when not compiling),
     dynamo in pieces split at its graph breaks, with one warning saying why (``soybean.run.pieces``); so too a model
-    that calls a custom ``torch.autograd.Function``, which then runs as written between pieces, with its own
-    backward (exported, it would train with its forward's derivative: ``capture.functions``; where pieces are not
-    offered, a ``CustomFunctionWarning`` says so); ``export`` or ``dynamo``: only that one.  A model captured in
+    that calls a custom ``torch.autograd.Function`` whose backward is not its forward's derivative on the example
+    (or cannot be checked there), which then runs as written between pieces, with its own backward (exported, it
+    would train with its forward's derivative: ``capture.functions``; where pieces are not offered, a backward shown
+    to differ is a ``CustomFunctionError``); ``export`` or ``dynamo``: only that one.  A model captured in
     pieces runs as a ``pieces.PiecesModule`` (the same API; every parameter stored whole, its use split; fp32, the
     full-batch contract, no pipeline stages or placement).  A plan saved from pieces runs as one.
     """
