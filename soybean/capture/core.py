@@ -244,23 +244,6 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
     return cap
 
 
-@contextmanager
-def untouched(model: torch.nn.Module) -> Iterator[None]:
-    """The block may run ``model`` (dynamo collecting its pieces, ``soybean.run.pieces``; a custom Function's
-    backward checked, ``functions.own_backwards``): its buffers (batch norm's running statistics) and the random
-    state are as before afterwards, so planning changes nothing a training run sees."""
-    saved = {k: b.detach().clone() for k, b in model.named_buffers()}
-    rng = torch.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(rng)
-        with torch.no_grad():
-            for k, b in model.named_buffers():
-                if k in saved:
-                    b.copy_(saved[k])
-
-
 def _record_sizes(cap: Captured, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Data-dependent sizes (``nonzero``, a mask, ``tolist()``: unbacked symbols) get the example run's values as
     the sizes planning prices (``rules.datadep.record_sizes``, one run of the graph on copies of the buffers), and

@@ -26,6 +26,8 @@ from torch import fx
 from torch.autograd.function import _SingleLevelFunction
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .eager import untouched
+
 # A frame of a node's stack trace, as torch's ``format_stack`` writes it.
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in forward')
 
@@ -197,8 +199,6 @@ def own_backwards(model: torch.nn.Module, args: tuple, kwargs: dict, names: Sequ
     buffers and random state kept) has a backward that is not its forward's derivative there (``_matches``),
     False where it could not be checked (a model on the meta device, a Function called other than through
     ``apply``, a forward that cannot run as plain code).  A Function whose backward matched is left out."""
-    from .core import untouched
-
     by_name = {f"{c.__module__}.{c.__qualname__}": c for c in _subclasses(torch.autograd.Function)}
     classes = [by_name[n] for n in names if n in by_name]
     if len(classes) < len(names) or any(t.is_meta for t in model.parameters()):

@@ -36,7 +36,8 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from ..capture.core import Captured, capture, untouched
+from ..capture.core import Captured, capture
+from ..capture.eager import untouched
 from ..options import PlanOptions, plan_kind
 from ..plan import Plan
 from .module import KeepsMesh, _attach, forward_backward
