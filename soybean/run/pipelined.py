@@ -192,18 +192,17 @@ class PipelinedModule(PartsModule):
             got = torch_groups(Mesh(tuple(p.mesh)), ranks=range((k % groups) * per, (k % groups + 1) * per))
             if k % groups == gi:
                 mine[k] = got
-        # the ranks of one in-group index across the groups: the pipeline's point-to-point group
-        pp = new_groups([[k * per + j for k in range(groups)] for j in range(per)])[rank % per]
-        # The tied weights' groups, made here with the others, before the work one rank may fail in alone (its
-        # stages' programs, torch's ``PipelineStage`` checks).
+        # The pipeline's point-to-point groups (the ranks of one in-group index across the groups) and each tied
+        # weight's (the same across the groups that hold it), made in one call (one exchange) with the others,
+        # before the work one rank may fail in alone (its stages' programs, torch's ``PipelineStage`` checks).
         shared = shared_params(cap, [st.nodes for st in stages])
-        tie_groups: dict[str, Any] = {}
-        for fqn, readers in shared.items():
-            holders = sorted({k % groups for k in readers})
-            if len(holders) > 1:
-                g = new_groups([[h * per + j for h in holders] for j in range(per)])[rank % per]
-                if g is not None:
-                    tie_groups[fqn] = g
+        tied = [(fqn, holders) for fqn, readers in shared.items()
+                if len(holders := sorted({k % groups for k in readers})) > 1]
+        made = new_groups([[k * per + j for k in range(groups)] for j in range(per)] +
+                          [[h * per + j for h in holders] for _, holders in tied for j in range(per)])
+        pp = made[rank % per]
+        tie_groups: dict[str, Any] = {fqn: g for i, (fqn, _) in enumerate(tied)
+                                      if (g := made[(i + 1) * per + rank % per]) is not None}
         self.stage_modules = nn.ModuleList()
         self._pstages = []
         # Static metadata (shapes, dtypes, which values carry gradients), for every stage (``boundary_examples``: from
