@@ -15,13 +15,13 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import torch
 import torch.distributed as dist
 
 from .capture.core import Captured, CaptureError, capture, split_example
-from .capture.functions import exported_with, own_backwards, pieces_reason
+from .capture.functions import exported_with, kept_whole_by, own_backwards, pieces_or_whole
 from .mesh import Mesh
 from .options import PlanOptions, options as merge_options, plan_kind
 from .plan import Plan
@@ -38,6 +38,7 @@ from .runtime.comm import Group
 # own (``runtime.agree.Setup``), so the collective timeout (``timeout_s``) can stay short.  A rank 0 that dies
 # closes its connections, so the wait ends at once then.
 PLAN_WAIT_S = SETUP_WAIT_S
+T = TypeVar("T")
 
 
 def _resolve_plan(plan: Plan | str | Path | None) -> Plan | None:
@@ -195,13 +196,19 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
                 raise
             why = str(e).split(". Fix:")[0]
     if cap is not None and cap.functions and captured is None:
-        # The exported graph trains a custom Function's forward's derivative; in pieces it runs as written.
-        own = own_backwards(model, example_inputs, example_kwargs, cap.functions)
-        kept = _function_kept_by(capture_with, p, kind, prec, simulated and world > 1)
-        if own and kept is None:
-            why, cap = pieces_reason(list(own)), None
-        elif own:
-            exported_with(own, type(model).__name__, kept or "", capture_with == "export")
+        # The exported graph trains a custom Function's forward's derivative; in pieces it runs as written.  Rank 0
+        # checks the backwards and every rank follows its answer (a check near its tolerance cannot split them).
+        names = cap.functions
+
+        def check() -> dict[str, bool]:
+            return own_backwards(model, example_inputs, example_kwargs, names)
+
+        own = check() if simulated or world == 1 else _rank0_value(check, rank)
+        kept = kept_whole_by(capture_with, given_plan=p is not None, kind=kind, precision=prec,
+                             simulated=simulated and world > 1)
+        reason = pieces_or_whole(own, type(model).__name__, kept, capture_with == "export")
+        if reason is not None:
+            why, cap = reason, None
     if cap is None:
         return _pieces(model, example_inputs, example_kwargs, one, world, rank, simulated, prec, p, kind == "placed",
                        why)
@@ -226,22 +233,6 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
 
         groups = torch_groups(Mesh(tuple(p.mesh)))
     return ParallelModule(model, cap, p, rank, groups, lazy_outputs=opts.outputs == "lazy", share_params=share_params)
-
-
-def _function_kept_by(capture_with: str, given: Plan | None, kind: str, precision: str, simulated: bool) -> str | None:
-    """Why a model that calls a custom ``autograd.Function`` runs as its one exported graph, not in pieces where
-    the Function runs as written (``capture.functions``); None when nothing keeps it from pieces."""
-    if capture_with == "export":
-        return "captured by torch.export as asked (capture_with='export')"
-    if given is not None:
-        return "under a plan made from its exported graph"
-    if kind == "placed":
-        return "placed (placement=)"
-    if precision != "fp32":
-        return f"in precision {precision}"
-    if simulated:
-        return "on simulated groups"
-    return None
 
 
 def _world(opts: PlanOptions, groups: Sequence[Group] | None, rank: int | None,
@@ -385,9 +376,9 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
     except CaptureError as e:  # what parallelize does without stages, said where a user reads it
         raise CaptureError(f"{e} (pipeline stages need one exported graph; without pipeline= and placement=, "
                            f"soybean.parallelize trains {type(model).__name__} captured by dynamo in pieces)") from e
-    if cap.functions:
-        exported_with(own_backwards(model, args, kwargs, cap.functions), type(model).__name__, "in pipeline stages",
-                      exported)
+    if cap.functions:  # rank 0's check, on every rank: each raises the same error or none does
+        own = _rank0_value(lambda: own_backwards(model, args, kwargs, cap.functions), rank)
+        exported_with(own, type(model).__name__, "in pipeline stages", exported)
     if given is None:
         given = _from_rank0(lambda: plan_pipeline(cap, world, stages, microbatches, opts.schedule, opts.one_program(),
                                                   opts.virtual)[2], rank)
@@ -400,19 +391,24 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
     return pm
 
 
-def _from_rank0(make: Callable[[], Plan], rank: int) -> Plan:
-    """``make()`` on rank 0, sent to every rank (so ranks cannot diverge) over the call's own gloo group
-    (``runtime.agree.Setup``), whose timeout (``PLAN_WAIT_S``) covers planning.  An error instead of the plan
-    (rank 0's planning, or another rank's own capture failing before it got here) is raised on every rank."""
+def _rank0_value(make: Callable[[], T], rank: int) -> T:
+    """``make()`` on rank 0 (any picklable value), sent to every rank (so ranks cannot diverge) over the call's own
+    gloo group (``runtime.agree.Setup``), whose timeout (``PLAN_WAIT_S``) covers planning.  An error instead of the
+    value (rank 0's, or another rank's own capture failing before it got here) is raised on every rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return make()
     setup = current_setup()
     setup.open()
     try:
-        mine = make().to_json() if rank == 0 else None
-    except Exception as e:  # sent instead of the plan: the others are waiting for it
+        mine = make() if rank == 0 else None
+    except Exception as e:  # sent instead of the value: the others are waiting for it
         setup.fail(e)
-    received = setup.share(mine)[0]
+    return setup.share(mine)[0]
+
+
+def _from_rank0(make: Callable[[], Plan], rank: int) -> Plan:
+    """Rank 0's plan on every rank (``_rank0_value``), sent as its JSON."""
+    received = _rank0_value(lambda: make().to_json(), rank)
     assert received is not None  # rank 0 sent its plan
     return Plan.from_dict(json.loads(received))
 

@@ -154,8 +154,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         return _plan_pipelined(a, opts)
     try:
         model, inputs, cap = _captured(a, opts.precision)
-        if cap.functions and kind == "plain" and opts.precision in (None, "fp32"):
-            _pieces_if_own_backwards(a, model, inputs, cap.functions)
+        if cap.functions:
+            _pieces_if_own_backwards(a, model, inputs, cap.functions, kind, opts.precision or "fp32")
     except CaptureError as e:  # captured by dynamo in pieces, as parallelize captures it
         from .report.table import pieces_table
 
@@ -202,18 +202,21 @@ def _warn_over_device(p: Plan, opts: PlanOptions) -> None:
               file=sys.stderr)
 
 
-def _pieces_if_own_backwards(a: argparse.Namespace, model: Any, inputs: Any, functions: tuple[str, ...]) -> None:
+def _pieces_if_own_backwards(a: argparse.Namespace, model: Any, inputs: Any, functions: tuple[str, ...], kind: str,
+                             precision: str) -> None:
     """Raise the ``CaptureError`` that plans the model in pieces where a custom Function it calls (``functions``)
-    must run as written, as ``parallelize`` captures it (``capture.functions.own_backwards``)."""
+    must run as written, by ``parallelize``'s rule (``capture.functions.pieces_or_whole``): its error or warning
+    where pieces are not offered (a placed plan, bf16)."""
     from . import models
     from .capture.core import CaptureError, split_example
-    from .capture.functions import own_backwards, pieces_reason
+    from .capture.functions import kept_whole_by, own_backwards, pieces_or_whole
 
     if model is None:  # a cached capture: the model itself runs the check
         model, inputs = models.load(a.model, models.parse_args(a.arg))
     own = own_backwards(model, *split_example(inputs, None), functions)
-    if own:
-        raise CaptureError(pieces_reason(list(own)))
+    reason = pieces_or_whole(own, type(model).__name__, kept_whole_by("auto", kind=kind, precision=precision), False)
+    if reason is not None:
+        raise CaptureError(reason)
 
 
 def _pieces_plan(a: argparse.Namespace, opts: PlanOptions, err: Exception, given: Plan | None = None
@@ -270,9 +273,9 @@ def _explained(a: argparse.Namespace) -> list[tuple[str, Explanation, list[int] 
         return _explained_regions(a, model, inputs, given, profile)
     try:
         functions = capture(model, inputs).functions
-        if functions and (given.pieces is not None if given is not None else
-                          plan_options(a).precision in (None, "fp32")):
-            _pieces_if_own_backwards(a, model, inputs, functions)  # planned in pieces, as ``soybean plan`` plans it
+        if functions and (given is None or given.pieces is not None):  # in pieces, as ``soybean plan`` plans it
+            precision = (plan_options(a).precision or "fp32") if given is None else "fp32"
+            _pieces_if_own_backwards(a, model, inputs, functions, "plain", precision)
     except CaptureError as e:  # a plan made of pieces: one part per piece
         from .run.pieces import piece_plans
 

@@ -177,3 +177,15 @@ def test_the_command_line_plans_a_model_with_its_own_backward_in_pieces(tmp_path
     capsys.readouterr()
     assert main(["explain", ref, "--plan", str(out)]) == 0
     assert capsys.readouterr().out.count("== piece ") == len(saved.pieces["graphs"]) == 2
+
+
+def test_the_command_line_refuses_where_parallelize_would(capsys: pytest.CaptureFixture) -> None:
+    """In bf16, where pieces are not offered, ``soybean plan`` stops with ``parallelize``'s error (one rule in
+    ``capture.functions.pieces_or_whole``), not a plan that would train the forward's derivative."""
+    from soybean.cli import main
+
+    ref = "tests.test_custom_functions:reversed_model"
+    assert main(["plan", ref, "--devices", "2", "--no-cache", "--quiet", "--precision", "bf16-mixed"]) != 0
+    err = capsys.readouterr().err
+    assert "soybean plan: error: _Reversed calls the custom torch.autograd.Function" in err
+    assert "in precision bf16-mixed" in err and "Fix:" in err

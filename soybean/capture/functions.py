@@ -222,6 +222,35 @@ def own_backwards(model: torch.nn.Module, args: tuple, kwargs: dict, names: Sequ
     return out
 
 
+def kept_whole_by(capture_with: str, *, given_plan: bool = False, kind: str = "plain", precision: str = "fp32",
+                  simulated: bool = False) -> str | None:
+    """Why a model that calls a custom Function is exported whole rather than captured in pieces where the Function
+    runs as written: pieces are offered only to ``capture_with="auto"``, fp32, a plain plan made here, on a real
+    process group.  None when nothing keeps it from pieces (the one rule ``parallelize`` and the CLI follow)."""
+    if capture_with == "export":
+        return "captured by torch.export as asked (capture_with='export')"
+    if given_plan:
+        return "under a plan made from its exported graph"
+    if kind == "placed":
+        return "placed (placement=)"
+    if precision != "fp32":
+        return f"in precision {precision}"
+    if simulated:
+        return "on simulated groups"
+    return None
+
+
+def pieces_or_whole(own: dict[str, bool], model: str, kept: str | None, asked: bool) -> str | None:
+    """What becomes of a model whose Functions ``own`` (``own_backwards``) must run as written: the reason it is
+    captured in pieces (``pieces_reason``) where nothing ``kept`` it whole (``kept_whole_by``); else None, after
+    ``exported_with``'s error or warning."""
+    if own and kept is None:
+        return pieces_reason(list(own))
+    if own:
+        exported_with(own, model, kept or "", asked)
+    return None
+
+
 def exported_with(own: dict[str, bool], model: str, where: str, asked: bool) -> None:
     """A model exported whole though it calls the Functions ``own`` (``own_backwards``) because ``where``: an error
     naming those shown to differ (training would not be serial's) unless export was ``asked`` for, a
