@@ -117,31 +117,32 @@ def serial(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list, Pa
 
 @pytest.mark.parametrize("model", MODELS)
 def test_two_ranks_split_checkpoint_and_resume_as_one_process(model: str, serial: Any, tmp_path: Path) -> None:
-    """On two processes, in one launch: ``--objective time`` logs every loss and gradient norm of the plain
-    one-process run; so does ``--objective comm`` (a plan that splits parameters), whose step-10 checkpoint is the
-    serial model (``from_pretrained``, the serial model's keys) holding exactly the parameters the tiles held there,
-    with the serial optimizer's layout; resuming from it logs steps 11-20 exactly as the uninterrupted run did.
-    Llama also runs ``--contract full`` (each rank's slice all-gathered into the global batch the plan reads whole):
-    the same losses."""
+    """On two processes, in one launch: ``--objective comm`` (a plan that splits parameters) logs every loss and
+    gradient norm of the plain one-process run; its step-10 checkpoint is the serial model (``from_pretrained``, the
+    serial model's keys) holding exactly the parameters the tiles held there, with the serial optimizer's layout;
+    resuming from it logs steps 11-20 exactly as the uninterrupted run did.  Llama also runs ``--objective time``
+    and ``--contract full`` (each rank's slice all-gathered into the global batch the plan reads whole): the same
+    losses.  (The other models' ``time`` plans through the Trainer ran the same Trainer path as Llama's, a third of
+    their time: their plans' exactness is ``test_archs``'.)"""
     import transformers as tf
 
     params, out, ckpt = tmp_path / "params10.pt", tmp_path / "out", tmp_path / "out" / "checkpoint-10"
     comm = ["--model", model, "--objective", "comm"]
-    runs = [{"argv": ["--model", model, "--objective", "time", "--output-dir", str(tmp_path / "time")],
-             "log": str(tmp_path / "time.json")},
-            {"argv": [*comm, "--output-dir", str(out)], "log": str(tmp_path / "log.json"), "probe": str(params)},
+    runs = [{"argv": [*comm, "--output-dir", str(out)], "log": str(tmp_path / "log.json"), "probe": str(params)},
             {"argv": [*comm, "--output-dir", str(tmp_path / "resumed"), "--resume", str(ckpt)],
              "log": str(tmp_path / "resumed.json")}]
     if model == "llama":
+        runs.append({"argv": ["--model", model, "--objective", "time", "--output-dir", str(tmp_path / "time")],
+                     "log": str(tmp_path / "time.json")})
         runs.append({"argv": [*comm, "--contract", "full", "--output-dir", str(tmp_path / "full")],
                      "log": str(tmp_path / "full.json")})
     _runs(2, runs, tmp_path)
     want, serial_out = serial[model]
-    _assert_close(_losses(tmp_path / "time.json"), want)
     assert _split(out) > 0, "the comm plan was meant to split parameters"
     run = _losses(tmp_path / "log.json")
     _assert_close(run, want)
     if model == "llama":
+        _assert_close(_losses(tmp_path / "time.json"), want)
         _assert_close(_losses(tmp_path / "full.json"), want)
 
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()

@@ -91,8 +91,9 @@ def test_the_plan_records_every_piece_and_why() -> None:
     assert again.to_json() == p.to_json() and again.pieces == p.pieces
 
 
-@pytest.mark.parametrize("name", ["longt5", "led"])
+@pytest.mark.parametrize("name", ["longt5"])
 def test_one_device_trains_as_serial_with_one_warning(name: str) -> None:
+    """(LED's warning and training are checked on two processes: ``test_two_gloo_processes_train_as_serial``.)"""
     torch._dynamo.reset()  # each compile of a model class adds dynamo cache entries; a test starts afresh
     model, ex, labels = _outside(name)
     serial = copy.deepcopy(model)
@@ -126,17 +127,20 @@ def _ranks(rank: int, world: int, path: str) -> dict[str, list[float]]:
     torch._dynamo.reset()
     out = {}
     model, ex, labels = _outside("led")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         pm = soybean.parallelize(model, ex, devices=world, objective="comm")
+    said = [str(w.message) for w in seen if "captured by dynamo" in str(w.message)]
+    assert len(said) == 1 and "torch.export" in said[0], said  # one warning, saying why
     out["led comm"] = _sgd(pm, list(pm.parameters()), ex, labels)
-    pm.save_sharded(path)  # a sharded checkpoint of the trained pieces loads into a fresh model's
-    fresh, _, _ = _outside("led")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        again = soybean.parallelize(fresh, ex, devices=world, plan=pm.plan)
-    again.load_sharded(path)
-    trained, loaded = pm.full_state_dict(), again.full_state_dict()
+    # A sharded checkpoint of the trained pieces (LED's tied embeddings too) loads back over other weights (into a
+    # fresh module of another model: ``test_module_api``'s contract, which runs a PiecesModule).
+    trained = pm.full_state_dict()
+    pm.save_sharded(path)
+    pm.load_full_state_dict(_outside("led")[0].state_dict())
+    assert not all(torch.equal(v, trained[k]) for k, v in pm.full_state_dict().items())
+    pm.load_sharded(path)
+    loaded = pm.full_state_dict()
     assert trained.keys() == loaded.keys() and all(torch.equal(v, loaded[k]) for k, v in trained.items())
     model, ex, labels = _outside("switch_transformers")
     compiled = torch.compile(model, backend=soybean.compile_backend(objective="comm"), dynamic=False)
@@ -163,9 +167,9 @@ def _flat_grads(run: torch.nn.Module, x: torch.Tensor) -> list[float]:
 @pytest.mark.dist
 def test_two_gloo_processes_train_as_serial(tmp_path: Path) -> None:
     """``parallelize`` (``comm``: the pieces' work split) and the compile backend, 2 gloo
-    processes, the loss outside from ``out.logits``: every step's loss equals serial; a sharded checkpoint saved
-    from one model's pieces loads into a fresh model run with the same plan; a gradient reversal (a custom
-    ``autograd.Function``) gives eager's gradients, the pieces cut at its call.
+    processes, the loss outside from ``out.logits``: LED's one warning names why it is captured in pieces; every
+    step's loss equals serial; a sharded checkpoint of the trained pieces loads back over other weights; a gradient
+    reversal (a custom ``autograd.Function``) gives eager's gradients, the pieces cut at its call.
 
     Switch Transformers runs here through the compile backend only: ``parallelize``'s pieces and the backend's are
     one machine (``PieceBackend``: the same per-piece plans, made on rank 0, run whole-in whole-out), so a second
