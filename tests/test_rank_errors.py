@@ -1,7 +1,8 @@
 """One error on every rank, never a hang (``soybean.runtime.agree``), on two gloo processes.
 
 - Planning: rank 0's error (an impossible memory budget) is raised on every rank as the same exception, and a
-  capture failing on rank 1 alone is raised on rank 0 too, not left waiting for a plan.
+  capture failing on rank 1 alone is raised on rank 0 too, not left waiting for a plan; a custom Function refused
+  in pipeline stages (rank 0 checks its backward) is the same ``CustomFunctionError`` on both.
 - Building a rank's part of a pipelined or placed plan: a failure on one rank (a pipeline stage, a placed region)
   is its error on every rank, not a wait in a process group the others never make (the tied weights').
 - Steps: a ``loss_fn`` raising on rank 1 only ends both ranks, rank 1 with its own exception and rank 0 with
@@ -36,23 +37,47 @@ def _error(e: BaseException) -> tuple[str, str, list[str]]:
     return type(e).__name__, str(e), list(getattr(e, "__notes__", []))
 
 
-def _budget(rank: int, world: int) -> tuple[str, str, list[str]] | None:
+def _budget(rank: int, world: int) -> dict[str, tuple[str, str, list[str]] | None]:
+    """An impossible budget; then a gradient reversal (a custom Function whose backward is not its forward's
+    derivative) in pipeline stages, which only export offers: rank 0 checks the backward, every rank refuses."""
+    from test_custom_functions import _Reversed
+
     import soybean
 
+    out: dict[str, tuple[str, str, list[str]] | None] = {"budget": None, "function": None}
     model, x = _mlp()
     try:
         soybean.parallelize(model, (x,), devices=world, memory_gb=1e-6)
     except Exception as e:
-        return _error(e)
-    return None
+        out["budget"] = _error(e)
+    torch.manual_seed(0)
+    try:
+        soybean.parallelize(_Reversed(), (torch.randn(8, 4),), devices=world, pipeline=2, microbatches=2)
+    except Exception as e:
+        out["function"] = _error(e)
+    return out
 
 
-def test_an_impossible_budget_is_rank_0s_error_on_every_rank() -> None:
-    got = spawn(_budget, 2, timeout_s=120)
+@pytest.fixture(scope="module")
+def planning_errors() -> list[dict[str, tuple[str, str, list[str]] | None]]:
+    """``_budget`` on two processes (one spawn for both of its cases)."""
+    return spawn(_budget, 2, timeout_s=120)
+
+
+def test_an_impossible_budget_is_rank_0s_error_on_every_rank(planning_errors: list[dict]) -> None:
+    got = [r["budget"] for r in planning_errors]
     assert got[0] is not None and got[1] is not None, got
     assert got[0][0] == got[1][0] == "MemoryBudgetError", got
     assert got[0][1] == got[1][1] and got[0][1].startswith("no plan fits the memory budget"), got
     assert any("rank 0" in n for n in got[1][2]), got  # rank 1's copy says whose it is
+
+
+def test_a_custom_function_refused_in_pipeline_stages_is_the_same_error_on_every_rank(planning_errors: list[dict]
+                                                                                      ) -> None:
+    got = [r["function"] for r in planning_errors]
+    assert got[0] is not None and got[1] is not None, got
+    assert got[0][0] == got[1][0] == "CustomFunctionError", got
+    assert got[0][1] == got[1][1] and "in pipeline stages" in got[0][1], got
 
 
 def _boom(*args: object, **kwargs: object) -> None:
