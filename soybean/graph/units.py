@@ -21,7 +21,7 @@ from ..cost.memory import (
 from ..mesh import Mesh
 from ..rules.base import OpSpec, Strategy, make_opspec, tensor_args
 from .types import PlanGraph
-from .writes import written_inputs
+from .writes import may_write, written_inputs
 
 
 def _module_path(node: fx.Node) -> str:
@@ -73,11 +73,15 @@ def recomputable_layers(cap: Captured) -> list[str]:
     for n in cap.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem or not node_layer(n):
             continue  # not an op, or in no layer
-        op = make_opspec(n.target, n.args, n.kwargs, n.meta.get("val"))
-        entry = rules.lookup(n.target)
-        windowed = entry is not None and entry.windows is not None and bool(entry.windows(op))
         layer = node_layer(n)
-        layers[layer] = layers.get(layer, True) and not windowed and not written_inputs(op)
+        entry = rules.lookup(n.target)
+        windows = entry is not None and entry.windows is not None
+        if not layers.get(layer, True) or not (windows or may_write(n.target)):
+            layers.setdefault(layer, True)  # already out, or an op that can neither write nor window: no spec built
+            continue
+        op = make_opspec(n.target, n.args, n.kwargs, n.meta.get("val"))
+        windowed = entry is not None and entry.windows is not None and bool(entry.windows(op))
+        layers[layer] = not windowed and not written_inputs(op)
     return [k for k, ok in layers.items() if ok]
 
 

@@ -2,9 +2,21 @@
 declares (``register(..., writes=...)``: batch norm's running statistics in training)."""
 from __future__ import annotations
 
+from typing import Any
+
 from .. import rules
 from ..rules._common import Args
 from ..rules.base import OpSpec
+
+
+def may_write(target: Any) -> bool:
+    """Whether an op of ``target`` can write an input in place (``written_inputs`` non-empty for some call): its
+    schema has a ``Tensor(a!)`` argument or its rule declares writes.  False lets a caller skip building the op."""
+    schema = getattr(target, "_schema", None)
+    if schema is not None and any(x.alias_info is not None and x.alias_info.is_write for x in schema.arguments):
+        return True
+    entry = rules.lookup(target)
+    return entry is not None and entry.writes is not None
 
 
 def written_inputs(op: OpSpec) -> list[int]:
