@@ -41,7 +41,7 @@ from .phases import backward_transient, rerun_credit
 from .pinning import PINNED, pinned_use, use_tiling
 from .types import Edge, PlanGraph, Var
 from .units import _module_path, _Rerun
-from .writes import written_inputs
+from .writes import may_write, written_inputs
 
 
 class SharedWork:
@@ -361,6 +361,7 @@ class _Builder:
         # ``divide_work`` never asks their ops to divide work a batch split cannot divide.
         self.weights_only: set[str] = set()
         self.fallback: set[str] = set()
+        self.may_write: dict[Any, bool] = {}  # op target -> ``writes.may_write`` of it (every node asks)
         self.uses = value_uses(cap.graph)
         self.full = (R,) * g.mesh.ndim
         # A fixed graph has one strategy per variable: nothing to share.
@@ -513,7 +514,9 @@ class _Builder:
         for i, (a, (u, k)) in enumerate(zip(targs, sources)):
             _add_edge(g, u, v, k, i, self.needs_grad.get(a.name, False), memo=memo, rerun=rerun.op(node.name),
                       lazy=returned_sum(a, node))
-        for i in written_inputs(op):
+        if node.target not in self.may_write:
+            self.may_write[node.target] = may_write(node.target)
+        for i in written_inputs(op) if self.may_write[node.target] else ():
             a = targs[i]
             if a.op != "placeholder":
                 continue
@@ -623,7 +626,7 @@ def _add_edge(
     if memo is not None and v in memo.key and u in memo.cls:
         mkey = (memo.cls[u], out_idx, memo.key[v], in_idx, needs_grad, write_back, rerun, lazy)
         if (seen := memo.edges.get(mkey)) is not None:
-            g.edges.append(replace(seen, src=u, dst=v))
+            g.edges.append(seen.at(u, v))
             return
     U, V = g.vars[u], g.vars[v]
     spec = V.op.inputs[in_idx] if V.op is not None else None
