@@ -184,6 +184,12 @@ def _run_once(case: Case, time_limit: float, timeout: float, cache: str, jobs: i
     }
 
 
+def _gap(g: float) -> str:
+    """The gap in percent, to two decimals, or to one significant digit where those read 0.00% of a plan that is
+    not proven optimal (its status says "feasible")."""
+    return f"{g:.2%}" if g == 0 or g >= 5e-5 else f"{g * 100:.1g}%"
+
+
 def _ms(x: float | str) -> str:
     return f"{x * 1e3:.1f}" if isinstance(x, float) else str(x)
 
@@ -202,7 +208,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['case']:<15} {r['devices']:>5} {r['global_batch']:>5} {r['wall_s']:>7.1f} "
                      f"{r.get('second_wall_s', float('nan')):>7.1f} {r['peak_rss_gb']:>7.2f} "
                      f"{r['peak_rss_sum_gb']:>7.2f} {r['mesh']:>9} "
-                     f"{r['status']:>8} {r['gap']:>8.2%} {_ms(r['step_s']):>8} {r['memory_gb']:>7.1f} "
+                     f"{r['status']:>8} {_gap(r['gap']):>8} {_ms(r['step_s']):>8} {r['memory_gb']:>7.1f} "
                      f"{r['recomputed']:>6}  {base}")
     return "\n".join(lines)
 
