@@ -35,6 +35,13 @@ def batch(step: int, size: int, features: int, classes: int) -> tuple[torch.Tens
     return torch.randn(size, features, generator=g), torch.randint(0, classes, (size,), generator=g)
 
 
+def make_model(hidden: int, features: int = 32, classes: int = 10) -> nn.Module:
+    """The model every attempt starts from (its initial weights seeded; a resumed run overwrites them)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(features, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+                         nn.Linear(hidden, classes))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", required=True, help="checkpoint directory (created; resumed from when it has one)")
@@ -51,9 +58,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     features, classes = 32, 10
-    torch.manual_seed(0)  # the initial weights; a resumed run overwrites them from the checkpoint
-    model = nn.Sequential(nn.Linear(features, a.hidden), nn.GELU(), nn.Linear(a.hidden, a.hidden), nn.GELU(),
-                          nn.Linear(a.hidden, classes))
+    model = make_model(a.hidden, features, classes)
     x, _ = batch(0, a.batch, features, classes)
     pmodel = soybean.parallelize(model, (x,), objective=a.objective)  # world size and rank: from the launcher
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-2)
