@@ -41,7 +41,7 @@ from .phases import backward_transient, rerun_credit
 from .pinning import PINNED, pinned_use, use_tiling
 from .types import Edge, PlanGraph, Var
 from .units import _module_path, _Rerun
-from .writes import may_write, written_inputs
+from .writes import written_inputs
 
 
 class SharedWork:
@@ -361,7 +361,6 @@ class _Builder:
         # ``divide_work`` never asks their ops to divide work a batch split cannot divide.
         self.weights_only: set[str] = set()
         self.fallback: set[str] = set()
-        self.may_write: dict[Any, bool] = {}  # op target -> ``writes.may_write`` of it (every node asks)
         self.uses = value_uses(cap.graph)
         self.full = (R,) * g.mesh.ndim
         # A fixed graph has one strategy per variable: nothing to share.
@@ -514,9 +513,7 @@ class _Builder:
         for i, (a, (u, k)) in enumerate(zip(targs, sources)):
             _add_edge(g, u, v, k, i, self.needs_grad.get(a.name, False), memo=memo, rerun=rerun.op(node.name),
                       lazy=returned_sum(a, node))
-        if node.target not in self.may_write:
-            self.may_write[node.target] = may_write(node.target)
-        for i in written_inputs(op) if self.may_write[node.target] else ():
+        for i in written_inputs(op):
             a = targs[i]
             if a.op != "placeholder":
                 continue
