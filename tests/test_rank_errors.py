@@ -37,7 +37,7 @@ def _error(e: BaseException) -> tuple[str, str, list[str]]:
     return type(e).__name__, str(e), list(getattr(e, "__notes__", []))
 
 
-def _budget(rank: int, world: int) -> dict[str, tuple[str, str, list[str]] | None]:
+def _planning_failures(rank: int, world: int) -> dict[str, tuple[str, str, list[str]] | None]:
     """An impossible budget; then a gradient reversal (a custom Function whose backward is not its forward's
     derivative) in pipeline stages, which only export offers: rank 0 checks the backward, every rank refuses."""
     from test_custom_functions import _Reversed
@@ -60,8 +60,8 @@ def _budget(rank: int, world: int) -> dict[str, tuple[str, str, list[str]] | Non
 
 @pytest.fixture(scope="module")
 def planning_errors() -> list[dict[str, tuple[str, str, list[str]] | None]]:
-    """``_budget`` on two processes (one spawn for both of its cases)."""
-    return spawn(_budget, 2, timeout_s=120)
+    """``_planning_failures`` on two processes (one spawn for both of its cases)."""
+    return spawn(_planning_failures, 2, timeout_s=120)
 
 
 def test_an_impossible_budget_is_rank_0s_error_on_every_rank(planning_errors: list[dict]) -> None:
