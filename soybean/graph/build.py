@@ -46,9 +46,11 @@ from .writes import written_inputs
 
 class SharedWork:
     """The part of ``_Memo`` that outlives one build: classes and keys by content, and the work found under them.
-    Builds of one mesh with one set of settings (objective, domains, pinning) that differ only in what they
-    recompute share it (``planner.solve_recompute``): an op's key says what it keeps and whether it reruns, so the
-    layers two recomputation choices treat alike are built once for both."""
+    Builds of one capture on one mesh with one set of settings (objective, domains, pinning) that differ only in
+    what they recompute share it (``planner.solve_recompute``): an op's key says what it keeps and whether it
+    reruns, so the layers two recomputation choices treat alike are built once for both, and what recomputation
+    never changes (a node's spec, a placeholder's tilings and costs, an op's domain and own compute) is kept by
+    node name or by the key without what the op keeps, and read by every build."""
 
     def __init__(self) -> None:
         self.classes: dict[Hashable, int] = {}
@@ -56,6 +58,14 @@ class SharedWork:
         self.vars: dict[int, tuple[list[Strategy], np.ndarray, np.ndarray, int, np.ndarray | None,
                                    np.ndarray | None]] = {}
         self.edges: dict[tuple, Edge] = {}
+        # an op node's spec, rule-less flag, op key id, may-copy flag and written inputs by name (``_Builder._node``)
+        self.nodes: dict[str, tuple[OpSpec, bool, int | None, bool, list[int]]] = {}
+        # a placeholder's strategies, gradient flag, bytes, gradients-phase bytes and optimizer seconds by name
+        self.placeholders: dict[str, tuple[list[Strategy], bool, np.ndarray, np.ndarray | None, np.ndarray]] = {}
+        # an op's strategies, compute seconds and forward-only seconds (None until a rerun or collective asks) by
+        # its key without what it keeps (``_Rerun.key``): recomputation changes an op's memory and adds its forward
+        # again, never its domain or its own compute, so every recomputation choice finds them here
+        self.domains: dict[int, tuple[list[Strategy], np.ndarray, list[np.ndarray | None]]] = {}
         # a reshard point's domain by (its producer's class, output, gradient flag), and its class by key id
         self.points: dict[tuple[int, int, bool], tuple[list[Strategy], list[tuple[int, ...]]]] = {}
         self.point_classes: dict[int, int] = {}
@@ -69,7 +79,9 @@ class _Memo:
     flag.  A variable's *key* names everything its own domain and costs depend on: for an op, the op
     (target, argument specs, constants), its sources' content classes, which inputs need a gradient,
     and what it keeps for backward.  Two ops with one key get the same strategies, compute and memory
-    arrays; two uses with the same source class, consumer key and slots get the same edge tables.
+    arrays.  Its *domain key* leaves out what it keeps (``SharedWork.domains``): two ops with one domain key get
+    the same strategies and own compute, and two uses with the same source class, consumer domain key (a reshard
+    point's key) and slots get the same edge tables, whatever either layer recomputes.
     The classes are by content, not by identity, so layer ``i + 1`` of a stack, whose input is layer
     ``i``'s output, finds layer ``i``'s work once the two layers' outputs agree: a 32-layer Llama's
     table costs about three layers.  Shared arrays are made read-only, so a caller that writes into
@@ -79,6 +91,7 @@ class _Memo:
     def __init__(self, work: SharedWork | None = None) -> None:
         work = work or SharedWork()
         self.classes, self.keys, self.vars, self.edges = work.classes, work.keys, work.vars, work.edges
+        self.domains, self.placeholders, self.nodes = work.domains, work.placeholders, work.nodes
         self.points, self.point_classes = work.points, work.point_classes
         self.cls: dict[int, int] = {}     # var index -> content class
         self.key: dict[int, int] = {}     # var index -> key id (ops and reshard points)
@@ -385,12 +398,33 @@ class _Builder:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             return
-        g, cap, mesh = self.g, self.cap, self.mesh
+        g, cap = self.g, self.cap
         shape = tuple(int(d) for d in val.shape)
         kind = "param" if node.name in cap.params else "buffer" if node.name in cap.buffers else "input"
         fqn = cap.params.get(node.name) or cap.buffers.get(node.name) or node.name
         if kind != "input":
             self.weights_only.add(node.name)
+        known = self.memo.placeholders.get(node.name) if self.memo is not None else None
+        strategies, ng, mem, gp, opt_s = known or self._stored(node, val, kind, fqn, shape)
+        if self.memo is not None and known is None:  # the same in every build sharing the work: recomputation
+            for arr in (mem, gp, opt_s):                  # never changes it (read-only: shared, as an op's are)
+                if arr is not None:
+                    arr.flags.writeable = False
+            self.memo.placeholders[node.name] = (strategies, ng, mem, gp, opt_s)
+        self.needs_grad[node.name] = ng
+        vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=ng, grad_phase=gp))
+        g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
+        g.vars[vi].pinned = self.pin_params and kind == "param" and fqn in self.domains
+        g.vars[vi].gathered = self.gather_of.get(fqn, self.gather_axes) if g.vars[vi].pinned else ()
+        if self.memo is not None:
+            self.memo.classify(g, vi)
+        _add_reshard_points(g, vi, self.uses, ng, self.fixed, self.memo, self.rerun)
+
+    def _stored(self, node: fx.Node, val: torch.Tensor, kind: str, fqn: str,
+                shape: tuple[int, ...]) -> tuple[list[Strategy], bool, np.ndarray, np.ndarray | None, np.ndarray]:
+        """A placeholder's stored tilings (as strategies), whether it gets a gradient, its bytes, its bytes in the
+        gradients phase and its optimizer seconds, per tiling."""
+        g, cap, mesh = self.g, self.cap, self.mesh
         if self.fixed is not None:
             tilings = [self.fixed.param_tiling(fqn) if kind != "input" else self.fixed.input_tiling(fqn)]
         else:
@@ -400,7 +434,7 @@ class _Builder:
         # A frozen parameter (``requires_grad=False``) gets no gradient, no sync and no optimizer state.
         # An input needs one when its example tensor requires it (``Captured.grad_inputs``: an activation entering a
         # piece of a model), so that a split use's partial gradients are summed before they leave.
-        ng = self.needs_grad[node.name] = val.dtype.is_floating_point and (
+        ng = val.dtype.is_floating_point and (
             (kind == "param" and fqn not in cap.frozen) or (kind == "input" and node.name in cap.grad_inputs))
         # Under a mixed policy a parameter is stored as its master (``g.master_itemsize``), frozen or not.
         master_b = g.master_itemsize if kind == "param" and val.dtype.is_floating_point and g.master_itemsize else 0
@@ -416,13 +450,7 @@ class _Builder:
             mem = mem + sync
             gp = grad_phase_bytes(node, shape, val.dtype.itemsize, tilings, mesh, master_b, foreach) + sync
         opt_s = optimizer_step_seconds(shape, master_b or val.dtype.itemsize, tilings, mesh, self.profile, trained)
-        vi = _add_var(g, Var(node.name, kind, strategies, opt_s, mem, fqn=fqn, needs_grad=ng, grad_phase=gp))
-        g.shapes[(vi, 0)], g.dtypes[(vi, 0)] = shape, val.dtype
-        g.vars[vi].pinned = self.pin_params and kind == "param" and fqn in self.domains
-        g.vars[vi].gathered = self.gather_of.get(fqn, self.gather_axes) if g.vars[vi].pinned else ()
-        if self.memo is not None:
-            self.memo.classify(g, vi)
-        _add_reshard_points(g, vi, self.uses, ng, self.fixed, self.memo, self.rerun)
+        return strategies, ng, mem, gp, opt_s
 
     def call_function(self, node: fx.Node) -> None:
         """An op: its strategies (shared with an equal op of a repeated layer), compute, memory and the edges it
@@ -435,8 +463,8 @@ class _Builder:
                 self.weights_only.add(node.name)
             return
         g, mesh, profile, memo, rerun, fixed = self.g, self.mesh, self.profile, self.memo, self.rerun, self.fixed
-        op = node_spec(node)
-        if rules.lookup(node.target) is None and op.inputs:
+        op, fallback, okid, copies, written = self._node(node)
+        if fallback:
             self.fallback.add(op.name)
         targs = tensor_args(node)
         sources = [value_source(g, a) for a in targs]
@@ -444,54 +472,33 @@ class _Builder:
         weights = bool(targs) and all(a.name in self.weights_only for a in targs)
         if weights:
             self.weights_only.add(node.name)
-        okey = op_key(op) if memo is not None else None
-        copies = may_copy(node) if op.name in RESHAPES else False  # a view that may copy its tile: priced
-        kid = None
-        if memo is not None and okey is not None:
-            kid = memo.key_id(("op", okey, tuple((memo.cls[u], k) for u, k in sources), tuple(grads), rerun.key(node),
-                               copies, weights))
+        kid = did = None
+        if memo is not None and okid is not None:
+            base = (okid, tuple((memo.cls[u], k) for u, k in sources), tuple(grads), copies, weights)
+            kid = memo.key_id(("op", *base, rerun.key(node)))
+            did = memo.key_id(("domain", *base))
         hit = memo.vars.get(kid) if memo is not None and kid is not None else None
         if hit is not None:
             strategies, compute, mem, _, op_comm, buffer = hit
         else:
-            if fixed is not None:
-                ins, outs = fixed.node_tilings(node.name) if node.name in fixed.nodes else (
-                    [self.full] * len(op.inputs), [self.full] * len(op.outputs))
-                strategies = [Strategy(tuple(ins), tuple(outs), fixed.node_variant(node.name))]
-                if strategies[0].variant and strategies[0] not in expand(op, mesh, strategies_1d(op)):
-                    # a variant runs another program on the same tilings: one its rule does not list would run wrong
-                    raise ValueError(f"the plan runs {node.name} as {strategies[0].variant!r} with tilings its rule "
-                                     "has no such variant for: was the plan edited, or made by another soybean?")
+            known = memo.domains.get(did) if memo is not None and did is not None else None
+            forwards: list[np.ndarray | None]
+            if known is not None:
+                strategies, plain, forwards = known
             else:
-                strategies = expand(op, mesh, strategies_1d(op))
-                emits = [partial_axes(g.vars[u], k, mesh.ndim) for u, k in sources]
-                strategies = [s for s in strategies if not _needless_partial(s, emits)] or strategies
-                cp = self.context_parallel
-                if cp != "auto" and op.name == SDPA:
-                    if isinstance(cp, tuple):  # a baseline's own axes
-                        strategies = [s for s in strategies if tuple(row_axes(op, s)) == cp]
-                        why = f"does not split on mesh axes {list(cp)}"
-                    else:
-                        want = 1 if cp == "none" else int(cp)
-                        strategies = [s for s in strategies
-                                      if math.prod(mesh.shape[a] for a in row_axes(op, s)) == want]
-                        why = f"splits on no axes {want} ways (--context-parallel {want}): use a mesh with such axes"
-                    if not strategies:
-                        raise NoStrategyLeft(f"mesh {mesh}: attention {node.name}'s query sequence {why}")
-                if self.cp_method != "auto" and op.name == SDPA:
-                    strategies = [s for s in strategies if cp_method(op, s) in ("", self.cp_method)]
-                if (self.divide_work if self.divide_work is not None else self.objective == "comm") and not weights:
-                    # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.  Not
-                    # an op on weights alone: its work has no batch to divide, and asking it to split a weight the
-                    # layout keeps whole is a forbidden resharding (data parallelism was "infeasible" on Cohere 2,
-                    # whose norms cast their weight to float32).
-                    whole = [s for s in strategies if all(s.divides_work())]
-                    strategies = whole or strategies
-            compute = op_seconds(op, strategies, grads, mesh, profile, copies)
-            forward = op_seconds(op, strategies, [False] * len(grads), mesh, profile, copies) \
-                if rerun.op(node.name) or has_comm(op) else None
-            if forward is not None and rerun.op(node.name):  # its forward runs again in backward
-                compute = compute + forward
+                strategies = self._strategies(node, op, sources, weights)
+                plain = op_seconds(op, strategies, grads, mesh, profile, copies)
+                forwards = [None]
+                if memo is not None and did is not None:
+                    plain.flags.writeable = False
+                    memo.domains[did] = (strategies, plain, forwards)
+            forward = None
+            if rerun.op(node.name) or has_comm(op):
+                forward = forwards[0]
+                if forward is None:
+                    forward = forwards[0] = op_seconds(op, strategies, [False] * len(grads), mesh, profile, copies)
+                    forward.flags.writeable = False
+            compute = plain + forward if forward is not None and rerun.op(node.name) else plain.copy()
             op_comm = op_comm_costs(op, strategies, grads, mesh, profile, rerun.op(node.name), forward)
             if op_comm is not None:
                 compute = compute + op_comm[:, 1]
@@ -501,8 +508,8 @@ class _Builder:
         v = _add_var(g, Var(node.name, "op", strategies, compute, mem, op=op, module=_module_path(node),
                             needs_grad=ng, op_comm=op_comm, rerun_buffer=buffer))
         if memo is not None:
-            if kid is not None:
-                memo.key[v] = kid
+            if did is not None:  # what an edge reads of its consumer: the domain, not what the op keeps or reruns
+                memo.key[v] = did
             if hit is not None:
                 memo.cls[v] = hit[3]
             else:
@@ -513,7 +520,7 @@ class _Builder:
         for i, (a, (u, k)) in enumerate(zip(targs, sources)):
             _add_edge(g, u, v, k, i, self.needs_grad.get(a.name, False), memo=memo, rerun=rerun.op(node.name),
                       lazy=returned_sum(a, node))
-        for i in written_inputs(op):
+        for i in written:
             a = targs[i]
             if a.op != "placeholder":
                 continue
@@ -521,6 +528,64 @@ class _Builder:
             if a.name in self.cap.params or a.name in self.cap.buffers:
                 _add_edge(g, g.index[a.name], v, 0, i, False, write_back=True, memo=memo)
         _add_reshard_points(g, v, self.uses, ng, fixed, memo, rerun)
+
+    def _node(self, node: fx.Node) -> tuple[OpSpec, bool, int | None, bool, list[int]]:
+        """What an op node is whatever the tilings and the recomputation: its spec, whether it has no rule (and
+        reads a tensor: it runs replicated), its ``op_key`` as a key id (None: unhashable, not shared), whether it
+        is a view that may copy its tile, and the inputs it writes in place.  Kept in the shared work: every build
+        of a mesh's recomputation choices reads it again."""
+        known = self.memo.nodes.get(node.name) if self.memo is not None else None
+        if known is not None:
+            return known
+        op = node_spec(node)
+        okey = op_key(op) if self.memo is not None else None
+        facts = (op, rules.lookup(node.target) is None and bool(op.inputs),
+                 self.memo.key_id(("okey", okey)) if self.memo is not None and okey is not None else None,
+                 may_copy(node) if op.name in RESHAPES else False,  # a view that may copy its tile: priced
+                 written_inputs(op))
+        if self.memo is not None:
+            self.memo.nodes[node.name] = facts
+        return facts
+
+    def _strategies(self, node: fx.Node, op: OpSpec, sources: list[tuple[int, int]],
+                    weights: bool) -> list[Strategy]:
+        """An op's domain: the plan's one strategy (``fixed``), or its rule's strategies on the mesh less those
+        that cannot pay (``_needless_partial``) and those the options rule out (context parallelism, its method,
+        ``divide_work``)."""
+        g, mesh, fixed = self.g, self.mesh, self.fixed
+        if fixed is not None:
+            ins, outs = fixed.node_tilings(node.name) if node.name in fixed.nodes else (
+                [self.full] * len(op.inputs), [self.full] * len(op.outputs))
+            strategies = [Strategy(tuple(ins), tuple(outs), fixed.node_variant(node.name))]
+            if strategies[0].variant and strategies[0] not in expand(op, mesh, strategies_1d(op)):
+                # a variant runs another program on the same tilings: one its rule does not list would run wrong
+                raise ValueError(f"the plan runs {node.name} as {strategies[0].variant!r} with tilings its rule "
+                                 "has no such variant for: was the plan edited, or made by another soybean?")
+            return strategies
+        strategies = expand(op, mesh, strategies_1d(op))
+        emits = [partial_axes(g.vars[u], k, mesh.ndim) for u, k in sources]
+        strategies = [s for s in strategies if not _needless_partial(s, emits)] or strategies
+        cp = self.context_parallel
+        if cp != "auto" and op.name == SDPA:
+            if isinstance(cp, tuple):  # a baseline's own axes
+                strategies = [s for s in strategies if tuple(row_axes(op, s)) == cp]
+                why = f"does not split on mesh axes {list(cp)}"
+            else:
+                want = 1 if cp == "none" else int(cp)
+                strategies = [s for s in strategies if math.prod(mesh.shape[a] for a in row_axes(op, s)) == want]
+                why = f"splits on no axes {want} ways (--context-parallel {want}): use a mesh with such axes"
+            if not strategies:
+                raise NoStrategyLeft(f"mesh {mesh}: attention {node.name}'s query sequence {why}")
+        if self.cp_method != "auto" and op.name == SDPA:
+            strategies = [s for s in strategies if cp_method(op, s) in ("", self.cp_method)]
+        if (self.divide_work if self.divide_work is not None else self.objective == "comm") and not weights:
+            # SoyBean: every op's work is divided; redundant compute only where nothing else is legal.  Not an op on
+            # weights alone: its work has no batch to divide, and asking it to split a weight the layout keeps whole
+            # is a forbidden resharding (data parallelism was "infeasible" on Cohere 2, whose norms cast their
+            # weight to float32).
+            whole = [s for s in strategies if all(s.divides_work())]
+            strategies = whole or strategies
+        return strategies
 
     def output(self, node: fx.Node) -> None:
         """The output: every returned tensor read whole (only scalars under the local-batch contract)."""
