@@ -21,7 +21,7 @@ from ..graph import (
     recomputable_layers,
 )
 from ..mesh import Mesh
-from ..search import Pruned, SearchError, Solution, relative_gap
+from ..search import Pruned, Run, SearchError, Solution, relative_gap
 from ..search.problem import Problem, lower_bound, reduce
 from .problem import chain_dual, to_problem
 from .repeats import find_repeats
@@ -201,6 +201,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     counts = chain_counts(cap, chains)  # each choice's k
     ties = search.options.tie_layers and search.options.solver != "brute"
     duals: dict[tuple[int, int], Dual] = {}
+    repeats: dict[frozenset[str], list[Run]] = {}  # each choice's repeated layers (``runs_of``)
     broken: set[int] = set()  # chains whose tied problems were found not affine in k
     given_up: list[tuple[int, int, int]] = []  # stretches pruned on stretch bounds (searched again if broken)
     solved: set[tuple[int, int]] = set()
@@ -213,6 +214,12 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     firsts: dict[int, PlanGraph] = {}  # each chain's first choice's table, kept for ``shift`` past ``table``'s few
     tally = [0, 0]  # single choices whose bound, tightened, reached its target, and those whose did not
 
+    def runs_of(units: frozenset[str]) -> list[Run]:
+        """The repeated layers of a choice's table, found once for its dual and its solve."""
+        if units not in repeats:
+            repeats[units] = find_repeats(table(units)) if ties else []
+        return repeats[units]
+
     def dual_of(c: int, i: int) -> Dual | None:
         if objective != "time":
             return None
@@ -220,8 +227,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
             units = chains[c][i]
             g = table(units)
             lams = np.array(MULTIPLIERS) * scale / budget if budget is not None else np.zeros(1)
-            runs = find_repeats(g) if ties else []
-            duals[(c, i)] = chain_dual(g, counts[c][i], runs, lams, budget or 0.0)
+            duals[(c, i)] = chain_dual(g, counts[c][i], runs_of(units), lams, budget or 0.0)
         return duals[(c, i)]
 
     def ends(c: int, a: int, b: int) -> list[Dual]:
@@ -260,7 +266,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         left = max(1.0, deadline - time.perf_counter())  # each solve gets what is left of the search's time
         within = replace(search, options=replace(search.options, time_limit_s=left))
         try:
-            r = solve_table_on(table(units), within, limit, units)
+            r = solve_table_on(table(units), within, limit, units, runs=runs_of(units))
         except MemoryBudgetError as e:
             failed.append(e)
             return

@@ -67,9 +67,12 @@ class _Contents:
         return known[0]
 
 
-def _var_key(g: PlanGraph, i: int, prefix: str, c: _Contents) -> tuple:
+def _var_key(g: PlanGraph, i: int, prefix: str, c: _Contents, roles: dict[tuple[str, str], str]) -> tuple:
     v = g.vars[i]
-    role = re.sub(r"^" + re.escape(prefix) + r"\.\d+", "", v.module or v.fqn)
+    path = v.module or v.fqn
+    role = roles.get((prefix, path))
+    if role is None:  # its path without the layer number: many variables of a layer share one path
+        role = roles[(prefix, path)] = re.sub(r"^" + re.escape(prefix) + r"\.\d+", "", path)
     return (v.kind, v.op.name if v.op is not None else "", role, v.needs_grad, v.pinned, c(v.strategies, tuple),
             c(v.compute_s, _bytes), c(v.memory, _bytes), c(v.grad_partial, tuple))
 
@@ -107,10 +110,11 @@ def find_repeats(g: PlanGraph) -> list[Run]:
         return ("ext", i)
 
     contents = _Contents()
+    roles: dict[tuple[str, str], str] = {}
 
     def signature(prefix: str, idx: int) -> tuple:
         vs = members[(prefix, idx)]
-        sig: list[tuple] = [tuple(_var_key(g, i, prefix, contents) for i in vs)]
+        sig: list[tuple] = [tuple(_var_key(g, i, prefix, contents, roles) for i in vs)]
         for i in vs:
             for k in into.get(i, []):
                 sig.append(("into", pos[i], ref(g.edges[k].src, prefix, idx), _edge_key(g, k, contents)))

@@ -146,15 +146,17 @@ def solve_on(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent = N
 
 
 def solve_table_on(g: PlanGraph, search: Search, incumbent: Incumbent = None,
-                   recompute: frozenset[str] = frozenset(), settle: Callable[[Result], bool] | None = None) -> Result:
+                   recompute: frozenset[str] = frozenset(), settle: Callable[[Result], bool] | None = None,
+                   runs: list[Run] | None = None) -> Result:
     """``solve_on``'s solve of a table already built (``MemoryBudgetError`` when no plan of it fits).  ``settle``:
     when it holds for member 0's plan (``capped_overlap``), that plan is returned as it is, its bound still a lower
-    bound of every plan of ``g``."""
+    bound of every plan of ``g``.  ``runs``: ``g``'s repeated layers when the caller found them already."""
     objective, solver, memory_bytes = search.options.objective, search.options.solver, search.memory_bytes
     least = least_memory(g)
     if memory_bytes is not None and least > memory_bytes:
         raise MemoryBudgetError(least, g.mesh)
-    runs = find_repeats(g) if search.options.tie_layers and solver != "brute" else []
+    if runs is None:
+        runs = find_repeats(g) if search.options.tie_layers and solver != "brute" else []
 
     def solved(mu: float = 0.0, phase: str = "activations", cutoff: float | None = None,
                enough: float | None = None) -> Result:
