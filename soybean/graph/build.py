@@ -62,10 +62,11 @@ class SharedWork:
         self.nodes: dict[str, tuple[OpSpec, bool, int | None, bool, list[int]]] = {}
         # a placeholder's strategies, gradient flag, bytes, gradients-phase bytes and optimizer seconds by name
         self.placeholders: dict[str, tuple[list[Strategy], bool, np.ndarray, np.ndarray | None, np.ndarray]] = {}
-        # an op's strategies, compute seconds and forward-only seconds (None until a rerun or collective asks) by
-        # its key without what it keeps (``_Rerun.key``): recomputation changes an op's memory and adds its forward
-        # again, never its domain or its own compute, so every recomputation choice finds them here
-        self.domains: dict[int, tuple[list[Strategy], np.ndarray, list[np.ndarray | None]]] = {}
+        # an op's strategies and compute seconds by its key without what it keeps (``_Rerun.key``), and its
+        # forward-only seconds once a rerun or its own collectives ask: recomputation changes an op's memory and
+        # adds its forward again, never its domain or its own compute, so every recomputation choice finds them here
+        self.domains: dict[int, tuple[list[Strategy], np.ndarray]] = {}
+        self.forwards: dict[int, np.ndarray] = {}
         # a reshard point's domain by (its producer's class, output, gradient flag), and its class by key id
         self.points: dict[tuple[int, int, bool], tuple[list[Strategy], list[tuple[int, ...]]]] = {}
         self.point_classes: dict[int, int] = {}
@@ -91,10 +92,11 @@ class _Memo:
     def __init__(self, work: SharedWork | None = None) -> None:
         work = work or SharedWork()
         self.classes, self.keys, self.vars, self.edges = work.classes, work.keys, work.vars, work.edges
-        self.domains, self.placeholders, self.nodes = work.domains, work.placeholders, work.nodes
+        self.domains, self.forwards = work.domains, work.forwards
+        self.placeholders, self.nodes = work.placeholders, work.nodes
         self.points, self.point_classes = work.points, work.point_classes
         self.cls: dict[int, int] = {}     # var index -> content class
-        self.key: dict[int, int] = {}     # var index -> key id (ops and reshard points)
+        self.key: dict[int, int] = {}     # var index -> the key id its edges read (an op's domain key; a point's key)
 
     def classify(self, g: PlanGraph, vi: int) -> int:
         v = g.vars[vi]
@@ -482,23 +484,23 @@ class _Builder:
             strategies, compute, mem, _, op_comm, buffer = hit
         else:
             known = memo.domains.get(did) if memo is not None and did is not None else None
-            forwards: list[np.ndarray | None]
             if known is not None:
-                strategies, plain, forwards = known
+                strategies, plain = known
             else:
                 strategies = self._strategies(node, op, sources, weights)
                 plain = op_seconds(op, strategies, grads, mesh, profile, copies)
-                forwards = [None]
                 if memo is not None and did is not None:
                     plain.flags.writeable = False
-                    memo.domains[did] = (strategies, plain, forwards)
+                    memo.domains[did] = (strategies, plain)
             forward = None
             if rerun.op(node.name) or has_comm(op):
-                forward = forwards[0]
+                forward = memo.forwards.get(did) if memo is not None and did is not None else None
                 if forward is None:
-                    forward = forwards[0] = op_seconds(op, strategies, [False] * len(grads), mesh, profile, copies)
-                    forward.flags.writeable = False
-            compute = plain + forward if forward is not None and rerun.op(node.name) else plain.copy()
+                    forward = op_seconds(op, strategies, [False] * len(grads), mesh, profile, copies)
+                    if memo is not None and did is not None:
+                        forward.flags.writeable = False
+                        memo.forwards[did] = forward
+            compute = plain + forward if forward is not None and rerun.op(node.name) else plain
             op_comm = op_comm_costs(op, strategies, grads, mesh, profile, rerun.op(node.name), forward)
             if op_comm is not None:
                 compute = compute + op_comm[:, 1]
