@@ -60,11 +60,8 @@ def noise_cap(tensors: Sequence[Any]) -> float:
     ``ones @ mask``)."""
     ratio = 0.0  # the largest finite magnitude among the inputs, as a fraction of its dtype's largest
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-            a = t.detach().abs().double()
-            finite = a[torch.isfinite(a)]
-            if finite.numel():
-                ratio = max(ratio, float(finite.max()) / float(torch.finfo(t.dtype).max))
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            ratio = max(ratio, magnitude(t.detach()) / float(torch.finfo(t.dtype).max))
     return NOISE_CAP if ratio == 0.0 else min(NOISE_CAP, 1.0 / (ratio * 1e3))
 
 
@@ -82,8 +79,10 @@ def shard_exact(
     # than an element would leave the sum its rounding error at the noise's scale (a float32 op then looks
     # inexact by that much; a mask's dtype minimum beside small scores set a scale of 1e308 for all).
     typical = 1.0
-    if rnd:
-        finite = full.abs()[torch.isfinite(full.abs())].double()
+    if rnd and any(isinstance(p, Partial) for p in tiling):  # only summands need it (the median is a sort)
+        a = full.abs()
+        ok = torch.isfinite(a)
+        finite = (a if bool(ok.all()) else a[ok]).double()  # no boolean gather where every value is finite
         typical = float(finite.median()) if finite.numel() and float(finite.median()) > 0 else (magnitude(full) or 1.0)
 
     def size(x: torch.Tensor) -> torch.Tensor:
