@@ -45,8 +45,12 @@ def _same(a: PlanGraph, b: PlanGraph) -> None:
         assert (e.sync is None) == (f.sync is None)
         if e.sync is not None:
             np.testing.assert_array_equal(e.sync, f.sync)
-        for s in range(len(a.vars[e.src].strategies)):
-            for t in range(len(a.vars[e.dst].strategies)):
+        # Every (s, t)'s route: a route is a function of the source's and the consumer's route keys, so one
+        # strategy of each distinct pair of keys (the two builds' keys side by side) stands for all that share it.
+        srcs = {(e.src_key_of[s], f.src_key_of[s]): s for s in range(len(a.vars[e.src].strategies))}
+        dsts = {(e.dst_key_of[t], f.dst_key_of[t]): t for t in range(len(a.vars[e.dst].strategies))}
+        for s in srcs.values():
+            for t in dsts.values():
                 assert e.route(s, t) == f.route(s, t)
 
 
