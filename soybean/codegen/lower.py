@@ -307,7 +307,7 @@ class Lowering:
         if split and entry is not None and entry.window_args is not None:
             args, kwargs = entry.window_args(op, args, kwargs, local_rows(split, self.mesh, self.coords))
         target = node.target
-        if may_copy(node) and as_reshape(target) is not None:
+        if as_reshape(target) is not None and may_copy(node):
             # A view whose input's tile may be laid out so that no view exists (``rules.views.may_copy``): run as
             # the reshape of the same meaning, a view where the tile allows one, else the priced copy.
             target = as_reshape(target)

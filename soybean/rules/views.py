@@ -412,3 +412,5 @@ def _mark_layouts(graph: fx.Graph) -> None:
             if x is not None and op_name(n.target) in _COPYING and isinstance(val, torch.Tensor):
                 copies = copies or not _shares_storage(val, x.meta.get("val"))
             n.meta[MAY_COPY] = copies
+        elif n.op == "call_function":
+            n.meta[MAY_COPY] = False  # answered too, so that asking of any op never walks the graph again
