@@ -115,35 +115,52 @@ def serial(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list, Pa
     return {m: (_losses(d / f"{m}.json"), d / m) for m in MODELS}
 
 
+def _two_rank_runs(model: str, d: Path) -> list[dict[str, Any]]:
+    """``model``'s runs on two processes, writing under ``d``: ``--objective comm`` with the step-10 probe, its resume
+    from that checkpoint, and for Llama ``--objective time`` and ``--contract full``."""
+    comm = ["--model", model, "--objective", "comm"]
+    d.mkdir(parents=True, exist_ok=True)
+    runs = [{"argv": [*comm, "--output-dir", str(d / "out")], "log": str(d / "log.json"),
+             "probe": str(d / "params10.pt")},
+            {"argv": [*comm, "--output-dir", str(d / "resumed"), "--resume", str(d / "out" / "checkpoint-10")],
+             "log": str(d / "resumed.json")}]
+    if model == "llama":
+        runs.append({"argv": ["--model", model, "--objective", "time", "--output-dir", str(d / "time")],
+                     "log": str(d / "time.json")})
+        runs.append({"argv": [*comm, "--contract", "full", "--output-dir", str(d / "full")],
+                     "log": str(d / "full.json")})
+    return runs
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every model's runs (``_two_rank_runs``) in one launch of two processes (each launch starts two interpreters
+    that import torch, transformers and soybean: most of a tiny run's time): model -> the directory of its runs."""
+    d = tmp_path_factory.mktemp("two-ranks")
+    _runs(2, [run for m in MODELS for run in _two_rank_runs(m, d / m)], d)
+    return {m: d / m for m in MODELS}
+
+
 @pytest.mark.parametrize("model", MODELS)
-def test_two_ranks_split_checkpoint_and_resume_as_one_process(model: str, serial: Any, tmp_path: Path) -> None:
-    """On two processes, in one launch: ``--objective comm`` (a plan that splits parameters) logs every loss and
-    gradient norm of the plain one-process run; its step-10 checkpoint is the serial model (``from_pretrained``, the
-    serial model's keys) holding exactly the parameters the tiles held there, with the serial optimizer's layout;
-    resuming from it logs steps 11-20 exactly as the uninterrupted run did.  Llama also runs ``--objective time``
-    and ``--contract full`` (each rank's slice all-gathered into the global batch the plan reads whole): the same
-    losses.  (The other models' ``time`` plans through the Trainer ran the same Trainer path as Llama's, a third of
-    their time: their plans' exactness is ``test_archs``'.)"""
+def test_two_ranks_split_checkpoint_and_resume_as_one_process(model: str, serial: Any, two_ranks: Any) -> None:
+    """On two processes (one launch for every model: ``two_ranks``): ``--objective comm`` (a plan that splits
+    parameters) logs every loss and gradient norm of the plain one-process run; its step-10 checkpoint is the serial
+    model (``from_pretrained``, the serial model's keys) holding exactly the parameters the tiles held there, with the
+    serial optimizer's layout; resuming from it logs steps 11-20 exactly as the uninterrupted run did.  Llama also
+    runs ``--objective time`` and ``--contract full`` (each rank's slice all-gathered into the global batch the plan
+    reads whole): the same losses.  (The other models' ``time`` plans through the Trainer ran the same Trainer path
+    as Llama's, a third of their time: their plans' exactness is ``test_archs``'.)"""
     import transformers as tf
 
-    params, out, ckpt = tmp_path / "params10.pt", tmp_path / "out", tmp_path / "out" / "checkpoint-10"
-    comm = ["--model", model, "--objective", "comm"]
-    runs = [{"argv": [*comm, "--output-dir", str(out)], "log": str(tmp_path / "log.json"), "probe": str(params)},
-            {"argv": [*comm, "--output-dir", str(tmp_path / "resumed"), "--resume", str(ckpt)],
-             "log": str(tmp_path / "resumed.json")}]
-    if model == "llama":
-        runs.append({"argv": ["--model", model, "--objective", "time", "--output-dir", str(tmp_path / "time")],
-                     "log": str(tmp_path / "time.json")})
-        runs.append({"argv": [*comm, "--contract", "full", "--output-dir", str(tmp_path / "full")],
-                     "log": str(tmp_path / "full.json")})
-    _runs(2, runs, tmp_path)
+    d = two_ranks[model]
+    params, out, ckpt = d / "params10.pt", d / "out", d / "out" / "checkpoint-10"
     want, serial_out = serial[model]
     assert _split(out) > 0, "the comm plan was meant to split parameters"
-    run = _losses(tmp_path / "log.json")
+    run = _losses(d / "log.json")
     _assert_close(run, want)
     if model == "llama":
-        _assert_close(_losses(tmp_path / "time.json"), want)
-        _assert_close(_losses(tmp_path / "full.json"), want)
+        _assert_close(_losses(d / "time.json"), want)
+        _assert_close(_losses(d / "full.json"), want)
 
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
     auto = tf.AutoModelForSeq2SeqLM if model == "t5" else tf.AutoModelForCausalLM
@@ -161,7 +178,7 @@ def test_two_ranks_split_checkpoint_and_resume_as_one_process(model: str, serial
     assert {i: {k: tuple(v.shape) for k, v in s.items()} for i, s in mine["state"].items()} == \
         {i: {k: tuple(v.shape) for k, v in s.items()} for i, s in theirs["state"].items()}
     # Steps 1-10 from the checkpoint's state, 11-20 run again: bit for bit.
-    assert _losses(tmp_path / "resumed.json") == run
+    assert _losses(d / "resumed.json") == run
 
 
 def test_accelerate_launch(serial: Any, tmp_path: Path) -> None:
