@@ -204,3 +204,22 @@ def test_builds_of_other_recomputation_choices_share_work_exactly() -> None:
     for units in choices[::-1] + choices[:2]:
         shared = build(cap, Mesh(mesh), BUILTIN["h100-nvlink"], recompute=units, work=work)
         _same(shared, build(cap, Mesh(mesh), BUILTIN["h100-nvlink"], recompute=units))
+
+
+def test_an_unpriced_build_of_a_plan_is_the_priced_one_with_zero_tables() -> None:
+    """``build(..., priced=False)`` (what a lowering reads) gives the plan's graph with every variable, edge, route
+    and flag of the priced build, only the edges' byte and second tables zero and no deferred sync."""
+    from soybean.planner.core import plan
+
+    ref, args, mesh = CASES[0]
+    model, inputs = models.load(ref, dict(args))
+    cap = capture(model, inputs)
+    p = plan(None, (), 4, captured=cap, mesh=mesh, objective="comm", baselines=False)
+    priced = build(cap, Mesh(mesh), BUILTIN["h100-nvlink"], fixed=p)
+    bare = build(cap, Mesh(mesh), BUILTIN["h100-nvlink"], fixed=p, priced=False)
+    assert priced.priced and not bare.priced
+    assert any(e.seconds.any() for e in priced.edges)
+    assert all(not e.bytes.any() and not e.seconds.any() and e.sync is None for e in bare.edges)
+    for e in priced.edges:  # the rest compared with ``_same``: variables, routes, flags
+        e.bytes, e.seconds, e.sync = np.zeros_like(e.bytes), np.zeros_like(e.seconds), None
+    _same(priced, bare)

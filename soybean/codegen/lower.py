@@ -183,8 +183,8 @@ class Lowering:
         self.mesh = Mesh(prog.mesh)
         self.coords = self.mesh.coords(rank)
         self.full: Tiling = (R,) * self.mesh.ndim
-        # The plan's graph: one strategy per var, the edge semantics decided there (pricing unused).
-        self.pg: PlanGraph = build(cap, self.mesh, load_profile(None), fixed=prog)
+        # The plan's graph: one strategy per var, the edge semantics decided there (its routes; never priced).
+        self.pg: PlanGraph = build(cap, self.mesh, load_profile(None), fixed=prog, priced=False)
         self.into: dict[int, list[Edge]] = {}        # the edges a var reads, by input index
         self.write_backs: dict[int, list[Edge]] = {}  # the stored tensors an op updates in place
         for e in self.pg.edges:

@@ -293,6 +293,7 @@ def build(
     recompute: Collection[str] = (),
     pricing: PricingCache | None = None,
     work: SharedWork | None = None,
+    priced: bool = True,
 ) -> PlanGraph:
     """Variables and edges of ``cap`` on ``mesh``.
 
@@ -321,12 +322,14 @@ def build(
     forward collectives of the reads inside the layer run again (``_Rerun``).
     ``pricing``: the planner run's ``cost.pricing.PricingCache``, shared by every table it builds (a fresh one
     when none is given).  ``work``: ``SharedWork`` of earlier builds with the same mesh, profile and settings
-    (only ``recompute`` may differ).
+    (only ``recompute`` may differ).  ``priced=False``: the edges' byte and second tables are left zero
+    (``PlanGraph.priced``; for a lowering, which reads routes only).
     """
     if fixed is not None:  # what runs (a plan's record is not read), named as this capture names its nodes
         fixed = (fixed.program if isinstance(fixed, Plan) else fixed).aligned(cap.keys)
     with gc_paused():
-        return _Builder(PlanGraph(mesh, profile, pricing=pricing or PricingCache()), cap, objective, domains or {},
+        g = PlanGraph(mesh, profile, pricing=pricing or PricingCache(), priced=priced)
+        return _Builder(g, cap, objective, domains or {},
                         pin_params, local_outputs, lazy_outputs, divide_work, fixed, tuple(gather_axes),
                         dict(gather_of or {}),
                         context_parallel, context_parallel_method, share,
@@ -733,7 +736,10 @@ def _add_edge(
             Su[banned] = 0.0
         return Bu, Tu, Su
 
-    Bu, Tu, Su = cache.edge_tables(key, price)
+    if g.priced:
+        Bu, Tu, Su = cache.edge_tables(key, price)
+    else:
+        Bu = Tu = Su = np.zeros((len(us), len(ud)))
     B, T = Bu[np.ix_(si, di)], Tu[np.ix_(si, di)]
     deferred = U.kind == "param" and not write_back
     S = Su[np.ix_(si, di)] if deferred and Su.any() else None

@@ -129,6 +129,9 @@ class PlanGraph:
     # The planner run's pricing state (``cost.pricing``): the tables this graph was priced from, shared with the
     # run's other builds.
     pricing: PricingCache = field(default_factory=PricingCache, repr=False, compare=False)
+    # False: the edges' tables are zeros, never priced (``build(..., priced=False)``): a lowering reads each edge's
+    # route and flags only, and pricing them was most of each rank's build.
+    priced: bool = True
 
     def __getstate__(self) -> dict:
         # Pickled without the run's pricing state (a planner worker sends its table: ``mesh_pool``); the receiver
