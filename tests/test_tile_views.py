@@ -232,6 +232,25 @@ def test_the_program_runs_the_marked_views_as_reshapes_and_prices_their_copy() -
             torch.testing.assert_close(torch.tensor(v.compute_s), torch.as_tensor(want), rtol=1e-12, atol=0)
 
 
+
+def test_a_graph_is_walked_for_its_layouts_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``may_copy`` walks a captured graph once, whoever asks and of which op: planning and four ranks' lowerings of
+    the idiom walk it once in all (lowering asked it of every op, and each op that is not a view walked the whole
+    graph again: a 48-layer GPT-2 took 25 s to lower)."""
+    from soybean.codegen.lower import lower
+    from soybean.rules import views
+
+    walks: list[int] = []
+    walk = views._mark_layouts
+    monkeypatch.setattr(views, "_mark_layouts", lambda graph: (walks.append(1), walk(graph))[1])
+    model, inputs, _ = gpt(True)
+    cap = capture(model, inputs)
+    p = make_plan(None, (), captured=cap, devices=4, mesh=(2, 2), objective="comm", baselines=False)
+    for rank in range(4):
+        lower(cap, p, rank)
+    assert all(views.MAY_COPY in n.meta for n in cap.graph.nodes if n.op == "call_function")
+    assert len(walks) == 1
+
 # ---- every strategy of the idiom on 2x2 -----------------------------------------------------------------------------
 
 class _Idiom(nn.Module):
