@@ -331,7 +331,7 @@ FRESH = frozenset({"matmul", "softmax", "embedding", "loss", "factory", "attenti
 # Families the program may run by a runtime call of its own (``sb_sdpa_rows``, ``sb_routed_experts``), whose output
 # layout need not be the serial op's.
 RUNTIME_LAYOUT = frozenset({"attention", "experts"})
-MAY_COPY = "soybean_may_copy"  # node.meta key: ``may_copy``'s answer, set for every reshape-family op of a graph
+MAY_COPY = "soybean_may_copy"  # node.meta key: ``may_copy``'s answer, set for every op of a graph (False: no reshape)
 
 
 def as_reshape(target: Any) -> Any:
@@ -351,8 +351,8 @@ def may_copy(node: fx.Node) -> bool:
     reshape, with only ops that pass a layout on between them (``FRESH``), the reshape's input may be laid out
     on the tile so that no view exists although the serial one did.  A reshape reading such a call's output
     directly is marked too.  A reshape whose serial run copies (its traced value has its own storage) copies on
-    the tiles as well.  One forward pass over the graph computes the answer of every such op (``MAY_COPY``): a
-    captured graph does not change.
+    the tiles as well.  One forward pass over the graph computes the answer of every op (``MAY_COPY``; False for one
+    that is no reshape), so asking of any op walks a graph once: a captured graph does not change.
     """
     if MAY_COPY not in node.meta:
         _mark_layouts(node.graph)
@@ -386,9 +386,9 @@ def _layout_changing(node: fx.Node) -> bool:
 
 
 def _mark_layouts(graph: fx.Graph) -> None:
-    """``may_copy`` for every reshape-family op of ``graph``, by one pass in topological order that keeps, per
-    value, ``diverged``: its tile's layout may differ from the serial one, and ``broken``: a layout-changing view
-    ran after such a divergence, so the tile may not be viewable where the serial value is."""
+    """``may_copy`` for every op of ``graph`` (False for all but the reshape family), by one pass in topological
+    order that keeps, per value, ``diverged``: its tile's layout may differ from the serial one, and ``broken``: a
+    layout-changing view ran after such a divergence, so the tile may not be viewable where the serial value is."""
     diverged: dict[fx.Node, bool] = {}
     broken: dict[fx.Node, bool] = {}
     for n in graph.nodes:
@@ -413,4 +413,4 @@ def _mark_layouts(graph: fx.Graph) -> None:
                 copies = copies or not _shares_storage(val, x.meta.get("val"))
             n.meta[MAY_COPY] = copies
         elif n.op == "call_function":
-            n.meta[MAY_COPY] = False  # answered too, so that asking of any op never walks the graph again
+            n.meta[MAY_COPY] = False
