@@ -52,9 +52,9 @@ def mixes(g: PlanGraph, a: Sequence[int], b: Sequence[int], runs: Sequence[Run],
     dst = np.array([e.dst for e in g.edges], dtype=np.int64)
     xs = (ca, cb)
     secs = np.array([[float(e.seconds[xs[p][e.src], xs[q][e.dst]]) for e in g.edges]
-                     for p in (0, 1) for q in (0, 1)]).reshape(4, -1)
+                     for p in (0, 1) for q in (0, 1)])
     sync = np.array([[float(e.sync[xs[p][e.src], xs[q][e.dst]]) if e.sync is not None else 0.0 for e in g.edges]
-                     for p in (0, 1) for q in (0, 1)]).reshape(4, -1)
+                     for p in (0, 1) for q in (0, 1)])
     sides: list[np.ndarray] = []
     parts: list[list[Run]] = []
     for i, run in enumerate(runs):
@@ -77,8 +77,8 @@ def mixes(g: PlanGraph, a: Sequence[int], b: Sequence[int], runs: Sequence[Run],
     var_op = op_comp[side, cols].sum(axis=1)
     combo = 2 * side[:, src] + side[:, dst]  # [mixes, edges]
     edge_cols = np.arange(len(src))[None, :]
-    edge_s = secs[combo, edge_cols].sum(axis=1) if len(src) else np.zeros(len(side))
-    edge_sync = sync[combo, edge_cols].sum(axis=1) if len(src) else np.zeros(len(side))
+    edge_s = secs[combo, edge_cols].sum(axis=1)
+    edge_sync = sync[combo, edge_cols].sum(axis=1)
     t = edge_s + var_comp - np.minimum(o * edge_sync, overlap_share * var_op)
     order = np.argsort(t, kind="stable")
     out = []
