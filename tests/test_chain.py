@@ -124,10 +124,10 @@ def test_the_search_finds_a_fitting_plan_priced_exactly_with_a_true_bound(settin
 def test_single_choices_stop_tightening_where_it_does_not_prune_and_the_plan_stays(setting: tuple,
                                                                                   monkeypatch: pytest.MonkeyPatch
                                                                                   ) -> None:
-    """``chain_search`` stops trying more multipliers on single choices once they miss their targets
-    (``SINGLE_ODDS``): the search then solves them, so the plan and its step time are those of a search that
-    tightens every single choice, with no more reductions of tied problems (at this size the first single choice's
-    tightening is the only one either search tries; at Llama-3-8B's, 92 reductions -> 53, docs/performance.md)."""
+    """``chain_search`` stops working out single choices' own duals once they miss their targets (``SINGLE_ODDS``):
+    the search then solves them, so the plan and its step time are those of a search that bounds every single
+    choice by its dual, with no more reductions of tied problems (docs/performance.md: at Llama-3-8B's size on
+    8 devices no single's dual pruned it)."""
     import soybean.planner.recompute as rc
     from soybean.search.chain import Dual
 
@@ -152,3 +152,81 @@ def test_single_choices_stop_tightening_where_it_does_not_prune_and_the_plan_sta
     assert default.memory <= budget * (1 + 1e-9)
     assert default.solution.bound <= every.step_time_s * (1 + 1e-9)
     assert reductions[1] <= reductions[0], reductions
+
+
+def test_short_regions_are_searched_choice_by_choice_with_the_same_plan_and_fewer_reductions(
+        setting: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``chain_search`` gives regions of at most ``SHORT`` choices no reduction of their own (a single is bounded by
+    its solve, a short stretch by its parent's bound): the plan and its step time are those of a search that bounds
+    and tightens every stretch of two choices or more (``SHORT = 1``), its bound is below both plans, and it works
+    out fewer reductions of tied problems (at Llama-3-8B's size on 2x2x2: 23 -> 7 s of the search,
+    docs/performance.md)."""
+    import soybean.planner.recompute as rc
+    from soybean.search.chain import Dual
+
+    cap, mesh, search, budget, _ = setting
+    s = Search(search.profile, PlanOptions(time_limit_s=60.0), budget)
+    reductions = []
+    at = Dual.at
+
+    def counted(self: Dual, i: int) -> float:
+        if self.lower[i] == -np.inf:
+            reductions[-1] += 1
+        return at(self, i)
+
+    monkeypatch.setattr(Dual, "at", counted)
+    found = []
+    for short in (1, rc.SHORT):
+        monkeypatch.setattr(rc, "SHORT", short)
+        reductions.append(0)
+        found.append(solve_recompute(cap, mesh, s))
+    every, default = found
+    assert default.step_time_s == pytest.approx(every.step_time_s, rel=1e-12)
+    assert default.memory <= budget * (1 + 1e-9)
+    assert default.solution.bound <= every.step_time_s * (1 + 1e-9)
+    assert every.solution.bound <= default.step_time_s * (1 + 1e-9)
+    assert reductions[1] < reductions[0], reductions
+
+
+def test_the_first_fitting_choice_is_found_exactly_and_in_fewer_tables_than_bisection() -> None:
+    """``planner.recompute.first_fitting`` returns the first choice whose least memory fits, for chains of least
+    memories that only shrink (random steps, flat stretches, a budget equal to a value, every choice fitting but
+    the last-known end), each probe a table; on chains whose memory falls by about one layer's activations a layer
+    (as the planner's do) it builds fewer tables than bisection, never more than twice bisection's elsewhere."""
+    from soybean.planner.recompute import first_fitting
+
+    rng = np.random.default_rng(0)
+
+    def bisection(mem: list[float], budget: float) -> tuple[int, int]:
+        lo, hi, probes = 0, len(mem) - 1, 0
+        while lo < hi:
+            mid, probes = (lo + hi) // 2, probes + 1
+            lo, hi = (lo, mid) if mem[mid] <= budget else (mid + 1, hi)
+        return lo, probes
+
+    fewer = more = 0
+    for trial in range(400):
+        n = int(rng.integers(2, 40))
+        ks = [0] + list(range(2, n + 1))  # as recompute_choices: k = 1 left out
+        steps = rng.uniform(0.9, 1.1, n) if trial % 2 == 0 else rng.choice([0.0, 1.0, 5.0], n)
+        mem = list(100.0 - np.concatenate([[0.0], np.cumsum(steps[:n - 1])]))
+        budget = float(rng.uniform(mem[-1], mem[0] + 1)) if trial % 7 else mem[int(rng.integers(0, n))]
+        if mem[-1] > budget:
+            continue
+        built: dict[int, float] = {len(mem) - 1: mem[-1]} | ({0: mem[0]} if trial % 3 == 0 else {})
+        probes = [0]
+
+        def fits(i: int, mem: list[float] = mem, built: dict[int, float] = built, probes: list[int] = probes,
+                 budget: float = budget) -> bool:
+            if i not in built:
+                probes[0] += 1
+                built[i] = mem[i]
+            return built[i] <= budget
+
+        want, by_halves = bisection(mem, budget)
+        assert first_fitting(ks, fits, built.get, budget) == want, (mem, budget)
+        assert probes[0] <= 2 * by_halves + 2, (probes[0], by_halves)
+        if trial % 2 == 0 and n >= 16:
+            fewer += probes[0] < by_halves
+            more += probes[0] > by_halves
+    assert fewer > 0 and more == 0, (fewer, more)

@@ -371,3 +371,38 @@ def test_the_recomputation_bound_is_below_every_choice(mesh: tuple[int, ...]) ->
     for lam in (0.0, 1e-12, 1e-10, 1e-8, 1e-6):
         bound = recompute_bound(plain, least, "time", budget, lam)
         assert bound is not None and bound <= best * (1 + 1e-9), (lam, bound, best)
+
+
+def test_a_plan_that_fits_with_every_layer_recomputed_caps_the_recomputation_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``planner.bound_cap``: the plain table's fastest plan, when it fits the budget with every layer recomputed,
+    prices (on the plain table) above ``recompute_bound`` at every multiplier, so ``budget_bound`` given that plan
+    tries no multiplier when the cut is above that price (none could prune) and prunes as before when the cut is
+    below it; a plan that does not fit caps nothing."""
+    import soybean.planner.recompute as rc
+    from soybean.cost.profiles import load_profile
+    from soybean.planner.problem import to_problem
+    from soybean.search import Pruned
+
+    model, inputs = transformer(batch=4, seq=32, hidden=32, layers=3, heads=4)
+    cap = capture(model, inputs)
+    search = Search(load_profile(None))
+    chains = recompute_choices(cap)
+    plain, least = search.table(cap, Mesh((2, 2))), search.table(cap, Mesh((2, 2)), chains[0][-1])
+    x = solve_on(cap, Mesh((2, 2)), search).solution.choice
+    q = to_problem(least, "time", 1.0)
+    assert q.memory is not None
+    fitting = q.memory_of(x) - least.rerun_credit  # the least budget at which x fits with every layer recomputed
+    top = rc.bound_cap(plain, least, "time", fitting * 1.001, x)
+    assert top is not None and top == pytest.approx(to_problem(plain, "time").evaluate(x), rel=1e-12)
+    assert rc.bound_cap(plain, least, "time", fitting * 0.999, x) is None
+    for lam in (0.0, 1e-10, 1e-8, 1e-6, 1e-4):
+        bound = rc.recompute_bound(plain, least, "time", fitting * 1.001, lam)
+        assert bound is not None and bound <= top * (1 + 1e-12), (lam, bound, top)
+    tried = []
+    monkeypatch.setattr(rc, "recompute_bound", lambda *a: tried.append(a) or -math.inf)
+    assert rc.budget_bound(plain, least, "time", fitting * 1.001, top * 1.001, x) is None and not tried
+    assert rc.budget_bound(plain, least, "time", fitting * 1.001, top * 0.999, x) is None and len(tried) == 3
+    assert rc.budget_bound(plain, least, "time", fitting * 0.999, top * 1.001, x) is None and len(tried) == 6
+    monkeypatch.setattr(rc, "recompute_bound", lambda *a: top * 2)
+    assert isinstance(rc.budget_bound(plain, least, "time", fitting * 1.001, top * 0.999, x), Pruned)

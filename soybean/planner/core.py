@@ -180,7 +180,7 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
         except SearchError:  # no plain plan in the time limit: the recomputation search still tries the mesh
             raise _Floor(-math.inf) from None
         if budget is not None and free.memory > budget:
-            raise _Floor(free.solution.bound, free.value(objective))
+            raise _Floor(free.solution.bound, free.value(objective), free.solution.choice)
         return free
 
     if recompute == "auto" and budget is not None and objective == "time":
@@ -194,7 +194,7 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
         floors = found.floors
         if m in floors and (cut := now(incumbent)) is not None and floors[m] >= cut:
             raise Pruned(floors[m], cut)
-        return solve_recompute(cap, m, search, incumbent, tell, floors.get(m))
+        return solve_recompute(cap, m, search, incumbent, tell, floors.get(m), found.frees.get(m) or None)
 
     each(meshes, searched, staged=not found.floors)
     if not found.results:
@@ -242,6 +242,7 @@ class _Outcomes:
         self.failed: list[SearchError] = []
         self.pruned: list[dict[str, Any]] = []
         self.floors: dict[Mesh, float] = {}  # a mesh's plain plan's bound, where that plan does not fit the budget
+        self.frees: dict[Mesh, tuple[int, ...]] = {}  # ... and that plan
         self.estimate: dict[Mesh, float] = {}  # what each mesh searched reached: its plan's value (inf: no plan)
         self.baselines: dict[str, dict[str, Any]] | None = None
 
@@ -260,7 +261,7 @@ class _Outcomes:
         self.estimate[m] = (outcome.value if isinstance(outcome, _Floor) else
                             outcome.value(objective) if isinstance(outcome, Result) else math.inf)
         if isinstance(outcome, _Floor):
-            self.floors[m] = outcome.bound
+            self.floors[m], self.frees[m] = outcome.bound, outcome.choice
             say(f"mesh {m}: its fastest plan needs recomputation or more memory: bound {outcome.bound:.4g}")
         elif isinstance(outcome, MemoryBudgetError):
             self.misfits.append(outcome)
@@ -310,11 +311,12 @@ def _light(r: Result) -> Result:
 
 class _Floor(Exception):
     """``_plan``'s first pass: this mesh's fastest plan does not fit; ``bound`` bounds every plan of it, ``value``
-    is the plan's step (inf: none found), an estimate from above of the mesh's plans without a budget."""
+    is the plan's step (inf: none found), an estimate from above of the mesh's plans without a budget, ``choice``
+    the plan (``solve_recompute``'s ``free``)."""
 
-    def __init__(self, bound: float, value: float = math.inf) -> None:
-        super().__init__(bound, value)  # both, so a worker's pickled copy is rebuilt whole
-        self.bound, self.value = bound, value
+    def __init__(self, bound: float, value: float = math.inf, choice: Sequence[int] = ()) -> None:
+        super().__init__(bound, value, choice)  # all, so a worker's pickled copy is rebuilt whole
+        self.bound, self.value, self.choice = bound, value, tuple(choice)
 
 
 def to_plan(cap: Captured, r: Result, opts: PlanOptions, profile: str, baselines: dict, seconds: float,

@@ -93,7 +93,8 @@ def _solve_free(plain: PlanGraph, search: Search, incumbent: Incumbent) -> Resul
 
 
 def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent = None,
-                    say: Callable[[str], None] = lambda line: None, floor: float | None = None) -> Result:
+                    say: Callable[[str], None] = lambda line: None, floor: float | None = None,
+                    free: Sequence[int] | None = None) -> Result:
     """Recomputation decided with the tilings: the best plan on ``mesh`` over every choice of
     ``recompute_choices`` (each solved exactly with its tilings), within ``memory_bytes``.
 
@@ -109,7 +110,8 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumb
     choices bounded at once (``search.chain``).  Exact over the choices searched, to ``gap`` and within
     ``time_limit_s`` of search after the first solve (the bound of what is left then is the result's bound); for a
     stack of equal layers, which ``k`` layers are recomputed does not change the model, so ``A_k`` stands for any
-    ``k``."""
+    ``k``.  ``free``: the choice of the plain table's fastest plan, when the caller solved it (``floor``'s plan):
+    where it fits the budget with every layer recomputed, ``budget_bound`` is known not to prune and is skipped."""
     objective, budget = search.options.objective, search.memory_bytes
     least: dict[frozenset[str], float] = {}
     recent: dict[frozenset[str], PlanGraph] = {}  # the last tables built, for the solve that follows a probe
@@ -144,17 +146,23 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumb
     if (p := bounded(plain)) is not None:
         raise p  # recomputing anything only adds time to every plan of this mesh
     if budget is not None and floor is None:
-        free = _solve_free(plain, search, cut_of(incumbent, objective))
-        if free.memory <= budget:
-            return free  # the fastest plan of every choice, and it fits
-        floor = free.solution.bound
+        got = _solve_free(plain, search, cut_of(incumbent, objective))
+        if got.memory <= budget:
+            return got  # the fastest plan of every choice, and it fits
+        floor, free = got.solution.bound, got.solution.choice
     if budget is not None and (c := cut_of(incumbent, objective)) is not None and chains[0][-1]:
-        if (p := budget_bound(plain, table(chains[0][-1]), objective, budget, c)) is not None:
+        if (p := budget_bound(plain, table(chains[0][-1]), objective, budget, c, free,
+                                 floor if floor is not None else -math.inf)) is not None:
             raise p  # no recomputation choice fits a plan of this mesh that beats the cut
+
+    def probes(on: Sequence[frozenset[str]]) -> tuple[Callable[[int], bool], Callable[[int], float | None]]:
+        """``first_fitting``'s two questions about chain ``on``'s choices."""
+        return (lambda i: fits(on[i])), (lambda i: least.get(on[i]))
+
     misfits: list[MemoryBudgetError] = []
     starts: list[list[frozenset[str]]] = []
     misfit: list[frozenset[str]] = []  # choices known not to fit
-    for chain in chains:
+    for chain, ks in zip(chains, chain_counts(cap, chains)):
         # Rerunning a subset of a choice's units keeps at least its memory: no choice of a chain inside one that
         # cannot fit can (``C_k`` inside ``B_0``, every attention: known from ``B``'s bisection, no table built).
         if any(chain[-1] <= u for u in misfit):
@@ -163,15 +171,50 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumb
             misfits.append(MemoryBudgetError(least[chain[-1]], mesh))
             misfit.append(chain[-1])
             continue
-        lo, hi = 0, len(chain) - 1
-        while lo < hi:  # the first choice that can fit
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fits(chain[mid]) else (mid + 1, hi)
+        lo = 0 if budget is None else first_fitting(ks, *probes(chain), budget)
         if lo > 0:
             misfits.append(MemoryBudgetError(least[chain[lo - 1]], mesh))
             misfit.append(chain[0])  # least memory only shrinks along a chain: its first cannot fit either
         starts.append(chain[lo:])
     return chain_search(cap, mesh, search, starts, table, incumbent, say, floor, misfits)
+
+
+def first_fitting(ks: Sequence[int], fits: Callable[[int], bool], known: Callable[[int], float | None],
+                  budget: float) -> int:
+    """The first index of a chain whose choice can fit ``budget``, the last one's being known to (least memory only
+    shrinks along a chain, so the choices that can fit are a tail of it): ``fits(i)`` builds choice ``i``'s table
+    to tell, ``known(i)`` its least memory where a table told it already (None: not yet).
+
+    Each probe is where the line through the least memories known at the two ends of the interval left (the last
+    choice known not to fit, the first known to) crosses the budget, at ``ks`` (each choice's layers), and then its
+    neighbour on the other side: each layer recomputed frees about one layer's activations, so the line is nearly
+    exact and two tables settle a chain that bisection takes five for (the last four of 31 fit Llama-3-8B at
+    batch 16 x 8K on 8 devices).  A round that does not halve the interval is followed by one at its middle, so
+    no chain takes more than about twice bisection's probes."""
+    lo, hi = 0, len(ks) - 1  # every choice below lo cannot fit; hi can
+
+    def guess() -> int | None:
+        left = lo - 1 if lo > 0 else lo
+        a, b = known(left), known(hi)
+        if a is None or b is None or a <= b or a <= budget:
+            return None
+        at = ks[left] + (a - budget) / (a - b) * (ks[hi] - ks[left])  # the line's crossing, in layers
+        return min(max(next((i for i in range(lo, hi) if ks[i] >= at), hi - 1), lo), hi - 1)
+
+    halve = False
+    while lo < hi:
+        width, i = hi - lo, None if halve else guess()
+        if i is None:  # no line yet (or the last one missed): bisection
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+        elif fits(i):  # then the choice before it, which the line says cannot fit
+            lo, hi = (i, i) if i == lo or not fits(i - 1) else (lo, i - 1)
+        else:  # then the choice after it, which the line says can
+            lo = i + 1
+            if lo < hi:
+                lo, hi = (lo, lo) if fits(lo) else (lo + 1, hi)
+        halve = i is not None and not halve and 2 * (hi - lo) > width
+    return lo
 
 
 def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Sequence[frozenset[str]]],
@@ -212,7 +255,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     stopped = False  # the time limit ended the search
     scale = 0.0  # the multipliers' scale: a step time
     firsts: dict[int, PlanGraph] = {}  # each chain's first choice's table, kept for ``shift`` past ``table``'s few
-    tally = [0, 0]  # single choices whose bound, tightened, reached its target, and those whose did not
+    tally = [0, 0]  # single choices whose own dual pruned them, and those solved after it did not
 
     def runs_of(units: frozenset[str]) -> list[Run]:
         """The repeated layers of a choice's table, found once for its dual and its solve."""
@@ -237,24 +280,37 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         ds = [dual_of(c, a)] if a == b else [dual_of(c, a), dual_of(c, b)]
         return [d for d in ds if d is not None]
 
-    def region_bound(c: int, a: int, b: int, target: float | None = None) -> float:
-        base = floor if floor is not None else -math.inf
+    def region_bound(c: int, a: int, b: int, target: float | None = None, known: float = -math.inf) -> float:
+        """The bound of region ``[a, b]`` of chain ``c``, at least ``known`` (its parent stretch's) and ``floor``:
+        a stretch of more than ``SHORT`` choices from the duals of its ends, tightened towards ``target``; a
+        shorter one costs no reduction of its own; a single choice's own dual only where one was worked out (when
+        ``target`` is given: ``single_bound``)."""
+        base = max(floor if floor is not None else -math.inf, known)
+        if a == b:
+            return max(base, duals[(c, a)].bound) if (c, a) in duals else base
+        if b - a + 1 <= SHORT:
+            return base
         ds = ends(c, a, b)
         if not ds:
             return base
-        got = ds[0].bound if len(ds) == 1 else stretch_bound(ds[0], ds[1])
+        got = stretch_bound(ds[0], ds[1])
         if target is not None and got < target:
-            if len(ds) == 2:
-                got = tighten(ds, target)
-            elif tally[1] <= SINGLE_ODDS * tally[0]:
-                got = tighten(ds, target)
-                tally[0 if got >= target else 1] += 1
+            got = tighten(ds, target)
         return max(base, got)
+
+    def single_bound(c: int, i: int, target: float, known: float) -> tuple[float, bool]:
+        """Choice ``i``'s bound before its solve, and whether its own dual was worked out or tightened for it:
+        only while single choices' duals pay (``SINGLE_ODDS``), and only where ``known`` does not already reach
+        ``target``."""
+        got = region_bound(c, i, i, known=known)
+        if got >= target or tally[1] > SINGLE_ODDS * tally[0] or (d := dual_of(c, i)) is None:
+            return got, False
+        return max(got, d.bound if d.bound >= target else tighten([d], target)), True
 
     heap: list[tuple[float, int, int, int]] = []
 
-    def push(c: int, a: int, b: int) -> None:
-        heapq.heappush(heap, (region_bound(c, a, b), c, a, b))
+    def push(c: int, a: int, b: int, known: float = -math.inf) -> None:
+        heapq.heappush(heap, (region_bound(c, a, b, known=known), c, a, b))
 
     def solve_choice(c: int, i: int, bound: float) -> None:
         nonlocal best, lowest, pruned
@@ -349,14 +405,19 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         mine = best.value(objective) if best is not None else None
         # what prunes this region: the incumbent, or a bound within ``gap`` of this mesh's best plan
         target = min(x for x in (other, mine * (1 - gap) if mine is not None else None, math.inf) if x is not None)
-        if target < math.inf:
-            bound = region_bound(c, a, b, target)
+        consulted = False  # a single choice's own dual worked out for it
+        if target < math.inf and a == b and (c, a) not in solved:
+            bound, consulted = single_bound(c, a, target, bound)
+        elif target < math.inf:
+            bound = region_bound(c, a, b, target, bound)
         if other is not None and bound >= other:
             pruned, lowest = Pruned(bound, other), min(lowest, bound)
+            tally[0] += consulted
             continue
         if mine is not None and (bound >= mine or relative_gap(mine, bound) <= gap):
+            tally[0] += consulted
             lowest = min(lowest, bound)
-            if a < b and c not in broken:
+            if c not in broken:  # a bound that may be a stretch's (a single inherits its parent's)
                 given_up.append((c, a, b))
             continue
         if time.perf_counter() > deadline:
@@ -366,11 +427,12 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
             break
         if a == b:
             if (c, a) not in solved:  # the middle of two stretches is reached from both
+                tally[1] += consulted
                 solve_choice(c, a, bound)
             continue
-        if c in broken or b - a == 1:
+        if c in broken or b - a + 1 <= max(SHORT, 2):  # (two choices: no middle to split at)
             for i in range(a, b + 1):
-                push(c, i, i)
+                push(c, i, i, bound if c not in broken else -math.inf)
             continue
         m = (a + b) // 2
         da, dm, db = dual_of(c, a), dual_of(c, m), dual_of(c, b)
@@ -382,8 +444,8 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
                     push(cc, i, i)
             given_up = [r for r in given_up if r[0] != c]
             continue
-        push(c, a, m)
-        push(c, m, b)
+        push(c, a, m, bound)
+        push(c, m, b, bound)
     if best is None:
         if pruned is not None and not stopped and lowest >= pruned.cutoff:  # every region reached the incumbent
             raise Pruned(lowest if lowest < math.inf else pruned.bound, pruned.cutoff)
@@ -404,14 +466,19 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
 RECENT_TABLES = 8
 # Choices ``chain_search``'s ``shift`` prices at most per plan, from the fewest layers recomputed the line allows.
 SHIFT_TRIES = 3
-# A single choice's bound is tightened (``search.chain.tighten``: each more multiplier a reduction of its tied
-# problem) only while this search's tightened single choices missed their targets at most this many times for each
-# one pruned; past that, a single choice keeps its first multiplier's bound and is solved.  Where tightening does
-# not prune (Llama-3-8B at batch 16 x 8K on 8 devices: none of 46 singles, 3 reductions each) the solves it was
-# meant to spare cost less than the reductions: 92 -> 53 reductions there, the same plan and bound.  A stretch
-# is always tightened: its bound spares a solve for every choice in it.  Counts, not a clock: plans never vary by
-# run.
+# A single choice's own dual (a table, and a reduction of its tied problem per multiplier: ``search.chain.tighten``)
+# is worked out before its solve only while this search's singles' duals missed at most this many times for each
+# single one pruned; past that a single is solved, bounded by its parent stretch's bound alone (the solve's own
+# Lagrangian under the cut reaches at least as high: it prunes the choice as soon as a bound reaches the cut).  The
+# two cases measured: Llama-3-8B at batch 16 x 8K on 8 devices (fp32, 80 GB), where no single's dual pruned it and
+# each cost more than its solve, and 8 x 128K on 64 devices, where the singles of every 3-axis mesh were pruned by
+# their duals without one solve.  Counts, not a clock: plans never vary by run.
 SINGLE_ODDS = 2
+# Stretches of at most this many choices get no stretch bound of their own (two end duals, each tightened): they
+# are searched choice by choice, each single keeping its parent's bound.  A stretch of two choices is bounded by the
+# least of two singles' duals, so its tightening is theirs, twice; at three or four the two ends' tightenings cost as
+# much as their singles' duals.
+SHORT = 4
 
 
 def cut_of(incumbent: Incumbent, objective: str) -> float | None:
@@ -423,7 +490,8 @@ def cut_of(incumbent: Incumbent, objective: str) -> float | None:
 BOUND_MULTIPLIERS = (0.5, 2.0, 8.0)
 
 
-def budget_bound(plain: PlanGraph, least: PlanGraph, objective: str, budget: float, cut: float) -> Pruned | None:
+def budget_bound(plain: PlanGraph, least: PlanGraph, objective: str, budget: float, cut: float,
+                 known: Sequence[int] | None = None, at_zero: float = -math.inf) -> Pruned | None:
     """``Pruned`` when no recomputation choice on this mesh has a plan within ``budget`` that beats ``cut``.
 
     Every choice ``A`` and tiling ``x`` cost at least what nothing recomputed costs (``plain``: recomputation only
@@ -435,14 +503,41 @@ def budget_bound(plain: PlanGraph, least: PlanGraph, objective: str, budget: flo
     an unbudgeted problem over the plain table's costs with ``lam`` times the other table's memory added, whose
     ``search.lower_bound`` is a bound of every choice at once: one cheap bound per multiplier
     (``BOUND_MULTIPLIERS``) instead of a search over the choices.  None when no multiplier reaches the cut (or
-    the two tables do not line up)."""
+    the two tables do not line up).
+
+    A plan ``known`` (a choice of either table) whose memory on ``least`` fits caps every multiplier's bound:
+    ``F(lam) <= T_plain(known) + lam * (M_least(known) - B) <= T_plain(known)``; when that is below the cut no
+    multiplier can prune, and none is tried (each a reduction of the whole untied table: 6-7 s on a 3-axis mesh of
+    64 devices at 128K tokens, where every one of them fell below the plain table's own bound).  The multipliers
+    are tried in increasing order and stop once a bound falls below the one before (the first below ``at_zero``,
+    a bound of ``F(0)``: the plain table's): ``F`` is concave in ``lam``, so past its peak it only falls (the
+    bounds tried are below ``F``, so this may stop early: it costs pruning, never a plan).  At 128K tokens on a
+    3-axis mesh of 64 devices the first multiplier's bound fell below the plain table's: one reduction, not three."""
+    if known is not None and (top := bound_cap(plain, least, objective, budget, known)) is not None and top < cut:
+        return None
+    last = at_zero
     for f in BOUND_MULTIPLIERS:
         bound = recompute_bound(plain, least, objective, budget, f * cut / budget)
         if bound is None:
             return None
         if bound >= cut:
             return Pruned(bound, cut)
+        if bound < last:  # past the peak of a concave dual: larger multipliers only bound lower
+            return None
+        last = bound
     return None
+
+
+def bound_cap(plain: PlanGraph, least: PlanGraph, objective: str, budget: float, x: Sequence[int]) -> float | None:
+    """``T_plain(x)``, above ``recompute_bound`` at every multiplier, when plan ``x`` fits ``budget`` with ``least``'s
+    memory (``budget_bound``); None when it does not fit or is not a plan of both tables."""
+    p = to_problem(plain, objective)
+    q = to_problem(least, objective, budget)
+    assert q.memory is not None and q.budget is not None
+    if len(x) != p.n or [u.shape for u in p.unary] != [m.shape for m in q.memory] or \
+            any(not 0 <= s < len(u) for s, u in zip(x, p.unary)):
+        return None
+    return p.evaluate(list(x)) if q.memory_of(list(x)) <= q.budget else None
 
 
 def recompute_bound(plain: PlanGraph, least: PlanGraph, objective: str, budget: float, lam: float) -> float | None:
