@@ -513,11 +513,13 @@ def budget_bound(plain: PlanGraph, least: PlanGraph, objective: str, budget: flo
     a bound of ``F(0)``: the plain table's): ``F`` is concave in ``lam``, so past its peak it only falls (the
     bounds tried are below ``F``, so this may stop early: it costs pruning, never a plan).  At 128K tokens on a
     3-axis mesh of 64 devices the first multiplier's bound fell below the plain table's: one reduction, not three."""
-    if known is not None and (top := bound_cap(plain, least, objective, budget, known)) is not None and top < cut:
+    if (pq := lined_up(plain, least, objective, budget)) is None:
+        return None
+    if known is not None and (top := bound_cap(plain, least, objective, budget, known, pq)) is not None and top < cut:
         return None
     last = at_zero
     for f in BOUND_MULTIPLIERS:
-        bound = recompute_bound(plain, least, objective, budget, f * cut / budget)
+        bound = recompute_bound(plain, least, objective, budget, f * cut / budget, pq)
         if bound is None:
             return None
         if bound >= cut:
@@ -528,25 +530,38 @@ def budget_bound(plain: PlanGraph, least: PlanGraph, objective: str, budget: flo
     return None
 
 
-def bound_cap(plain: PlanGraph, least: PlanGraph, objective: str, budget: float, x: Sequence[int]) -> float | None:
-    """``T_plain(x)``, above ``recompute_bound`` at every multiplier, when plan ``x`` fits ``budget`` with ``least``'s
-    memory (``budget_bound``); None when it does not fit or is not a plan of both tables."""
+def lined_up(plain: PlanGraph, least: PlanGraph, objective: str, budget: float) -> tuple[Problem, Problem] | None:
+    """The plain table's problem and the every-layer-recomputed table's under ``budget``, which ``bound_cap`` and
+    ``recompute_bound`` read together; None when their variables' strategies do not line up.  ``budget_bound``
+    builds them once for all its multipliers."""
     p = to_problem(plain, objective)
     q = to_problem(least, objective, budget)
     assert q.memory is not None and q.budget is not None
-    if len(x) != p.n or [u.shape for u in p.unary] != [m.shape for m in q.memory] or \
-            any(not 0 <= s < len(u) for s, u in zip(x, p.unary)):
+    return (p, q) if [u.shape for u in p.unary] == [m.shape for m in q.memory] else None
+
+
+def bound_cap(plain: PlanGraph, least: PlanGraph, objective: str, budget: float, x: Sequence[int],
+              problems: tuple[Problem, Problem] | None = None) -> float | None:
+    """``T_plain(x)``, above ``recompute_bound`` at every multiplier, when plan ``x`` fits ``budget`` with ``least``'s
+    memory (``budget_bound``); None when it does not fit or is not a plan of both tables.  ``problems``: the two
+    tables' ``lined_up`` problems, when the caller built them."""
+    if (pq := problems or lined_up(plain, least, objective, budget)) is None:
+        return None
+    p, q = pq
+    assert q.memory is not None and q.budget is not None
+    if len(x) != p.n or any(not 0 <= s < len(u) for s, u in zip(x, p.unary)):
         return None
     return p.evaluate(list(x)) if q.memory_of(list(x)) <= q.budget else None
 
 
-def recompute_bound(plain: PlanGraph, least: PlanGraph, objective: str, budget: float, lam: float) -> float | None:
-    """``budget_bound``'s lower bound at multiplier ``lam`` (None when the two tables do not line up)."""
-    p = to_problem(plain, objective)
-    q = to_problem(least, objective, budget)
-    assert q.memory is not None and q.budget is not None
-    if [u.shape for u in p.unary] != [m.shape for m in q.memory]:
+def recompute_bound(plain: PlanGraph, least: PlanGraph, objective: str, budget: float, lam: float,
+                    problems: tuple[Problem, Problem] | None = None) -> float | None:
+    """``budget_bound``'s lower bound at multiplier ``lam`` (None when the two tables do not line up).
+    ``problems``: as ``bound_cap``'s."""
+    if (pq := problems or lined_up(plain, least, objective, budget)) is None:
         return None
+    p, q = pq
+    assert q.memory is not None and q.budget is not None
     r = Problem([u + lam * m for u, m in zip(p.unary, q.memory)], p.edges, None, None, p.names)
     return lower_bound(reduce(r, argmins=False), r) - lam * q.budget
 
