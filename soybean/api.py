@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +28,7 @@ from .options import PlanOptions, options as merge_options, plan_kind
 from .plan import Plan
 from .planner.core import plan as make_plan
 from .precision import policy
+from .run.microbatches import MicrobatchWarning, check as microbatch_check, difference as microbatch_difference
 from .run.module import ParallelModule
 from .run.pieces import CAPTURES, PiecesModule
 from .run.pipelined import PipelinedModule
@@ -379,6 +381,10 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
     if cap.functions:  # rank 0's check, on every rank: each raises the same error or none does
         own = _rank0_value(lambda: own_backwards(model, args, kwargs, cap.functions), rank)
         exported_with(own, type(model).__name__, "in pipeline stages", exported)
+    # Microbatches train the serial model only where its rows are independent: rank 0 runs the example whole and in
+    # microbatches, and every rank raises the same ``MicrobatchError`` where they differ.
+    microbatch_check(_rank0_value(lambda: microbatch_difference(model, args, kwargs, microbatches), rank),
+                     type(model).__name__, microbatches)
     if given is None:
         given = _from_rank0(lambda: plan_pipeline(cap, world, stages, microbatches, opts.schedule, opts.one_program(),
                                                   opts.virtual)[2], rank)
@@ -461,6 +467,20 @@ def auto_plan(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptio
         a, k, _ = micro_inputs(args, kwargs, m)
         return capture(model, a, k, precision=precision)
 
+    # Stages run microbatches: where the model's rows are not independent they would train another model, so no
+    # pipeline is searched (checked at the fewest microbatches the search would try; ``_pipelined`` checks the count
+    # a plan runs with).
+    fewest = next((m for m in range(2, batch + 1) if batch % m == 0), None)
+    if fewest is not None and (why := microbatch_difference(model, args, kwargs, fewest)) is not None:
+        if plain is None:  # no plan without stages fits either: stages with one microbatch may
+            try:
+                microbatch_check(why, type(model).__name__, fewest)
+            except ValueError as e:
+                raise e from unfit
+        warnings.warn(f"pipeline='auto' searched no pipeline stages: {type(model).__name__} does not compute the same "
+                      f"on microbatches as on the whole batch ({why})", MicrobatchWarning, stacklevel=2)
+        assert plain is not None
+        return replace(plain, solver={**plain.solver, "pipelines_searched": [], "no_pipeline": why}, baselines=base)
     if baselines:
         say("3-D baselines")
         base.update(pipeline_baselines.price(capture_at, batch, world, opts, say))

@@ -153,6 +153,11 @@ class PlanOptions:
         if self.microbatches is not None and self.microbatches < 1:
             raise ValueError(f"--microbatches must be >= 1, got {self.microbatches}")
         _choice("schedule", self.schedule, SCHEDULES)
+        if self.schedule == "1f1b" and isinstance(pipe, int) and self.microbatches is not None \
+                and self.microbatches < pipe:  # torch's ``Schedule1F1B`` refuses it at the first step
+            raise ValueError(f"--schedule 1f1b with --pipeline {pipe} and --microbatches {self.microbatches}: 1F1B "
+                             f"needs at least as many microbatches as stages; use --microbatches {pipe} or more, or "
+                             "--schedule gpipe")
         v = self.virtual_stages
         if v is not None and (v < 1 or (v > 1) != (self.schedule in MULTI_STAGE)):
             raise ValueError(f"--schedule {self.schedule} with --virtual-stages {v}: {', '.join(MULTI_STAGE)} run 2 "

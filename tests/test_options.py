@@ -82,6 +82,16 @@ def test_an_interleaved_schedule_defaults_to_two_virtual_stages(schedule: str) -
         soybean.parallelize(torch.nn.Linear(2, 2), torch.ones(2, 2), devices=1, schedule="gpipe", virtual_stages=2)
 
 
+def test_fewer_microbatches_than_stages_under_1f1b_is_refused_before_any_step() -> None:
+    """torch's ``Schedule1F1B`` refuses it at the first ``train_step``, after planning: here when the options are
+    read.  GPipe runs one microbatch (the fix ``MicrobatchError`` names)."""
+    with pytest.raises(ValueError, match="--schedule 1f1b with --pipeline 2 and --microbatches 1: .* or --schedule "
+                                         "gpipe"):
+        soybean.parallelize(torch.nn.Linear(2, 2), torch.ones(2, 2), devices=1, pipeline=2, microbatches=1)
+    assert PlanOptions(pipeline=2, microbatches=1, schedule="gpipe").microbatches_for(2) == 1
+    assert PlanOptions(pipeline=2, microbatches=2).microbatches_for(2) == 2
+
+
 def test_plan_pipeline_cuts_an_interleaved_schedule_into_two_stages_per_group() -> None:
     from examples.models import transformer
     from soybean.capture.core import capture

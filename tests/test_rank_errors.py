@@ -2,7 +2,8 @@
 
 - Planning: rank 0's error (an impossible memory budget) is raised on every rank as the same exception, and a
   capture failing on rank 1 alone is raised on rank 0 too, not left waiting for a plan; a custom Function refused
-  in pipeline stages (rank 0 checks its backward) is the same ``CustomFunctionError`` on both.
+  in pipeline stages (rank 0 checks its backward) is the same ``CustomFunctionError`` on both, and so is a model
+  whose rows mix across the batch in microbatches (rank 0 runs the example) the same ``MicrobatchError``.
 - Building a rank's part of a pipelined or placed plan: a failure on one rank (a pipeline stage, a placed region)
   is its error on every rank, not a wait in a process group the others never make (the tied weights').
 - Steps: a ``loss_fn`` raising on rank 1 only ends both ranks, rank 1 with its own exception and rank 0 with
@@ -39,12 +40,14 @@ def _error(e: BaseException) -> tuple[str, str, list[str]]:
 
 def _planning_failures(rank: int, world: int) -> dict[str, tuple[str, str, list[str]] | None]:
     """An impossible budget; then a gradient reversal (a custom Function whose backward is not its forward's
-    derivative) in pipeline stages, which only export offers: rank 0 checks the backward, every rank refuses."""
+    derivative) in pipeline stages, which only export offers: rank 0 checks the backward, every rank refuses; a
+    model whose rows mix across the batch in microbatches: rank 0 runs the example, every rank refuses."""
     from test_custom_functions import _Reversed
+    from test_microbatches import mixed
 
     import soybean
 
-    out: dict[str, tuple[str, str, list[str]] | None] = {"budget": None, "function": None}
+    out: dict[str, tuple[str, str, list[str]] | None] = {"budget": None, "function": None, "microbatch": None}
     model, x = _mlp()
     try:
         soybean.parallelize(model, (x,), devices=world, memory_gb=1e-6)
@@ -55,6 +58,11 @@ def _planning_failures(rank: int, world: int) -> dict[str, tuple[str, str, list[
         soybean.parallelize(_Reversed(), (torch.randn(8, 4),), devices=world, pipeline=2, microbatches=2)
     except Exception as e:
         out["function"] = _error(e)
+    model, example = mixed()
+    try:
+        soybean.parallelize(model, example, devices=world, pipeline=2, microbatches=2)
+    except Exception as e:
+        out["microbatch"] = _error(e)
     return out
 
 
@@ -78,6 +86,13 @@ def test_a_custom_function_refused_in_pipeline_stages_is_the_same_error_on_every
     assert got[0] is not None and got[1] is not None, got
     assert got[0][0] == got[1][0] == "CustomFunctionError", got
     assert got[0][1] == got[1][1] and "in pipeline stages" in got[0][1], got
+
+
+def test_a_model_that_mixes_rows_is_refused_in_microbatches_on_every_rank(planning_errors: list[dict]) -> None:
+    got = [r["microbatch"] for r in planning_errors]
+    assert got[0] is not None and got[1] is not None, got
+    assert got[0][0] == got[1][0] == "MicrobatchError", got
+    assert got[0][1] == got[1][1] and "2 microbatches would train another model" in got[0][1], got
 
 
 def _boom(*args: object, **kwargs: object) -> None:
