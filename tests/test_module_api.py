@@ -1,8 +1,9 @@
 """One module API for every plan kind (issue 24): whatever ``parallelize`` returns (``ParallelModule``,
 ``PipelinedModule``, ``PlacedModule``, ``PiecesModule``) trains through ``train_step`` on ``parameters()``, and its
 ``full_state_dict()`` is the serial model's ``state_dict()`` (the model's own keys, whole tensors, on every rank),
-``load_full_state_dict`` takes one back, and ``save_sharded``/``load_sharded`` restore a fresh module, optimizer
-state included.
+``load_full_state_dict`` takes one back, ``save_sharded``/``load_sharded`` restore a fresh module, optimizer
+state included, and ``grad_norm``/``clip_grad_norm_`` are the serial model's (torch's own over ``parameters()`` sees
+one rank's tiles).
 
 The model has what a model run in parts finds hardest: a buffer and a frozen weight that every branch of both
 blocks reads (a copy in each stage or region that reads them, which must come back once, equal to serial) and a
@@ -23,6 +24,7 @@ from soybean.runtime.launch import spawn
 pytestmark = pytest.mark.dist
 
 WIDTH, CLASSES, BATCH, STEPS, LR = 8, 4, 4, 3, 1e-2
+CLIP = 0.5  # below every step's gradient norm (1.00, 0.89, 0.81, 0.76 unclipped): the clipping binds
 KINDS = {"plain": "ParallelModule", "pipelined": "PipelinedModule", "placed": "PlacedModule",
          "pieces": "PiecesModule"}
 
@@ -69,15 +71,19 @@ def _copy(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
-def _serial(steps: int) -> dict[str, torch.Tensor]:
-    """The serial model's ``state_dict()`` after ``steps`` AdamW steps on the loss outside."""
+def _serial(steps: int) -> tuple[dict[str, torch.Tensor], list[tuple[float, float]]]:
+    """The serial model's ``state_dict()`` after ``steps`` AdamW steps on the loss outside, each clipped to norm
+    ``CLIP`` by torch, and each step's (largest gradient, 2-norm) before clipping."""
     model, x, y = _model(0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    norms = []
     for _ in range(steps):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
+        top = max(float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None)
+        norms.append((top, float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))))
         opt.step()
-    return _copy(model.state_dict())
+    return _copy(model.state_dict()), norms
 
 
 def _placed_plan() -> str:
@@ -107,14 +113,19 @@ def _parallel(kind: str, model: nn.Module, x: torch.Tensor, world: int, plan: An
         return soybean.parallelize(model, (x,), devices=world, pipeline=world, microbatches=2)
     if kind == "pieces":
         return soybean.parallelize(model, (x,), devices=world, capture_with="dynamo")
-    return soybean.parallelize(model, (x,), devices=world)
+    return soybean.parallelize(model, (x,), devices=world, objective="comm")  # its weights split (time's: whole)
 
 
-def _steps(pm: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+def _steps(pm: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, steps: int
+           ) -> list[tuple[float, float]]:
+    """``steps`` steps, each clipped by the module's own ``clip_grad_norm_``; each step's (inf-norm, 2-norm)."""
+    norms = []
     for _ in range(steps):
         opt.zero_grad()
         pm.train_step(x, loss_fn=F.cross_entropy, target=y)
+        norms.append((float(pm.grad_norm(float("inf"))), float(pm.clip_grad_norm_(CLIP))))
         opt.step()
+    return norms
 
 
 def _contract(rank: int, world: int, kind: str, plan: str | None, root: str) -> dict[str, Any]:
@@ -128,8 +139,8 @@ def _contract(rank: int, world: int, kind: str, plan: str | None, root: str) -> 
     model, x, y = _model(0)
     pm = _parallel(kind, model, x, world, plan)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    _steps(pm, opt, x, y, STEPS)
-    out: dict[str, Any] = {"type": type(pm).__name__, "trained": _copy(pm.full_state_dict())}
+    norms = _steps(pm, opt, x, y, STEPS)
+    out: dict[str, Any] = {"type": type(pm).__name__, "trained": _copy(pm.full_state_dict()), "norms": norms}
     pm.save_sharded(root, optimizer=opt)
     other, _, _ = _model(1)
     out["start"] = _copy(other.state_dict())
@@ -166,11 +177,13 @@ def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str
 
 
 def test_every_plan_kind_has_the_serial_state_dict_and_checkpoints(tmp_path: Path) -> None:
-    """2 gloo processes, float64, ``STEPS`` AdamW steps through ``train_step``, for every plan kind (one spawn
-    runs them all, in turn): ``full_state_dict()`` on every rank is the serial model's ``state_dict()`` trained
+    """2 gloo processes, float64, ``STEPS`` AdamW steps through ``train_step``, each clipped by the module's
+    ``clip_grad_norm_``, for every plan kind (one spawn runs them all, in turn): every step's gradient norms (2 and
+    inf) are the serial model's; ``full_state_dict()`` on every rank is the serial model's ``state_dict()`` trained
     alike (keys, order, every tensor); a sharded checkpoint loads into a fresh module of other weights (equal to
     what was saved, and the next step equal); and ``load_full_state_dict`` round-trips."""
-    want = _serial(STEPS)
+    want, norms = _serial(STEPS)
+    assert all(n > CLIP for _, n in norms)
     got = spawn(_contracts, 2, _placed_plan(), str(tmp_path / "ckpt"), timeout_s=600)
     start = _model(1)[0].state_dict()
     assert any(not torch.equal(start[k], v) for k, v in want.items())  # the fresh module starts elsewhere
@@ -179,6 +192,8 @@ def test_every_plan_kind_has_the_serial_state_dict_and_checkpoints(tmp_path: Pat
         for kind, r in by_kind.items():
             what = f"{kind} on rank {rank}"
             assert r["type"] == KINDS[kind], what
+            flat = [v for pair in r["norms"] for v in pair]  # the serial norms, clipped as serially
+            assert flat == pytest.approx([v for pair in norms for v in pair], rel=1e-10), what
             _same(r["trained"], want, f"{what}: trained", exact=False)
             _same(r["fresh"], r["start"], f"{what}: fresh")
             _same(r["start"], start, f"{what}: start")

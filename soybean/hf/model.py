@@ -24,7 +24,6 @@ state between the tiles and the serial layout (``torch.save``-able, what the ser
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -300,33 +299,17 @@ class SoybeanModel(nn.Module):
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         """``||g||_2`` over every gradient of the serial model (what ``torch.nn.utils.clip_grad_norm_`` returns
-        serially), from the tiles: each parameter's squared tile norm weighted by one over the number of ranks
-        holding the same tile (the product of the mesh axes its tiling replicates on), summed over the world, is
-        the squared norm of its whole gradient; the total is the 2-norm of the parameters' norms, as torch's
-        clipping forms it.  Every rank calls it; the same value on every rank."""
-        pm = self._module()
+        serially), from the tiles (``ParallelModule.grad_norm``), pending sums summed first.  Every rank calls it;
+        the same value on every rank."""
         self._sum_pending()
-        mesh = list(pm.plan.mesh)
-        grads = [(n, p.grad) for n, p in self._tiled() if p.grad is not None]
-        if not grads:
-            return torch.tensor(0.0)
-        weights = [1.0 / math.prod(s for s, pl in zip(mesh, pm.plan.param_tiling(n)) if pl == R) for n, _ in grads]
-        sq = torch.stack([g.detach().float().pow(2).sum() * w for (_, g), w in zip(grads, weights)])
-        if world()[1] > 1:
-            dist.all_reduce(sq)
-        return torch.linalg.vector_norm(sq.sqrt()).to(grads[0][1].dtype)
+        return self._module().grad_norm()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every gradient tile by ``min(1, max_norm / (norm + 1e-6))`` with the serial norm (``grad_norm``),
         as ``torch.nn.utils.clip_grad_norm_`` does serially; returns the norm before clipping."""
-        from torch.nn.utils import clip_grads_with_norm_
-
-        total = self.grad_norm()  # sums pending gradients first
-        params = [p for _, p in self._tiled() if p.grad is not None]
-        if params and max_norm != float("inf"):
-            clip_grads_with_norm_(params, max_norm, total)
-        return total
+        self._sum_pending()
+        return self._module().clip_grad_norm_(max_norm)
 
     def _by_serial_param(self) -> dict[int, tuple[str, nn.Parameter]]:
         """id of each serial parameter -> (its name in the plan, the tile the plan trains for it); a parameter

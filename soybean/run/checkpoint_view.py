@@ -14,7 +14,9 @@ without) loads under any other (DCP reshards), AdamW's moments included.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from ..capture.core import Captured
 from ..plan import Plan
 from ..runtime.checkpoint_dir import CheckpointError
 from ..tiling import R
+from . import grad_norm
 from .module import ParallelModule
 
 
@@ -46,6 +49,11 @@ class Tie:
     counted: list[bool]
     group: Any
     src: int
+
+
+def _first_reader(first: dict[str, int], part: int, fqn: str) -> bool:
+    """Whether ``part`` is the first part that reads ``fqn`` (``first``: each weight's first reader)."""
+    return first.get(fqn, part) == part
 
 
 class PartsModule(nn.Module):
@@ -103,6 +111,34 @@ class PartsModule(nn.Module):
             for pm in tie.modules:
                 p = pm.get_parameter(tie.fqn)
                 p.grad = pm.tile(tie.fqn, total).to(p.dtype)
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The serial model's gradient norm (``soybean.run.grad_norm``), the same on every rank (every rank calls
+        it): each part's share over its own ranks (``ParallelModule.grad_share``), a weight several parts read
+        counted in the first that reads it (its copies hold the same summed gradient), summed over the world."""
+        q = grad_norm.check_norm_type(norm_type)
+        first: dict[str, int] = {}
+        for k, cap in enumerate(self._stage_caps):
+            for fqn in cap.params.values():
+                first.setdefault(fqn, k)
+        total = torch.zeros((), dtype=torch.float64)
+        dtype = torch.float32
+        for k, pm in self.local_parts():
+            mine = pm.grad_share(q, counted=functools.partial(_first_reader, first, k))
+            total = torch.maximum(total, mine) if math.isinf(q) else total + mine
+            dtype = next((p.grad.dtype for p in pm.parameters() if p.grad is not None), dtype)
+        return grad_norm.norm_of(grad_norm.world_total(total, q), q, dtype)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+                        ) -> torch.Tensor:
+        """``ParallelModule.clip_grad_norm_`` over every part: each gradient tile this rank holds scaled by the one
+        factor of the serial norm; returns it.  After ``train_step``, on every rank."""
+        total = self.grad_norm(norm_type)
+        grads = [p.grad for _, pm in self.local_parts() for p in pm.parameters() if p.grad is not None]
+        grad_norm.clip(grads, max_norm, total, error_if_nonfinite)
+        return total
 
     @torch.no_grad()
     def full_tensors(self) -> dict[str, torch.Tensor]:

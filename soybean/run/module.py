@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ from ..runtime.context import use_groups
 from ..runtime.gradsync import GradSync
 from ..runtime.pending import wait_all
 from ..tiling import R, local_tile
+from . import grad_norm
 from .outputs import lazy_outputs, local_mean
 
 
@@ -306,6 +308,37 @@ class ParallelModule(KeepsMesh, nn.Module):
 
     def _full_shape(self, fqn: str) -> tuple[int, ...]:
         return self._shapes[fqn]
+
+    # ---- the serial model's gradient norm (``soybean.run.grad_norm``) ----
+    def _trained_grads(self, counted: Callable[[str], bool] = lambda fqn: True) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.grad) for n, p in self.named_parameters() if p.grad is not None and counted(n)]
+
+    def grad_share(self, norm_type: float, counted: Callable[[str], bool] = lambda fqn: True) -> torch.Tensor:
+        """This rank's share of the serial ``||g||_q^q`` (``grad_norm.share``) over the gradients of the parameters
+        ``counted`` accepts; summed over this module's ranks it is theirs."""
+        return grad_norm.share(self._trained_grads(counted), list(self.plan.mesh), self.plan.param_tiling, norm_type)
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The serial model's gradient norm, what ``torch.nn.utils.clip_grad_norm_`` returns serially, from the
+        tiles (``soybean.run.grad_norm``), the same on every rank (every rank calls it).  torch's own function over
+        ``parameters()`` sees this rank's tiles only."""
+        q = grad_norm.check_norm_type(norm_type)
+        total = self.grad_share(q).reshape(1)
+        for g in self._groups:  # a sum (or maximum) over each mesh axis in turn is one over the mesh
+            total = (g.all_gather(total, 0, g.size).max().reshape(1) if math.isinf(q) else g.all_reduce(total))
+        grads = self._trained_grads()
+        return grad_norm.norm_of(total[0], q, grads[0][1].dtype if grads else torch.float32)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+                        ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the serial model: every gradient tile scaled by
+        ``min(1, max_norm / (norm + 1e-6))`` with the serial norm (``grad_norm``); returns that norm.  Call it after
+        ``backward`` or ``train_step``, on every rank."""
+        total = self.grad_norm(norm_type)
+        grad_norm.clip([g for _, g in self._trained_grads()], max_norm, total, error_if_nonfinite)
+        return total
 
     def save_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
                      extra: Any = None, keep: int | None = None) -> Path:
