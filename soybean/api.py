@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from .planner.core import plan as make_plan
 from .precision import policy
 from .run.microbatches import MicrobatchWarning, check as microbatch_check, difference as microbatch_difference
 from .run.module import ParallelModule
+from .run.optimizers import watch as watch_optimizers
 from .run.pieces import CAPTURES, PiecesModule
 from .run.pipelined import PipelinedModule
 from .run.placed import PlacedModule
@@ -41,6 +42,7 @@ from .runtime.comm import Group
 # closes its connections, so the wait ends at once then.
 PLAN_WAIT_S = SETUP_WAIT_S
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _resolve_plan(plan: Plan | str | Path | None) -> Plan | None:
@@ -60,6 +62,17 @@ def check_plan(p: Plan, fingerprint: str, world: int, precision: str | None = No
     if p.fingerprint != fingerprint:
         raise ValueError("plan was made for another model or other input shapes (fingerprint "
                          f"{p.fingerprint} != {fingerprint}): re-run `soybean plan` for this model and batch")
+
+
+def _watching(fn: F) -> F:
+    """``parallelize`` whose module checks the optimizers stepped on it (``run.optimizers.watch``)."""
+    @functools.wraps(fn)
+    def parallelized(*args: Any, **kwargs: Any) -> Any:
+        module = fn(*args, **kwargs)
+        watch_optimizers(module)
+        return module
+
+    return cast(F, parallelized)
 
 
 @overload
@@ -82,6 +95,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
                 **kwargs: Any) -> ParallelModule | PipelinedModule: ...
 
 
+@_watching
 @agreed_setup
 def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Tensor, *,
                 options: PlanOptions | None = None, plan: Plan | str | Path | None = None, rank: int | None = None,

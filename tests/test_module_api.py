@@ -2,8 +2,8 @@
 ``PipelinedModule``, ``PlacedModule``, ``PiecesModule``) trains through ``train_step`` on ``parameters()``, and its
 ``full_state_dict()`` is the serial model's ``state_dict()`` (the model's own keys, whole tensors, on every rank),
 ``load_full_state_dict`` takes one back, ``save_sharded``/``load_sharded`` restore a fresh module, optimizer
-state included, and ``grad_norm``/``clip_grad_norm_`` are the serial model's (torch's own over ``parameters()`` sees
-one rank's tiles).
+state included, ``grad_norm``/``clip_grad_norm_`` are the serial model's (torch's own over ``parameters()`` sees
+one rank's tiles), and an optimizer that reads whole weights (Adafactor) is refused where the plan splits some.
 
 The model has what a model run in parts finds hardest: a buffer and a frozen weight that every branch of both
 blocks reads (a copy in each stage or region that reads them, which must come back once, equal to serial) and a
@@ -156,6 +156,11 @@ def _contract(rank: int, world: int, kind: str, plan: str | None, root: str) -> 
     out["back_start"] = _copy(pm.full_state_dict())
     pm.load_full_state_dict(out["after"][0])
     out["back"] = _copy(pm.full_state_dict())
+    try:  # an optimizer that reads whole weights, at its first step: refused where the plan splits some
+        torch.optim.Adafactor(pm.parameters()).step()
+        out["adafactor"] = None
+    except ValueError as e:
+        out["adafactor"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -201,3 +206,6 @@ def test_every_plan_kind_has_the_serial_state_dict_and_checkpoints(tmp_path: Pat
             _same(r["after"][1], r["after"][0], f"{what}: after")
             _same(r["back_start"], r["start"], f"{what}: back_start")
             _same(r["back"], r["after"][0], f"{what}: back")
+            # Only the plain plan (objective comm) splits weights; the parts' are on one device each.
+            refused = r["adafactor"] is not None and r["adafactor"].startswith("OptimizerError: Adafactor")
+            assert refused == (kind == "plain"), (what, r["adafactor"])

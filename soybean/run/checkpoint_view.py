@@ -32,7 +32,7 @@ from ..plan import Plan
 from ..runtime.checkpoint_dir import CheckpointError
 from ..tiling import R
 from . import grad_norm
-from .module import ParallelModule
+from .module import ParallelModule, split_weights
 
 
 @dataclass
@@ -111,6 +111,10 @@ class PartsModule(nn.Module):
             for pm in tie.modules:
                 p = pm.get_parameter(tie.fqn)
                 p.grad = pm.tile(tie.fqn, total).to(p.dtype)
+
+    def split_weights(self) -> list[str]:
+        """The trained weights some part's plan stores split (``soybean.run.optimizers``)."""
+        return split_weights(list(zip(self._stage_caps, self._plans)))
 
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:

@@ -96,6 +96,13 @@ def forward_backward(module: nn.Module, inputs: tuple, kwargs: dict[str, Any], l
     return loss.detach()
 
 
+def split_weights(parts: Sequence[tuple[Captured, Plan]]) -> list[str]:
+    """The trained weights some part's plan stores split (on any mesh axis), sorted: what ``split_weights`` of every
+    module kind reads (plans are the same on every rank, so the answer is)."""
+    return sorted({fqn for cap, plan in parts for fqn in cap.params.values()
+                   if fqn not in cap.frozen and any(pl != R for pl in plan.param_tiling(fqn))})
+
+
 class KeepsMesh:
     """A module whose tiles lie on one mesh of its plan's shape in its checkpoints (``runtime.checkpoint``): the
     DeviceMesh kept for every save and load (``KeptMesh``), made at the first (the import and the groups wait until
@@ -308,6 +315,10 @@ class ParallelModule(KeepsMesh, nn.Module):
 
     def _full_shape(self, fqn: str) -> tuple[int, ...]:
         return self._shapes[fqn]
+
+    def split_weights(self) -> list[str]:
+        """The trained weights the plan stores split on some mesh axis (``soybean.run.optimizers``)."""
+        return split_weights([(self._cap, self.plan)])
 
     # ---- the serial model's gradient norm (``soybean.run.grad_norm``) ----
     def _trained_grads(self, counted: Callable[[str], bool] = lambda fqn: True) -> list[tuple[str, torch.Tensor]]:

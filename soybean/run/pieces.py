@@ -392,6 +392,10 @@ class PiecesModule(KeepsMesh, nn.Module):
         """Forward and backward of the whole batch (``ParallelModule.train_step``'s contract)."""
         return forward_backward(self, inputs, kwargs, loss_fn, target, reduction)
 
+    def split_weights(self) -> list[str]:
+        """None: every piece's plan stores every weight whole (``soybean.run.optimizers``)."""
+        return []
+
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The serial model's gradient norm (``soybean.run.grad_norm``): every parameter and its gradient (summed
