@@ -35,6 +35,7 @@ from ..runtime.gradsync import GradSync
 from ..runtime.pending import wait_all
 from ..tiling import R, local_tile
 from . import grad_norm
+from .modes import for_eval
 from .outputs import lazy_outputs, local_mean
 
 
@@ -124,6 +125,7 @@ class ParallelModule(KeepsMesh, nn.Module):
     """The per-rank program plus the local tiles it runs on."""
 
     program: fx.GraphModule  # set with object.__setattr__ in __init__ (a plain attribute, not a submodule)
+    _eval_program: fx.GraphModule | None = None  # ``program`` in evaluation mode (``_program``), made when first run
 
     def __init__(self, model: nn.Module, cap: Captured, plan: Plan, rank: int, groups: Sequence[Group],
                  lazy_outputs: bool = False, share_params: bool = False) -> None:
@@ -210,13 +212,23 @@ class ParallelModule(KeepsMesh, nn.Module):
             params = [(t, self.get_parameter(f)) for t, (k, f) in zip(state, self._order) if k == "param"]
             self._grad_sync.watch([t for t, _ in params], [p for _, p in params])
         with use_groups(self._groups):
-            out = self.program(*state, *user)
+            out = self._program()(*state, *user)
         if any(t is not None for t in self._out_tilings):
             out = self._returned(out)
         spec = self._cap.out_spec  # the model's own output structure (a ModelOutput stays one)
         if spec is not None and isinstance(out, (tuple, list)) and spec.num_leaves == len(out):
             return tree_unflatten(list(out), spec)
         return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+
+    def _program(self) -> fx.GraphModule:
+        """The program for the module's mode: as lowered in training mode, its evaluation-mode copy after ``eval()``
+        (``soybean.run.modes``: dropout off, batch norm on running statistics), made at the first use."""
+        if self.training:
+            return self.program
+        if self._eval_program is None:
+            object.__setattr__(self, "_eval_program", for_eval(self.program))
+        assert self._eval_program is not None
+        return self._eval_program
 
     def train_step(self, *inputs: Any, loss_fn: Callable[..., torch.Tensor], target: torch.Tensor | None = None,
                    reduction: str = "mean", **kwargs: Any) -> torch.Tensor:
