@@ -33,7 +33,7 @@ from ..runtime.comm import Group
 from ..runtime.context import use_groups
 from ..runtime.gradsync import GradSync
 from ..runtime.pending import wait_all
-from ..tiling import R, local_tile
+from ..tiling import R, local_shape, local_tile
 from . import grad_norm
 from .modes import for_eval
 from .outputs import lazy_outputs, local_mean
@@ -205,6 +205,7 @@ class ParallelModule(KeepsMesh, nn.Module):
         n_user = len(self._cap.inputs)
         if len(given) != n_user:
             raise TypeError(f"this model takes {n_user} tensor inputs, got {len(given)}")
+        self._check_shapes(given)
         user = [self._policy.cast(a) if isinstance(a, torch.Tensor) else a for a in given]
         wait_all(self._groups)  # the previous step's loss sum, if nobody read it
         if self._grad_sync is not None and torch.is_grad_enabled() and not self._grad_sync.deferred:
@@ -219,6 +220,26 @@ class ParallelModule(KeepsMesh, nn.Module):
         if spec is not None and isinstance(out, (tuple, list)) and spec.num_leaves == len(out):
             return tree_unflatten(list(out), spec)
         return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+
+    def _check_shapes(self, given: Sequence[Any]) -> None:
+        """A ``ValueError`` naming the input and the fixes when a tensor input's shape is not the example's (this
+        rank's rows of it under ``local_batch``): the program is lowered for those shapes, and another (a last batch
+        of another size) fails deep in a collective or a view, or runs a plan made for other shapes."""
+        placeholders = {n.name: n for n in self._cap.graph.nodes if n.op == "placeholder"}
+        for name, a in zip(self._cap.inputs, given):
+            val = placeholders[name].meta.get("val") if name in placeholders else None
+            if not isinstance(a, torch.Tensor) or not isinstance(val, torch.Tensor):
+                continue
+            want = tuple(val.shape)
+            if self.plan.local_batch:
+                want = local_shape(want, self.plan.input_tiling(name), self._mesh, self._coords)
+            if tuple(a.shape) != want:
+                rows = " (this rank's rows of it: local_batch)" if self.plan.local_batch else ""
+                raise ValueError(
+                    f"input {name!r} has shape {tuple(a.shape)}, but this module was planned for {want}, the "
+                    f"example's{rows}: every call takes the example's shapes. A last batch of another size: drop it "
+                    f"(DataLoader(..., drop_last=True)) or pad it; another batch size or sequence length: "
+                    f"parallelize again with an example of that shape")
 
     def _program(self) -> fx.GraphModule:
         """The program for the module's mode: as lowered in training mode, its evaluation-mode copy after ``eval()``
