@@ -31,7 +31,7 @@ from ..capture.core import Captured
 from ..plan import Plan
 from ..runtime.checkpoint_dir import CheckpointError
 from ..tiling import R
-from . import grad_norm
+from . import grad_norm as norms
 from .module import ParallelModule, split_weights
 
 
@@ -121,7 +121,7 @@ class PartsModule(nn.Module):
         """The serial model's gradient norm (``soybean.run.grad_norm``), the same on every rank (every rank calls
         it): each part's share over its own ranks (``ParallelModule.grad_share``), a weight several parts read
         counted in the first that reads it (its copies hold the same summed gradient), summed over the world."""
-        q = grad_norm.check_norm_type(norm_type)
+        q = norms.check_norm_type(norm_type)
         first: dict[str, int] = {}
         for k, cap in enumerate(self._stage_caps):
             for fqn in cap.params.values():
@@ -132,7 +132,7 @@ class PartsModule(nn.Module):
             mine = pm.grad_share(q, counted=functools.partial(_first_reader, first, k))
             total = torch.maximum(total, mine) if math.isinf(q) else total + mine
             dtype = next((p.grad.dtype for p in pm.parameters() if p.grad is not None), dtype)
-        return grad_norm.norm_of(grad_norm.world_total(total, q), q, dtype)
+        return norms.norm_of(norms.world_total(total, q), q, dtype)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -141,7 +141,7 @@ class PartsModule(nn.Module):
         factor of the serial norm; returns it.  After ``train_step``, on every rank."""
         total = self.grad_norm(norm_type)
         grads = [p.grad for _, pm in self.local_parts() for p in pm.parameters() if p.grad is not None]
-        grad_norm.clip(grads, max_norm, total, error_if_nonfinite)
+        norms.clip(grads, max_norm, total, error_if_nonfinite)
         return total
 
     @torch.no_grad()

@@ -34,7 +34,7 @@ from ..runtime.context import use_groups
 from ..runtime.gradsync import GradSync
 from ..runtime.pending import wait_all
 from ..tiling import R, local_shape, local_tile
-from . import grad_norm
+from . import grad_norm as norms
 from .modes import for_eval
 from .outputs import lazy_outputs, local_mean
 
@@ -126,6 +126,7 @@ class ParallelModule(KeepsMesh, nn.Module):
 
     program: fx.GraphModule  # set with object.__setattr__ in __init__ (a plain attribute, not a submodule)
     _eval_program: fx.GraphModule | None = None  # ``program`` in evaluation mode (``_program``), made when first run
+    _in_shapes: list[tuple[int, ...] | None] | None = None  # each input's shape as planned (``_check_shapes``)
 
     def __init__(self, model: nn.Module, cap: Captured, plan: Plan, rank: int, groups: Sequence[Group],
                  lazy_outputs: bool = False, share_params: bool = False) -> None:
@@ -225,15 +226,18 @@ class ParallelModule(KeepsMesh, nn.Module):
         """A ``ValueError`` naming the input and the fixes when a tensor input's shape is not the example's (this
         rank's rows of it under ``local_batch``): the program is lowered for those shapes, and another (a last batch
         of another size) fails deep in a collective or a view, or runs a plan made for other shapes."""
-        placeholders = {n.name: n for n in self._cap.graph.nodes if n.op == "placeholder"}
-        for name, a in zip(self._cap.inputs, given):
-            val = placeholders[name].meta.get("val") if name in placeholders else None
-            if not isinstance(a, torch.Tensor) or not isinstance(val, torch.Tensor):
-                continue
-            want = tuple(val.shape)
-            if self.plan.local_batch:
-                want = local_shape(want, self.plan.input_tiling(name), self._mesh, self._coords)
-            if tuple(a.shape) != want:
+        if self._in_shapes is None:  # once: the graph's placeholders are read, not walked per call
+            vals = {n.name: n.meta.get("val") for n in self._cap.graph.nodes if n.op == "placeholder"}
+            shapes: list[tuple[int, ...] | None] = []
+            for name in self._cap.inputs:
+                val = vals.get(name)
+                want = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+                if want is not None and self.plan.local_batch:
+                    want = local_shape(want, self.plan.input_tiling(name), self._mesh, self._coords)
+                shapes.append(want)
+            self._in_shapes = shapes
+        for name, a, want in zip(self._cap.inputs, given, self._in_shapes):
+            if isinstance(a, torch.Tensor) and want is not None and tuple(a.shape) != want:
                 rows = " (this rank's rows of it: local_batch)" if self.plan.local_batch else ""
                 raise ValueError(
                     f"input {name!r} has shape {tuple(a.shape)}, but this module was planned for {want}, the "
@@ -358,21 +362,21 @@ class ParallelModule(KeepsMesh, nn.Module):
         return [(n, p.grad) for n, p in self.named_parameters() if p.grad is not None and counted(n)]
 
     def grad_share(self, norm_type: float, counted: Callable[[str], bool] = lambda fqn: True) -> torch.Tensor:
-        """This rank's share of the serial ``||g||_q^q`` (``grad_norm.share``) over the gradients of the parameters
-        ``counted`` accepts; summed over this module's ranks it is theirs."""
-        return grad_norm.share(self._trained_grads(counted), list(self.plan.mesh), self.plan.param_tiling, norm_type)
+        """This rank's share of the serial ``||g||_q^q`` (``soybean.run.grad_norm.share``) over the gradients of the
+        parameters ``counted`` accepts; summed over this module's ranks it is theirs."""
+        return norms.share(self._trained_grads(counted), list(self.plan.mesh), self.plan.param_tiling, norm_type)
 
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The serial model's gradient norm, what ``torch.nn.utils.clip_grad_norm_`` returns serially, from the
         tiles (``soybean.run.grad_norm``), the same on every rank (every rank calls it).  torch's own function over
         ``parameters()`` sees this rank's tiles only."""
-        q = grad_norm.check_norm_type(norm_type)
+        q = norms.check_norm_type(norm_type)
         total = self.grad_share(q).reshape(1)
         for g in self._groups:  # a sum (or maximum) over each mesh axis in turn is one over the mesh
             total = (g.all_gather(total, 0, g.size).max().reshape(1) if math.isinf(q) else g.all_reduce(total))
         grads = self._trained_grads()
-        return grad_norm.norm_of(total[0], q, grads[0][1].dtype if grads else torch.float32)
+        return norms.norm_of(total[0], q, grads[0][1].dtype if grads else torch.float32)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -381,7 +385,7 @@ class ParallelModule(KeepsMesh, nn.Module):
         ``min(1, max_norm / (norm + 1e-6))`` with the serial norm (``grad_norm``); returns that norm.  Call it after
         ``backward`` or ``train_step``, on every rank."""
         total = self.grad_norm(norm_type)
-        grad_norm.clip([g for _, g in self._trained_grads()], max_norm, total, error_if_nonfinite)
+        norms.clip([g for _, g in self._trained_grads()], max_norm, total, error_if_nonfinite)
         return total
 
     def save_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,

@@ -40,7 +40,7 @@ from ..capture.core import Captured, capture
 from ..capture.eager import untouched
 from ..options import PlanOptions, plan_kind
 from ..plan import Plan
-from . import grad_norm
+from . import grad_norm as norms
 from .module import KeepsMesh, _attach, forward_backward
 
 CAPTURES = ("auto", "export", "dynamo")
@@ -401,17 +401,17 @@ class PiecesModule(KeepsMesh, nn.Module):
         """The serial model's gradient norm (``soybean.run.grad_norm``): every parameter and its gradient (summed
         over the ranks by the pieces) is whole here, so it is torch's own over the model's parameters, the same on
         every rank."""
-        q = grad_norm.check_norm_type(norm_type)
+        q = norms.check_norm_type(norm_type)
         grads = [(n, p.grad) for n, p in self._model.named_parameters() if p.grad is not None]
-        total = grad_norm.share(grads, [1], lambda fqn: (), q)
-        return grad_norm.norm_of(total, q, grads[0][1].dtype if grads else torch.float32)
+        total = norms.share(grads, [1], lambda fqn: (), q)
+        return norms.norm_of(total, q, grads[0][1].dtype if grads else torch.float32)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
                         ) -> torch.Tensor:
         """``ParallelModule.clip_grad_norm_`` (here torch's own would give the same)."""
         total = self.grad_norm(norm_type)
-        grad_norm.clip([p.grad for p in self._model.parameters() if p.grad is not None], max_norm, total,
+        norms.clip([p.grad for p in self._model.parameters() if p.grad is not None], max_norm, total,
                        error_if_nonfinite)
         return total
 
