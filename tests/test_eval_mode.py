@@ -85,3 +85,15 @@ def test_an_op_without_an_evaluation_form_is_refused() -> None:
                                                                            False)))
     with pytest.raises(EvalModeError, match="instance_norm.* with running statistics"):
         for_eval(torch.fx.GraphModule(torch.nn.Module(), graph))
+
+
+def test_attention_on_split_query_rows_drops_nothing_in_evaluation() -> None:
+    """Context parallelism's attention (``runtime.attention.sb_sdpa_rows``) carries the captured ``dropout_p`` too."""
+    from soybean.runtime.attention import sb_sdpa_rows
+
+    graph = torch.fx.Graph()
+    q, k, v = graph.placeholder("q"), graph.placeholder("k"), graph.placeholder("v")
+    graph.output(graph.call_function(sb_sdpa_rows, (q, k, v, None, 0.3, True), {"row_axes": (0,), "rows": 8}))
+    node = next(n for n in for_eval(torch.fx.GraphModule(torch.nn.Module(), graph)).graph.nodes
+                if n.target is sb_sdpa_rows)
+    assert node.args[4] == 0.0 and node.args[5] is True and node.kwargs == {"row_axes": (0,), "rows": 8}

@@ -25,14 +25,16 @@ import copy
 import torch
 from torch import fx
 
+from ..runtime.attention import sb_sdpa_rows
 from ..runtime.syncnorm import sb_batch_norm
 
 aten = torch.ops.aten
 # The ops that take ``train`` as their third argument (index 2).
 DROPOUTS = (aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default,
             aten.alpha_dropout.default, aten.feature_alpha_dropout.default)
-ATTENTION = (aten.scaled_dot_product_attention.default,)
-ATTENTION_DROPOUT = 4  # ``dropout_p``'s position in ``scaled_dot_product_attention``
+# Attention, and its form on split query rows (context parallelism): ``dropout_p`` at position 4 in both.
+ATTENTION = (aten.scaled_dot_product_attention.default, sb_sdpa_rows)
+ATTENTION_DROPOUT = 4
 BATCH_NORM_TRAINING = 5  # ``training``'s position in ``aten.batch_norm`` (and ``sb_batch_norm``)
 # Ops whose evaluation mode is not one argument away: refused in evaluation mode where they use batch statistics.
 REFUSED = (aten.instance_norm.default,)
