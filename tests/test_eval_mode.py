@@ -97,3 +97,21 @@ def test_attention_on_split_query_rows_drops_nothing_in_evaluation() -> None:
     node = next(n for n in for_eval(torch.fx.GraphModule(torch.nn.Module(), graph)).graph.nodes
                 if n.target is sb_sdpa_rows)
     assert node.args[4] == 0.0 and node.args[5] is True and node.kwargs == {"row_axes": (0,), "rows": 8}
+
+
+def test_recomputed_layers_are_evaluated_without_dropout() -> None:
+    """A plan that recomputes layers cuts the program into checkpointed runs (``codegen.recompute``), each a graph
+    of its own holding its dropout: evaluation rewrites those too."""
+    import soybean
+    from examples.models import transformer
+
+    model, (x, y) = transformer(batch=2, seq=8, hidden=32, layers=2, heads=4, dropout=0.3)
+    pm = soybean.parallelize(model, (x, y), devices=1, recompute="layers")
+    inner = [n for m in pm.program.modules() if isinstance(m, torch.fx.GraphModule) and m is not pm.program
+             for n in m.graph.nodes if n.target is torch.ops.aten.dropout.default]
+    assert inner  # the dropouts are inside the recomputed runs' graphs
+    model.eval()
+    pm.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x, y), model(x, y), rtol=1e-6, atol=1e-6)
+    assert all(n.args[2] is True for n in inner)  # the training program is untouched

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from ..runtime.attention import sb_sdpa_rows
 from ..runtime.syncnorm import sb_batch_norm
@@ -61,10 +61,8 @@ def _counts_batches(node: fx.Node) -> bool:
         "num_batches_tracked") and not node.users)
 
 
-def for_eval(program: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``program`` (a rank's lowered program) in evaluation mode (module docstring); ``program`` unchanged.
-    ``EvalModeError`` when it has an op whose evaluation form is not made here."""
-    graph = copy.deepcopy(program.graph)
+def _rewrite(graph: fx.Graph) -> None:
+    """``graph``'s nodes in evaluation mode, in place (module docstring)."""
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -86,6 +84,30 @@ def for_eval(program: fx.GraphModule) -> fx.GraphModule:
                 f"{node.target} with running statistics: its evaluation mode (those statistics in place of the "
                 "input's) is not made by soybean, and the program would run as in training. Evaluate the serial "
                 "model with the trained weights (model.load_state_dict(pmodel.full_state_dict()); model.eval())")
-    out = fx.GraphModule(program, graph)
-    out.meta = dict(getattr(program, "meta", {}))
+
+
+def _copy_for_eval(module: nn.Module) -> nn.Module:
+    """``module`` with every graph in it (its own when it is a ``GraphModule``, and its submodules', such as the
+    recomputed runs ``codegen.recompute`` cuts the program into) copied and rewritten; tensors and other modules
+    shared, nothing of ``module`` changed."""
+    if isinstance(module, fx.GraphModule):
+        graph = copy.deepcopy(module.graph)
+        _rewrite(graph)
+        new: nn.Module = fx.GraphModule(module, graph)  # the attributes the graph reads, shared
+        new.__dict__["meta"] = dict(getattr(module, "meta", {}))
+    else:
+        new = copy.copy(module)
+        # its own table of children, so that the swaps below leave ``module``'s alone
+        new.__dict__["_modules"] = dict(module._modules)
+    for name, child in list(new.named_children()):
+        if any(isinstance(m, fx.GraphModule) for m in child.modules()):
+            setattr(new, name, _copy_for_eval(child))
+    return new
+
+
+def for_eval(program: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``program`` (a rank's lowered program, recomputed runs included) in evaluation mode (module
+    docstring); ``program`` unchanged.  ``EvalModeError`` when it has an op whose evaluation form is not made here."""
+    out = _copy_for_eval(program)
+    assert isinstance(out, fx.GraphModule)
     return out
