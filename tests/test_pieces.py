@@ -312,3 +312,24 @@ def test_a_custom_autograd_function_passes_its_gradient_through_the_compile_back
     trained = dict(serial.named_parameters())
     for name, p in model.named_parameters():  # the recurrent block's weights were the ones trained wrong
         torch.testing.assert_close(p, trained[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.unit
+def test_a_model_in_pieces_parallelized_again_and_again_is_planned_whole_each_time() -> None:
+    """Each ``parallelize`` compiles the model with a backend of its own, and dynamo adds a cache entry per frame for
+    each: past ``recompile_limit`` it ran frames eagerly without a word (transformers' LongcatFlash, parallelized again
+    in one process: half its pieces planned the second time, none the third).  Its caches are emptied first now."""
+    import warnings
+
+    import soybean
+
+    model, (x,) = branchy_model()
+    want = model(x)
+    counts = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the pieces' "captured by dynamo" warning
+        for _ in range(10):
+            pm = soybean.parallelize(model, (x,), devices=1, capture_with="dynamo")
+            counts.append(len(pm.plan.pieces["graphs"]))
+            torch.testing.assert_close(pm(x), want)
+    assert counts == [counts[0]] * 10 and counts[0] >= 2, counts

@@ -264,7 +264,17 @@ def collect(model: nn.Module, args: tuple, kwargs: dict) -> list[tuple[_Piece, t
     """The pieces dynamo splits ``model``'s forward into on this example (``run_collecting`` with a backend of its
     own: ``soybean check`` and the sweep's capture; ``parallelize`` collects with the backend it runs)."""
     backend = PieceBackend(PlanOptions(), lambda *a, **k: None)  # collecting only: no program is made
+    fresh_caches()
     return run_collecting(model, torch.compile(model, backend=backend, dynamic=False), backend, args, kwargs)
+
+
+def fresh_caches() -> None:
+    """Dynamo's caches emptied (``torch.compiler.reset()``) before a new backend compiles a model: every backend adds
+    an entry per frame it compiles (one per layer instance and graph break), and past ``recompile_limit`` entries
+    dynamo runs a frame eagerly without a word, so the second ``parallelize`` of one model in a process planned
+    half its pieces and the third none (transformers' LongcatFlash).  Other compiled code recompiles at its next
+    call, a ``PiecesModule`` made before with the plans it recorded."""
+    torch.compiler.reset()
 
 
 def graphs(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None) -> list[Captured]:
@@ -319,7 +329,9 @@ def plan_pieces(model: nn.Module, pieces: Distinct, world: int, opts: PlanOption
                      "params": params, "plan": p.to_dict()})
     if not plans:
         raise ValueError(f"dynamo captured no graph of {type(model).__name__} that computes on tensors: nothing to "
-                         "parallelize")
+                         "parallelize (or it stopped compiling the model's frames: torch._dynamo's recompile_limit, "
+                         "reached when one model's code is compiled many times in a process; "
+                         "torch.compiler.reset() clears it)")
     cost: dict[str, float] = {}
     for p in plans:
         for k, v in p.cost.items():
@@ -362,6 +374,7 @@ class PiecesModule(KeepsMesh, nn.Module):
             _attach(self, n, b, "buffer")
         self._shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
         self.backend = PieceBackend(opts, parallelize)
+        fresh_caches()
         object.__setattr__(self, "_model", model)  # not a submodule: its tensors are registered here by name
         object.__setattr__(self, "_compiled", torch.compile(model, backend=self.backend, dynamic=False))
 
