@@ -140,8 +140,7 @@ class PartsModule(nn.Module):
         """``ParallelModule.clip_grad_norm_`` over every part: each gradient tile this rank holds scaled by the one
         factor of the serial norm; returns it.  After ``train_step``, on every rank."""
         total = self.grad_norm(norm_type)
-        grads = [p.grad for _, pm in self.local_parts() for p in pm.parameters() if p.grad is not None]
-        norms.clip(grads, max_norm, total, error_if_nonfinite)
+        norms.clip((p for _, pm in self.local_parts() for p in pm.parameters()), max_norm, total, error_if_nonfinite)
         return total
 
     @torch.no_grad()

@@ -20,11 +20,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import clip_grads_with_norm_
 
 from ..tiling import R
-
-# torch's ``clip_grad_norm_`` adds it to the norm before dividing.
-EPS = 1e-6
 
 
 def share(named: Iterable[tuple[str, torch.Tensor]], mesh: Sequence[int], tiling: Callable[[str], Sequence],
@@ -62,11 +60,11 @@ def check_norm_type(norm_type: float) -> float:
 
 
 @torch.no_grad()
-def clip(grads: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor, error_if_nonfinite: bool) -> None:
-    """Every tile of ``grads`` times ``min(1, max_norm / (total + EPS))`` (torch's clipping with a given norm)."""
+def clip(params: Iterable[torch.Tensor], max_norm: float, total: torch.Tensor, error_if_nonfinite: bool) -> None:
+    """The gradient of every tile in ``params`` times ``min(1, max_norm / (total + 1e-6))``: torch's own clipping by
+    a given norm (``clip_grads_with_norm_``), after ``error_if_nonfinite``'s check (torch makes it where it forms the
+    norm)."""
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(f"the total norm of the gradients is {float(total)}: non-finite, so clipping cannot "
                            "proceed (error_if_nonfinite=True); skip this step or lower the learning rate")
-    coef = torch.clamp(max_norm / (total.to(torch.float64) + EPS), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype).to(g.device))
+    clip_grads_with_norm_(list(params), max_norm, total)

@@ -385,7 +385,7 @@ class ParallelModule(KeepsMesh, nn.Module):
         ``min(1, max_norm / (norm + 1e-6))`` with the serial norm (``grad_norm``); returns that norm.  Call it after
         ``backward`` or ``train_step``, on every rank."""
         total = self.grad_norm(norm_type)
-        norms.clip([g for _, g in self._trained_grads()], max_norm, total, error_if_nonfinite)
+        norms.clip(self.parameters(), max_norm, total, error_if_nonfinite)
         return total
 
     def save_sharded(self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,

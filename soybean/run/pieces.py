@@ -424,8 +424,7 @@ class PiecesModule(KeepsMesh, nn.Module):
                         ) -> torch.Tensor:
         """``ParallelModule.clip_grad_norm_`` (here torch's own would give the same)."""
         total = self.grad_norm(norm_type)
-        norms.clip([p.grad for p in self._model.parameters() if p.grad is not None], max_norm, total,
-                       error_if_nonfinite)
+        norms.clip(self._model.parameters(), max_norm, total, error_if_nonfinite)
         return total
 
     # ---- state: whole on every rank ----
