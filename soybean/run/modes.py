@@ -46,9 +46,7 @@ class EvalModeError(RuntimeError):
 
 def _set(node: fx.Node, index: int, name: str, value: fx.node.Argument) -> None:
     """Argument ``index`` (keyword ``name``) of ``node`` set to ``value``."""
-    if name in node.kwargs:
-        node.kwargs = {**node.kwargs, name: value}
-    elif len(node.args) > index:
+    if name not in node.kwargs and len(node.args) > index:
         node.args = (*node.args[:index], value, *node.args[index + 1:])
     else:
         node.kwargs = {**node.kwargs, name: value}
