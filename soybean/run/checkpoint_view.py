@@ -126,12 +126,14 @@ class PartsModule(nn.Module):
         for k, cap in enumerate(self._stage_caps):
             for fqn in cap.params.values():
                 first.setdefault(fqn, k)
-        total = torch.zeros((), dtype=torch.float64)
+        total: torch.Tensor | None = None
         dtype = torch.float32
         for k, pm in self.local_parts():
             mine = pm.grad_share(q, counted=functools.partial(_first_reader, first, k))
-            total = torch.maximum(total, mine) if math.isinf(q) else total + mine
+            total = mine if total is None else torch.maximum(total, mine) if math.isinf(q) else total + mine
             dtype = next((p.grad.dtype for p in pm.parameters() if p.grad is not None), dtype)
+        if total is None:
+            total = torch.zeros((), dtype=torch.float64)
         return norms.norm_of(norms.world_total(total, q), q, dtype)
 
     @torch.no_grad()

@@ -28,16 +28,19 @@ from ..tiling import R
 def share(named: Iterable[tuple[str, torch.Tensor]], mesh: Sequence[int], tiling: Callable[[str], Sequence],
           norm_type: float) -> torch.Tensor:
     """This rank's part of ``||g||_q^q`` (float64; for ``q = inf`` its largest ``|g|``) over the gradients
-    ``named`` (name, gradient tile), each weighted by one over the ranks holding the same tile."""
-    total = torch.zeros((), dtype=torch.float64)
+    ``named`` (name, gradient tile), each weighted by one over the ranks holding the same tile.  On the gradients'
+    device (the CPU when there are none): no copy to the host per gradient, and NCCL reduces it where it lies."""
+    total: torch.Tensor | None = None
     for name, g in named:
         g = g.detach().to(torch.float64)
         if math.isinf(norm_type):
-            total = torch.maximum(total, g.abs().max().cpu()) if g.numel() else total
+            part = g.abs().max() if g.numel() else g.new_zeros(())
+            total = part if total is None else torch.maximum(total, part)
             continue
         copies = math.prod(s for s, pl in zip(mesh, tiling(name)) if pl == R)
-        total = total + g.abs().pow(norm_type).sum().cpu() / copies
-    return total
+        part = g.abs().pow(norm_type).sum() / copies
+        total = part if total is None else total + part
+    return torch.zeros((), dtype=torch.float64) if total is None else total
 
 
 def norm_of(total: torch.Tensor, norm_type: float, like: torch.dtype) -> torch.Tensor:
