@@ -311,6 +311,24 @@ def test_lower_bound_is_below_the_optimum_and_prunes_only_what_cannot_win(seed: 
     assert solve(p, "ilp", cutoff=opt * 1.5 + 1.0).objective == pytest.approx(opt, rel=1e-9, abs=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_problem_the_reductions_solve_whole_is_bounded_by_its_optimum(seed: int) -> None:
+    """A chain reduces to isolated variables with every other folded into them, so ``lower_bound`` (and the
+    cutoff ``solve`` prunes at) is the exact optimum: each isolated variable counts what was folded into it, not
+    its own unary cost alone (which bounded a whole chain by one variable's cost: a table's bound near zero)."""
+    from soybean.search import Pruned, lower_bound
+
+    rng = random.Random(950 + seed)
+    p = random_problem(rng, 7, dag=False)
+    red = reduce(p)
+    assert red.core.n == 0
+    _, opt = brute_force(p)
+    assert lower_bound(red, p) == pytest.approx(opt, rel=1e-12)
+    with pytest.raises(Pruned) as e:
+        solve(p, "ilp", cutoff=opt * (1 - 1e-9))
+    assert e.value.bound == pytest.approx(opt, rel=1e-12)
+
+
 def cyclic_problem(rng: random.Random, n: int) -> Problem:
     """Every variable joined to two or three earlier ones: cycles, so the reductions leave a core."""
     unary = [np.array([rng.random() * 5 for _ in range(rng.randint(2, 4))]) for _ in range(n)]

@@ -81,8 +81,7 @@ class Reduced:
                 _, v, u, w, arg = rec
                 choice[v] = int(arg[choice[u], choice[w]])
             else:  # isolated
-                _, v, best = rec
-                choice[v] = best
+                choice[rec[1]] = rec[2]
         return choice
 
 
@@ -168,7 +167,8 @@ def reduce(p: Problem, argmins: bool = True) -> Reduced:
             continue
         deg = len(nb[v])
         if deg == 0:
-            trail.append(("isolated", v, int(np.argmin(unary[v]))))
+            best = int(np.argmin(unary[v]))  # its unary holds every variable folded into it: kept for ``isolated``
+            trail.append(("isolated", v, best, float(unary[v][best])))
             alive.discard(v)
         elif deg == 1:
             (u,) = nb[v]
@@ -221,5 +221,7 @@ def lower_bound(red: Reduced, p: Problem) -> float:
 
 
 def isolated(red: Reduced, p: Problem) -> float:
-    """What the variables the reduction found isolated cost at their cheapest: ``OPT(p) - OPT(core)``."""
-    return sum(float(p.unary[rec[1]][rec[2]]) for rec in red.trail if rec[0] == "isolated")
+    """What the variables the reduction found isolated cost at their cheapest, with all it folded into them (the
+    leaves and series eliminated into each): ``OPT(p) - OPT(core)``.  (``p``: the problem reduced, kept for the
+    callers' symmetry with ``lower_bound``.)"""
+    return sum(rec[3] for rec in red.trail if rec[0] == "isolated")
