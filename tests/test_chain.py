@@ -198,3 +198,77 @@ def test_the_first_fitting_choice_is_found_exactly_and_in_fewer_tables_than_bise
             fewer += probes[0] < by_halves
             more += probes[0] > by_halves
     assert fewer > 0 and more == 0, (fewer, more)
+
+
+def test_one_choice_reruns_within_another_by_its_units() -> None:
+    """``reruns_within``: a choice reruns every op of another when each of the other's units is one of its own or
+    lies inside one (a layer's attention inside the layer), never the other way round."""
+    from soybean.planner.recompute import reruns_within
+
+    a2, a3 = frozenset({"h.0", "h.1"}), frozenset({"h.0", "h.1", "h.2"})
+    b2 = frozenset({"h.0", "h.1", "h.2.attn", "h.3.attn"})
+    assert reruns_within(a2, a3) and reruns_within(a2, b2) and reruns_within(frozenset(), a2)
+    assert not reruns_within(a3, a2) and not reruns_within(a3, b2) and not reruns_within(b2, a3)
+    assert reruns_within(frozenset({"h.2.attn"}), a3) and not reruns_within(frozenset({"h.2"}), b2)
+    assert not reruns_within(frozenset({"h.1"}), frozenset({"h.10"}))  # a prefix of the name is not a module
+
+
+def test_a_choice_bound_without_the_budget_is_below_every_choice_that_reruns_more(setting: tuple) -> None:
+    """``problem.free_bound`` of a choice's table is below the best plan, within the budget or without it, of
+    every choice that reruns at least its ops (recomputation only adds time): what lets ``chain_search`` prune a
+    choice by another's bound (``free_floor``)."""
+    from soybean.planner.problem import free_bound
+    from soybean.planner.recompute import reruns_within
+
+    cap, mesh, search, budget, chains = setting
+    free = Search(search.profile)
+    choices = sorted({u for chain in chains for u in chain}, key=lambda u: (len(u), sorted(u)))
+    bounds = {}
+    for units in choices:
+        g = search.table(cap, mesh, units)
+        bounds[units] = free_bound(g, "time", find_repeats(g), math.inf)
+    pairs = 0
+    for more in choices:
+        plain = solve_on(cap, mesh, free, recompute=more).step_time_s
+        try:
+            fitting = solve_on(cap, mesh, search, recompute=more).step_time_s
+        except MemoryBudgetError:
+            fitting = math.inf
+        for units in choices:
+            if reruns_within(units, more):
+                assert bounds[units] <= plain * (1 + 1e-9) and bounds[units] <= fitting * (1 + 1e-9)
+                pairs += 1
+    assert pairs > len(choices)
+
+
+def test_bounds_of_choices_that_rerun_less_keep_the_plan_with_fewer_solves(setting: tuple,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``chain_search`` bounds a choice by the bounds without the budget of the choices it reruns more than
+    (``reruns_within``): against the search that bounds each choice by its own only, the same step time, a fitting
+    plan, each bound below both plans, and fewer choices solved or bounded by a reduction.  The budget binds the
+    fastest plan lightly (85% of the way from the least memory to its own), as at Llama-3-8B's batch 16 on 8
+    devices: the choices past the first that fits cost more without a budget than its plan does with one."""
+    import soybean.planner.recompute as rc
+
+    cap, mesh, search, _, chains = setting
+    fastest = solve_on(cap, mesh, Search(search.profile))
+    least = least_memory(search.table(cap, mesh, chains[0][-1]))
+    budget = least + 0.85 * (fastest.memory - least)
+    s = Search(search.profile, PlanOptions(time_limit_s=60.0), budget)
+    own, transfer = rc.reruns_within, [True]
+    monkeypatch.setattr(rc, "reruns_within", lambda u, more: own(u, more) if transfer[0] else u == more)
+    work: list[int] = []
+    solve, bound = rc.solve_table_on, rc.free_bound
+    monkeypatch.setattr(rc, "solve_table_on", lambda *a, **k: work.__setitem__(-1, work[-1] + 1) or solve(*a, **k))
+    monkeypatch.setattr(rc, "free_bound", lambda *a, **k: work.__setitem__(-1, work[-1] + 1) or bound(*a, **k))
+    found = []
+    for on in (False, True):
+        transfer[0] = on
+        work.append(0)
+        found.append(solve_recompute(cap, mesh, s))
+    alone, default = found
+    assert default.step_time_s == pytest.approx(alone.step_time_s, rel=1e-12)
+    assert default.memory <= budget * (1 + 1e-9)
+    assert default.solution.bound <= alone.step_time_s * (1 + 1e-9)
+    assert alone.solution.bound <= default.step_time_s * (1 + 1e-9)
+    assert work[1] < work[0], work

@@ -12,8 +12,10 @@ import numpy as np
 
 from ..graph import PlanGraph, phase_memory
 from ..options import OBJECTIVES
-from ..search import Problem, Run
+from ..search import Problem, Run, tie
 from ..search.chain import Dual, dual
+from ..search.diffusion import diffusion_bound
+from ..search.problem import lower_bound, reduce
 
 
 def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
@@ -61,3 +63,14 @@ def chain_dual(g: PlanGraph, k: int, runs: Sequence[Run], lams: np.ndarray, budg
     p.memory = [phase_memory(v, "activations") - (v.rerun_buffer if v.rerun_buffer is not None else 0.0)
                 for v in g.vars]
     return dual(p, k, runs, lams, budget, [v.rerun_buffer is not None for v in g.vars])
+
+
+def free_bound(g: PlanGraph, objective: str, runs: Sequence[Run], target: float) -> float:
+    """A lower bound of every plan of ``g``'s problem without a memory budget, tied by ``runs`` (``to_problem``'s,
+    so member 0 of the capped overlap under ``time``): its reduction's ``lower_bound``, raised by min-sum diffusion
+    towards ``target`` when below it.  One reduction, no LP: the cheap bound a solve with a cutoff starts with."""
+    p = to_problem(g, objective)
+    q = tie(p, list(runs))[0] if runs else p
+    red = reduce(q, argmins=False)
+    bound = lower_bound(red, q)
+    return max(bound, diffusion_bound(red, q, target)) if bound < target else bound

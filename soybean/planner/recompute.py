@@ -23,7 +23,7 @@ from ..graph import (
 from ..mesh import Mesh
 from ..search import Pruned, Run, SearchError, Solution, relative_gap
 from ..search.problem import Problem, lower_bound, reduce
-from .problem import chain_dual, to_problem
+from .problem import chain_dual, free_bound, to_problem
 from .repeats import find_repeats
 from .solve import Incumbent, MemoryBudgetError, Result, Search, evaluate, least_memory, now, solve_table_on
 
@@ -57,6 +57,12 @@ def recompute_choices(cap: Captured) -> list[list[frozenset[str]]]:
         if len(some) >= 2 and len(set(some)) == len(some):  # every layer has its attention: a chain of k = 2..L-1
             chains.append(some)
     return chains
+
+
+def reruns_within(units: frozenset[str], more: frozenset[str]) -> bool:
+    """Whether recomputation choice ``more`` reruns every op ``units`` reruns: each unit of ``units`` is one of
+    ``more`` or lies inside one (a layer's attention inside the layer: ``B_k`` reruns all of ``A_k``)."""
+    return all(u in more or any(u.startswith(w + ".") for w in more) for u in units)
 
 
 def layers_in(units: frozenset[str], layers: Collection[str]) -> int:
@@ -256,6 +262,25 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     scale = 0.0  # the multipliers' scale: a step time
     firsts: dict[int, PlanGraph] = {}  # each chain's first choice's table, kept for ``shift`` past ``table``'s few
     tally = [0, 0]  # single choices whose own dual pruned them, and those solved after it did not
+    frees: dict[frozenset[str], float] = {}  # bounds without the budget of the choices bounded or solved so far
+
+    def free_floor(units: frozenset[str]) -> float:
+        """The best bound without the budget of a choice that ``units`` reruns at least the ops of
+        (``reruns_within``): recomputation only adds time (``solve_recompute``), so every plan of ``units`` costs at
+        least it, whatever its memory.  A stretch of a chain reruns at least its first choice's ops."""
+        return max((f for u, f in frees.items() if reruns_within(u, units)), default=-math.inf)
+
+    def free_of(c: int, i: int, target: float) -> float:
+        """``free_floor`` of choice ``i`` of chain ``c``, and where that is below ``target`` and the choice has no
+        free bound of its own yet, its own (``problem.free_bound``: one reduction of its tied problem, no LP).  Where
+        the fastest plans of the choices past the first that fits have room under the budget, this bound at
+        multiplier 0 is the Lagrangian's best, and it prunes every choice that reruns more as well."""
+        units = chains[c][i]
+        got = free_floor(units)
+        if got >= target or units in frees:
+            return got
+        frees[units] = free_bound(table(units), objective, runs_of(units), target)
+        return max(got, frees[units])
 
     def runs_of(units: frozenset[str]) -> list[Run]:
         """The repeated layers of a choice's table, found once for its dual and its solve."""
@@ -285,10 +310,12 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         a stretch of more than ``SHORT`` choices from the duals of its ends, tightened towards ``target``; a
         shorter one costs no reduction of its own; a single choice's own dual only where one was worked out (when
         ``target`` is given: ``single_bound``)."""
-        base = max(floor if floor is not None else -math.inf, known)
+        base = max(floor if floor is not None else -math.inf, known, free_floor(chains[c][a]))
         if a == b:
             return max(base, duals[(c, a)].bound) if (c, a) in duals else base
-        if b - a + 1 <= SHORT:
+        if target is not None and base < target:
+            base = free_of(c, a, target)  # before the stretch's two duals: it bounds the stretch if it prunes
+        if b - a + 1 <= SHORT or (target is not None and base >= target):
             return base
         ds = ends(c, a, b)
         if not ds:
@@ -303,6 +330,8 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         only while single choices' duals pay (``SINGLE_ODDS``), and only where ``known`` does not already reach
         ``target``."""
         got = region_bound(c, i, i, known=known)
+        if got < target:  # its bound without the budget first: it prunes every choice that reruns more as well
+            got = max(got, free_of(c, i, target))
         if got >= target or tally[1] > SINGLE_ODDS * tally[0] or (d := dual_of(c, i)) is None:
             return got, False
         return max(got, d.bound if d.bound >= target else tighten([d], target)), True
@@ -329,11 +358,13 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         except Pruned as e:
             lowest = min(lowest, max(bound, e.bound))
             pruned = pruned or e
+            frees[units] = max(frees.get(units, -math.inf), e.free)
             return
         except SearchError:  # no plan found in time: this choice's bound stands
             lowest = min(lowest, bound)
             return
         lowest = min(lowest, max(bound, r.solution.bound))
+        frees[units] = max(frees.get(units, -math.inf), r.solution.free)
         say(f"mesh {mesh}: recompute {len(units)} units: {r.value(objective):.4g} ({objective})")
         if best is None or r.value(objective) < best.value(objective):
             best = r

@@ -270,7 +270,7 @@ def capped_overlap(first: Result, solved: Callable[[float, float | None, float],
             try:
                 r = solved(mu, cut, best.step_time_s * (1.0 - gap))
             except Pruned as e:  # this member's bound already reaches the incumbent: so does T's
-                raise Pruned(max(bound, e.bound), cut if cut is not None else e.bound) from None
+                raise Pruned(max(bound, e.bound), cut if cut is not None else e.bound, e.free) from None
             if r.solution.bound > bound:
                 bound, peak = r.solution.bound, mu
             best = min(best, r, key=lambda x: x.step_time_s)

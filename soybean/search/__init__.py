@@ -43,7 +43,8 @@ def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: floa
         s = solve(q, solver, time_limit_s, gap, cutoff=cutoff, enough=enough, hints=hints)
         choice = [s.choice[to[v]] for v in range(p.n)]
         obj = p.evaluate(choice)  # equal to s.objective: tying prices a plan exactly
-        return Solution(choice, obj, obj - (s.objective - s.bound), s.status, time.perf_counter() - t0, s.solver)
+        return Solution(choice, obj, obj - (s.objective - s.bound), s.status, time.perf_counter() - t0, s.solver,
+                        s.free)
     if solver == "brute":
         choice, obj = brute_force(p)
         return Solution(choice, obj, obj, "optimal", time.perf_counter() - t0, "brute")
@@ -65,7 +66,7 @@ def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: fl
         if bound < cutoff:  # before the LP, the bound of a few sweeps of diffusion (milliseconds)
             bound = max(bound, diffusion_bound(red, p, cutoff))
         if bound >= cutoff:
-            raise Pruned(bound, cutoff)
+            raise Pruned(bound, cutoff, bound)  # a problem without a budget: its bound is its free bound
     if solver == "dp":
         core = solve_dp(red.core)
     else:
@@ -76,11 +77,11 @@ def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: fl
                              enough=None if enough is None else enough - shift, hints=hints)
         except Pruned as e:  # raised only under a cutoff
             assert cutoff is not None
-            raise Pruned(e.bound + shift, cutoff) from None
+            raise Pruned(e.bound + shift, cutoff, e.bound + shift) from None
     choice = red.expand(core.choice, p.n)
     obj = p.evaluate(choice)
-    return Solution(choice, obj, obj - (core.objective - core.bound), core.status, time.perf_counter() - t0,
-                    core.solver)
+    bound = obj - (core.objective - core.bound)
+    return Solution(choice, obj, bound, core.status, time.perf_counter() - t0, core.solver, bound)
 
 
 # The joint budgeted ILP refines the Lagrangian plan only on problems this small (pair costs in all):
@@ -115,7 +116,7 @@ def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t
                 best = Solution(choice, obj, obj, "optimal", time.perf_counter() - t0, "frontier")
                 bound = obj
             elif cutoff is not None and (best is None or cutoff <= best.objective):
-                raise Pruned(cutoff, cutoff)  # no fitting plan lies below the cutoff
+                raise Pruned(cutoff, cutoff, dual.free)  # no fitting plan lies below the cutoff
             elif best is None:
                 raise _infeasible(p, time_limit_s)  # nothing fits: the ILP's own error for it
             else:
@@ -135,7 +136,8 @@ def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t
                           "give more time (--time-limit) or a larger budget (--memory-gb)")
     status = "optimal" if gap() <= OPTIMAL_GAP else "feasible"
     name = best.solver if dual.solves <= 1 or best.solver.endswith("lagrangian") else f"{best.solver}+lagrangian"
-    return Solution(best.choice, best.objective, min(bound, best.objective), status, time.perf_counter() - t0, name)
+    return Solution(best.choice, best.objective, min(bound, best.objective), status, time.perf_counter() - t0, name,
+                    dual.free)
 
 
 __all__ = [

@@ -54,6 +54,7 @@ class Dual:
     bound: float
     solves: int
     multiplier: float = 0.0     # the multiplier of the best bound (``frontier`` prunes by its relaxed costs)
+    free: float = -float("inf")  # the bound at multiplier 0: of the problem without its budget (``Solution.free``)
 
 
 def relaxed(p: Problem, lam: float) -> Problem:
@@ -74,19 +75,22 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem, float | None], Solutio
     bound = -float("inf")
     solves = 0
     best_lam = 0.0
+    at_zero = -float("inf")  # the relaxed problem's bound at multiplier 0, once solved there
 
     def at(lam: float) -> tuple[Solution, bool]:
-        nonlocal best, bound, solves, best_lam
+        nonlocal best, bound, solves, best_lam, at_zero
         try:  # SearchError (time ran out): caught below, the best so far stands
             s = solve_free(relaxed(p, lam), None if cutoff is None else cutoff + lam * M)
         except Pruned as e:  # only raised under a cutoff
             assert cutoff is not None
-            raise Pruned(e.bound - lam * M, cutoff) from None
+            raise Pruned(e.bound - lam * M, cutoff, e.bound if lam == 0.0 else at_zero) from None
         solves += 1
+        if lam == 0.0:
+            at_zero = s.bound
         if s.bound - lam * M > bound:
             bound, best_lam = s.bound - lam * M, lam
         if cutoff is not None and bound >= cutoff:
-            raise Pruned(bound, cutoff)
+            raise Pruned(bound, cutoff, at_zero)
         fits = p.memory_of(s.choice) <= M
         if fits:
             obj = p.evaluate(s.choice)
@@ -106,14 +110,14 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem, float | None], Solutio
     try:
         free, fits = at(0.0)
         if fits:
-            return Dual(best, bound, solves, best_lam)
+            return Dual(best, bound, solves, best_lam, at_zero)
         # A first multiplier that makes memory matter: the unbudgeted cost spread over the budget.
         lo, hi = 0.0, max(abs(free.objective), 1e-30) / max(M, 1.0)
         lo_line = line(free)
         while not (got := at(hi))[1]:
             lo, hi, lo_line = hi, hi * 8.0, line(got[0])
             if solves > MAX_STEPS or time.perf_counter() > deadline:
-                return Dual(best, bound, solves, best_lam)
+                return Dual(best, bound, solves, best_lam, at_zero)
         hi_line = line(got[0])
         for _ in range(MAX_STEPS):
             if gap() <= tol or time.perf_counter() > deadline or hi - lo <= 1e-12 * hi:
@@ -135,4 +139,4 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem, float | None], Solutio
         raise
     except SearchError:  # a relaxed solve ran out of time: the fitting plan and the bound found so far stand
         pass
-    return Dual(best, bound, solves, best_lam)
+    return Dual(best, bound, solves, best_lam, at_zero)

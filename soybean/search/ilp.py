@@ -43,6 +43,10 @@ class Solution:
     status: str
     seconds: float
     solver: str
+    # A lower bound of the problem without its memory budget: the relaxed problem's at multiplier 0 where a budget
+    # was relaxed (``budget.lagrangian``), ``bound`` itself where there was none; -inf: not known.  A planner bounds
+    # other problems by it whose costs are at least these everywhere (``planner.recompute``: more recomputed).
+    free: float = -math.inf
 
 
 class SearchError(ValueError):
@@ -62,12 +66,13 @@ class Pruned(SearchError):
     """The problem's lower bound (``problem.lower_bound``, or a Lagrangian bound) already reaches the
     cutoff: no plan of it can beat the plan the cutoff came from, so it was not solved."""
 
-    def __init__(self, bound: float, cutoff: float) -> None:
-        self.bound, self.cutoff = bound, cutoff
+    def __init__(self, bound: float, cutoff: float, free: float = -math.inf) -> None:
+        # ``free``: a lower bound of the problem without its memory budget, where one was found (``Solution.free``)
+        self.bound, self.cutoff, self.free = bound, cutoff, free
         super().__init__(f"lower bound {bound:.6g} >= cutoff {cutoff:.6g}: not solved")
 
     def __reduce__(self) -> tuple:  # rebuilt from its fields, not its message (a planner worker sends it)
-        return (Pruned, (self.bound, self.cutoff))
+        return (Pruned, (self.bound, self.cutoff, self.free))
 
 
 # A plan proven within this relative distance of the bound is reported "optimal".
@@ -95,9 +100,9 @@ def solve_ilp(p: Problem, *, time_limit_s: float = 60.0, gap: float = TARGET_GAP
                        None if enough is None else enough * k, hints)
     except Pruned as e:
         assert cutoff is not None
-        raise Pruned(e.bound / k, cutoff) from None
+        raise Pruned(e.bound / k, cutoff, e.free / k) from None
     obj = p.evaluate(s.choice)
-    return Solution(s.choice, obj, min(s.bound / k, obj), s.status, s.seconds, s.solver)
+    return Solution(s.choice, obj, min(s.bound / k, obj), s.status, s.seconds, s.solver, s.free / k)
 
 
 def _solve_ilp(p: Problem, time_limit_s: float, gap: float, cutoff: float | None, enough: float | None,
@@ -129,12 +134,12 @@ def _solve_ilp(p: Problem, time_limit_s: float, gap: float, cutoff: float | None
         raise _infeasible(p, time_limit_s)
     if status == "cutoff":
         assert cutoff is not None
-        raise Pruned(bound, cutoff)
+        raise Pruned(bound, cutoff, bound if p.budget is None else -math.inf)
     candidates = [f.choice(values)] if values is not None else []
     fits = [c for c in candidates if _fits(p, c)]
     lp_bound = bound if status == "optimal" else -float("inf")
     if cutoff is not None and lp_bound >= cutoff:
-        raise Pruned(lp_bound, cutoff)
+        raise Pruned(lp_bound, cutoff, lp_bound if p.budget is None else -math.inf)
     rounded = p.evaluate(fits[0]) if fits else None
     if rounded is not None and status == "optimal" and (relative_gap(rounded, lp_bound) <= gap
                                                         or (enough is not None and rounded < enough)):
@@ -163,7 +168,8 @@ def _best(p: Problem, fits: list[list[int]], bound: float, name: str, t0: float)
     obj = p.evaluate(choice)
     bound = min(bound, obj)
     status = "optimal" if relative_gap(obj, bound) <= OPTIMAL_GAP else "feasible"
-    return Solution(choice, obj, bound, status, time.perf_counter() - t0, name)
+    free = bound if p.budget is None else -math.inf  # a budgeted ILP's bound holds only under its budget
+    return Solution(choice, obj, bound, status, time.perf_counter() - t0, name, free)
 
 
 def relative_gap(objective: float, bound: float) -> float:
