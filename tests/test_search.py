@@ -329,6 +329,77 @@ def test_a_problem_the_reductions_solve_whole_is_bounded_by_its_optimum(seed: in
     assert e.value.bound == pytest.approx(opt, rel=1e-12) and e.value.free == e.value.bound
 
 
+def stack_problem(rng: random.Random, layers: int, size: int, differ: int | None = None) -> Problem:
+    """A prologue variable, ``layers`` equal blocks of ``size`` variables (a cycle through each block's first, a
+    middle and its last variable, so a core is left inside it) chained last to next first, and one variable every
+    block reads (as a stack's layers read the rotary tables); block ``differ`` has other costs."""
+    k = [rng.randint(2, 3) for _ in range(size)]
+    unary = [np.array([rng.random() for _ in range(n)]) for n in k]
+    inner = {(i, j): np.array([[rng.random() * 3 for _ in range(k[j])] for _ in range(k[i])])
+             for i in range(size) for j in range(i + 1, size) if j == i + 1 or (i == 0 and j == size - 1)
+             or (i == 0 and j == size // 2)}
+    link = np.array([[rng.random() * 2 for _ in range(k[0])] for _ in range(k[-1])])
+    ext = np.array([[rng.random() for _ in range(k[1])] for _ in range(3)])
+    start = np.array([[rng.random() * 2 for _ in range(k[0])] for _ in range(3)])
+    p = Problem([np.array([0.5, 0.1, 0.9]), np.array([0.2, 0.4, 0.3])])  # the prologue and the shared variable
+    blocks = []
+    for b in range(layers):
+        base = p.n
+        own = [u * (1.5 if b == differ else 1.0) for u in unary]
+        p.unary.extend(own)
+        for (i, j), C in inner.items():
+            p.add_edge(base + i, base + j, C)
+        p.add_edge(1, base + 1, ext)  # every block reads the shared variable
+        p.add_edge(0 if b == 0 else base - 1, base, start if b == 0 else link)
+        blocks.append(tuple(range(base, base + size)))
+    p.blocks = tuple(blocks)
+    return p
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_stack_reduced_block_by_block_is_reduced_exactly(seed: int) -> None:
+    """``reduce_blocks``: each distinct block's inside reduced once, its boundary kept, then the rest: the core
+    ``reduce`` leaves of the whole, the same bounds to rounding, and the same optimum, its choices restored by
+    ``expand``; one block of other costs is reduced on its own; a problem whose
+    blocks all differ is reduced whole."""
+    from dataclasses import replace
+
+    from soybean.search import lower_bound
+    from soybean.search.problem import reduce_blocks
+
+    rng = random.Random(990 + seed)
+    p = stack_problem(rng, layers=3, size=5, differ=2 if seed % 2 else None)
+    whole = replace(p, blocks=())
+    by, alone = reduce(p), reduce(whole)
+    assert reduce_blocks(p) is not None
+    assert sorted(by.keep) == sorted(alone.keep) and by.core.n > 0
+    assert lower_bound(by, p) == pytest.approx(lower_bound(alone, whole), rel=1e-12)
+    opt = solve(whole, "ilp").objective  # the solver on the whole problem (equal to enumeration: tested above)
+    got = solve(p, "ilp")
+    assert got.objective == pytest.approx(opt, rel=1e-9)
+    assert p.evaluate(by.expand(solve_ilp(by.core).choice, p.n)) == pytest.approx(opt, rel=1e-9)
+    distinct = replace(p, blocks=p.blocks[:1])
+    assert reduce_blocks(distinct) is None
+
+
+def test_tying_keeps_the_blocks_that_stand_for_themselves() -> None:
+    """``tie`` maps each block whose variables are their own representatives onto the tied problem's indices and
+    drops the blocks tied onto another."""
+    from soybean.search import Run, tie
+
+    p = stack_problem(random.Random(7), layers=4, size=4)
+    q, to = tie(p, [Run("h", 1, 2, (p.blocks[1], p.blocks[2]))])
+    assert q.blocks == (tuple(to[v] for v in p.blocks[0]), tuple(to[v] for v in p.blocks[1]),
+                        tuple(to[v] for v in p.blocks[3]))
+    assert solve(q, "ilp").objective == pytest.approx(solve(replace_blocks(q), "ilp").objective, rel=1e-9)
+
+
+def replace_blocks(q: Problem) -> Problem:
+    from dataclasses import replace
+
+    return replace(q, blocks=())
+
+
 def cyclic_problem(rng: random.Random, n: int) -> Problem:
     """Every variable joined to two or three earlier ones: cycles, so the reductions leave a core."""
     unary = [np.array([rng.random() * 5 for _ in range(rng.randint(2, 4))]) for _ in range(n)]

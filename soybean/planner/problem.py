@@ -16,6 +16,7 @@ from ..search import Problem, Run, tie
 from ..search.chain import Dual, dual
 from ..search.diffusion import diffusion_bound
 from ..search.problem import lower_bound, reduce
+from .repeats import block_of
 
 
 def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
@@ -44,7 +45,7 @@ def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
     memory = [phase_memory(v, phase) for v in g.vars] if memory_budget else None
     # A plan's peak is its variables' memory less ``g.rerun_credit``: the budget on the sum grows by it.
     budget = memory_budget + g.rerun_credit if memory_budget else None
-    p = Problem(unary, {}, memory, budget, [v.name for v in g.vars])
+    p = Problem(unary, {}, memory, budget, [v.name for v in g.vars], layer_blocks(g))
     # Under ``comm`` the seconds only break ties: priced without overlap, a replicated weight's
     # gradient all-reduce and a split weight's gather/reduce-scatter stay tied on time as on bytes.
     ov = 0.0 if objective == "comm" else g.profile.grad_overlap if overlap is None else overlap
@@ -52,6 +53,17 @@ def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
         C = e.seconds - ov * e.sync if e.sync is not None and ov else e.seconds
         p.add_edge(e.src, e.dst, C + e.bytes if objective == "comm" else C)
     return p
+
+
+def layer_blocks(g: PlanGraph) -> tuple[tuple[int, ...], ...]:
+    """``g``'s variables by layer (``repeats.find_repeats``' blocks: a module path's first numbered component,
+    ``model.layers.7``), each layer's variables in graph order: ``Problem.blocks``, so that a reduction reduces
+    each distinct layer once (``search.problem.reduce_blocks``)."""
+    members: dict[tuple[str, int], list[int]] = {}
+    for i, b in enumerate(block_of(g)):
+        if b is not None:
+            members.setdefault(b, []).append(i)
+    return tuple(tuple(vs) for vs in members.values())
 
 
 def chain_dual(g: PlanGraph, k: int, runs: Sequence[Run], lams: np.ndarray, budget: float) -> Dual:

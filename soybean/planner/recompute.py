@@ -593,7 +593,7 @@ def recompute_bound(plain: PlanGraph, least: PlanGraph, objective: str, budget: 
         return None
     p, q = pq
     assert q.memory is not None and q.budget is not None
-    r = Problem([u + lam * m for u, m in zip(p.unary, q.memory)], p.edges, None, None, p.names)
+    r = Problem([u + lam * m for u, m in zip(p.unary, q.memory)], p.edges, None, None, p.names, p.blocks)
     return lower_bound(reduce(r, argmins=False), r) - lam * q.budget
 
 

@@ -43,7 +43,9 @@ _NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
 
 
-def _block_of(g: PlanGraph) -> list[tuple[str, int] | None]:
+def block_of(g: PlanGraph) -> list[tuple[str, int] | None]:
+    """Each variable's block: the stack and layer number of the first numbered component of its module path (an
+    op's innermost module, a parameter's or buffer's FQN, a reshard point's source's), None where it has none."""
     out: list[tuple[str, int] | None] = []
     for v in g.vars:
         m = _NUMBERED.match(v.module or v.fqn) if v.kind in ("op", "param", "buffer", "reshard") else None
@@ -89,7 +91,7 @@ def _bytes(a: np.ndarray) -> Hashable:
 
 def find_repeats(g: PlanGraph) -> list[Run]:
     """The maximal runs of consecutive isomorphic blocks of ``g`` (module docstring)."""
-    block = _block_of(g)
+    block = block_of(g)
     members: dict[tuple[str, int], list[int]] = {}
     for i, b in enumerate(block):
         if b is not None:

@@ -60,7 +60,7 @@ class Dual:
 def relaxed(p: Problem, lam: float) -> Problem:
     """``p`` without its budget, with ``lam * m_v`` added to every unary cost."""
     assert p.memory is not None
-    return Problem([u + lam * m for u, m in zip(p.unary, p.memory)], p.edges, None, None, p.names)
+    return Problem([u + lam * m for u, m in zip(p.unary, p.memory)], p.edges, None, None, p.names, p.blocks)
 
 
 def lagrangian(p: Problem, solve_free: Callable[[Problem, float | None], Solution], deadline: float,

@@ -67,7 +67,10 @@ def tie(p: Problem, runs: list[Run]) -> tuple[Problem, list[int]]:
         unary[to[v]] += p.unary[v]
         if memory is not None and p.memory is not None:
             memory[to[v]] += p.memory[v]
-    q = Problem(unary, {}, memory, p.budget, [p.names[v] for v in keep] if p.names else [])
+    # A block all of whose variables stand for themselves stays a block (a run's first, an untied layer); the
+    # blocks tied onto another are gone.
+    blocks = tuple(tuple(to[v] for v in b) for b in p.blocks if all(rep[v] == v for v in b))
+    q = Problem(unary, {}, memory, p.budget, [p.names[v] for v in keep] if p.names else [], blocks)
     for (u, v), C in p.edges.items():
         q.add_edge(to[u], to[v], C)
     return q, to
