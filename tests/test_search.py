@@ -382,6 +382,29 @@ def test_a_stack_reduced_block_by_block_is_reduced_exactly(seed: int) -> None:
     assert reduce_blocks(distinct) is None
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_tied_stack_reduced_from_its_blocks_has_the_tied_bound(seed: int) -> None:
+    """``reduce_tied``: the tied problem's reduction composed from its blocks' (each distinct block's inside once,
+    a block tied onto another added onto it) has the core size and bounds of ``tie`` then ``reduce``, to rounding,
+    with a cache shared by two calls (the second reduces no block) and with a block too small to reduce alone."""
+    from soybean.search import Run, lower_bound, tie
+    from soybean.search.diffusion import diffusion_bound
+    from soybean.search.problem import reduce_tied
+
+    rng = random.Random(1300 + seed)
+    p = stack_problem(rng, layers=5, size=5 if seed % 3 else 3, differ=4 if seed % 2 else None)
+    runs = [Run("h", 1, 3, p.blocks[1:4])]
+    q, to = tie(p, runs)
+    alone = reduce(replace_blocks(q), argmins=False)
+    cache: dict = {}
+    for _ in range(2):
+        tied = reduce_tied(p, to, q.n, cache)
+        assert tied.core.n == alone.core.n
+        assert lower_bound(tied, q) == pytest.approx(lower_bound(alone, q), rel=1e-12)
+        assert diffusion_bound(tied, q, sweeps=30) == pytest.approx(diffusion_bound(alone, q, sweeps=30), rel=1e-9)
+    assert len(cache) <= 2
+
+
 def test_tying_keeps_the_blocks_that_stand_for_themselves() -> None:
     """``tie`` maps each block whose variables are their own representatives onto the tied problem's indices and
     drops the blocks tied onto another."""

@@ -12,10 +12,11 @@ import numpy as np
 
 from ..graph import PlanGraph, phase_memory
 from ..options import OBJECTIVES
-from ..search import Problem, Run, tie
+from ..search import Problem, Run
 from ..search.chain import Dual, dual
 from ..search.diffusion import diffusion_bound
-from ..search.problem import lower_bound, reduce
+from ..search.problem import lower_bound, reduce_tied
+from ..search.tying import tied_map
 from .repeats import block_of
 
 
@@ -66,7 +67,8 @@ def layer_blocks(g: PlanGraph) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(vs) for vs in members.values())
 
 
-def chain_dual(g: PlanGraph, k: int, runs: Sequence[Run], lams: np.ndarray, budget: float) -> Dual:
+def chain_dual(g: PlanGraph, k: int, runs: Sequence[Run], lams: np.ndarray, budget: float,
+               cache: dict | None = None) -> Dual:
     """Choice ``k``'s ``search.chain.Dual`` on its table ``g``, tied by ``runs``, under ``budget`` bytes: ``T``
     member 0 of the capped overlap (``to_problem``'s default), ``M`` the activations phase less the rerun buffers
     (``phase_memory`` less ``Var.rerun_buffer``: never above a plan's modelled peak, since the rerun credit never
@@ -74,15 +76,18 @@ def chain_dual(g: PlanGraph, k: int, runs: Sequence[Run], lams: np.ndarray, budg
     p = to_problem(g, "time")
     p.memory = [phase_memory(v, "activations") - (v.rerun_buffer if v.rerun_buffer is not None else 0.0)
                 for v in g.vars]
-    return dual(p, k, runs, lams, budget, [v.rerun_buffer is not None for v in g.vars])
+    return dual(p, k, runs, lams, budget, [v.rerun_buffer is not None for v in g.vars], cache)
 
 
-def free_bound(g: PlanGraph, objective: str, runs: Sequence[Run], target: float) -> float:
+def free_bound(g: PlanGraph, objective: str, runs: Sequence[Run], target: float,
+               cache: dict | None = None) -> float:
     """A lower bound of every plan of ``g``'s problem without a memory budget, tied by ``runs`` (``to_problem``'s,
     so member 0 of the capped overlap under ``time``): its reduction's ``lower_bound``, raised by min-sum diffusion
-    towards ``target`` when below it.  One reduction, no LP: the cheap bound a solve with a cutoff starts with."""
+    towards ``target`` when below it.  One reduction, no LP: the cheap bound a solve with a cutoff starts with.
+    The reduction is composed from the layers' (``search.problem.reduce_tied``), ``cache`` keeping them for the
+    caller's other choices."""
     p = to_problem(g, objective)
-    q = tie(p, list(runs))[0] if runs else p
-    red = reduce(q, argmins=False)
-    bound = lower_bound(red, q)
-    return max(bound, diffusion_bound(red, q, target)) if bound < target else bound
+    to, n = tied_map(p.n, runs)
+    red = reduce_tied(p, to, n, cache)
+    bound = lower_bound(red, p)
+    return max(bound, diffusion_bound(red, p, target)) if bound < target else bound

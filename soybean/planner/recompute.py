@@ -263,6 +263,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     firsts: dict[int, PlanGraph] = {}  # each chain's first choice's table, kept for ``shift`` past ``table``'s few
     tally = [0, 0]  # single choices whose own dual pruned them, and those solved after it did not
     frees: dict[frozenset[str], float] = {}  # bounds without the budget of the choices bounded or solved so far
+    layers: dict = {}  # reductions of layers by content, shared by the choices' duals and free bounds (reduce_tied)
 
     def free_floor(units: frozenset[str]) -> float:
         """The best bound without the budget of a choice that ``units`` reruns at least the ops of
@@ -279,7 +280,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         got = free_floor(units)
         if got >= target or units in frees:
             return got
-        frees[units] = free_bound(table(units), objective, runs_of(units), target)
+        frees[units] = free_bound(table(units), objective, runs_of(units), target, layers)
         return max(got, frees[units])
 
     def runs_of(units: frozenset[str]) -> list[Run]:
@@ -295,7 +296,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
             units = chains[c][i]
             g = table(units)
             lams = np.array(MULTIPLIERS) * scale / budget if budget is not None else np.zeros(1)
-            duals[(c, i)] = chain_dual(g, counts[c][i], runs_of(units), lams, budget or 0.0)
+            duals[(c, i)] = chain_dual(g, counts[c][i], runs_of(units), lams, budget or 0.0, layers)
         return duals[(c, i)]
 
     def ends(c: int, a: int, b: int) -> list[Dual]:

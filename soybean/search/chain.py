@@ -26,13 +26,13 @@ stretch (``affine``), and a chain that fails the check loses its stretch bounds 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .budget import relaxed
 from .diffusion import diffusion_bound
-from .problem import Problem, reduce
+from .problem import Problem, reduce, reduce_tied
 from .tying import Run, tie
 
 # The multipliers tried, as multiples of a step time per budget (seconds per byte), in the order tried: on
@@ -58,6 +58,10 @@ class Dual:
     runs: tuple[Run, ...] = ()
     to: tuple[int, ...] = ()     # each variable of the table -> its variable in ``problem`` (``tying.tie``)
     rerun: tuple[bool, ...] = ()  # each variable of ``problem``: whether it reruns
+    # The untied problem, whose layers (``Problem.blocks``) ``at`` reduces once per content into ``problem``'s
+    # reduction (``problem.reduce_tied``), with ``cache``, the caller's reductions of layers kept across choices.
+    untied: Problem | None = field(default=None, repr=False, compare=False)
+    cache: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple:
@@ -74,25 +78,32 @@ class Dual:
         return float(self.lower.max())
 
     def at(self, i: int) -> float:
-        """The lower bound at multiplier ``lams[i]``: min-sum diffusion on the reduced relaxed problem."""
+        """The lower bound at multiplier ``lams[i]``: min-sum diffusion on the reduced relaxed problem (reduced from
+        the untied problem's layers where it is kept, ``reduce_tied``: equal layers of any choice reduced once)."""
         if self.lower[i] == -np.inf:
             lam = float(self.lams[i])
-            r = relaxed(self.problem, lam)
-            self.lower[i] = diffusion_bound(reduce(r, argmins=False), r) - lam * self.budget
+            if self.untied is not None:
+                r = self.problem
+                red = reduce_tied(relaxed(self.untied, lam), self.to, r.n, self.cache)
+            else:
+                r = relaxed(self.problem, lam)
+                red = reduce(r, argmins=False)
+            self.lower[i] = diffusion_bound(red, r) - lam * self.budget
         return float(self.lower[i])
 
 
-def dual(p: Problem, k: int, runs: Sequence[Run], lams: np.ndarray, budget: float, reruns: Sequence[bool]) -> Dual:
+def dual(p: Problem, k: int, runs: Sequence[Run], lams: np.ndarray, budget: float, reruns: Sequence[bool],
+         cache: dict | None = None) -> Dual:
     """Choice ``k``'s ``Dual`` on its problem ``p`` (``T`` and ``M``: ``p.memory`` is set), tied by ``runs``, under
     ``budget`` bytes, with its bound at the first multiplier worked out; ``reruns``: which variables of ``p``
-    rerun."""
+    rerun; ``cache``: reductions of ``p``'s layers by content, shared with the caller's other duals (``Dual.at``)."""
     assert p.memory is not None
     q, to = tie(p, list(runs)) if runs else (p, list(range(p.n)))
     rerun = [False] * q.n
     for v, j in enumerate(to):
         rerun[j] = reruns[v]
     d = Dual(k, q, np.asarray(lams, dtype=float), budget, np.full(len(lams), -np.inf), tuple(runs), tuple(to),
-             tuple(rerun))
+             tuple(rerun), p if p.blocks else None, cache)
     d.at(0)
     return d
 

@@ -23,6 +23,7 @@ gap the solver reports is the tied problem's; ``plan(tie_layers=False)`` solves 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,14 +51,28 @@ class Run:
         return out
 
 
-def tie(p: Problem, runs: list[Run]) -> tuple[Problem, list[int]]:
-    """``p`` with each run's blocks sharing the first block's variables, and the map from every
-    variable of ``p`` to its variable in the tied problem."""
-    rep = list(range(p.n))
+def representatives(n: int, runs: Sequence[Run]) -> list[int]:
+    """Each of ``n`` variables' representative under ``runs``: itself, or the variable at its position in the first
+    block of its run."""
+    rep = list(range(n))
     for r in runs:
         for blk in r.blocks[1:]:
             for k, v in enumerate(blk):
                 rep[v] = r.blocks[0][k]
+    return rep
+
+
+def tied_map(n: int, runs: Sequence[Run]) -> tuple[list[int], int]:
+    """``tie``'s map from each of ``n`` variables to its variable in the tied problem, and how many that has."""
+    rep = representatives(n, runs)
+    new = {v: i for i, v in enumerate(sorted(set(rep)))}
+    return [new[r] for r in rep], len(new)
+
+
+def tie(p: Problem, runs: list[Run]) -> tuple[Problem, list[int]]:
+    """``p`` with each run's blocks sharing the first block's variables, and the map from every
+    variable of ``p`` to its variable in the tied problem."""
+    rep = representatives(p.n, runs)
     keep = sorted(set(rep))
     new = {v: i for i, v in enumerate(keep)}
     to = [new[rep[v]] for v in range(p.n)]
