@@ -272,3 +272,43 @@ def test_bounds_of_choices_that_rerun_less_keep_the_plan_with_fewer_solves(setti
     assert default.solution.bound <= alone.step_time_s * (1 + 1e-9)
     assert alone.solution.bound <= default.step_time_s * (1 + 1e-9)
     assert work[1] < work[0], work
+
+
+def test_a_search_out_of_time_without_a_plan_is_stopped_with_its_bound(setting: tuple,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ``chain_search`` reaches its time limit before any plan (its first solves pruned by the incumbent, here
+    made so), it raises ``SearchStopped`` with the bound of what is left, not the ``MemoryBudgetError`` of some
+    choice that cannot fit (Mixtral-8x7B's 8x2x4 mesh was recorded as a misfit while a faster plan than the run's
+    fitted on it), and ``planner.plan`` counts that bound in its plan's: its gap is no longer zero."""
+    import soybean.planner.core as core
+    import soybean.planner.recompute as rc
+    from soybean.planner.solve import SearchStopped
+    from soybean.search import Pruned
+
+    cap, mesh, search, budget, _ = setting
+    s = Search(search.profile, PlanOptions(time_limit_s=1e-9), budget)
+    real = rc.solve_table_on
+
+    def pruned(*a: object, **k: object) -> object:
+        raise Pruned(0.0, 1.0)
+
+    monkeypatch.setattr(rc, "solve_table_on", pruned)
+    with pytest.raises(SearchStopped) as e:
+        solve_recompute(cap, mesh, s, incumbent=1.0, floor=0.0)  # the plain table's solve given, as the planner does
+    assert e.value.bound <= 1.0 and e.value.mesh == mesh
+    monkeypatch.setattr(rc, "solve_table_on", real)
+
+    plan = core.plan(None, devices=4, captured=cap, memory_gb=budget / 2**30, baselines=False, jobs=1)
+    assert plan.solver["bound"] > plan.cost["step_time_s"] * 0.5
+    searched = core.solve_recompute
+
+    def one_stops(c: object, m: Mesh, *a: object, **k: object) -> object:
+        if m.ndim == 2:
+            raise SearchStopped(m, plan.cost["step_time_s"] * 0.5)
+        return searched(c, m, *a, **k)
+
+    monkeypatch.setattr(core, "solve_recompute", one_stops)
+    stopped = core.plan(None, devices=4, captured=cap, memory_gb=budget / 2**30, baselines=False, jobs=1)
+    assert stopped.cost["step_time_s"] == pytest.approx(plan.cost["step_time_s"], rel=1e-12)
+    assert stopped.solver["bound"] == pytest.approx(plan.cost["step_time_s"] * 0.5, rel=1e-12)
+    assert stopped.solver["status"] == "feasible" and stopped.solver["gap"] == pytest.approx(0.5, rel=1e-6)

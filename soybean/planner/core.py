@@ -40,7 +40,18 @@ from .baselines import price as price_baselines
 from .mesh_pool import FEW_PER_WORKER, default_jobs, each_mesh
 from .recompute import budget_hints, recompute_units, solve_plain, solve_recompute
 from .records import context_parallel_records, layer_rows, memory_breakdown, moe_records, reshard_records
-from .solve import Incumbent, MemoryBudgetError, PlannerRun, Result, Search, now, peaked, solve_on, solve_table
+from .solve import (
+    Incumbent,
+    MemoryBudgetError,
+    PlannerRun,
+    Result,
+    Search,
+    SearchStopped,
+    now,
+    peaked,
+    solve_on,
+    solve_table,
+)
 
 # ``replicated``: the optimum with every parameter stored whole on every device (its use still split where that
 # pays), as the torch.compile backend runs plans on the user's own parameters (``soybean.compile``).
@@ -204,6 +215,9 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
                                                 [e.mesh for e in found.misfits], recompute))
         raise found.failed[0]
     best = min(found.results, key=found.rank)
+    if found.stopped and (low := min(found.stopped)) < best.solution.bound:
+        # a mesh left unsearched may hold a faster plan: the run's bound is the least of them all
+        best.solution = replace(best.solution, bound=low, status="feasible")
     if best.step_time_s >= PINNED or best.comm_bytes >= PINNED:  # only a forced layout pins (``mode`` dp or mp)
         # The plan runs (and trains as serial): it leaves the forced layout where the model needs it to, and that
         # step carries the layout's penalty, so its modelled figures mean nothing.
@@ -240,6 +254,7 @@ class _Outcomes:
         self.results: list[Result] = []
         self.misfits: list[MemoryBudgetError] = []
         self.failed: list[SearchError] = []
+        self.stopped: list[float] = []  # the bounds of the meshes whose search stopped at its time limit without a plan
         self.pruned: list[dict[str, Any]] = []
         self.floors: dict[Mesh, float] = {}  # a mesh's plain plan's bound, where that plan does not fit the budget
         self.frees: dict[Mesh, tuple[int, ...]] = {}  # ... and that plan
@@ -269,6 +284,10 @@ class _Outcomes:
         elif isinstance(outcome, Pruned):  # proven no better than a mesh already solved
             self.pruned.append({"mesh": list(m.shape), "bound": outcome.bound, "pruned": True})
             say(f"mesh {m}: lower bound {outcome.bound:.4g} is no better than the best so far: not solved")
+        elif isinstance(outcome, SearchStopped):  # no plan in its time, but a bound: the plan's must count it
+            self.failed.append(outcome)
+            self.stopped.append(outcome.bound)
+            say(f"mesh {m}: no plan found in the time limit, bound {outcome.bound:.4g}")
         elif isinstance(outcome, SearchError):  # this mesh found no plan in its time: the others still count
             self.failed.append(outcome)
             say(f"mesh {m}: no plan found ({outcome})")

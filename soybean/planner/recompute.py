@@ -25,7 +25,17 @@ from ..search import Pruned, Run, SearchError, Solution, relative_gap
 from ..search.problem import Problem, lower_bound, reduce
 from .problem import chain_dual, free_bound, to_problem
 from .repeats import find_repeats
-from .solve import Incumbent, MemoryBudgetError, Result, Search, evaluate, least_memory, now, solve_table_on
+from .solve import (
+    Incumbent,
+    MemoryBudgetError,
+    Result,
+    Search,
+    SearchStopped,
+    evaluate,
+    least_memory,
+    now,
+    solve_table_on,
+)
 
 # ``replicated``: the optimum with every parameter stored whole on every device (its use still split where that
 # pays), as the torch.compile backend runs plans on the user's own parameters (``soybean.compile``).
@@ -481,6 +491,8 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     if best is None:
         if pruned is not None and not stopped and lowest >= pruned.cutoff:  # every region reached the incumbent
             raise Pruned(lowest if lowest < math.inf else pruned.bound, pruned.cutoff)
+        if stopped:  # choices that could fit were left unsearched: not a misfit, and their bound must be counted
+            raise SearchStopped(mesh, lowest)
         if failed:
             raise min(failed, key=lambda e: e.least)
         raise SearchError(f"no plan found on mesh {mesh} with any recomputation in the time limit")

@@ -353,6 +353,20 @@ class MemoryBudgetError(SearchError):
         return MemoryBudgetError(self.modelled, self.mesh, hints) if hints else self
 
 
+class SearchStopped(SearchError):
+    """A mesh's search reached its time limit before it found a plan; every plan of the mesh costs at least
+    ``bound``, which the plan of the run counts in its own bound (``planner.core``: a mesh left unsearched is no
+    proof that it holds nothing faster)."""
+
+    def __init__(self, mesh: Mesh, bound: float) -> None:
+        self.mesh, self.bound = mesh, bound
+        super().__init__(f"mesh {mesh}: no plan found within the time limit (--time-limit); its plans' bound is "
+                         f"{bound:.4g}")
+
+    def __reduce__(self) -> tuple:  # rebuilt from its fields, not its message (a planner worker sends it)
+        return (SearchStopped, (self.mesh, self.bound))
+
+
 # The share of the ops' training compute taken as backward, the work an asynchronous gradient
 # all-reduce can hide behind: 2 of a linear layer's 3 forward-equivalents (graph.passes).  A flat
 # share, not each op's own (passes - 1) / passes: an approximation of the cap.
