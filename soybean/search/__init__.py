@@ -70,7 +70,7 @@ def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: fl
     if solver == "dp":
         core = solve_dp(red.core)
     else:
-        shift = isolated(red, p)  # OPT(p) = OPT(core) + shift
+        shift = isolated(red)  # OPT(p) = OPT(core) + shift
         try:
             core = solve_ilp(red.core, time_limit_s=time_limit_s, gap=gap,
                              cutoff=None if cutoff is None else cutoff - shift,

@@ -32,7 +32,7 @@ STALL = 1e-4
 def diffusion_bound(red: Reduced, p: Problem, target: float | None = None, sweeps: int = SWEEPS) -> float:
     """A lower bound of the optimum of ``p``, reduced to ``red``, by up to ``sweeps`` sweeps of star updates on the
     core; it stops once the bound reaches ``target`` or a sweep gains less than ``STALL`` of it."""
-    core, p_isolated = red.core, isolated(red, p)
+    core, p_isolated = red.core, isolated(red)
     unary = [np.asarray(u, dtype=float) for u in core.unary]
     edges = {}
     at: list[list[tuple[tuple[int, int], int]]] = [[] for _ in range(core.n)]

@@ -228,13 +228,12 @@ def lower_bound(red: Reduced, p: Problem) -> float:
     rows = [u.astype(float) for u in red.core.unary]
     for (u, _), C in red.core.edges.items():
         rows[u] = rows[u] + C.min(axis=1)
-    return isolated(red, p) + sum(float(r.min()) for r in rows)
+    return isolated(red) + sum(float(r.min()) for r in rows)
 
 
-def isolated(red: Reduced, p: Problem) -> float:
+def isolated(red: Reduced) -> float:
     """What the variables the reduction found isolated cost at their cheapest, with all it folded into them (the
-    leaves and series eliminated into each): ``OPT(p) - OPT(core)``.  (``p``: the problem reduced, kept for the
-    callers' symmetry with ``lower_bound``.)"""
+    leaves and series eliminated into each): ``OPT(p) - OPT(core)`` for the problem ``p`` reduced."""
     return sum(rec[3] for rec in red.trail if rec[0] == "isolated")
 
 

@@ -64,18 +64,22 @@ def representatives(n: int, runs: Sequence[Run]) -> list[int]:
 
 def tied_map(n: int, runs: Sequence[Run]) -> tuple[list[int], int]:
     """``tie``'s map from each of ``n`` variables to its variable in the tied problem, and how many that has."""
-    rep = representatives(n, runs)
-    new = {v: i for i, v in enumerate(sorted(set(rep)))}
-    return [new[r] for r in rep], len(new)
+    to, keep = _numbered(representatives(n, runs))
+    return to, len(keep)
+
+
+def _numbered(rep: list[int]) -> tuple[list[int], list[int]]:
+    """Each variable's tied variable, the representatives numbered in order, and the representatives."""
+    keep = sorted(set(rep))
+    new = {v: i for i, v in enumerate(keep)}
+    return [new[r] for r in rep], keep
 
 
 def tie(p: Problem, runs: list[Run]) -> tuple[Problem, list[int]]:
     """``p`` with each run's blocks sharing the first block's variables, and the map from every
     variable of ``p`` to its variable in the tied problem."""
     rep = representatives(p.n, runs)
-    keep = sorted(set(rep))
-    new = {v: i for i, v in enumerate(keep)}
-    to = [new[rep[v]] for v in range(p.n)]
+    to, keep = _numbered(rep)
     unary = [np.zeros_like(p.unary[v], dtype=float) for v in keep]
     memory = [np.zeros_like(p.memory[v], dtype=float) for v in keep] if p.memory is not None else None
     for v in range(p.n):
