@@ -15,7 +15,7 @@ from soybean.capture.core import capture
 from soybean.cost.profiles import load_profile
 from soybean.mesh import Mesh
 from soybean.options import PlanOptions
-from soybean.planner.solve import MemoryBudgetError, Search, evaluate, least_memory, solve_on
+from soybean.planner.solve import MemoryBudgetError, Result, Search, evaluate, least_memory, solve_on
 from soybean.planner.recompute import chain_counts, recompute_choices, solve_recompute
 from soybean.planner.problem import chain_dual
 from soybean.planner.repeats import find_repeats
@@ -121,6 +121,15 @@ def test_the_search_finds_a_fitting_plan_priced_exactly_with_a_true_bound(settin
     assert full.solution.bound <= short.step_time_s * (1 + 1e-9)
 
 
+def _same_plan_true_bounds(other: Result, default: Result, budget: float) -> None:
+    """Two searches of one mesh that differ in what they bound: the same step time, the default's plan fits, and
+    each one's bound is below both plans."""
+    assert default.step_time_s == pytest.approx(other.step_time_s, rel=1e-12)
+    assert default.memory <= budget * (1 + 1e-9)
+    assert default.solution.bound <= other.step_time_s * (1 + 1e-9)
+    assert other.solution.bound <= default.step_time_s * (1 + 1e-9)
+
+
 @pytest.mark.parametrize("knob, every, fewer", [("SINGLE_ODDS", 10**9, False), ("SHORT", 1, True)])
 def test_bounds_left_out_keep_the_plan_with_no_more_reductions(setting: tuple, monkeypatch: pytest.MonkeyPatch,
                                                                knob: str, every: int, fewer: bool) -> None:
@@ -148,11 +157,7 @@ def test_bounds_left_out_keep_the_plan_with_no_more_reductions(setting: tuple, m
         monkeypatch.setattr(rc, knob, value)
         reductions.append(0)
         found.append(solve_recompute(cap, mesh, s))
-    bounded, default = found
-    assert default.step_time_s == pytest.approx(bounded.step_time_s, rel=1e-12)
-    assert default.memory <= budget * (1 + 1e-9)
-    assert default.solution.bound <= bounded.step_time_s * (1 + 1e-9)
-    assert bounded.solution.bound <= default.step_time_s * (1 + 1e-9)
+    _same_plan_true_bounds(*found, budget)
     assert reductions[1] < reductions[0] if fewer else reductions[1] <= reductions[0], reductions
 
 
@@ -266,11 +271,7 @@ def test_bounds_of_choices_that_rerun_less_keep_the_plan_with_fewer_solves(setti
         transfer[0] = on
         work.append(0)
         found.append(solve_recompute(cap, mesh, s))
-    alone, default = found
-    assert default.step_time_s == pytest.approx(alone.step_time_s, rel=1e-12)
-    assert default.memory <= budget * (1 + 1e-9)
-    assert default.solution.bound <= alone.step_time_s * (1 + 1e-9)
-    assert alone.solution.bound <= default.step_time_s * (1 + 1e-9)
+    _same_plan_true_bounds(*found, budget)
     assert work[1] < work[0], work
 
 
