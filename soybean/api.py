@@ -304,7 +304,7 @@ def _pieces(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptions
     # (it stops compiling a frame after ``recompile_limit`` entries, and a graph run as captured on one rank but as
     # a program on another would pair mismatched collectives).
     try:
-        pieces = distinct(pm.collect(args, kwargs))
+        pieces = distinct(pm.collect(args, kwargs), pm.backend)
     except Exception as e:  # dynamo failed too (transformers' LongT5 transient-global fails under torch.compile)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CaptureError(f"could not capture {type(model).__name__}: torch.export failed ({why}) and so did dynamo "

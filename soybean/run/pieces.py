@@ -14,7 +14,8 @@ when export fails (``capture="auto"``) or when asked (``capture="dynamo"``):
 2. ``PiecesModule`` (every rank): the model compiled with ``PieceBackend``, which runs each piece dynamo hands it
    with the plan recorded for its fingerprint (or, for a piece first seen later, a plan made then, on rank 0, as
    ``compile_backend`` does), inputs and outputs whole on every rank, so the Python between pieces runs on every
-   rank exactly as it runs serially.
+   rank exactly as it runs serially.  Each output is laid out as the serial run lays it out (its strides: dynamo
+   guards the next frame on them), and a graph's first program lowers the capture its plan was made from.
 
 Each piece is planned in mode ``replicated``: every parameter **stored** whole on every device (its use may still
 be split: a column-split matmul reads its slice, and the gradient's partial sums are all-reduced), so the model's
@@ -145,6 +146,7 @@ class _Bound:
         self.programs: dict[tuple[int, ...], tuple[tuple[nn.Parameter, ...], Any]] = {
             tuple(map(id, params)): (params, pm)}
         self.plan: Plan = pm.plan
+        self.layouts = _output_layouts(piece.gm)
 
     def __call__(self, *args: Any) -> Any:
         params = self.piece.params_of(args)
@@ -155,7 +157,46 @@ class _Bound:
             hit = (params, self.make(other, other.user_inputs(args), self.plan, None))
             self.programs[key] = hit
         out = hit[1](*self.piece.user_inputs(args))
-        return out if isinstance(out, (tuple, list)) else (out,)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        return type(outs)(_laid_out(t, want) for t, want in zip(outs, self.layouts)) \
+            if len(outs) == len(self.layouts) else outs
+
+
+def _output_layouts(gm: fx.GraphModule) -> list[tuple[tuple[int, ...], tuple[int, ...]] | None]:
+    """Per output of dynamo's graph ``gm``: the shape and strides its eager run gives the tensor (dynamo's
+    ``example_value``; a view of a larger tensor, as a padded attention mask sliced back, included), where no two
+    elements share memory; else None."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    items = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    layouts: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = []
+    for a in items:
+        v = a.meta.get("example_value") if isinstance(a, fx.Node) else None
+        if not isinstance(v, torch.Tensor) or not all(isinstance(d, int) for d in (*v.shape, *v.stride())):
+            layouts.append(None)
+            continue
+        shape, stride = tuple(v.shape), tuple(v.stride())
+        layouts.append((shape, stride) if _apart(shape, stride) else None)
+    return layouts
+
+
+def _apart(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Do the elements of a tensor of ``shape`` and ``stride`` lie at distinct offsets?  Sufficient: taken by
+    growing stride, each dim's stride exceeds the last offset the smaller dims reach (``sum (n_d - 1) s_d``)."""
+    reach = 0
+    for size, step in sorted(((n, s) for n, s in zip(shape, stride) if n > 1), key=lambda d: d[1]):
+        if step <= reach:
+            return False
+        reach += (size - 1) * step
+    return True
+
+
+def _laid_out(t: Any, want: tuple[tuple[int, ...], tuple[int, ...]] | None) -> Any:
+    """``t`` with the strides the serial run gives this output (a copy where a program's output, gathered whole,
+    is laid out otherwise): dynamo guards the next frame on its inputs' strides, and a program's output laid out
+    unlike the captured graph's made it recompile every frame after a graph break, once per program."""
+    if want is None or not isinstance(t, torch.Tensor) or tuple(t.shape) != want[0] or t.stride() == want[1]:
+        return t
+    return torch.empty_strided(want[0], want[1], dtype=t.dtype, device=t.device).copy_(t)
 
 
 class PieceBackend:
@@ -188,21 +229,39 @@ class PieceBackend:
         self.collecting = False
         self.collected: list[tuple[_Piece, tuple]] = []
         self.dynamic_seen = False  # a graph with dynamic shapes was run unsplit (warned once)
+        self.compiled = 0  # graphs dynamo handed this backend: one per frame compiled, recompiles included
+        # Captures made while planning (``distinct``), by graph and call: the graph's first program lowers the same
+        # capture its plan was made from instead of capturing the graph again (a third of a small model's first
+        # call, most of it ``torch.export``).  Each entry is taken once and holds its graph, so no id is reused.
+        self.captured: dict[tuple[int, tuple], tuple[fx.GraphModule, Captured]] = {}
 
     def _make(self, piece: _Piece, users: tuple, plan: Plan | None, cap: Captured | None) -> Any:
         return self.parallelize(piece, users, options=self.opts, plan=plan, captured=cap, outputs="full",
                            share_params=True)
 
+    def capture(self, piece: _Piece, users: tuple, keep: bool = False) -> Captured:
+        """``capture(piece, users)``; ``keep``: remembered for the first program of this graph on such inputs
+        (``bind``), else one remembered taken."""
+        key = (id(piece.gm), _signature(users))
+        kept = None if keep else self.captured.pop(key, None)
+        if kept is not None and kept[0] is piece.gm:
+            return kept[1]
+        cap = capture(piece, users)
+        if keep:
+            self.captured[key] = (piece.gm, cap)
+        return cap
+
     def bind(self, gm: fx.GraphModule, args: Sequence[Any]) -> _Bound:
         """The program of graph ``gm`` for a call with ``args``: planned (or the known plan of its fingerprint)."""
         piece = _Piece(gm, args)
         users = piece.user_inputs(args)
-        cap = capture(piece, users)
+        cap = self.capture(piece, users)
         pm = self._make(piece, users, self.known.get(cap.fingerprint), cap)
         self.plans.append(pm.plan)
         return _Bound(piece, pm, args, self._make)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        self.compiled += 1
         split = _split_at_functions(gm, self)
         return self.runner(gm, example_inputs) if split is None else split.forward
 
@@ -302,12 +361,20 @@ def pieces_fingerprint(fingerprints: Sequence[str]) -> str:
 Distinct = list[tuple[_Piece, Captured]]
 
 
-def distinct(pieces: Sequence[tuple[_Piece, tuple]]) -> Distinct:
+def _signature(users: Sequence[Any]) -> tuple:
+    """What a graph's capture depends on in its user inputs: each tensor's shape, dtype and whether it needs a
+    gradient (``Captured.grad_inputs``), any other value itself."""
+    return tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else repr(x)
+                 for x in users)
+
+
+def distinct(pieces: Sequence[tuple[_Piece, tuple]], backend: PieceBackend | None = None) -> Distinct:
     """Each of ``pieces`` (``collect``, ``PiecesModule.collect``) captured once, in order, a graph another piece
-    already computes (same fingerprint) left out: what is planned, and what a saved plan's fingerprint is of."""
+    already computes (same fingerprint) left out: what is planned, and what a saved plan's fingerprint is of.
+    ``backend``: the one that collected them, which keeps every capture for the graph's first program."""
     out: dict[str, tuple[_Piece, Captured]] = {}
     for piece, users in pieces:
-        cap = capture(piece, users)
+        cap = capture(piece, users) if backend is None else backend.capture(piece, users, keep=True)
         out.setdefault(cap.fingerprint, (piece, cap))
     return list(out.values())
 
