@@ -336,16 +336,18 @@ def fresh_caches() -> None:
     torch.compiler.reset()
 
 
-def graphs(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None) -> list[Captured]:
+def graphs(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None,
+           exported: Captured | None = None) -> list[Captured]:
     """What ``parallelize`` captures of ``model`` (fp32, one program): its one ``torch.export`` graph, or where
     export fails or a custom Function must run as written (``capture.functions.own_backwards``), every distinct
-    piece dynamo splits its forward into (``collect``, ``distinct``)."""
+    piece dynamo splits its forward into (``collect``, ``distinct``).  ``exported``: the export capture of
+    ``model`` already made (fp32), used instead of capturing again."""
     from ..capture.core import CaptureError, split_example
     from ..capture.functions import own_backwards
 
     args, kwargs = split_example(example_inputs, example_kwargs)
     try:
-        cap = capture(model, args, kwargs)
+        cap = exported if exported is not None else capture(model, args, kwargs)
         if not cap.functions or not own_backwards(model, args, kwargs, cap.functions):
             return [cap]
     except CaptureError:

@@ -19,13 +19,16 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_map
 
 from ..models import archs
 from .testing import Trace, train_parallel_threads, train_serial
+
+if TYPE_CHECKING:
+    from ..capture.core import Captured
 
 STEPS, LR = 3, 1e-4  # lr 1e-4: AdamW moves a parameter whose gradient is 0 up to rounding by lr (tests/test_hf.py)
 OBJECTIVES = ("time", "comm")
@@ -162,11 +165,12 @@ def _gloo_rank(rank: int, world: int, ref: str, objective: str, steps: int,
     return train_parallel(pm, model, example, steps, lr), pm.plan.params
 
 
-def train(ref: str, objective: str, devices: int, tier: str, steps: int = STEPS,
-          lr: float = LR) -> tuple[Trace, dict[str, list[str]]]:
+def train(ref: str, objective: str, devices: int, tier: str, steps: int = STEPS, lr: float = LR,
+          exported: Captured | None = None) -> tuple[Trace, dict[str, list[str]]]:
     """The parallel trace of the model ``ref`` names (``build``) and its plan's parameter tilings; a model
     ``torch.export`` cannot capture trains on gloo processes whatever ``tier`` says (its pieces need a process
-    group)."""
+    group).  ``exported``: the export capture of a model ``build`` made, used on threads instead of capturing the
+    fresh model again (the same graph: ``build`` seeds its weights)."""
     if tier == "gloo":
         from ..runtime.launch import spawn
 
@@ -174,11 +178,13 @@ def train(ref: str, objective: str, devices: int, tier: str, steps: int = STEPS,
     from ..capture.core import CaptureError, capture
 
     model, example = build(ref)
-    try:
-        capture(model, example)
-    except CaptureError:  # captured by dynamo in pieces (``soybean.run.pieces``), which runs on gloo processes only
-        return train(ref, objective, devices, "gloo", steps, lr)
-    trace, plan = train_parallel_threads(model, example, devices=devices, objective=objective, steps=steps, lr=lr)
+    if exported is None:
+        try:
+            exported = capture(model, example)
+        except CaptureError:  # captured by dynamo in pieces (``soybean.run.pieces``): gloo processes only
+            return train(ref, objective, devices, "gloo", steps, lr)
+    trace, plan = train_parallel_threads(model, example, devices=devices, objective=objective, steps=steps, lr=lr,
+                                         captured=exported)
     return trace, plan.params
 
 
@@ -191,14 +197,20 @@ def sweep_arch(arch: archs.Arch, columns: tuple[str, ...] = ("check", *OBJECTIVE
 def sweep(ref: str, row: Row, columns: tuple[str, ...] = ("check", *OBJECTIVES), devices: int = 2,
           tier: str = "threads", say: Callable[[str], None] | None = None) -> Row:
     """The model ``ref`` names (``build``) through ``columns``, its results in ``row``."""
+    from ..capture.core import CaptureError, capture
     from ..graph import fallback_ops
     from ..run.pieces import graphs
     from .check import check_model
 
     t0 = time.perf_counter()
+    exported: Captured | None = None
     try:
         model, example = build(ref)
-        row.no_rule = sorted({op for graph in graphs(model, example) for op in fallback_ops(graph)})
+        try:  # captured once: the ops without a rule, and every objective's run on threads, read this capture
+            exported = capture(model, example)
+        except CaptureError:
+            pass  # captured in pieces
+        row.no_rule = sorted({op for graph in graphs(model, example, exported=exported) for op in fallback_ops(graph)})
         serial = train_serial(model, example, steps=STEPS, lr=LR)
         exact = exact_serial(model, example, serial) if any(c in OBJECTIVES for c in columns) else serial
     except Exception as e:  # a model that does not build or capture: the row says why
@@ -211,7 +223,7 @@ def sweep(ref: str, row: Row, columns: tuple[str, ...] = ("check", *OBJECTIVES),
                 rep = check_model(model, example, devices=devices)
                 row.results[col] = "ok" if rep.ok else f"FAIL: {len(rep.failures)} inexact: {rep.failures[0].message}"
                 continue
-            par, params = train(ref, col, devices, tier)
+            par, params = train(ref, col, devices, tier, exported=exported)
             bad = differences(serial, exact, par)
             row.split[col] = f"{sum(1 for t in params.values() if any(p != 'R' for p in t))}/{len(params)}"
             row.results[col] = "ok" if not bad else f"FAIL: {len(bad)} differ: {'; '.join(bad[:2])}"

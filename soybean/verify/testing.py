@@ -22,6 +22,7 @@ from ..runtime.comm import Group
 from ..runtime.launch import run_threads
 
 if TYPE_CHECKING:
+    from ..capture.core import Captured
     from ..run.module import ParallelModule
 
 M = TypeVar("M", bound=torch.nn.Module)
@@ -112,17 +113,22 @@ def _local_grads(m: torch.nn.Module) -> Grads:
 def train_parallel_threads(model: torch.nn.Module, inputs: tuple | dict, plan: Plan | str | None = None, *,
                            devices: int | None = None, mesh: tuple | None = None, mode: str = "auto",
                            objective: str = "time", steps: int = 3, lr: float = 1e-3,
-                           precision: str | None = None, collectives: str = "auto") -> tuple[Trace, Plan]:
+                           precision: str | None = None, collectives: str = "auto",
+                           captured: Captured | None = None) -> tuple[Trace, Plan]:
     """Every rank as a thread: parallelize, train ``steps`` steps, gather full grads/params.  ``precision``:
     plan under that policy (a given plan brings its own); ``collectives``: the algorithms' policy
-    (``planner.plan``)."""
+    (``planner.plan``); ``captured``: ``model``'s capture under that policy, made already (a capture of a model
+    built alike: its parameters are read from ``model`` by name)."""
     from ..api import parallelize
     from ..capture.core import capture
     from ..planner.core import plan as make_plan
 
     if isinstance(plan, str):
         plan = Plan.load(plan)
-    cap = capture(model, inputs, precision=plan.precision if plan is not None else policy(precision).name)
+    want = plan.precision if plan is not None else policy(precision).name
+    if captured is not None and captured.precision != want:
+        raise ValueError(f"captured under {captured.precision!r}, but the run is planned under {want!r}")
+    cap = captured if captured is not None else capture(model, inputs, precision=want)
     if plan is None:
         plan = make_plan(None, (), captured=cap, devices=devices or (Mesh(mesh).size if mesh else 1), mesh=mesh,
                          mode=mode, objective=objective, baselines=False, collectives=collectives)
