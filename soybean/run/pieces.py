@@ -37,7 +37,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from ..capture.core import Captured, capture
+from ..capture.core import Captured, CaptureError, capture
 from ..capture.eager import untouched
 from ..options import PlanOptions, plan_kind
 from ..plan import Plan
@@ -239,23 +239,23 @@ class PieceBackend:
         return self.parallelize(piece, users, options=self.opts, plan=plan, captured=cap, outputs="full",
                            share_params=True)
 
-    def capture(self, piece: _Piece, users: tuple, keep: bool = False) -> Captured:
-        """``capture(piece, users)``; ``keep``: remembered for the first program of this graph on such inputs
-        (``bind``), else one remembered taken."""
-        key = (id(piece.gm), _signature(users))
-        kept = None if keep else self.captured.pop(key, None)
-        if kept is not None and kept[0] is piece.gm:
-            return kept[1]
+    def remember(self, piece: _Piece, users: tuple) -> Captured:
+        """``capture(piece, users)``, kept for the first program of this graph on such inputs (``take``)."""
         cap = capture(piece, users)
-        if keep:
-            self.captured[key] = (piece.gm, cap)
+        self.captured[(id(piece.gm), _signature(users))] = (piece.gm, cap)
         return cap
+
+    def take(self, piece: _Piece, users: tuple) -> Captured:
+        """The capture ``remember`` kept of this graph on such inputs (taken: a graph's first program), else a new
+        one."""
+        kept = self.captured.pop((id(piece.gm), _signature(users)), None)
+        return kept[1] if kept is not None else capture(piece, users)
 
     def bind(self, gm: fx.GraphModule, args: Sequence[Any]) -> _Bound:
         """The program of graph ``gm`` for a call with ``args``: planned (or the known plan of its fingerprint)."""
         piece = _Piece(gm, args)
         users = piece.user_inputs(args)
-        cap = self.capture(piece, users)
+        cap = self.take(piece, users)
         pm = self._make(piece, users, self.known.get(cap.fingerprint), cap)
         self.plans.append(pm.plan)
         return _Bound(piece, pm, args, self._make)
@@ -337,21 +337,23 @@ def fresh_caches() -> None:
 
 
 def graphs(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None,
-           exported: Captured | None = None) -> list[Captured]:
+           exported: Captured | CaptureError | None = None) -> list[Captured]:
     """What ``parallelize`` captures of ``model`` (fp32, one program): its one ``torch.export`` graph, or where
     export fails or a custom Function must run as written (``capture.functions.own_backwards``), every distinct
-    piece dynamo splits its forward into (``collect``, ``distinct``).  ``exported``: the export capture of
-    ``model`` already made (fp32), used instead of capturing again."""
-    from ..capture.core import CaptureError, split_example
+    piece dynamo splits its forward into (``collect``, ``distinct``).  ``exported``: what exporting ``model``
+    (fp32) gave already, its capture or the ``CaptureError`` it raised, so that it is not tried again."""
+    from ..capture.core import split_example
     from ..capture.functions import own_backwards
 
     args, kwargs = split_example(example_inputs, example_kwargs)
-    try:
-        cap = exported if exported is not None else capture(model, args, kwargs)
-        if not cap.functions or not own_backwards(model, args, kwargs, cap.functions):
-            return [cap]
-    except CaptureError:
-        pass
+    if exported is None:
+        try:
+            exported = capture(model, args, kwargs)
+        except CaptureError as e:
+            exported = e
+    if isinstance(exported, Captured) and (not exported.functions
+                                           or not own_backwards(model, args, kwargs, exported.functions)):
+        return [exported]
     return [cap for _, cap in distinct(collect(model, args, kwargs))]
 
 
@@ -376,7 +378,7 @@ def distinct(pieces: Sequence[tuple[_Piece, tuple]], backend: PieceBackend | Non
     ``backend``: the one that collected them, which keeps every capture for the graph's first program."""
     out: dict[str, tuple[_Piece, Captured]] = {}
     for piece, users in pieces:
-        cap = capture(piece, users) if backend is None else backend.capture(piece, users, keep=True)
+        cap = capture(piece, users) if backend is None else backend.remember(piece, users)
         out.setdefault(cap.fingerprint, (piece, cap))
     return list(out.values())
 

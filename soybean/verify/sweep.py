@@ -28,7 +28,7 @@ from ..models import archs
 from .testing import Trace, train_parallel_threads, train_serial
 
 if TYPE_CHECKING:
-    from ..capture.core import Captured
+    from ..capture.core import Captured, CaptureError
 
 STEPS, LR = 3, 1e-4  # lr 1e-4: AdamW moves a parameter whose gradient is 0 up to rounding by lr (tests/test_hf.py)
 OBJECTIVES = ("time", "comm")
@@ -166,26 +166,28 @@ def _gloo_rank(rank: int, world: int, ref: str, objective: str, steps: int,
 
 
 def train(ref: str, objective: str, devices: int, tier: str, steps: int = STEPS, lr: float = LR,
-          exported: Captured | None = None) -> tuple[Trace, dict[str, list[str]]]:
+          exported: Captured | CaptureError | None = None) -> tuple[Trace, dict[str, list[str]]]:
     """The parallel trace of the model ``ref`` names (``build``) and its plan's parameter tilings; a model
     ``torch.export`` cannot capture trains on gloo processes whatever ``tier`` says (its pieces need a process
-    group).  ``exported``: the export capture of a model ``build`` made, used on threads instead of capturing the
-    fresh model again (the same graph: ``build`` seeds its weights)."""
-    if tier == "gloo":
-        from ..runtime.launch import spawn
-
-        return spawn(_gloo_rank, devices, ref, objective, steps, lr, timeout_s=600)[0]
+    group).  ``exported``: what exporting a model ``build`` made gave already (its capture, read on threads instead
+    of capturing the fresh model again: ``build`` seeds its weights, so the graph is the same; or the
+    ``CaptureError`` it raised), so that it is not tried again."""
     from ..capture.core import CaptureError, capture
 
-    model, example = build(ref)
-    if exported is None:
-        try:
-            exported = capture(model, example)
-        except CaptureError:  # captured by dynamo in pieces (``soybean.run.pieces``): gloo processes only
-            return train(ref, objective, devices, "gloo", steps, lr)
-    trace, plan = train_parallel_threads(model, example, devices=devices, objective=objective, steps=steps, lr=lr,
-                                         captured=exported)
-    return trace, plan.params
+    if tier != "gloo" and not isinstance(exported, CaptureError):
+        model, example = build(ref)
+        if exported is None:
+            try:
+                exported = capture(model, example)
+            except CaptureError as e:
+                exported = e
+        if not isinstance(exported, CaptureError):
+            trace, plan = train_parallel_threads(model, example, devices=devices, objective=objective, steps=steps,
+                                                 lr=lr, captured=exported)
+            return trace, plan.params
+    from ..runtime.launch import spawn  # gloo processes: asked, or a model in pieces (``soybean.run.pieces``)
+
+    return spawn(_gloo_rank, devices, ref, objective, steps, lr, timeout_s=600)[0]
 
 
 def sweep_arch(arch: archs.Arch, columns: tuple[str, ...] = ("check", *OBJECTIVES), devices: int = 2,
@@ -203,13 +205,13 @@ def sweep(ref: str, row: Row, columns: tuple[str, ...] = ("check", *OBJECTIVES),
     from .check import check_model
 
     t0 = time.perf_counter()
-    exported: Captured | None = None
+    exported: Captured | CaptureError | None = None
     try:
         model, example = build(ref)
-        try:  # captured once: the ops without a rule, and every objective's run on threads, read this capture
+        try:  # exported once: the ops without a rule and every objective's run read what it gave
             exported = capture(model, example)
-        except CaptureError:
-            pass  # captured in pieces
+        except CaptureError as e:
+            exported = e  # captured in pieces
         row.no_rule = sorted({op for graph in graphs(model, example, exported=exported) for op in fallback_ops(graph)})
         serial = train_serial(model, example, steps=STEPS, lr=LR)
         exact = exact_serial(model, example, serial) if any(c in OBJECTIVES for c in columns) else serial
