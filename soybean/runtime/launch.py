@@ -116,10 +116,19 @@ def _teardown() -> None:
 # ---- local processes --------------------------------------------------------------
 
 
-# What the fork server imports once for every rank it starts: torch and soybean always; these only where the caller
-# has imported them (its ranks most likely will).
-_PRELOAD = ("torch", "torch.distributed", "soybean", "soybean.runtime.launch")
-_PRELOAD_IF_LOADED = ("transformers", "torch._dynamo")
+# What the fork server imports once for every rank it starts: torch, and the compiler each rank runs
+# (``parallelize`` imports ``soybean.api`` on its first call, and capture ``torch.export``'s tracer, which
+# ``torch.export`` imports on its first call: 0.5-1 s a rank between them); these only where the caller has imported
+# them (its ranks most likely will), with every module of a Hugging Face model it has loaded (``_loaded``).
+_PRELOAD = ("torch", "torch.distributed", "soybean", "soybean.runtime.launch", "soybean.api", "torch.export._trace")
+_PRELOAD_IF_LOADED = ("transformers", "torch._dynamo", "torch.distributed.pipelining", "accelerate")
+_PRELOAD_PACKAGES = ("transformers.models.",)
+
+
+def _loaded() -> list[str]:
+    """The modules of ``_PRELOAD_IF_LOADED`` and under ``_PRELOAD_PACKAGES`` that this process has imported, in
+    the order it imported them (a package before its modules)."""
+    return [m for m in list(sys.modules) if m in _PRELOAD_IF_LOADED or m.startswith(_PRELOAD_PACKAGES)]
 
 
 def _context() -> Any:
@@ -127,12 +136,17 @@ def _context() -> Any:
     that state (a rank ready in ~0.05 s, where a fresh interpreter spends ~2 s importing torch and soybean, more
     with transformers: most of a short run).  The server itself never runs a torch op or touches CUDA, so a fork of
     it is as clean as a fresh process; each rank still imports the caller's main module and runs with the caller's
-    environment as it is at the call (``_worker``).  ``spawn`` where there is no fork server (Windows)."""
+    environment as it is at the call (``_worker``).  ``spawn`` where there is no fork server (Windows).
+
+    The server starts at the first call and imports what that call's process has loaded (``_loaded``); a rank
+    imports anything else it needs itself (transformers' model modules the caller loads later).  Measured on the
+    suite (``py-spy`` over every process): ranks spent 169 s importing, 107 s of it ``soybean.api`` and
+    ``torch.export._trace``, 95 s transformers' model modules."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # Read when the server starts (the first call): later calls find it running.
-    ctx.set_forkserver_preload([*_PRELOAD, *(m for m in _PRELOAD_IF_LOADED if m in sys.modules)])
+    ctx.set_forkserver_preload([*_PRELOAD, *_loaded()])
     return ctx
 
 
