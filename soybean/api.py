@@ -1,17 +1,20 @@
 """``soybean.parallelize``: capture -> plan -> lower -> ParallelModule, on every rank.
 
 Called on every rank after ``torch.distributed.init_process_group`` (or under
-``torchrun``, which it initialises from the environment).  Rank 0 plans and
-broadcasts the plan, so ranks cannot diverge; every rank checks the plan
-against its own captured graph (fingerprint, device count) and fails with a
-clear error instead of hanging in a mismatched collective.  An error on any rank
-(capture, planning, lowering) is raised on every rank (``runtime.agree``).
+``torchrun``, which it initialises from the environment).  Rank 0 captures the
+model and plans, and sends both (the graph in the capture cache's stored form,
+``_captured_once``; the plan as JSON), so ranks cannot diverge; every rank checks
+that its model and example are rank 0's (names, shapes, dtypes) and the plan
+against the graph (fingerprint, device count), and fails with a clear error
+instead of hanging in a mismatched collective.  An error on any rank (capture,
+planning, lowering) is raised on every rank (``runtime.agree``).
 """
 from __future__ import annotations
 
 import functools
 import json
 import os
+import pickle
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -206,7 +209,7 @@ def parallelize(model: torch.nn.Module, example_inputs: tuple | dict | torch.Ten
         cap = captured
     elif capture_with != "dynamo":
         try:
-            cap = capture(model, example_inputs, example_kwargs, precision=prec)
+            cap = _captured_once(model, example_inputs, example_kwargs, prec, rank, world, simulated)
         except CaptureError as e:
             if capture_with == "export":
                 raise
@@ -388,7 +391,7 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
         stages, microbatches = opts.pipeline, opts.microbatches_for(opts.pipeline)
     margs, mkwargs, _ = micro_inputs(args, kwargs, microbatches)
     try:
-        cap = capture(model, margs, mkwargs, precision=precision)
+        cap = _captured_once(model, margs, mkwargs, precision, rank, world, False)
     except CaptureError as e:  # what parallelize does without stages, said where a user reads it
         raise CaptureError(f"{e} (pipeline stages need one exported graph; without pipeline= and placement=, "
                            f"soybean.parallelize trains {type(model).__name__} captured by dynamo in pieces)") from e
@@ -409,6 +412,77 @@ def _pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOpti
     pm = parts_module(model, cap, given, rank, world)
     assert isinstance(pm, PipelinedModule)
     return pm
+
+
+def _captured_once(model: torch.nn.Module, args: tuple, kwargs: dict, precision: str, rank: int, world: int,
+                   simulated: bool) -> Captured:
+    """``model`` captured on rank 0 and sent to every rank in the capture cache's stored form (``cache.dumps``), so
+    every rank lowers the graph rank 0 planned, and a process group captures once: ``torch.export`` is most of a
+    rank's set-up (on this 2-core box two ranks capturing at once took twice the CPU of one).  Every rank sends
+    what its own model and example hold (``_signature``: names, shapes and dtypes, no values); a rank whose differ
+    from rank 0's is named by the same ``ValueError`` on every rank, as a fingerprint of its own capture did.
+    Rank 0's ``CaptureError`` is raised on every rank (each then takes the same path: pieces, or the error).  A
+    capture the stored form cannot hold (a graph with submodule calls; a target another process cannot import) is
+    made by each rank itself, as before.  Threads (``simulated``) and one process capture in place."""
+    from .capture import cache
+
+    if simulated or world == 1 or not dist.is_initialized():
+        return capture(model, args, kwargs, precision=precision)
+    mine: list[Captured] = []
+
+    def make() -> tuple[str, Any]:
+        try:
+            mine.append(capture(model, args, kwargs, precision=precision))
+        except CaptureError as e:  # sent as a value: every rank raises it, then goes on as rank 0 does
+            return "failed", str(e)
+        try:
+            return "graph", cache.dumps(mine[0])
+        except (TypeError, AttributeError, pickle.PicklingError):
+            return "own", None
+
+    setup = current_setup()
+    setup.open()
+    own = _signature(model, args, kwargs)
+    try:
+        sent = (make() if rank == 0 else None, own)
+    except Exception as e:  # sent instead of the graph: the others are waiting for it
+        setup.fail(e)
+    got = setup.share(sent)
+    (said, value), first = got[0]
+    if differ := [r for r, (_, sig) in enumerate(got) if sig != first]:
+        raise ValueError(f"rank(s) {differ} hold another model or example than rank 0 (parameter, buffer or input "
+                         f"names, shapes or dtypes differ): every rank must build the same model and pass inputs of "
+                         f"the same shapes to soybean.parallelize")
+    if said == "failed":
+        raise CaptureError(value)
+    if mine:
+        return mine[0]
+    if said == "graph":
+        try:
+            return cache.loads(value)
+        except Exception:  # a target this process cannot import (a class of its __main__): capture as rank 0 did
+            pass
+    return capture(model, args, kwargs, precision=precision)
+
+
+def _signature(model: torch.nn.Module, args: tuple, kwargs: dict) -> str:
+    """A digest of what a capture of ``model(*args, **kwargs)`` depends on besides values: every parameter's and
+    buffer's name, shape, dtype and ``requires_grad``, and the example's structure (tensors by shape and dtype,
+    other leaves by ``repr``)."""
+    import hashlib
+
+    from torch.utils._pytree import tree_flatten
+
+    def leaf(x: Any) -> str:
+        if isinstance(x, torch.Tensor):
+            return f"T{tuple(x.shape)}{x.dtype}{x.requires_grad}"
+        return repr(x) if isinstance(x, (int, float, bool, str, type(None))) else type(x).__qualname__
+
+    leaves, spec = tree_flatten((args, kwargs))
+    state = [f"{k}{tuple(t.shape)}{t.dtype}{t.requires_grad}"
+             for k, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]]
+    text = "\n".join([*state, str(spec), *map(leaf, leaves)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _rank0_value(make: Callable[[], T], rank: int) -> T:

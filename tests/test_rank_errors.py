@@ -99,22 +99,41 @@ def _boom(*args: object, **kwargs: object) -> None:
     raise ValueError(BOOM)
 
 
-def _capture_fails(rank: int, world: int) -> tuple[str, str, list[str]] | None:
+def _capture_fails(rank: int, world: int) -> dict[str, tuple[str, str, list[str]] | None]:
+    """Rank 1's model wider than rank 0's (every rank must be told, not run rank 0's graph on its own weights); then
+    rank 1's capture failing alone: rank 0 captures and sends its graph, rank 1 cannot read it and its own capture
+    fails."""
     import soybean
     import soybean.api
+    import soybean.capture.cache
 
+    out: dict[str, tuple[str, str, list[str]] | None] = {"other model": None, "capture": None}
+    model, x = _mlp()
     if rank == 1:
-        soybean.api.capture = _boom  # type: ignore[assignment]  # this process's capture fails, the other's not
+        model[4] = nn.Linear(8, 5)
+    try:
+        soybean.parallelize(model, (x,), devices=world)
+    except Exception as e:
+        out["other model"] = _error(e)
+    if rank == 1:  # this process's capture and its reading of rank 0's graph fail, the other's not
+        soybean.api.capture = _boom  # type: ignore[assignment]
+        soybean.capture.cache.loads = _boom  # type: ignore[assignment]
     model, x = _mlp()
     try:
         soybean.parallelize(model, (x,), devices=world)
     except Exception as e:
-        return _error(e)
-    return None
+        out["capture"] = _error(e)
+    return out
 
 
 def test_a_capture_failing_on_rank_1_only_is_raised_on_rank_0_too() -> None:
-    got = spawn(_capture_fails, 2, timeout_s=120)
+    """(And a rank holding another model than rank 0's is named on every rank: ranks lower the graph rank 0
+    captured, ``api._captured_once``.)"""
+    runs = spawn(_capture_fails, 2, timeout_s=120)
+    other = [r["other model"] for r in runs]
+    assert other[0] is not None and other[0][:2] == other[1][:2], other  # every rank: the same error
+    assert other[0][0] == "ValueError" and "rank(s) [1] hold another model" in other[0][1], other
+    got = [r["capture"] for r in runs]
     assert got[1] is not None and BOOM in got[1][1], got
     assert got[0] is not None and got[0][:2] == got[1][:2], got  # the same exception, rebuilt on rank 0
     assert any("rank 1" in n for n in got[0][2]), got

@@ -37,7 +37,7 @@ from ..rules.datadep import SIZES
 from .core import Captured
 from .passes.mark_returned_sums import RETURNED_SUM
 
-FORMAT = 3  # bump when the stored form changes
+FORMAT = 4  # bump when the stored form changes
 _META_KEYS = ("nn_module_stack", "stack_trace", RETURNED_SUM, SIZES)
 
 
@@ -216,7 +216,7 @@ def dumps(cap: Captured) -> bytes:
              "storages": [nbytes for _, nbytes in sorted(storages.values())],
              **{k: getattr(cap, k) for k in ("params", "buffers", "inputs", "aliases", "fingerprint", "precision",
                                              "out_spec", "in_spec", "frozen", "arg_names", "keys", "views",
-                                             "functions")}}
+                                             "functions", "grad_inputs")}}
     return pickle.dumps(state)
 
 
@@ -249,7 +249,8 @@ def loads(data: bytes) -> Captured:
     gm = fx.GraphModule(torch.nn.Module(), g)
     return Captured(gm, state["params"], state["buffers"], state["inputs"], state["aliases"], state["fingerprint"],
                     state["precision"], state["out_spec"], state["in_spec"], constants, state["frozen"],
-                    state["arg_names"], state["keys"], state["views"], functions=state["functions"])
+                    state["arg_names"], state["keys"], state["views"], grad_inputs=state["grad_inputs"],
+                    functions=state["functions"])
 
 
 def load(key: str) -> Captured | None:
