@@ -9,27 +9,21 @@ Function's backward on the example (``own_backwards``) and captures a model whos
 checked) by dynamo in pieces instead, the Function run between them as written (``soybean.run.pieces``); where
 pieces are not offered (pipeline stages, placement, a precision other than fp32) a backward shown to differ is a
 ``CustomFunctionError``, one not checked a ``CustomFunctionWarning`` (``exported_with``).  The graph keeps no mark
-of the Function, only the source lines its ops came from (``node.meta["stack_trace"]``), so the Functions are found
-by the lines of their ``forward``.
+of the Function, so capture records the Functions the model calls while it is exported (``called_functions``).
 """
 from __future__ import annotations
 
-import inspect
-import re
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import fx
 from torch.autograd.function import _SingleLevelFunction
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .eager import untouched
-
-# A frame of a node's stack trace, as torch's ``format_stack`` writes it.
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in forward')
 
 
 class CustomFunctionError(ValueError):
@@ -48,45 +42,45 @@ def _subclasses(cls: type) -> Iterator[type]:
         yield from _subclasses(sub)
 
 
-def _forward_lines() -> dict[str, list[tuple[int, int, type]]]:
-    """Per source file, the line span of each user-defined Function's ``forward`` (not torch's or soybean's own,
-    whose backwards are their forwards' derivatives or are not captured)."""
-    spans: dict[str, list[tuple[int, int, type]]] = {}
-    for cls in set(_subclasses(torch.autograd.Function)):
-        if cls.__module__.split(".")[0] in ("torch", "soybean") or "backward" not in vars(cls):
-            continue
-        fwd = vars(cls).get("forward")
-        fn = getattr(fwd, "__func__", fwd)
-        if not callable(fn):
-            continue
-        try:
-            lines, first = inspect.getsourcelines(fn)
-            path = inspect.getsourcefile(fn)
-        except (OSError, TypeError):
-            continue
-        if path is not None:
-            spans.setdefault(path, []).append((first, first + len(lines) - 1, cls))
-    return spans
+def _user_functions() -> list[type]:
+    """The user-defined Functions with a ``backward`` of their own (not torch's or soybean's, whose backwards are
+    their forwards' derivatives or are not captured), each class once."""
+    return sorted({cls for cls in _subclasses(torch.autograd.Function)
+                   if cls.__module__.split(".")[0] not in ("torch", "soybean") and "backward" in vars(cls)},
+                  key=lambda c: f"{c.__module__}.{c.__qualname__}")
 
 
-def custom_functions(gm: fx.GraphModule) -> list[type]:
-    """The user-defined ``autograd.Function`` classes whose ``forward`` ran some op of ``gm`` (by its nodes' stack
-    traces), in the order first met."""
-    spans = _forward_lines()
-    if not spans:
-        return []
-    found: dict[type, None] = {}
-    for n in gm.graph.nodes:
-        for path, line in _FRAME.findall(n.meta.get("stack_trace") or ""):
-            for first, last, cls in spans.get(path, ()):
-                if first <= int(line) <= last:
-                    found[cls] = None
-    return list(found)
+@contextmanager
+def called_functions() -> Iterator[dict[str, None]]:
+    """While open, the user-defined Functions (``_user_functions``) this thread calls through ``apply``, by
+    qualified name in the order first called (what ``Captured.functions`` records): ``capture`` opens it around
+    ``torch.export``, whose graph keeps no mark of a Function, only its forward's ops.  (Found before by the source
+    lines of each node's stack trace; recording the stack traces was 15-40% of an export.)  A call from another
+    thread (a simulated rank running the model meanwhile) is not this capture's."""
+    me = threading.get_ident()
+    called: dict[str, None] = {}
+    classes = _user_functions()
+    saved = {c: vars(c).get("apply") for c in classes}
 
+    def recorder(cls: Any) -> Any:
+        own, name = cls.apply, f"{cls.__module__}.{cls.__qualname__}"
 
-def function_names(gm: fx.GraphModule) -> tuple[str, ...]:
-    """``custom_functions(gm)`` by their qualified names (what ``Captured.functions`` records)."""
-    return tuple(f"{c.__module__}.{c.__qualname__}" for c in custom_functions(gm))
+        def apply(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == me:
+                called.setdefault(name)
+            return own(*args, **kwargs)
+        return staticmethod(apply)
+
+    try:
+        for c in classes:
+            c.apply = recorder(c)  # type: ignore[attr-defined]
+        yield called
+    finally:
+        for c, a in saved.items():
+            if a is None:
+                delattr(c, "apply")
+            else:
+                c.apply = a  # type: ignore[attr-defined]
 
 
 def warn_custom_functions(names: Sequence[str], model: str, where: str) -> None:
