@@ -19,4 +19,3 @@ def drop_assertions(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(n)
         elif noop_set(n):
             unset(gm.graph, n)
-    gm.recompile()

@@ -123,4 +123,3 @@ def fold_constant_masks(gm: fx.GraphModule) -> None:
         if dead in const and dead.op == "call_function" and not dead.users and not _mutates(dead):
             g.erase_node(dead)
     g.lint()
-    gm.recompile()

@@ -190,4 +190,3 @@ def functionalize(gm: fx.GraphModule) -> None:
     """Rewrite every in-place update of a value forward made as an out-of-place op (see the module docstring)."""
     if _Functionalizer(gm).run():
         gm.graph.lint()
-        gm.recompile()

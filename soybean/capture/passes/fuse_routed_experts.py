@@ -352,4 +352,3 @@ def fuse_routed_experts(gm: fx.GraphModule) -> None:
         for n in sorted(r.nodes, key=_position(g), reverse=True):
             g.erase_node(n)
     gm.graph.lint()
-    gm.recompile()

@@ -24,4 +24,3 @@ def inline_empty_constants(gm: fx.GraphModule) -> None:
         made.meta.update(n.meta)
         n.replace_all_uses_with(made)
         gm.graph.erase_node(n)
-    gm.recompile()

@@ -46,7 +46,6 @@ def inline_grad_regions(gm: fx.GraphModule) -> None:
                 g.erase_node(sub)
                 delattr(gm, sub.target)
     g.lint()
-    gm.recompile()
 
 
 def _is_float(n: fx.Node) -> bool:

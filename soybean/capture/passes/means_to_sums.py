@@ -31,7 +31,6 @@ def means_to_sums(gm: fx.GraphModule) -> None:
         elif n.target is aten.cross_entropy_loss.default:
             _cross_entropy_mean_to_sum(g, n)
     g.lint()
-    gm.recompile()
 
 
 def _data_dependent(n: fx.Node) -> bool:

@@ -16,7 +16,6 @@ from .common import aten
 
 def squeeze_dims(gm: fx.GraphModule) -> None:
     """Rewrite every ``aten.squeeze.default`` whose input's shape is known into ``aten.squeeze.dims``."""
-    changed = False
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is not aten.squeeze.default:
             continue
@@ -27,6 +26,3 @@ def squeeze_dims(gm: fx.GraphModule) -> None:
         n.target = aten.squeeze.dims
         n.args = (x, [d for d, s in enumerate(val.shape) if s == 1])
         n.kwargs = {}
-        changed = True
-    if changed:
-        gm.recompile()
