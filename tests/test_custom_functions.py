@@ -81,6 +81,44 @@ def _grads(run: Any, params: list[torch.nn.Parameter], x: torch.Tensor) -> list[
     return [p.grad.clone() for p in params]
 
 
+class _Flip(torch.autograd.Function):
+    """A gradient reversal whose forward makes no op (it returns a view of its input): nothing of it is left in the
+    exported graph, so only its call tells capture of it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return -grad
+
+
+class _Flipped(_Reversed):
+    fn = _Flip
+
+
+def test_capture_records_the_functions_called_while_exporting_and_only_its_own_thread_s() -> None:
+    """``Captured.functions``: the Functions the model called while it was exported, also one whose forward left no
+    op; a Function another thread calls meanwhile is not this capture's, and ``apply`` is as before afterwards."""
+    import threading
+
+    from soybean.capture.functions import called_functions
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 4)
+    assert capture(_Flipped(), (x,)).functions == (f"{__name__}._Flip",)
+    assert capture(_Straight(), (x,)).functions == ()
+    with called_functions() as called:
+        other = threading.Thread(target=lambda: _Square.apply(x))
+        other.start()
+        other.join()
+        assert called == {}
+        _Reversal.apply(x)
+    assert list(called) == [f"{__name__}._Reversal"]
+    assert "apply" not in vars(_Reversal) and "apply" not in vars(_Square)
+
+
 def test_a_custom_function_runs_as_written_in_pieces_with_its_own_backward() -> None:
     torch.manual_seed(0)
     model, x = _Reversed(), torch.randn(4, 4)
