@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -51,6 +51,32 @@ def _user_functions() -> list[type]:
 
 
 @contextmanager
+def _on_apply(classes: Sequence[Any], seen: Callable[[Any, tuple, dict], None]) -> Iterator[None]:
+    """While open, each Function of ``classes`` calls ``seen(cls, args, kwargs)`` before its own ``apply``; ``apply``
+    is as before afterwards (what ``called_functions`` and ``own_backwards`` watch a model's Functions by)."""
+    saved = {c: vars(c).get("apply") for c in classes}
+
+    def watched(cls: Any) -> Any:
+        own = cls.apply
+
+        def apply(*args: Any, **kwargs: Any) -> Any:
+            seen(cls, args, kwargs)
+            return own(*args, **kwargs)
+        return staticmethod(apply)
+
+    try:
+        for c in classes:
+            c.apply = watched(c)
+        yield
+    finally:
+        for c, a in saved.items():
+            if a is None:
+                delattr(c, "apply")
+            else:
+                c.apply = a
+
+
+@contextmanager
 def called_functions() -> Iterator[dict[str, None]]:
     """While open, the user-defined Functions (``_user_functions``) this thread calls through ``apply``, by
     qualified name in the order first called (what ``Captured.functions`` records): ``capture`` opens it around
@@ -59,28 +85,13 @@ def called_functions() -> Iterator[dict[str, None]]:
     thread (a simulated rank running the model meanwhile) is not this capture's."""
     me = threading.get_ident()
     called: dict[str, None] = {}
-    classes = _user_functions()
-    saved = {c: vars(c).get("apply") for c in classes}
 
-    def recorder(cls: Any) -> Any:
-        own, name = cls.apply, f"{cls.__module__}.{cls.__qualname__}"
+    def seen(cls: Any, args: tuple, kwargs: dict) -> None:
+        if threading.get_ident() == me:
+            called.setdefault(f"{cls.__module__}.{cls.__qualname__}")
 
-        def apply(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == me:
-                called.setdefault(name)
-            return own(*args, **kwargs)
-        return staticmethod(apply)
-
-    try:
-        for c in classes:
-            c.apply = recorder(c)  # type: ignore[attr-defined]
+    with _on_apply(_user_functions(), seen):
         yield called
-    finally:
-        for c, a in saved.items():
-            if a is None:
-                delattr(c, "apply")
-            else:
-                c.apply = a  # type: ignore[attr-defined]
 
 
 def warn_custom_functions(names: Sequence[str], model: str, where: str) -> None:
@@ -127,31 +138,14 @@ class _Ctx:
         self.materialize_grads = value
 
 
-@contextmanager
-def _first_calls(classes: Sequence[Any], calls: dict[Any, tuple]) -> Iterator[None]:
+def _first_calls(classes: Sequence[Any], calls: dict[Any, tuple]) -> Any:
     """While open, the first call of each Function of ``classes`` through its ``apply`` is kept in ``calls``
-    (its arguments, detached); ``apply`` is as before afterwards."""
-    saved = {c: vars(c).get("apply") for c in classes}
+    (its arguments, detached); ``apply`` is as before afterwards (``_on_apply``)."""
+    def seen(cls: Any, args: tuple, kwargs: dict) -> None:
+        if cls not in calls:
+            calls[cls] = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (args, kwargs))
 
-    def recorder(cls: Any) -> Any:
-        own = cls.apply
-
-        def apply(*args: Any, **kwargs: Any) -> Any:
-            if cls not in calls:
-                calls[cls] = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (args, kwargs))
-            return own(*args, **kwargs)
-        return staticmethod(apply)
-
-    try:
-        for c in classes:
-            c.apply = recorder(c)
-        yield
-    finally:
-        for c, a in saved.items():
-            if a is None:
-                delattr(c, "apply")
-            else:
-                c.apply = a
+    return _on_apply(classes, seen)
 
 
 def _matches(cls: Any, args: tuple, kwargs: dict) -> bool:
