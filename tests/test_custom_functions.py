@@ -226,3 +226,15 @@ def test_the_command_line_refuses_where_parallelize_would(capsys: pytest.Capture
     err = capsys.readouterr().err
     assert "soybean plan: error: _Reversed calls the custom torch.autograd.Function" in err
     assert "in precision bf16-mixed" in err and "Fix:" in err
+
+
+@pytest.mark.dist
+def test_the_sweeps_threads_tier_trains_a_model_parallelize_splits_into_pieces_on_processes() -> None:
+    """``verify.sweep`` plans what ``parallelize`` would: a model whose exported graph calls a Function with its own
+    backward trains in pieces on gloo processes, not as the export on threads (which trains the forward's
+    derivative: YOSO was reported unequal to serial while ``parallelize`` trains it exactly)."""
+    from soybean.verify import sweep
+
+    row = sweep.sweep("tests.test_custom_functions:reversed_model", sweep.Row("reversed", "test", "regression"),
+                      ("time",), devices=2, tier="threads")
+    assert row.results == {"time": "ok"}, row.results

@@ -166,15 +166,17 @@ def _gloo_rank(rank: int, world: int, ref: str, objective: str, steps: int,
 
 
 def train(ref: str, objective: str, devices: int, tier: str, steps: int = STEPS, lr: float = LR,
-          exported: Captured | CaptureError | None = None) -> tuple[Trace, dict[str, list[str]]]:
+          exported: Captured | CaptureError | None = None,
+          pieces: bool = False) -> tuple[Trace, dict[str, list[str]]]:
     """The parallel trace of the model ``ref`` names (``build``) and its plan's parameter tilings; a model
-    ``torch.export`` cannot capture trains on gloo processes whatever ``tier`` says (its pieces need a process
-    group).  ``exported``: what exporting a model ``build`` made gave already (its capture, read on threads instead
-    of capturing the fresh model again: ``build`` seeds its weights, so the graph is the same; or the
-    ``CaptureError`` it raised), so that it is not tried again."""
+    ``parallelize`` captures in pieces (``pieces``, or ``exported`` a ``CaptureError``: export fails, or a custom
+    Function must run as written, ``run.pieces.graphs``) trains on gloo processes whatever ``tier`` says (its
+    pieces need a process group).  ``exported``: what exporting a model ``build`` made gave already (its capture,
+    read on threads instead of capturing the fresh model again: ``build`` seeds its weights, so the graph is the
+    same; or the ``CaptureError`` it raised), so that it is not tried again."""
     from ..capture.core import CaptureError, capture
 
-    if tier != "gloo" and not isinstance(exported, CaptureError):
+    if tier != "gloo" and not pieces and not isinstance(exported, CaptureError):
         model, example = build(ref)
         if exported is None:
             try:
@@ -212,7 +214,9 @@ def sweep(ref: str, row: Row, columns: tuple[str, ...] = ("check", *OBJECTIVES),
             exported = capture(model, example)
         except CaptureError as e:
             exported = e  # captured in pieces
-        row.no_rule = sorted({op for graph in graphs(model, example, exported=exported) for op in fallback_ops(graph)})
+        got = graphs(model, example, exported=exported)  # what ``parallelize`` plans: the export, or pieces
+        pieces = not (len(got) == 1 and got[0] is exported)
+        row.no_rule = sorted({op for graph in got for op in fallback_ops(graph)})
         serial = train_serial(model, example, steps=STEPS, lr=LR)
         exact = exact_serial(model, example, serial) if any(c in OBJECTIVES for c in columns) else serial
     except Exception as e:  # a model that does not build or capture: the row says why
@@ -225,7 +229,7 @@ def sweep(ref: str, row: Row, columns: tuple[str, ...] = ("check", *OBJECTIVES),
                 rep = check_model(model, example, devices=devices)
                 row.results[col] = "ok" if rep.ok else f"FAIL: {len(rep.failures)} inexact: {rep.failures[0].message}"
                 continue
-            par, params = train(ref, col, devices, tier, exported=exported)
+            par, params = train(ref, col, devices, tier, exported=exported, pieces=pieces)
             bad = differences(serial, exact, par)
             row.split[col] = f"{sum(1 for t in params.values() if any(p != 'R' for p in t))}/{len(params)}"
             row.results[col] = "ok" if not bad else f"FAIL: {len(bad)} differ: {'; '.join(bad[:2])}"
