@@ -77,6 +77,13 @@ for _n in ("relu", "relu_", "gelu", "gelu_", "silu", "silu_", "tanh", "sigmoid",
            "hardsigmoid", "sign", "floor", "ceil", "round", "neg", "clone", "contiguous", "alias", "detach"):
     case(getattr(aten, _n).default, X)
 case(aten.expm1.default, X)
+for _n in ("tan", "atan", "sinh", "cosh", "asinh", "exp2", "trunc", "erfc", "sgn"):
+    case(getattr(aten, _n).default, X)
+for _n in ("asin", "acos", "atanh", "erfinv"):  # defined on (-1, 1)
+    case(getattr(aten, _n).default, 0.9 * X.tanh())
+for _n in ("log2", "log10"):
+    case(getattr(aten, _n).default, pos(6, 5, 7))
+case(aten.acosh.default, 1.0 + pos(6, 5, 7))
 case(aten.log_sigmoid.default, X)
 case(aten.polar.default, pos(6, 5), randn(5))
 case(aten.where.Scalar, mask(6, 5), 1.0, 0.0)

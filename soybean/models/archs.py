@@ -158,6 +158,9 @@ ARCHS: list[Arch] = [
     Arch("roformer", "encoder", "roformer", "masked-lm", overrides={"embedding_size": 64}),
     Arch("esm", "encoder", "esm", "masked-lm", overrides={"vocab_size": 128, "pad_token_id": 1, "mask_token_id": 2}),
     Arch("convbert", "encoder", "convbert", "masked-lm", overrides={"embedding_size": 64}),
+    # YOSO's attention is a custom autograd.Function whose backward is an approximation, not its forward's
+    # derivative: exported whole it would train otherwise, so ``parallelize`` captures it in pieces.
+    Arch("yoso", "encoder", "yoso", "masked-lm"),
     # encoder-decoders
     Arch("t5", "encoder-decoder", "t5", "seq2seq"),
     Arch("bart", "encoder-decoder", "bart", "seq2seq"),

@@ -103,6 +103,9 @@ NONLINEAR_UNARY = (
     "sqrt", "abs", "sin", "cos", "erf", "reciprocal", "square", "hardtanh", "hardtanh_", "relu6", "leaky_relu", "elu",
     "softplus", "mish", "hardswish", "hardsigmoid", "logical_not", "bitwise_not", "clamp_min", "clamp_max",
     "sign", "floor", "ceil", "round", "expm1", "log_sigmoid",
+    # the rest of torch's elementwise maths (YOSO's hashing reads acos)
+    "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "log2", "log10", "exp2", "trunc",
+    "erfc", "erfinv", "sgn",
 )
 
 TABLE: dict[str, LinearFn] = {
