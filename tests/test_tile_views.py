@@ -33,6 +33,7 @@ from soybean.plan import Plan
 from soybean.planner.core import plan as make_plan
 from soybean.rules.base import Strategy, expand, node_spec, op_name, strategies_1d
 from soybean.rules.views import RESHAPES, may_copy
+from soybean.tiling import R
 from soybean.verify.testing import Trace, compare
 
 pytestmark = pytest.mark.unit
@@ -320,6 +321,61 @@ def test_every_strategy_of_the_attention_output_view_runs_as_serial_on_2x2() -> 
             failed.append((a, t, v, bad[:2]))
     assert len(cases) == len(views) * len(variants) + len(attention)
     assert not failed, failed[:3]
+
+
+class _Chunks(nn.Module):
+    """Longformer's ``_chunk``: overlapping windows of a transposed projection, read by ``as_strided`` with the
+    strides the serial tensor has (a ``(batch, seq, hidden)`` view of ``(seq, batch, hidden)`` storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x).transpose(0, 1)  # (2, 8, 16), strides (16, 32, 1)
+        h = h.view(h.size(0), h.size(1) // 4, 4, h.size(2))  # chunks of 4 tokens
+        size, stride = list(h.size()), list(h.stride())
+        size[1], stride[1] = 2 * size[1] - 1, stride[1] // 2  # and the chunks overlapping them by half
+        return F.mse_loss(h.as_strided(size, stride), y)
+
+
+@pytest.mark.sim
+def test_as_strided_reads_its_input_laid_out_as_serial_under_every_split_before_it() -> None:
+    """``as_strided`` reads storage, so its (whole) input must lie as the serial one did: with the projection split
+    every way it can be on 2 devices, the value gathered for it is contiguous where serial's was a transposed view,
+    and the program lays it out again (``runtime.layouts``).  One AdamW step equals serial's loss and gradients
+    (float64); before, the split cases read other elements (Longformer under ``objective="comm"``)."""
+    torch.manual_seed(0)
+    model = _Chunks().double()
+    inputs = (torch.randn(8, 2, 16, dtype=torch.float64), torch.randn(2, 3, 4, 16, dtype=torch.float64))
+    cap = capture(model, inputs)
+    base = make_plan(None, (), captured=cap, devices=2, objective="comm", baselines=False)
+    linear = next(n.name for n in cap.graph.nodes if n.name.startswith("linear"))
+    serial = serial_trace(model, inputs, torch.empty(0), steps=1)
+    failed, split = [], 0
+    for st in _strategies(cap, linear, Mesh((2,))):
+        p = Plan.from_dict(base.to_dict())
+        _set(p, linear, st)
+        split += any(not isinstance(q, type(R)) for q in st.outputs[0])
+        bad = compare(serial, threads_trace(model, inputs, torch.empty(0), cap, p, steps=1), rtol=1e-9, atol=1e-12)
+        if bad:
+            failed.append((st, bad[:2]))
+    assert split >= 2 and not failed, failed[:3]
+
+
+def test_as_strided_reads_are_exact_only_within_their_inputs_elements() -> None:
+    """``reads_within``: a dense value (contiguous or a permutation of it) covers what a read inside its span reads;
+    a read past its last element, or a value that is a slice of larger storage, does not."""
+    from soybean.runtime.layouts import reads_within, sb_as_strided
+
+    assert reads_within((2, 8, 16), (16, 32, 1), 0, (2, 3, 4, 16), (16, 64, 32, 1), 0)
+    assert not reads_within((2, 8, 16), (16, 32, 1), 0, (2, 3, 4, 16), (16, 64, 32, 1), 200)  # past the end
+    assert not reads_within((4, 8), (16, 1), 0, (4, 8), (16, 1), 0)  # every other row of a (4, 16) tensor
+    serial = torch.randn(8, 2, 16).transpose(0, 1)
+    want = serial.as_strided((2, 3, 4, 15), (16, 64, 32, 1), 1)  # an explicit offset: one element in
+    got = sb_as_strided(serial.contiguous(), (2, 3, 4, 15), (16, 64, 32, 1), 1, serial_stride=serial.stride(),
+                        serial_offset=0)
+    assert torch.equal(got, want)
 
 
 # ---- the model trains as serial ---------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ captured graph with one method per node kind:
   reshard point); shape-carrying arguments are rewritten by the rule's ``localize`` to this
   device's tile shapes (so the program is per rank: uneven tiles depend on the coordinates); a
   view whose input's tile may not allow it (``rules.views.may_copy``: the tile's layout need not be the serial
-  value's) runs as a reshape; a windowed op whose strategy splits a spatial dim reads its window of rows by a
+  value's) runs as a reshape; ``as_strided``, which reads storage, runs on its input laid out as the serial one
+  (``runtime.layouts``); a windowed op whose strategy splits a spatial dim reads its window of rows by a
   halo exchange (``rules.window``), runs with that dim's padding 0 (the rule's ``window_args``) and keeps its
   own output rows (a ``narrow`` where it computed more); an op whose rule sums statistics across
   tiles (batch norm split along batch or space in training) calls the rule's ``sync_call``; a
@@ -50,6 +51,7 @@ from ..rules.views import as_reshape, may_copy
 from ..rules.window import crops, halo_step, halos, local_rows, windows_of
 from ..runtime import context as rt
 from ..runtime.kinds import CALLS
+from ..runtime.layouts import reads_within, sb_as_strided
 from ..runtime.synced import SYNC_CALLS
 from ..tiling import Partial, Placement, R, Shard, local_shape
 from .recompute import checkpoint_layers
@@ -311,6 +313,8 @@ class Lowering:
             # A view whose input's tile may be laid out so that no view exists (``rules.views.may_copy``): run as
             # the reshape of the same meaning, a view where the tile allows one, else the priced copy.
             target = as_reshape(target)
+        if target is torch.ops.aten.as_strided.default:
+            target, kwargs = sb_as_strided, {**kwargs, **_serial_layout(node)}
         sync = entry.sync_args(op, st) if entry is not None and entry.sync_args is not None else {}
         if sync and entry is not None and entry.sync_call is not None:  # statistics summed across tiles
             target, kwargs = SYNC_CALLS[entry.sync_call], {**kwargs, **sync}
@@ -388,6 +392,22 @@ class Lowering:
                 tiling = dst if _split(dst, self.mesh) else None
             self.output_tilings.append(tiling)
         self.g.output(tree_unflatten(res, spec))
+
+
+def _serial_layout(node: fx.Node) -> dict[str, Any]:
+    """What ``runtime.layouts.sb_as_strided`` needs of ``as_strided`` node ``node``'s input to read what the serial
+    run read: its strides and storage offset there.  A ``ValueError`` where the serial op reads storage outside the
+    input's own elements (a view into a larger tensor): no program holding only that value can read it."""
+    x = _val(node.args[0])
+    size, stride = [int(n) for n in node.args[1]], [int(n) for n in node.args[2]]  # type: ignore[union-attr, arg-type]
+    offset = node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset")
+    read = int(x.storage_offset() if offset is None else offset)  # type: ignore[arg-type]
+    if not reads_within(tuple(x.shape), tuple(x.stride()), x.storage_offset(), size, stride, read):
+        raise ValueError(
+            f"{node.name}: as_strided reads storage outside its input {node.args[0]} (shape {tuple(x.shape)}, "
+            f"strides {tuple(x.stride())}), the memory of a larger tensor it is a view of; a split program cannot "
+            "read it. Fix: index the tensor itself (unfold, a slice) rather than its storage, or plan on 1 device")
+    return {"serial_stride": tuple(x.stride()), "serial_offset": x.storage_offset()}
 
 
 def _split(t: Tiling, mesh: Mesh) -> bool:
