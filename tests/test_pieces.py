@@ -354,3 +354,37 @@ def test_a_model_in_pieces_parallelized_again_and_again_is_planned_whole_each_ti
             counts.append(len(pm.plan.pieces["graphs"]))
             torch.testing.assert_close(pm(x), want)
     assert counts == [counts[0]] * 10 and counts[0] >= 2, counts
+
+
+class _ReadsData(torch.nn.Module):
+    """I-BERT's ``QuantAct`` with quantization off: it reads its input's range through ``x.data`` (no gradient),
+    and a branch on a value breaks the graph (``.item()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        low, high = h.data.min(), h.data.max()
+        if bool((high - low).isnan().item()):  # a graph break, as QuantAct's check of its range
+            h = h * 0
+        return self.b(h * (high - low))
+
+
+@pytest.mark.unit
+def test_a_piece_that_reads_x_data_is_captured_and_runs_as_serial() -> None:
+    """Dynamo records ``x.data`` as ``torch._C._autograd._get_data_attr``, which ``torch.export`` refuses (a fake
+    tensor among the constants): each is run as ``x.detach()``, the same elements with no gradient, so the pieces
+    capture and train as the model does (I-BERT could not be parallelized at all)."""
+    from soybean.run.pieces import collect, distinct
+
+    torch.manual_seed(0)
+    model, x = _ReadsData(), torch.randn(8, 4)
+    assert len(distinct(collect(model, (x,), {}))) == 2
+    eager = copy.deepcopy(model)
+    eager(x).square().sum().backward()
+    pm = soybean.parallelize(copy.deepcopy(model), (x,), devices=1, capture_with="dynamo")
+    pm(x).square().sum().backward()
+    for (k, g), w in zip(((k, p.grad) for k, p in pm.named_parameters()), (p.grad for p in eager.parameters())):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=k)

@@ -48,6 +48,20 @@ CAPTURES = ("auto", "export", "dynamo")
 
 
 _APPLY = torch.ops.higher_order.autograd_function_apply  # dynamo's call of a custom ``autograd.Function``
+_DATA = torch._C._autograd._get_data_attr  # type: ignore[attr-defined]  # dynamo's record of ``x.data``
+
+
+def _data_as_detach(gm: fx.GraphModule) -> None:
+    """Each ``x.data`` read in dynamo's graph ``gm`` made ``x.detach()``, in place: the same elements without a
+    gradient (the two differ only in the version counter, which a read never bumps), and an op ``torch.export``
+    traces, where ``_get_data_attr`` is a fake tensor it refuses (I-BERT's ``QuantAct`` reads ``x.data.min()``
+    with quantization off)."""
+    found = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is _DATA:
+            n.target, found = torch.Tensor.detach, True
+    if found:
+        gm.recompile()
 
 
 def _split_at_functions(gm: fx.GraphModule, backend: PieceBackend) -> fx.GraphModule | None:
@@ -262,6 +276,7 @@ class PieceBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         self.compiled += 1
+        _data_as_detach(gm)
         split = _split_at_functions(gm, self)
         return self.runner(gm, example_inputs) if split is None else split.forward
 
