@@ -384,8 +384,9 @@ def test_a_piece_that_reads_x_data_is_captured_and_runs_as_serial() -> None:
     assert len(distinct(collect(model, (x,), {}))) == 2
     eager = copy.deepcopy(model)
     eager(x).square().sum().backward()
-    with pytest.warns(UserWarning, match=r"_ReadsData captured by dynamo in 2 pieces"):
-        pm = soybean.parallelize(copy.deepcopy(model), (x,), devices=1, capture_with="dynamo")
+    with pytest.warns(UserWarning, match=r"no sharding rule for aten.max.default, aten.min.default"):
+        with pytest.warns(UserWarning, match=r"_ReadsData captured by dynamo in 2 pieces"):
+            pm = soybean.parallelize(copy.deepcopy(model), (x,), devices=1, capture_with="dynamo")
     pm(x).square().sum().backward()
     for (k, g), w in zip(((k, p.grad) for k, p in pm.named_parameters()), (p.grad for p in eager.parameters())):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=k)

@@ -79,6 +79,9 @@ for _n in ("relu", "relu_", "gelu", "gelu_", "silu", "silu_", "tanh", "sigmoid",
 case(aten.expm1.default, X)
 for _n in ("tan", "atan", "sinh", "cosh", "asinh", "exp2", "trunc", "erfc", "sgn"):
     case(getattr(aten, _n).default, X)
+for _n in ("isnan", "isinf", "isfinite", "isposinf", "isneginf"):  # on values that have some of each
+    case(getattr(aten, _n).default, torch.where(X > 1, torch.inf, torch.where(X < -1, -torch.inf, X)).where(
+        X.abs() < 1.5, torch.nan))
 for _n in ("asin", "acos", "atanh", "erfinv"):  # defined on (-1, 1)
     case(getattr(aten, _n).default, 0.9 * X.tanh())
 for _n in ("log2", "log10"):

@@ -105,7 +105,7 @@ NONLINEAR_UNARY = (
     "sign", "floor", "ceil", "round", "expm1", "log_sigmoid",
     # the rest of torch's elementwise maths (YOSO's hashing reads acos)
     "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "log2", "log10", "exp2", "trunc",
-    "erfc", "erfinv", "sgn",
+    "erfc", "erfinv", "sgn", "isnan", "isinf", "isfinite", "isposinf", "isneginf",
 )
 
 TABLE: dict[str, LinearFn] = {
