@@ -370,12 +370,31 @@ def test_as_strided_reads_are_exact_only_within_their_inputs_elements() -> None:
 
     assert reads_within((2, 8, 16), (16, 32, 1), 0, (2, 3, 4, 16), (16, 64, 32, 1), 0)
     assert not reads_within((2, 8, 16), (16, 32, 1), 0, (2, 3, 4, 16), (16, 64, 32, 1), 200)  # past the end
-    assert not reads_within((4, 8), (16, 1), 0, (4, 8), (16, 1), 0)  # every other row of a (4, 16) tensor
+    assert not reads_within((4, 8), (16, 1), 0, (4, 8), (16, 1), 0)  # the left half of a (4, 16) tensor
     serial = torch.randn(8, 2, 16).transpose(0, 1)
     want = serial.as_strided((2, 3, 4, 15), (16, 64, 32, 1), 1)  # an explicit offset: one element in
     got = sb_as_strided(serial.contiguous(), (2, 3, 4, 15), (16, 64, 32, 1), 1, serial_stride=serial.stride(),
                         serial_offset=0)
     assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"as_strided reads storage outside its input .* Fix: "):
+        _lowered(_Rows(), (torch.randn(4, 16),), devices=2)
+    assert "as_strided" in _lowered(_Rows(), (torch.randn(4, 16),), devices=1).code  # one device: serial's value
+
+
+class _Rows(nn.Module):
+    """The left half of a (4, 16) tensor read back whole through its storage: ``as_strided`` past its input's
+    elements."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = x[:, :8]  # a view into x's storage
+        return half.as_strided((4, 16), (16, 1)).square().sum()
+
+
+def _lowered(model: nn.Module, inputs: tuple, devices: int) -> torch.fx.GraphModule:
+    from soybean.codegen.lower import lower
+
+    cap = capture(model, inputs)
+    return lower(cap, make_plan(None, (), captured=cap, devices=devices, baselines=False), 0)
 
 
 # ---- the model trains as serial ---------------------------------------------------------------------------------------

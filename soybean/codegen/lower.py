@@ -313,7 +313,7 @@ class Lowering:
             # A view whose input's tile may be laid out so that no view exists (``rules.views.may_copy``): run as
             # the reshape of the same meaning, a view where the tile allows one, else the priced copy.
             target = as_reshape(target)
-        if target is torch.ops.aten.as_strided.default:
+        if target is torch.ops.aten.as_strided.default and self.mesh.size > 1:  # one device holds serial's value
             target, kwargs = sb_as_strided, {**kwargs, **_serial_layout(node)}
         sync = entry.sync_args(op, st) if entry is not None and entry.sync_args is not None else {}
         if sync and entry is not None and entry.sync_call is not None:  # statistics summed across tiles
