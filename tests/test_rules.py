@@ -322,6 +322,10 @@ case(aten.any.default, mask(6, 5), splits=False)  # over every dim: REPLICATE_ON
 case(aten.any.dim, mask(6, 5, 7), 1)
 case(aten.any.dims, mask(6, 5, 7), [0, 2], True)
 case(aten.all.default, mask(6, 5), splits=False)
+case(aten.max.default, X, splits=False)  # over every element: REPLICATE_ONLY
+case(aten.min.default, X, splits=False)
+case(aten._assert_async.msg, torch.tensor(True), "holds", splits=False)
+case(aten._assert_async.default, torch.tensor(True), splits=False)
 case(aten.all.dim, mask(6, 5, 7), -1)
 case(aten.flip.default, X, [1])
 case(aten.flip.default, X, [0, -1])
@@ -460,7 +464,8 @@ REPLICATE_ONLY = {"aten.arange.default", "aten.arange.start", "aten.arange.start
                                           "_unique2.default", "unique_dim.default", "unique_consecutive.default",
                                           "repeat_interleave.Tensor", "bincount.default", "item.default",
                                           "_local_scalar_dense.default", "as_strided.default", "any.default",
-                                          "all.default"))}
+                                          "all.default", "max.default", "min.default", "_assert_async.msg",
+                                          "_assert_async.default"))}
 
 
 @pytest.fixture(autouse=True, scope="module")

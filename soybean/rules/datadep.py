@@ -241,6 +241,13 @@ def item(op: OpSpec) -> list[Strategy1D]:
     return []
 
 
+@register("aten._assert_async.default", "aten._assert_async.msg", family="datadep", cost=NUMBER)
+def assert_async(op: OpSpec) -> list[Strategy1D]:
+    """A model's assertion on a value (dynamo's ``assert cond``, I-BERT's range check): every rank checks the whole
+    (replicated) condition, so every rank fails alike."""
+    return []
+
+
 @register("aten.nonzero.default", "aten.argwhere.default", "aten.masked_select.default", "aten._unique2.default",
           "aten.unique_dim.default", "aten.unique_consecutive.default", "aten.repeat_interleave.Tensor",
           "aten.bincount.default", family="datadep", cost=ELEMENTWISE)

@@ -27,6 +27,9 @@ TABLE: dict[str, tuple[str | None, bool, bool]] = {
     "aten.mean.default": (None, False, True),
     "aten.mean.dim": ("dim", False, True),
     "aten.amax.default": ("dim", False, False),
+    # the largest and least element of the whole tensor: not a sum of the tiles' (I-BERT's ``x.data.min()``)
+    "aten.max.default": (None, False, False),
+    "aten.min.default": (None, False, False),
     "aten.amin.default": ("dim", False, False),
     "aten.max.dim": ("dim", False, False),
     "aten.min.dim": ("dim", False, False),

@@ -83,7 +83,7 @@ def shard_exact(
         a = full.abs()
         ok = torch.isfinite(a)
         finite = (a if bool(ok.all()) else a[ok]).double()  # no boolean gather where every value is finite
-        median = float(finite.median()) if finite.numel() else 0.0
+        median = float(finite.detach().median()) if finite.numel() else 0.0
         typical = median if median > 0 else (magnitude(full) or 1.0)
 
     def size(x: torch.Tensor) -> torch.Tensor:
