@@ -161,6 +161,9 @@ ARCHS: list[Arch] = [
     # YOSO's attention is a custom autograd.Function whose backward is an approximation, not its forward's
     # derivative: exported whole it would train otherwise, so ``parallelize`` captures it in pieces.
     Arch("yoso", "encoder", "yoso", "masked-lm"),
+    # I-BERT (quantization off, as loaded): torch.export cannot capture it (a branch on its activations' range) and
+    # its pieces read ``x.data``: captured by dynamo in pieces.
+    Arch("ibert", "encoder", "ibert", "masked-lm"),
     # encoder-decoders
     Arch("t5", "encoder-decoder", "t5", "seq2seq"),
     Arch("bart", "encoder-decoder", "bart", "seq2seq"),
