@@ -393,3 +393,18 @@ def test_a_piece_that_reads_x_data_is_captured_and_runs_as_serial() -> None:
         "soybean: _ReadsData captured by dynamo in 2 pieces"]
     for (k, g), w in zip(((k, p.grad) for k, p in pm.named_parameters()), (p.grad for p in eager.parameters())):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=k)
+
+
+@pytest.mark.unit
+def test_a_model_on_the_meta_device_that_needs_pieces_is_a_clear_error(capsys: pytest.CaptureFixture) -> None:
+    """Pieces are what the model's Python does on real values: a full-size config on the meta device that export
+    cannot capture is a ``CaptureError`` naming the fix, from ``parallelize`` and from the command line (a raw
+    ``Tensor.item() cannot be called on meta tensors`` traceback before)."""
+    from soybean.cli import main
+
+    with torch.device("meta"):
+        model, x = _ReadsData(), torch.randn(8, 4)
+    with pytest.raises(CaptureError, match=r"on the meta device .* Fix: build it on the CPU"):
+        soybean.parallelize(model, (x,), devices=1, capture_with="dynamo")
+    assert main(["plan", "hf:ibert", "--arg", "meta=True", "--devices", "2", "--quiet", "--no-cache"]) == 2
+    assert "on the meta device (no values to branch on). Fix: build it on the CPU" in capsys.readouterr().err

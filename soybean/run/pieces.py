@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
+from torch.utils._pytree import tree_flatten
 
 from ..capture.core import Captured, CaptureError, capture
 from ..capture.eager import untouched
@@ -324,7 +325,16 @@ class _Graph:
 def run_collecting(model: nn.Module, compiled: Callable[..., Any], backend: PieceBackend, args: tuple,
                    kwargs: dict) -> list[tuple[_Piece, tuple]]:
     """The graphs ``compiled`` (``model`` compiled with ``backend``) runs on this example, each with the inputs of
-    its first call that are not parameters: the model is run once, as captured, and left as it was."""
+    its first call that are not parameters: the model is run once, as captured, and left as it was.  A model or
+    example on the meta device is a ``CaptureError`` naming the fix: the pieces are what the model's Python does on
+    real values (a branch on a value, ``.item()``), which meta tensors do not have."""
+    held = [*model.parameters(), *model.buffers(), *(x for x in tree_flatten((args, kwargs))[0]
+                                                    if isinstance(x, torch.Tensor))]
+    if any(t.is_meta for t in held):
+        raise CaptureError(
+            "the model cannot be captured by torch.export, and capturing it by dynamo in pieces runs it on its "
+            "example, which is on the meta device (no values to branch on). Fix: build it on the CPU (drop "
+            "meta=True), at a size that fits (fewer layers plan the same per layer), or make its forward traceable")
     backend.collecting, backend.collected = True, []
     try:
         with untouched(model):
