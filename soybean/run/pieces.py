@@ -42,6 +42,7 @@ from ..capture.core import Captured, CaptureError, capture
 from ..capture.eager import untouched
 from ..options import PlanOptions, plan_kind
 from ..plan import Plan
+from ..runtime.layouts import laid_as
 from . import grad_norm as norms
 from .module import KeepsMesh, _attach, forward_backward
 
@@ -209,9 +210,9 @@ def _laid_out(t: Any, want: tuple[tuple[int, ...], tuple[int, ...]] | None) -> A
     """``t`` with the strides the serial run gives this output (a copy where a program's output, gathered whole,
     is laid out otherwise): dynamo guards the next frame on its inputs' strides, and a program's output laid out
     unlike the captured graph's made it recompile every frame after a graph break, once per program."""
-    if want is None or not isinstance(t, torch.Tensor) or tuple(t.shape) != want[0] or t.stride() == want[1]:
+    if want is None or not isinstance(t, torch.Tensor) or tuple(t.shape) != want[0]:
         return t
-    return torch.empty_strided(want[0], want[1], dtype=t.dtype, device=t.device).copy_(t)
+    return laid_as(t, want[1])
 
 
 class PieceBackend:
@@ -332,9 +333,10 @@ def run_collecting(model: nn.Module, compiled: Callable[..., Any], backend: Piec
                                                     if isinstance(x, torch.Tensor))]
     if any(t.is_meta for t in held):
         raise CaptureError(
-            "the model cannot be captured by torch.export, and capturing it by dynamo in pieces runs it on its "
-            "example, which is on the meta device (no values to branch on). Fix: build it on the CPU (drop "
-            "meta=True), at a size that fits (fewer layers plan the same per layer), or make its forward traceable")
+            "the model is to be captured by dynamo in pieces (export failed, was not asked for, or a custom Function "
+            "must run as written), which runs it on its example, and that is on the meta device (no values to "
+            "branch on). Fix: build it on the CPU (drop meta=True), at a size that fits (fewer layers plan the same "
+            "per layer), or make its forward traceable")
     backend.collecting, backend.collected = True, []
     try:
         with untouched(model):

@@ -13,20 +13,26 @@ windows' gradients as the serial one does.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["sb_as_strided", "reads_within"]
+__all__ = ["laid_as", "sb_as_strided", "reads_within"]
+
+
+def laid_as(x: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+    """``x`` with strides ``stride``: ``x`` itself where it has them, else a (differentiable) copy so laid out."""
+    if tuple(x.stride()) == tuple(stride):
+        return x
+    return torch.empty_strided(tuple(x.shape), tuple(stride), dtype=x.dtype, device=x.device).copy_(x)
 
 
 def sb_as_strided(x: torch.Tensor, size: Sequence[int], stride: Sequence[int], storage_offset: int | None = None, *,
                   serial_stride: Sequence[int], serial_offset: int) -> torch.Tensor:
     """``aten.as_strided(x, size, stride, storage_offset)`` as the serial program ran it, whose input had strides
     ``serial_stride`` and storage offset ``serial_offset``."""
-    if tuple(x.stride()) != tuple(serial_stride):
-        laid = torch.empty_strided(tuple(x.shape), tuple(serial_stride), dtype=x.dtype, device=x.device)
-        x = laid.copy_(x)
+    x = laid_as(x, serial_stride)
     if storage_offset is not None:
         storage_offset = storage_offset - serial_offset + int(x.storage_offset())
     return torch.ops.aten.as_strided.default(x, list(size), list(stride), storage_offset)
@@ -45,9 +51,7 @@ def reads_within(shape: Sequence[int], stride: Sequence[int], offset: int, size:
         if st != run:
             return False
         run *= n
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     if numel == 0 or any(n == 0 for n in size):
         return True
     last = read_offset + sum((n - 1) * st for n, st in zip(size, read_stride))
