@@ -15,8 +15,11 @@ where ``dx`` needs the whole sums (all-reduced again), while ``dw`` and ``db`` s
 sums: the weight and bias are replicated and read by split work, so their gradients are partial and
 the gradient sync adds them (``ir.kinds``' ``grad_all_reduce``).  Each tile's statistics come
 from ``torch.var_mean`` and are combined across tiles in float64 for float32 inputs (float32 for half
-types), so results agree with serial batch norm to rounding.  Only the input, mean and ``r`` are kept
-for backward.
+types) by one all-reduce of ``n_k mean_k`` and ``n_k (var_k + mean_k^2)``; float64 inputs, with no wider type,
+all-reduce the mean first and then ``n_k (var_k + (mean_k - mean)^2)`` (Chan et al.), and backward sums
+``g (x - mean)`` about the saved mean, as serial batch norm does, so results agree with it to rounding.  Only the
+input, mean and ``r`` are kept for backward.  (Float64's second all-reduce is not priced: ``ir.syncnorm`` prices
+one; float64 training is for checking.)
 """
 from __future__ import annotations
 
@@ -52,9 +55,13 @@ class _SyncBatchNorm(Function):
         n_k = x.numel() // max(x.shape[1], 1)
         var_k, mean_k = torch.var_mean(x, dims, correction=0)
         mean_k, var_k = mean_k.to(acc), var_k.to(acc)
-        sums = _sum(torch.stack([n_k * mean_k, n_k * (var_k + mean_k * mean_k)]), groups)
-        mean = sums[0] / count
-        var = (sums[1] / count - mean * mean).clamp_min(0)
+        if acc.itemsize > x.dtype.itemsize:  # one all-reduce: the wider type holds the small difference exactly
+            sums = _sum(torch.stack([n_k * mean_k, n_k * (var_k + mean_k * mean_k)]), groups)
+            mean = sums[0] / count
+            var = (sums[1] / count - mean * mean).clamp_min(0)
+        else:  # float64 tiles: no wider type, so the mean first, then each tile's squares about it (Chan et al.)
+            mean = _sum(n_k * mean_k, groups) / count
+            var = _sum(n_k * (var_k + (mean_k - mean) ** 2), groups) / count
         r = torch.rsqrt(var + eps)
         scale = r * weight.to(acc) if weight is not None else r
         shift = (bias.to(acc) if bias is not None else 0) - mean * scale
@@ -71,7 +78,9 @@ class _SyncBatchNorm(Function):
         acc, dims, n = _acc(x.dtype), [0, *range(2, x.ndim)], ctx.count
         view = [1, -1] + [1] * (x.ndim - 2)
         sum_g = g.sum(dims).to(acc)
-        dot = (g * x).sum(dims).to(acc) - mean * sum_g           # sum g (x - mean), my tile's
+        # sum g (x - mean), my tile's, about the mean as serial batch norm sums it: (sum g x) - mean (sum g) is a
+        # small difference of large sums where the mean is large against the spread (LeViT's 8-row norms).
+        dot = (g * (x - mean.to(x.dtype).view(view))).sum(dims).to(acc)
         whole = _sum(torch.stack([sum_g, dot]), ctx.groups)
         w = weight.to(acc) if weight is not None else torch.ones_like(r)
         k1 = r * w                                                # dx = g k1 + x k2 + k3, per channel
