@@ -126,6 +126,16 @@ ARCHS: list[Arch] = [
     Arch("smollm3", "decoder", "smollm3"),
     Arch("nemotron", "decoder", "nemotron", overrides={"partial_rotary_factor": 0.5, "num_key_value_heads": 2}),
     Arch("deepseek_v3_dense", "decoder", "deepseek_v3", overrides={**_MLA, "first_k_dense_replace": 2}),
+    Arch("youtu", "decoder", "youtu", overrides=_MLA),
+    # hybrids whose ``layer_types`` name each layer: one of each kind in the two tiny layers
+    Arch("qwen3_5_text", "decoder", "qwen3_5_text",
+         overrides={"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}),
+    Arch("gemma3n_text", "decoder", "gemma3n_text",
+         overrides={"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4,
+                    "intermediate_size": [128, 128], "num_kv_shared_layers": 0, "laurel_rank": 8,
+                    "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 128,
+                    "activation_sparsity_pattern": [0.0, 0.0]}),
     # mixture of experts (routing runs replicated until issue 22; training must still equal serial)
     Arch("mixtral", "moe", "mixtral"),
     Arch("qwen2_moe", "moe", "qwen2_moe"),
@@ -137,12 +147,28 @@ ARCHS: list[Arch] = [
     Arch("qwen3_next", "moe", "qwen3_next",
          overrides={"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                     "linear_value_head_dim": 16, "full_attention_interval": 2}),
+    Arch("dots1", "moe", "dots1", overrides={"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                                             "first_k_dense_replace": 1, "max_window_layers": 2,
+                                             "layer_types": ["full_attention", "full_attention"]}),
+    Arch("lfm2_moe", "moe", "lfm2_moe", overrides={"layer_types": ["conv", "full_attention"], "num_dense_layers": 1}),
+    Arch("kimi_linear", "moe", "kimi_linear",
+         overrides={**_MLA, "q_lora_rank": None, "qk_head_dim": 16,
+                    "layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"],
+                    "linear_head_dim": 16, "linear_num_heads": 4,
+                    "num_experts_per_token": 2}),
+    Arch("granitemoehybrid", "moe", "granitemoehybrid",
+         overrides={"layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_n_groups": 1,
+                    "mamba_chunk_size": 4, "mamba_d_state": 16, "shared_intermediate_size": 32}),
     # state-space and recurrent
     Arch("mamba", "ssm", "mamba"),
     Arch("mamba2", "ssm", "mamba2", overrides={"num_heads": 8, "head_dim": 16, "n_groups": 1, "chunk_size": 4,
                                                 "state_size": 16, "expand": 2}),
     Arch("falcon_mamba", "ssm", "falcon_mamba"),
     Arch("rwkv", "ssm", "rwkv", overrides={"attention_hidden_size": 64, "context_length": 64}),
+    Arch("zamba2", "ssm", "zamba2",
+         overrides={"layers_block_type": ["mamba", "hybrid"], "hybrid_layer_ids": [1], "mamba_headdim": 16,
+                    "n_mamba_heads": 8, "mamba_d_state": 16, "chunk_size": 4, "attention_hidden_size": 128,
+                    "attention_head_dim": 32, "adapter_rank": 8, "kv_channels": 16}),
     # encoders (masked language models)
     Arch("bert", "encoder", "bert", "masked-lm"),
     Arch("roberta", "encoder", "roberta", "masked-lm"),
@@ -174,6 +200,15 @@ ARCHS: list[Arch] = [
     Arch("umt5", "encoder-decoder", "umt5", "seq2seq"),
     Arch("m2m_100", "encoder-decoder", "m2m_100", "seq2seq"),
     Arch("blenderbot", "encoder-decoder", "blenderbot", "seq2seq"),
+    # T5Gemma's encoder and decoder are whole Gemma 2 configs of their own: tiny, with one layer of each kind.
+    Arch("t5gemma", "encoder-decoder", "t5gemma", "seq2seq",
+         overrides={"vocab_size": 128, **{side: {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+                                                 "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                 "num_key_value_heads": 2, "head_dim": 16,
+                                                 "max_position_embeddings": 64, "sliding_window": 4,
+                                                 "layer_types": ["sliding_attention", "full_attention"],
+                                                 "dropout_rate": 0.0, "attention_dropout": 0.0}
+                                          for side in ("encoder", "decoder")}}),
     # torch.export cannot capture these three (a mask built only when not compiling; a branch on a tensor's
     # value): captured by dynamo in pieces (``soybean.run.pieces``).  Sizes that reach what they add: a sparse (routed
     # experts) layer in each stack, a local radius within the sequence, an attention window within it.  (LongT5
@@ -197,6 +232,11 @@ ARCHS: list[Arch] = [
     Arch("dinov2", "vision", "dinov2", "image-classification"),
     Arch("resnet", "vision", "resnet", "image-classification", overrides={"hidden_sizes": [16, 32], "depths": [1, 1],
                                                                           "embedding_size": 16}),
+    # LeViT normalises each attention's queries over batch x 4 subsampled tokens: at batch 2 (8 rows) its float32
+    # gradients there are 64% off the float64 ones serially, so a parallel run cannot be judged; float64 is exact.
+    Arch("levit", "vision", "levit", "image-classification",
+         overrides={"hidden_sizes": [16, 32, 48], "num_attention_heads": [2, 2, 2], "depths": [1, 1, 1],
+                    "key_dim": [8, 8, 8], "image_size": 64, "patch_size": 16}, batch=8),
     Arch("siglip", "vision", "siglip", "image-classification",
          overrides={"vision_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                                       "num_attention_heads": 4, "image_size": 32, "patch_size": 8}}),

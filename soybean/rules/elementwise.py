@@ -116,6 +116,7 @@ TABLE: dict[str, LinearFn] = {
     "aten.max.other": _none,
     "aten.min.other": _none,
     "aten.clamp.default": _none,
+    "aten.clamp_.default": _none,  # in place (Gemma 3n's activation sparsity)
     "aten.rsub.Scalar": _none,  # other - alpha * self: affine
     # linear unary: copies, casts, negation
     "aten.neg.default": _self,
