@@ -15,6 +15,7 @@ from soybean.mesh import Mesh
 from soybean.runtime import run_threads, use_groups
 from soybean.runtime.syncnorm import sb_batch_norm
 from soybean.tiling import chunk_range
+from soybean.verify.sweep import SLACK
 
 pytestmark = pytest.mark.sim
 
@@ -48,9 +49,9 @@ def test_sync_batch_norm_is_serial_where_the_mean_dwarfs_the_spread(dtype: torch
     got = run_threads(Mesh((p,)), member, timeout_s=60)
     y, gx = torch.cat([r[0] for r in got]), torch.cat([r[1] for r in got])
     gw, gb = sum(r[2] for r in got), sum(r[3] for r in got)  # partial: the gradient sync sums them
-    serial = _serial(x, w, b, g)  # serial batch norm in ``dtype``: the parallel run is at least as close
+    serial = _serial(x, w, b, g)  # serial batch norm in ``dtype``: the sweep's ``SLACK`` times its distance
     for name, mine, ref, exact in zip(("y", "dx", "dw", "db"), (y, gx, gw, gb), serial, want):
         scale = float(exact.abs().max())
         err, serial_err = float((mine.double() - exact).abs().max()), float((ref.double() - exact).abs().max())
-        assert err <= max(rtol * scale, 3 * serial_err), \
+        assert err <= max(rtol * scale, SLACK * serial_err), \
             f"{name}: {err:.3g} off (serial {serial_err:.3g}) of {scale:.3g}"

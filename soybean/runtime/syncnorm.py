@@ -49,17 +49,15 @@ class _SyncBatchNorm(Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                 groups: Sequence[Group], count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         acc, dims = _acc(x.dtype), [0, *range(2, x.ndim)]
-        # My tile's statistics by torch's own kernel, combined across tiles in the accumulation type (Chan
-        # et al.): n_k mean_k and n_k (var_k + mean_k^2) summed, so var = S2 / n - mean^2 is not a small
-        # difference of rounded float32 sums.
+        # My tile's statistics by torch's own kernel, combined across tiles in the accumulation type (Chan et al.).
         n_k = x.numel() // max(x.shape[1], 1)
         if n_k:
             var_k, mean_k = torch.var_mean(x, dims, correction=0)
         else:  # an empty tile (uneven chunks) adds nothing: var_mean would give NaN
             var_k = mean_k = x.new_zeros(x.shape[1])
         mean_k, var_k = mean_k.to(acc), var_k.to(acc)
-        # One all-reduce where a wider type keeps the difference S2 / n - mean^2 to the tile type's precision
-        # (float64 for float32 tiles: unless mean^2 / var passes about 1e8)
+        # One all-reduce of n_k mean_k and n_k (var_k + mean_k^2) where a wider type keeps var = S2 / n - mean^2 to
+        # the tile type's precision (float64 for float32 tiles: unless mean^2 / var passes about 1e8)
         if acc.itemsize > x.dtype.itemsize:
             sums = _sum(torch.stack([n_k * mean_k, n_k * (var_k + mean_k * mean_k)]), groups)
             mean = sums[0] / count
