@@ -321,3 +321,28 @@ def test_a_squeezed_weight_splits_and_tensor_parallelism_stores_it_split() -> No
     assert forced.params["bias"] == ["S(1)"], forced.params
     bad = differences(serial, exact_serial(model, inputs, serial, steps=2, lr=1e-3), par, lr=1e-3, steps=2)
     assert not bad, "; ".join(bad[:5])
+
+
+def test_checkpointed_baselines_share_their_layouts_work_and_price_as_built_alone(tcap, monkeypatch) -> None:
+    """Under a budget ``fsdp`` misses, every fitted layout is priced again with selective then full checkpointing:
+    those builds of one layout share its ``SharedWork`` (the same object passed to each), and every record equals
+    the one each layout's own fresh build gives (sharing is never seen in a figure)."""
+    profile, devices = load_profile(None), 4
+    fsdp = baselines.layouts(tcap, devices, 2)["fsdp"]
+    budget = 0.9 * solve_table(fsdp.table(tcap, profile, "time", 2), "time").memory
+    works: list[object] = []
+    table = baselines.Layout.table
+
+    def spy(self, *args, **kwargs):
+        works.append(args[5] if len(args) > 5 else kwargs.get("work"))
+        return table(self, *args, **kwargs)
+
+    def priced():
+        return baselines.price(tcap, devices, profile, "time", lambda g: solve_table(g, "time"), budget, 2)
+
+    monkeypatch.setattr(baselines.Layout, "table", spy)
+    shared = priced()
+    assert any("recompute" in r for r in shared.values())  # the budget made some layout checkpoint to fit
+    assert None not in works and len({id(w) for w in works}) < len(works)  # some builds shared one layout's work
+    monkeypatch.setattr(baselines.Layout, "same_but_recompute", lambda self, other: False)
+    assert priced() == shared

@@ -64,7 +64,7 @@ from ..capture.core import Captured
 from ..cost.memory import GIB, budget_needed
 from ..cost.pricing import PricingCache
 from ..cost.profiles import Profile
-from ..graph import PINNED, PlanGraph, attention_units, build, recomputable_layers
+from ..graph import PINNED, PlanGraph, SharedWork, attention_units, build, recomputable_layers
 from ..ir.experts import OP as ROUTED_EXPERTS
 from ..mesh import Mesh
 from ..rules.base import has_empty_tile
@@ -98,19 +98,26 @@ class Layout:
     infeasible: str = ""    # why it cannot run at all, known before building its table
 
     def table(self, cap: Captured, profile: Profile, objective: str, gpus_per_node: int | None,
-              pricing: PricingCache | None = None, lazy_outputs: bool = False) -> PlanGraph:
+              pricing: PricingCache | None = None, lazy_outputs: bool = False,
+              work: SharedWork | None = None) -> PlanGraph:
         """The restricted candidate table, priced with the axes that cross nodes on the inter-node link
-        (``pricing``: the planner run's cache; ``lazy_outputs``: the plan's output contract, ``graph.build``)."""
+        (``pricing``: the planner run's cache; ``lazy_outputs``: the plan's output contract, ``graph.build``;
+        ``work``: what builds of the same layout with other units recomputed found, ``graph.SharedWork``)."""
         assert self.mesh is not None, self.infeasible
         return build(cap, self.mesh, profile.on_mesh(self.mesh, gpus_per_node), objective=objective,
                      domains=self.domains, pin_params=self.pin, gather_axes=self.gather, gather_of=self.gather_of,
                      divide_work=self.divide_work, recompute=self.recompute, pricing=pricing,
-                     context_parallel=self.sequence_axes or "auto", lazy_outputs=lazy_outputs)
+                     context_parallel=self.sequence_axes or "auto", lazy_outputs=lazy_outputs, work=work)
 
     def same_table(self, other: Layout) -> bool:
-        return (self.mesh, self.domains, self.pin, self.gather, self.gather_of, self.divide_work, self.recompute,
+        return self.same_but_recompute(other) and self.recompute == other.recompute
+
+    def same_but_recompute(self, other: Layout) -> bool:
+        """The same restriction of the same mesh, whatever either recomputes: builds that may share their work
+        (``graph.SharedWork``: only what an op keeps and whether it reruns tells their tables apart)."""
+        return (self.mesh, self.domains, self.pin, self.gather, self.gather_of, self.divide_work,
                 self.sequence_axes) == (other.mesh, other.domains, other.pin, other.gather, other.gather_of,
-                                        other.divide_work, other.recompute, other.sequence_axes)
+                                        other.divide_work, other.sequence_axes)
 
 
 class Priced(Protocol):
@@ -403,13 +410,23 @@ def price(
     pricing = pricing or PricingCache()
     out: dict[str, dict[str, Any]] = {}
     done: list[tuple[Layout, dict[str, Any], bool]] = []
+    # ``fsdp``, its two checkpointed forms and each fitted layout's: one layout's builds share what recomputation
+    # never changes, as a mesh's recomputation choices do (``planner.solve_recompute``)
+    works: list[tuple[Layout, SharedWork]] = []
+
+    def work_of(lay: Layout) -> SharedWork:
+        work = next((w for other, w in works if other.same_but_recompute(lay)), None)
+        if work is None:
+            work = SharedWork()
+            works.append((lay, work))
+        return work
 
     def priced(lay: Layout) -> tuple[dict[str, Any], bool]:
         """The layout's record, and whether it runs but misses the budget."""
         same = next(((rec, over) for other, rec, over in done if other.same_table(lay)), None)
         if same is None:
             try:
-                r = solve(lay.table(cap, profile, objective, gpus_per_node, pricing, lazy_outputs))
+                r = solve(lay.table(cap, profile, objective, gpus_per_node, pricing, lazy_outputs, work_of(lay)))
                 same = record(lay, r, budget), over_budget(r, budget)
             except SearchError as e:
                 same = infeasible(str(e)), False
