@@ -198,3 +198,38 @@ def test_returned_sums_are_marked_once_by_capture() -> None:
     g = build(cap, Mesh((2,)), load_profile(None))
     lazy = {g.vars[e.src].name for e in g.edges if e.lazy}
     assert lazy == marked
+
+
+class _UnusedLayer(nn.Module):
+    """BigBird-Pegasus's construct: forward builds a layer it never calls (its weight's ``kaiming_uniform_`` into a
+    fresh tensor), beside a buffer forward writes in place (state: kept)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(HIDDEN, HIDDEN)
+        self.register_buffer("seen", torch.zeros(HIDDEN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        nn.Linear(HIDDEN, HIDDEN)  # made and dropped
+        self.seen.fill_(1.0)
+        return (self.lin(x) + self.seen).sum()
+
+
+def test_unread_writes_into_fresh_tensors_are_dropped_and_writes_into_state_kept() -> None:
+    from soybean.capture.passes.drop_assertions import dead_write
+
+    x = torch.randn(BATCH, HIDDEN)
+    cap = capture(_UnusedLayer(), (x,))
+    g = cap.graph_module.graph
+    assert not calls(g, aten.uniform_.default) and not calls(g, aten.empty.memory_format)
+    assert calls(g, aten.fill_.Scalar)  # the buffer's write is state
+    # the rule itself: a write into a fresh tensor nobody reads is dead, one into a placeholder is not
+    graph = fx.Graph()
+    p = graph.placeholder("p")
+    fresh = graph.call_function(aten.empty.memory_format, ([2],))
+    dead = graph.call_function(aten.uniform_.default, (graph.call_function(aten.detach.default, (fresh,)), 0.0, 1.0))
+    kept = graph.call_function(aten.uniform_.default, (p, 0.0, 1.0))
+    graph.output(None)
+    assert dead_write(dead) == [dead, dead.args[0], fresh]
+    assert dead_write(kept) is None

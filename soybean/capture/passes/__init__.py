@@ -6,7 +6,7 @@ each a module of this package named after it (``<name>.<name>(gm)``):
    (a ``torch.no_grad()`` block, such as Llama's rotary embedding) are inlined, with their
    outputs detached, so every remaining node is a plain aten op.
 3. ``drop_assertions``: runtime metadata assertions (``_assert_tensor_metadata``: no output,
-   no effect on values) are erased.
+   no effect on values) are erased, and so are writes nothing reads into tensors forward made.
 4. ``functionalize``: in-place updates of values forward made (``shifted[:, 1:] = ids[:, :-1]``,
    ``masked_fill_``) become out-of-place ops, carried to every alias:
    a tiled value read through a resharded copy would otherwise miss the update.
@@ -64,7 +64,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("inline_grad_regions", inline_grad_regions.inline_grad_regions,
          "inline torch.no_grad() regions, their float outputs detached"),
     Pass("drop_assertions", drop_assertions.drop_assertions,
-         "erase _assert_tensor_metadata calls and set_(x, x) (no effect)"),
+         "erase _assert_tensor_metadata calls, set_(x, x) and unread writes into fresh tensors"),
     Pass("functionalize", functionalize.functionalize,
          "in-place updates of values forward made -> out-of-place ops"),
     Pass("fold_constant_masks", fold_constant_masks.fold_constant_masks,
