@@ -126,6 +126,10 @@ case(aten.mul.Tensor, X, ints(3, 5, 7))
 case(aten.mul.Tensor, ints(3, 6, 5), ints(3, 5))
 case(aten.div.Tensor, X, pos(1, 5, 7))
 case(aten.div.Tensor, X, 4.0)
+# a scalar so large (or so small a divisor) that summands of a pending sum times it overflow: no ``P`` (below)
+X32 = X.float()
+case(aten.mul.Tensor, X32, torch.finfo(torch.float32).min)
+case(aten.div.Tensor, X32, 1e-37)
 for _op in (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor):
     case(_op, X, Y)
 case(aten.div_.Tensor, X, pos(7))
@@ -669,3 +673,19 @@ def test_validator_rejects_a_short_halo(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setitem(REGISTRY, op_name(target), RuleEntry(e.fn, e.localize, e.family, e.cost, short, args_fixed))
     with pytest.raises((AssertionError, RuntimeError)):
         check_op(target, args, {}, Mesh((2,)))
+
+
+def test_a_scalar_that_overflows_summands_keeps_its_operand_whole() -> None:
+    """``x * finfo.min`` (BERT-style masks) and ``x / 1e-37`` list no pending sum: its summands would overflow where
+    the sum does not (NaN); a moderate scalar keeps ``P``, and so does a tensor factor."""
+    def partial(target: Any, *args: Any) -> bool:
+        op = make_opspec(target, args, {}, target(*args))
+        return any(isinstance(p, Partial) for s in strategies_1d(op) for p in s.inputs)
+
+    x = X.float()
+    assert not partial(aten.mul.Tensor, x, torch.finfo(torch.float32).min)
+    assert not partial(aten.mul.Tensor, x, float("inf"))
+    assert not partial(aten.div.Tensor, x, 1e-37)
+    assert not partial(aten.div.Tensor, x, 0.0)
+    assert partial(aten.mul.Tensor, x, -1e9) and partial(aten.div.Tensor, x, 8.0)
+    assert partial(aten.mul.Tensor, x, x)

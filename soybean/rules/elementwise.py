@@ -9,6 +9,11 @@ where ``f`` is linear in them: ``f(sum_k x_k) = sum_k f(x_k)``:
   data operands -> all of them ``P`` (``c`` ``R``).  ``add(x, 1.0)`` is affine, not linear.
 * ``mul``: linear in each factor separately -> one factor ``P``, the other ``R``.
 * ``div``: linear in the numerator only.
+* ``mul``/``div`` by a Python scalar ``c``: linear in exact arithmetic at any ``c``, but the summands of a pending
+  sum are not the sum: ``x_k c`` overflows to ``inf`` where ``(sum_k x_k) c`` does not (``sum_k x_k = 0`` with
+  ``x_k = +-1``, times ``finfo.min``: ``inf - inf = nan``), so ``P`` only where ``|c|`` (``|1 / c|``) leaves
+  ``HEADROOM`` under the type's largest value.  The ``(1 - mask) * finfo.min`` of BERT-style attention masks
+  keeps its input whole (LayoutLM: NaN under a pending sum).
 * ``masked_fill``/``where`` with a Python scalar: linear only when the scalar is 0; ``fill`` (``self``
   replaced everywhere by ``value``): linear in a tensor ``value``, or zero.
 * copies/casts (``clone``, ``alias``, ``to`` between float dtypes), ``neg``,
@@ -18,7 +23,10 @@ Integer or bool tensors are never ``P`` (checked by ``partial_strategies``).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+
+import torch
 
 from ._common import Args, P, R, Shard, bcast, free_placements, partial_strategies
 from .base import ELEMENTWISE, VIEW, OpSpec, Strategy1D, register
@@ -39,8 +47,31 @@ def _both_tensors(a: Args) -> list[list[str]]:
     return [["self", "other"]] if a.spec("self") and a.spec("other") else []
 
 
+# How far under the largest value of its type a scalar factor keeps a summand times it (``mul``/``div`` by a Python
+# scalar): a pending sum's summands may exceed the sum by this much before ``x_k c`` overflows.
+HEADROOM = 2.0 ** 8
+
+
+def _bounded(a: Args, factor: float) -> bool:
+    """Can summands of the tensor operand be scaled by ``factor`` (module docstring: finite, ``HEADROOM`` under
+    the type's largest value)?"""
+    t = a.spec("self") or a.spec("other")
+    top = torch.finfo(t.dtype).max if t is not None and t.dtype.is_floating_point else float("inf")
+    return math.isfinite(factor) and abs(factor) * HEADROOM <= top
+
+
 def _each_factor(a: Args) -> list[list[str]]:
+    scalar = next((a[n] for n in ("self", "other") if isinstance(a[n], (int, float)) and not a.spec(n)), None)
+    if scalar is not None and not _bounded(a, float(scalar)):
+        return []
     return [[n] for n in ("self", "other") if a.spec(n)]
+
+
+def _numerator(a: Args) -> list[list[str]]:
+    d = a["other"]
+    if isinstance(d, (int, float)) and not a.spec("other") and (d == 0 or not _bounded(a, 1.0 / float(d))):
+        return []
+    return [["self"]]
 
 
 def _cast(a: Args) -> list[list[str]]:
@@ -139,8 +170,8 @@ TABLE: dict[str, LinearFn] = {
     "aten.mul.Tensor": _each_factor,
     "aten.multiply.Tensor": _each_factor,
     "aten.mul_.Tensor": _each_factor,
-    "aten.div.Tensor": _self,
-    "aten.div_.Tensor": _self,
+    "aten.div.Tensor": _numerator,
+    "aten.div_.Tensor": _numerator,
     "aten.floor_divide.default": _none,
     "aten.div.Tensor_mode": _none,  # rounded (floor, trunc): not linear
     "aten.div.Scalar_mode": _none,
