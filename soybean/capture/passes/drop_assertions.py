@@ -3,6 +3,8 @@ erased, and so is a tensor set to itself (``set_(x, x)``), and an in-place write
 made (``dead_write``)."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import fx
 
@@ -41,7 +43,8 @@ def dead_write(n: fx.Node) -> list[fx.Node] | None:
         return None
     if not n.target._schema.is_mutable or not n.args or not isinstance(n.args[0], fx.Node):
         return None
-    chain, t = [n], n.args[0]
+    chain: list[fx.Node] = [n]
+    t: Any = n.args[0]
     while isinstance(t, fx.Node) and t.op == "call_function" and len(t.users) == 1:
         chain.append(t)
         if t.target in FRESH:
