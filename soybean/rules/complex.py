@@ -1,5 +1,5 @@
 """Complex views: ``view_as_complex`` (a float ``(..., 2)`` tensor seen as complex ``(...)``) and its inverse
-``view_as_real``.
+``view_as_real``; the parts of a complex tensor (``real``, ``imag``); the discrete Fourier transforms.
 
 The trailing pair of real and imaginary parts is never split (a device would hold half of a number):
 every other dim keeps its number on both sides.  Both are linear over the reals: ``P -> P`` (a pending sum
@@ -9,7 +9,7 @@ multiplication (Llama's reference code, torchtitan's ``apply_rotary_emb``) view 
 from __future__ import annotations
 
 from ._common import Args, Shard, partial_strategies
-from .base import VIEW, OpSpec, Strategy1D, register
+from .base import ELEMENTWISE, VIEW, OpSpec, Strategy1D, register
 
 
 @register("aten.view_as_complex.default", family="complex", cost=VIEW)
@@ -25,4 +25,32 @@ def view_as_real(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     x = a.tensor("self")
     found = [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim)]
+    return found + partial_strategies(a, [["self"]])
+
+
+@register("aten.real.default", "aten.imag.default", family="complex", cost=VIEW)
+def part(op: OpSpec) -> list[Strategy1D]:
+    """``real(z)[i] = Re z[i]``: elementwise, so every dim splits; linear over the reals (``P -> P``)."""
+    a = Args(op)
+    x = a.tensor("self")
+    return [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim)] + partial_strategies(a, [["self"]])
+
+
+@register("aten.fft_fftn.default", "aten.fft_fft.default", "aten.fft_ifftn.default", "aten.fft_ifft.default",
+          family="complex", cost=ELEMENTWISE)
+def fft(op: OpSpec) -> list[Strategy1D]:
+    """``X[k] = sum_n x[n] exp(-2 pi i k n / N)`` along the transformed dims (``dim``: all of them when None;
+    ``fft``/``ifft``: one, the last by default): each output element reads every element of its input along
+    them, so only the other dims split (each line transformed where it lies); linear (``P -> P``: a transform of
+    a pending sum is the pending sum of the transforms).  FNet mixes tokens with a 2-D transform over sequence and
+    hidden dims: its batch splits."""
+    a = Args(op)
+    x = a.tensor("self")
+    if op.name in ("aten.fft_fft.default", "aten.fft_ifft.default"):
+        dims = {a["dim"] % x.ndim if x.ndim else 0}
+    elif a["dim"] is None:
+        dims = set(range(x.ndim))
+    else:
+        dims = {d % x.ndim for d in a["dim"]}
+    found = [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim) if d not in dims]
     return found + partial_strategies(a, [["self"]])

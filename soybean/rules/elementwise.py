@@ -148,6 +148,7 @@ TABLE: dict[str, LinearFn] = {
     "aten.min.other": _none,
     "aten.clamp.default": _none,
     "aten.clamp_.default": _none,  # in place (Gemma 3n's activation sparsity)
+    "aten.clamp.Tensor": _none,  # tensor bounds, broadcast as any operand (PhiMoE's router)
     "aten.rsub.Scalar": _none,  # other - alpha * self: affine
     # linear unary: copies, casts, negation
     "aten.neg.default": _self,
@@ -193,6 +194,7 @@ TABLE: dict[str, LinearFn] = {
     "aten.where.Scalar": _none,  # two Python scalars chosen by a condition
     "aten.polar.default": _none,  # abs * exp(i angle): a complex tensor from two real ones
     "aten.masked_fill.Scalar": _masked_fill_scalar,
+    "aten.masked_fill_.Scalar": _masked_fill_scalar,  # in place on a value forward made (FSMT's attention)
     "aten.masked_fill.Tensor": _masked_fill_tensor,
     # ``self`` everywhere replaced by ``value`` (what an in-place ``fill_`` becomes: ``capture.passes.functionalize``)
     "aten.fill.Scalar": _fill_scalar,

@@ -283,7 +283,7 @@ def _joined(a: Args) -> tuple[int, int] | None:
     return n, a["dim"]
 
 
-@register("aten.cat.default", "aten.concatenate.default", family="views", cost=ELEMENTWISE)
+@register("aten.cat.default", "aten.concatenate.default", "aten.concat.default", family="views", cost=ELEMENTWISE)
 def cat(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
     j = _joined(a)
