@@ -1,10 +1,12 @@
 """The architecture sweep: Hugging Face architectures as loaded, trained with soybean and alone.
 
-    python scripts/arch_sweep.py [--only gpt2,t5] [--family decoder] [--devices 2] [--tier threads|gloo]
+    python scripts/arch_sweep.py [--only gpt2,t5] [--family decoder] [--set suite|wider|all] [--devices 2]
+                                 [--tier threads|gloo]
                                  [--columns check,time,comm] [--json out.json] [--write-docs docs/architectures.md]
     python scripts/arch_sweep.py --from-json out.json --tier gloo --write-docs docs/architectures.md
 
-For each architecture of ``soybean.models.archs`` (tiny sizes, the config's defaults otherwise), and a Llama-3
+For each architecture of ``soybean.models.archs`` (``--set``: ``suite``, its ``ARCHS``, the ones the unit tests check
+too; ``wider``, its ``WIDER``; ``all``, the default, both; tiny sizes, the config's defaults otherwise), and a Llama-3
 written as torchtitan writes it (``examples.models:llama3``; torchtitan's own where it imports): ``check``
 runs every strategy of every rule its graph uses on simulated ranks in float64 (``soybean check``); ``time``
 and ``comm`` train it 3 AdamW steps with ``soybean.parallelize(model, kwargs, devices=N, objective=...)``,
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="", help="comma-separated architecture names (default: all)")
     ap.add_argument("--family", default="", help=f"one family: {', '.join(archs.FAMILIES)}")
+    ap.add_argument("--set", default="all", choices=("suite", "wider", "all"),
+                    help="the suite's architectures (ARCHS), the wider net (WIDER) or both")
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--tier", choices=("threads", "gloo"), default="threads")
     ap.add_argument("--columns", default="check,time,comm")
@@ -85,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     columns = tuple(c for c in a.columns.split(",") if c)
     command = "python scripts/arch_sweep.py " + " ".join(
         x for x in (f"--tier {a.tier}", f"--devices {a.devices}" if a.devices != 2 else "",
-                    f"--only {a.only}" if a.only else "", f"--family {a.family}" if a.family else "") if x)
+                    f"--only {a.only}" if a.only else "", f"--family {a.family}" if a.family else "",
+                    f"--set {a.set}" if a.set != "all" else "") if x)
     if a.from_json:
         with open(a.from_json) as f:
             rows = rows_from_json(json.load(f))
@@ -95,13 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(r.ok for r in rows) else 1
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    chosen = [archs.BY_NAME[n] for n in a.only.split(",") if n] if a.only else archs.ARCHS
+    sets = {"suite": archs.ARCHS, "wider": archs.WIDER, "all": archs.ARCHS + archs.WIDER}
+    chosen = [archs.BY_NAME[n] for n in a.only.split(",") if n] if a.only else sets[a.set]
     if a.family:
         chosen = [x for x in chosen if x.family == a.family]
     # (name, family, task, model reference): the suite, then a Llama-3 as torchtitan writes it (complex rotary,
     # loss outside), and torchtitan's own where it imports (its model package imports Triton).
     todo = [(x.name, x.family, x.task, f"arch:{x.name}") for x in chosen]
-    if not a.only and not a.family:
+    if not a.only and not a.family and a.set != "wider":
         todo.append(("llama3 (torchtitan style)", "decoder", "causal-lm", "examples.models:llama3"))
         if importlib.util.find_spec("torchtitan") is not None:
             todo.append(("torchtitan llama3", "decoder", "causal-lm", "torchtitan:llama3"))

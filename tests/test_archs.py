@@ -28,6 +28,10 @@ SEEN: dict[Any, None] = {}  # ops already checked, shared across the suite (its 
 def test_the_suite_spans_the_families_users_bring() -> None:
     names = {a.name for a in archs.ARCHS}
     assert len(archs.ARCHS) >= 50 and len(names) == len(archs.ARCHS)
+    # the sweep's wider net: other model types than the suite's, every name once
+    assert not {a.model_type for a in archs.WIDER} & {a.model_type for a in archs.ARCHS}
+    assert len(archs.BY_NAME) == len(archs.ARCHS) + len(archs.WIDER) and set(archs.FAMILIES) >= {
+        a.family for a in archs.WIDER}
     assert set(archs.FAMILIES) == {"decoder", "moe", "ssm", "encoder", "encoder-decoder", "vision", "audio"}
     named = {"mistral", "gemma2", "gemma3_text", "starcoder2", "olmo3", "cohere2", "gpt_oss", "falcon", "deberta-v2",
              "beit", "whisper", "pegasus", "deepseek_v3", "qwen3_next", "granitemoe", "modernbert", "glm", "glm4",
