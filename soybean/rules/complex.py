@@ -8,7 +8,7 @@ multiplication (Llama's reference code, torchtitan's ``apply_rotary_emb``) view 
 """
 from __future__ import annotations
 
-from ._common import Args, Shard, partial_strategies
+from ._common import Args, Shard, dims_arg, partial_strategies
 from .base import ELEMENTWISE, VIEW, OpSpec, Strategy1D, register
 
 
@@ -20,20 +20,14 @@ def view_as_complex(op: OpSpec) -> list[Strategy1D]:
     return found + partial_strategies(a, [["self"]])
 
 
-@register("aten.view_as_real.default", family="complex", cost=VIEW)
+@register("aten.view_as_real.default", "aten.real.default", "aten.imag.default", family="complex", cost=VIEW)
 def view_as_real(op: OpSpec) -> list[Strategy1D]:
+    """Every dim splits (``view_as_real``'s new trailing pair, and ``real(z)[i] = Re z[i]``, keep each number
+    where it was); linear over the reals (``P -> P``)."""
     a = Args(op)
     x = a.tensor("self")
     found = [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim)]
     return found + partial_strategies(a, [["self"]])
-
-
-@register("aten.real.default", "aten.imag.default", family="complex", cost=VIEW)
-def part(op: OpSpec) -> list[Strategy1D]:
-    """``real(z)[i] = Re z[i]``: elementwise, so every dim splits; linear over the reals (``P -> P``)."""
-    a = Args(op)
-    x = a.tensor("self")
-    return [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim)] + partial_strategies(a, [["self"]])
 
 
 @register("aten.fft_fftn.default", "aten.fft_fft.default", "aten.fft_ifftn.default", "aten.fft_ifft.default",
@@ -46,11 +40,6 @@ def fft(op: OpSpec) -> list[Strategy1D]:
     hidden dims: its batch splits."""
     a = Args(op)
     x = a.tensor("self")
-    if op.name in ("aten.fft_fft.default", "aten.fft_ifft.default"):
-        dims = {a["dim"] % x.ndim if x.ndim else 0}
-    elif a["dim"] is None:
-        dims = set(range(x.ndim))
-    else:
-        dims = {d % x.ndim for d in a["dim"]}
+    dims = dims_arg(a["dim"], x.ndim)  # fftn's None: every dim (with ``s`` given, more than it transforms)
     found = [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim) if d not in dims]
     return found + partial_strategies(a, [["self"]])

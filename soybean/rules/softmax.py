@@ -16,7 +16,7 @@ from .base import ELEMENTWISE, OpSpec, Strategy1D, register
 
 @register(
     "aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default",
-    family="softmax", cost=ELEMENTWISE,
+    "aten.glu.default", family="softmax", cost=ELEMENTWISE,
 )
 def softmax(op: OpSpec) -> list[Strategy1D]:
     a = Args(op)
@@ -24,10 +24,3 @@ def softmax(op: OpSpec) -> list[Strategy1D]:
     dim = a.dim()
     return [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim) if d != dim]
 
-
-@register("aten.glu.default", family="softmax", cost=ELEMENTWISE)
-def glu(op: OpSpec) -> list[Strategy1D]:
-    a = Args(op)
-    x = a.tensor("self")
-    dim = a["dim"] % x.ndim
-    return [a.strategy({"self": Shard(d)}, Shard(d)) for d in range(x.ndim) if d != dim]
