@@ -80,6 +80,10 @@ def _rope(dim: int = 8) -> dict[str, Any]:
 # DeepSeek-V3's multi-head latent attention at tiny sizes (low-rank q and kv, rotary and plain halves of a head).
 _MLA = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
         "head_dim": 8, "n_group": 1, "topk_group": 1, "num_key_value_heads": 4}
+# SegFormer's and PVTv2's hierarchical encoders at two tiny stages (one block each, lists per stage).
+_STAGES = {"num_encoder_blocks": 2, "depths": [1, 1], "sr_ratios": [2, 1], "hidden_sizes": [16, 32],
+           "patch_sizes": [7, 3], "strides": [4, 2], "num_attention_heads": [1, 2], "mlp_ratios": [2, 2],
+           "image_size": 32}
 # A two-layer waveform feature extractor (strides 5 x 4) and a small positional convolution.
 _WAVE = {"conv_dim": [16, 16], "conv_stride": [5, 4], "conv_kernel": [10, 8], "num_conv_pos_embeddings": 8,
          "num_conv_pos_embedding_groups": 4}
@@ -391,13 +395,9 @@ WIDER: list[Arch] = [
          overrides={"embed_dim": 16, "depths": [1, 1], "num_heads": [2, 4], "image_size": 32, "patch_size": 4,
                     "window_size": 4}),
     Arch("segformer", "vision", "segformer", task="image-classification", batch=8,
-         overrides={"num_encoder_blocks": 2, "depths": [1, 1], "sr_ratios": [2, 1], "hidden_sizes": [16, 32],
-                    "patch_sizes": [7, 3], "strides": [4, 2], "num_attention_heads": [1, 2], "mlp_ratios": [2, 2],
-                    "image_size": 32}),
+         overrides=_STAGES),
     Arch("pvt_v2", "vision", "pvt_v2", task="image-classification", batch=8,
-         overrides={"num_encoder_blocks": 2, "depths": [1, 1], "sr_ratios": [2, 1], "hidden_sizes": [16, 32],
-                    "patch_sizes": [7, 3], "strides": [4, 2], "num_attention_heads": [1, 2], "mlp_ratios": [2, 2],
-                    "image_size": 32}),
+         overrides=_STAGES),
     Arch("convnextv2", "vision", "convnextv2", task="image-classification", batch=8,
          overrides={"image_size": 64, "hidden_sizes": [16, 32], "depths": [1, 1], "num_stages": 2}),
 ]
