@@ -99,3 +99,23 @@ def test_failing_rank_fails_spawn_fast() -> None:
         spawn(_fail_worker, 2, timeout_s=60)
     assert "ValueError: deliberate failure on rank 1" in str(info.value)  # the rank's own traceback
     assert time.monotonic() - t0 < 15.0
+
+
+def _sum_worker(rank: int, world: int) -> float:
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return float(t)
+
+
+def test_spawn_survives_its_port_taken_meanwhile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port found free and bound later can be taken in between by another job's sockets (two gloo runs at
+    once): here it is taken for sure, and ``spawn``'s rendezvous must not depend on it."""
+    import socket
+
+    import soybean.runtime.launch as launch
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(launch, "free_port", lambda: taken.getsockname()[1])
+        assert spawn(_sum_worker, 2, timeout_s=60) == [3.0, 3.0]

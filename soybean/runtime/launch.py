@@ -51,7 +51,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_process_group(backend: str, rank: int, world_size: int, local_rank: int, timeout_s: float) -> None:
+def _init_process_group(backend: str, rank: int, world_size: int, local_rank: int, timeout_s: float,
+                        hosted: bool = False) -> None:
+    """The default process group: from torchrun's agent store, from the store ``spawn``'s parent holds
+    (``hosted``: ``MASTER_PORT`` names it), else by ``env://``."""
     if "nccl" in backend and torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())  # one GPU per rank
         # NCCL collectives are asynchronous: without its watchdog tearing the process down, a rank whose peer
@@ -61,6 +64,11 @@ def _init_process_group(backend: str, rank: int, world_size: int, local_rank: in
     timeout = datetime.timedelta(seconds=timeout_s)
     # The groups made later (``group_timeout``: stages, mesh axes) wait as long as the default group.
     os.environ[TIMEOUT_ENV] = repr(float(timeout_s))
+    if hosted:
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                               is_master=False, timeout=timeout)
+        dist.init_process_group(backend=backend, store=client, rank=rank, world_size=world_size, timeout=timeout)
+        return
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
         # Under torchrun every attempt of an elastic restart reaches the same agent store, and env:// reads its
         # keys without telling attempts apart: a restarted rank can read the address a dead peer published in
@@ -160,7 +168,7 @@ def _worker(fn: Callable[..., Any], rank: int, nproc: int, port: int, backend: s
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
     try:
-        _init_process_group(backend, rank, nproc, rank, timeout_s)
+        _init_process_group(backend, rank, nproc, rank, timeout_s, hosted=True)
         # Plain pickle copies tensors by value; the queue's own pickler would share
         # them through file descriptors that die with this process.
         payload = pickle.dumps(fn(rank, nproc, *args))
@@ -190,8 +198,11 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 120
           collective_timeout_s: float | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``nproc`` new processes (``_context``); return their results by rank.
 
-    Each process gets ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``RANK``,
-    ``WORLD_SIZE`` and ``LOCAL_RANK``, and an initialised default process group.
+    Each process gets ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``,
+    and an initialised default process group.  The rendezvous store is this process's, bound to a port the OS
+    picks as it binds (``MASTER_PORT`` names it): a port found free and bound later by rank 0 (``free_port``) could
+    be taken in between by another job's sockets on a busy box ("spawn: rank 0 of 2 failed" when two gloo runs
+    started at once).
     ``fn`` must be importable (module level) and its results picklable.  A failing
     rank raises ``RuntimeError`` with its traceback; exceeding ``timeout_s`` raises
     ``TimeoutError``; either way the other ranks are killed.  ``collective_timeout_s``: how long a collective
@@ -199,8 +210,10 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 120
     """
     ctx = _context()
     results_q = ctx.Queue()
-    port = free_port()
     waits = timeout_s if collective_timeout_s is None else collective_timeout_s
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=waits),
+                          wait_for_workers=False)
+    port = store.port
     environ = dict(os.environ)
     procs = [ctx.Process(target=_worker, args=(fn, r, nproc, port, backend, waits, args, results_q, environ),
                          name=f"soybean-rank{r}") for r in range(nproc)]
@@ -229,6 +242,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 120
         _stop(procs)
         results_q.close()
         results_q.cancel_join_thread()
+        del store  # held until every rank is gone: their groups' keys live in it
     return [results[r] for r in range(nproc)]
 
 
