@@ -64,20 +64,18 @@ def _init_process_group(backend: str, rank: int, world_size: int, local_rank: in
     timeout = datetime.timedelta(seconds=timeout_s)
     # The groups made later (``group_timeout``: stages, mesh axes) wait as long as the default group.
     os.environ[TIMEOUT_ENV] = repr(float(timeout_s))
-    if hosted:
-        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                               is_master=False, timeout=timeout)
-        dist.init_process_group(backend=backend, store=client, rank=rank, world_size=world_size, timeout=timeout)
-        return
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
-        # Under torchrun every attempt of an elastic restart reaches the same agent store, and env:// reads its
-        # keys without telling attempts apart: a restarted rank can read the address a dead peer published in
-        # the attempt before and fail to connect ("Gloo connectFullMesh failed ... Connection refused").  Keys
-        # of our own per attempt keep the attempts apart (and every group made later, which uses this store).
-        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                              is_master=False, timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"soybean/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt-{attempt}", agent)
+    elastic = not hosted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if hosted or elastic:  # a store someone else holds: spawn's caller, or torchrun's agent
+        store: dist.Store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                          is_master=False, timeout=timeout)
+        if elastic:
+            # Under torchrun every attempt of an elastic restart reaches the same agent store, and env:// reads
+            # its keys without telling attempts apart: a restarted rank can read the address a dead peer published
+            # in the attempt before and fail to connect ("Gloo connectFullMesh failed ... Connection refused").
+            # Keys of our own per attempt keep the attempts apart (and every group made later, which uses this
+            # store).
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"soybean/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt-{attempt}", store)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         return
     dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
