@@ -72,3 +72,24 @@ def test_llama_at_128k_tokens_captures_causal_attention() -> None:
                                           num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
                                           seq=131072, max_position_embeddings=131072, batch=8))
     assert _attention(C.capture(model, inputs)) == [(False, True)]
+
+
+@pytest.mark.parametrize("limit", [None, 100])
+def test_a_mask_every_layer_reads_is_judged_once(limit: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer's attention reads the one mask value: its meaning is decided once per scores' shape, built or
+    read from its parts (each layer judging Llama-3-8B's 8,192 x 8,192 mask again was 4 s of a capture), and every
+    layer still gets it."""
+    pytest.importorskip("transformers")
+    from soybean.capture.passes import masks
+    from soybean.models import load
+
+    if limit is not None:
+        monkeypatch.setattr(fold_constant_masks, "MAX_FOLDED_MASK", limit)
+    calls: list[str] = []
+    for name, f in (("judged", masks.judged), ("mask_meaning", masks.mask_meaning)):
+        monkeypatch.setattr(fold_constant_masks, name, lambda *a, _f=f, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    model, inputs = load("hf:llama", dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=128, vocab_size=100, seq=16,
+                                          batch=2))
+    assert _attention(C.capture(model, inputs)) == [(False, True)] * 3
+    assert calls == ["judged" if limit is None else "mask_meaning"]
