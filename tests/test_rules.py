@@ -434,6 +434,9 @@ case(aten.stack.default, [randn(5, 7), randn(5, 7)], -1)
 case(aten.split.Tensor, X, 2, 1)
 case(aten.split_with_sizes.default, X, [2, 3], 1)
 case(aten.chunk.default, X, 3, -1)
+case(aten.tensor_split.indices, X, [1, 4], 1)  # Qwen 3.5 (transformers 5.25)
+case(aten.tensor_split.indices, X, [2, 2, 9], -1)  # an empty piece and one past the end
+case(aten.tensor_split.sections, X, 4, 0)  # uneven: 6 rows in 4 sections
 case(aten.unbind.int, X, 1)
 case(aten.reshape_as.default, V3, randn(4, 30))
 case(aten.numpy_T.default, X)

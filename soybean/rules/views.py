@@ -19,7 +19,7 @@ only) and a sharded dim survives if it maps to one output dim:
   dim is sharded on the output only (input ``R``, local expand size).
 * **slice/narrow/select**: any dim but the indexed one; so for their inverses ``slice_scatter`` and
   ``select_scatter`` (what in-place updates of slices become), linear in the base and the source.
-* **cat/stack/split/chunk/unbind**: any dim but the joined/split one.
+* **cat/stack/split/chunk/tensor_split/unbind**: any dim but the joined/split one.
 
 **Layouts on tiles** (``may_copy``): whether a ``view`` is possible depends on its input's strides, and a rank's
 tile need not have the serial value's layout: a reshard collective returns a contiguous tile, and the runtime's
@@ -263,10 +263,12 @@ def select(op: OpSpec) -> list[Strategy1D]:
 
 @register(
     "aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.narrow.default",
+    "aten.tensor_split.indices", "aten.tensor_split.sections",
     family="views", cost=VIEW,
 )
 def split(op: OpSpec) -> list[Strategy1D]:
-    """Outputs are pieces along ``dim`` (``narrow``: one piece): any other dim is sharded on every piece."""
+    """Outputs are pieces along ``dim`` (``narrow``: one piece; ``tensor_split``: cut at indices, or into sections,
+    as transformers 5.25's Qwen 3.5 splits its projections): any other dim is sharded on every piece."""
     a = Args(op)
     n = _ndim(a)
     dim = norm_dim(a["dim"], n)
