@@ -80,6 +80,10 @@ def _rope(dim: int = 8) -> dict[str, Any]:
 # DeepSeek-V3's multi-head latent attention at tiny sizes (low-rank q and kv, rotary and plain halves of a head).
 _MLA = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
         "head_dim": 8, "n_group": 1, "topk_group": 1, "num_key_value_heads": 4}
+# DeepSeek-V3.2's sparse attention (and GLM's): MLA with a lightning indexer of 4 heads keeping 4 keys, one dense layer
+# and one sparse.
+_DSA = {**_MLA, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 4, "qk_head_dim": 16,
+        "mlp_layer_types": ["dense", "sparse"], "layer_types": ["indexed_attention", "indexed_attention"]}
 # SegFormer's and PVTv2's hierarchical encoders at two tiny stages (one block each, lists per stage).
 _STAGES = {"num_encoder_blocks": 2, "depths": [1, 1], "sr_ratios": [2, 1], "hidden_sizes": [16, 32],
            "patch_sizes": [7, 3], "strides": [4, 2], "num_attention_heads": [1, 2], "mlp_ratios": [2, 2],
@@ -400,6 +404,27 @@ WIDER: list[Arch] = [
          overrides=_STAGES),
     Arch("convnextv2", "vision", "convnextv2", task="image-classification", batch=8,
          overrides={"image_size": 64, "hidden_sizes": [16, 32], "depths": [1, 1], "num_stages": 2}),
+    # transformers 5.25's model types no sweep held (2026-12-07), as a new user builds them.
+    Arch("cwm", "decoder", "cwm"),
+    Arch("ministral", "decoder", "ministral",
+         overrides={"head_dim": 16, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}),
+    Arch("ministral3", "decoder", "ministral3"),
+    Arch("hrm_text", "decoder", "hrm_text"),
+    Arch("gemma4_text", "decoder", "gemma4_text"),
+    Arch("flint", "decoder", "flint"),
+    Arch("apertus1p5_text", "decoder", "apertus1p5_text"),
+    Arch("dory", "decoder", "dory"),  # a looped stack; export fails on its cache's mask: captured in pieces
+    Arch("hy_v3", "moe", "hy_v3"),
+    Arch("hy_v4", "moe", "hy_v4"),
+    Arch("lara_mini", "moe", "lara_mini"),
+    Arch("kolibri1", "moe", "kolibri1"),
+    Arch("ergo", "moe", "ergo"),
+    Arch("inkling_text", "moe", "inkling_text"),
+    Arch("deepseek_v4", "moe", "deepseek_v4"),
+    Arch("minicpm5_moe", "moe", "minicpm5_moe"),
+    Arch("mimo_v2_flash", "moe", "mimo_v2_flash"),
+    Arch("deepseek_v32", "moe", "deepseek_v32", overrides=_DSA),
+    Arch("glm_moe_dsa", "moe", "glm_moe_dsa", overrides={**_DSA, "indexer_types": ["full", "full"]}),
 ]
 
 BY_NAME = {a.name: a for a in ARCHS + WIDER}
