@@ -215,7 +215,7 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
                                                 [e.mesh for e in found.misfits], recompute))
         raise found.failed[0]
     best = min(found.results, key=found.rank)
-    if (low := run_bound(found.results if objective == "time" else (), found.stopped)) < best.solution.bound:
+    if (low := run_bound(found.results, found.stopped, objective)) < best.solution.bound:
         # a mesh left unsearched, or searched to its time limit, may hold a faster plan: the least bound counts
         best.solution = replace(best.solution, bound=low, status="feasible")
     if best.step_time_s >= PINNED or best.comm_bytes >= PINNED:  # only a forced layout pins (``mode`` dp or mp)
@@ -306,15 +306,16 @@ class _Outcomes:
                 f"gap {relative_gap(sol.objective, sol.bound):.2%}")
 
 
-def run_bound(results: Sequence[Result], stopped: Sequence[float]) -> float:
+def run_bound(results: Sequence[Result], stopped: Sequence[float], objective: str) -> float:
     """The lower bound of every plan of a run: the least of each mesh's, those searched (a search that stopped at
     its time limit or at another mesh's plan returns its best plan with the bound of what it left, which may lie
     below the run's best plan: Mixtral-8x7B on 64 devices reported 8x2x4 at 1,007.2 ms with gap 0 while 8x4x2,
     stopped at 1,008.8 ms, holds a plan of 1,004.4 ms) and those stopped without a plan (``stopped``).  Pruned
-    meshes are left out: each bound reached the plan that pruned it.  Only under ``time`` are the searched meshes'
-    bounds in the unit plans are ranked by (a step time): under ``comm`` a solve bounds its problem's bytes with the
-    seconds that break ties, not the bytes its plan is ranked by (``planner.evaluate``), so the caller passes none."""
-    return min([r.solution.bound for r in results] + list(stopped), default=math.inf)
+    meshes are left out: each bound reached the plan that pruned it.  The searched meshes' bounds count under
+    ``time`` only, where they are in the unit plans are ranked by (a step time): under ``comm`` a solve bounds its
+    problem's bytes with the seconds that break ties, not the bytes its plan is ranked by (``planner.evaluate``)."""
+    searched = [r.solution.bound for r in results] if objective == "time" else []
+    return min(searched + list(stopped), default=math.inf)
 
 
 def by_promise(meshes: Sequence[Mesh], estimate: dict[Mesh, float]) -> list[Mesh]:
