@@ -78,7 +78,11 @@ class Route:
 
     def steps(self) -> list[Step]:
         """The steps of this route, forward order (its axes already sorted and distinct: ``of``)."""
-        return list(_plan_cached(self.src, self.dst, self.partial_grad_axes, self.src_partial_axes))
+        return list(self.planned())
+
+    def planned(self) -> tuple[Step, ...]:
+        """``steps``, as the planner's cache holds them (shared: never to be changed)."""
+        return _plan_cached(self.src, self.dst, self.partial_grad_axes, self.src_partial_axes)
 
     def walk(self) -> tuple[Walked, ...]:
         """Every step with the tilings around it and the collectives it runs: the one walk of a route that
@@ -121,15 +125,15 @@ class Walked(NamedTuple):
 def _walk(route: Route) -> tuple[Walked, ...]:
     out = []
     cur = route.src
-    for step in route.steps():
-        w = _walk_step(cur, step, route.needs_grad)
+    for step in route.planned():
+        w = walk_step(cur, step, route.needs_grad)
         out.append(w)
         cur = w.after
     return tuple(out)
 
 
 @lru_cache(maxsize=1 << 16)
-def _walk_step(cur: Tiling, step: Step, grad: bool) -> Walked:
+def walk_step(cur: Tiling, step: Step, grad: bool) -> Walked:
     """One step of a walk from tiling ``cur``: a cold mesh shape walks ~140 thousand routes, which share far
     fewer steps."""
     # ``tuple.__new__``: a named tuple made without its Python-level constructor.
@@ -208,25 +212,28 @@ def _moves(src: tuple, dst: tuple) -> tuple[Step, ...]:
             for j in range(i + 1, n):
                 if not reset[j] and (sd[j] in dims or dd[j] in dims):
                     reset[j] = changed = True
+    # How many axes shard each dim in ``src`` or ``dst``: a dim an axis moves is sharded elsewhere when another
+    # axis counts too (the axis itself always does), read once here rather than per question (~94k pairs a mesh).
+    axes_on: dict[int, int] = {}
+    for i in range(n):
+        for d in {sd[i], dd[i]}:
+            if d >= 0:
+                axes_on[d] = axes_on.get(d, 0) + 1
     cur = list(src)
     steps: list[Step] = []
-
-    def sharded_elsewhere(d: int, axis: int) -> bool:
-        return any(k != axis and (sd[k] == d or dd[k] == d) for k in range(n))
-
     for i in range(n - 1, -1, -1):  # phase 1: unshard, inner axes first
         if not reset[i]:
             continue
         a, b = cur[i], dst[i]
         if a.__class__ is Shard:
-            if b.__class__ is Shard and not sharded_elsewhere(sd[i], i) and not sharded_elsewhere(dd[i], i):
+            if b.__class__ is Shard and axes_on[sd[i]] == 1 and axes_on[dd[i]] == 1:
                 steps.append(_step("all_to_all", i, sd[i], dd[i]))
                 cur[i] = b
             else:
                 steps.append(_step("all_gather", i, sd[i]))
                 cur[i] = R
         elif isinstance(a, Partial):
-            if b.__class__ is Shard and not sharded_elsewhere(dd[i], i):
+            if b.__class__ is Shard and axes_on[dd[i]] == 1:
                 steps.append(_step("reduce_scatter", i, dd[i]))
                 cur[i] = b
             else:

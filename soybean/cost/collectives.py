@@ -48,7 +48,7 @@ import numpy as np
 from ..ir import algorithms as A
 from ..ir.kinds import RING_FACTOR, Step
 from ..mesh import Mesh
-from ..reshard import Route
+from ..reshard import Route, walk_step
 from ..rules.base import OpCall, OpSpec, Strategy, lookup
 from ..rules.window import halos, windows_of
 from ..tiling import R, max_local_numel
@@ -258,6 +258,7 @@ class StepStore:
         self.count = np.zeros(0, dtype=np.int64)
         self.row_call = np.zeros(0, dtype=np.int64)
         self.rows = 0
+        self.step_rows: dict[tuple[tuple, Step, bool], tuple[tuple[int, ...], tuple]] = {}  # ``_step_rows``
 
     def lookup(self, routes: Sequence[Route]) -> np.ndarray:
         """The ids of ``routes``, adding the ones not seen yet."""
@@ -268,31 +269,45 @@ class StepStore:
         return np.fromiter((ids[r] for r in routes), dtype=np.int64, count=len(routes))
 
     def _add(self, routes: list[Route]) -> None:
-        starts, counts, rows = [], [], []
+        starts: list[int] = []
+        counts: list[int] = []
+        rows: list[int] = []
         row = self.rows
-        kinds, tilings, call_ids = self.kinds, self.tilings, self.call_ids
-        calls_before = len(call_ids)
+        calls_before = len(self.call_ids)
         first = len(self.start)  # routes adopted from another store (``adopt``) have ids but no key here
+        step_rows, ids = self.step_rows, self.ids
         for k, route in enumerate(routes):  # ``priced_steps``' rows, read off the walk directly: each added once
-            self.ids[route] = first + k
+            ids[route] = first + k
             starts.append(row)
-            n = 0
-            for w in route.walk():
-                axis = w.step.axis
-                for c in w.calls:
-                    t = tilings.get(c.message)
-                    if t is None:
-                        t = tilings[c.message] = len(self.tiling_list)
-                        self.tiling_list.append(c.message)
-                    rows.append(call_ids.setdefault((kinds.setdefault(c.collective, len(kinds)), axis, t,
-                                                     int(c.sync)), len(call_ids)))
-                    n += 1
-            counts.append(n)
-            row += n
+            before = len(rows)
+            cur, grad = route.src, route.needs_grad
+            for step in route.planned():
+                # A route's rows are its steps' in turn, and a cold mesh's ~140 thousand routes share a few
+                # thousand (tiling, step) pairs: each pair is walked and numbered once, not once per route.
+                got = step_rows.get((cur, step, grad))
+                if got is None:
+                    got = step_rows[(cur, step, grad)] = self._step_rows(cur, step, grad)
+                rows += got[0]
+                cur = got[1]
+            counts.append(len(rows) - before)
+            row += len(rows) - before
         self.start = np.concatenate([self.start, np.array(starts, dtype=np.int64)])
         self.count = np.concatenate([self.count, np.array(counts, dtype=np.int64)])
         self._new_calls(calls_before)
         self._append_rows(np.array(rows, dtype=np.int64))
+
+    def _step_rows(self, cur: tuple, step: Step, grad: bool) -> tuple[tuple[int, ...], tuple]:
+        """The call ids of one step walked from tiling ``cur`` (``reshard.walk_step``), and the tiling after it."""
+        w = walk_step(cur, step, grad)
+        out = []
+        for c in w.calls:
+            t = self.tilings.get(c.message)
+            if t is None:
+                t = self.tilings[c.message] = len(self.tiling_list)
+                self.tiling_list.append(c.message)
+            key = (self.kinds.setdefault(c.collective, len(self.kinds)), step.axis, t, int(c.sync))
+            out.append(self.call_ids.setdefault(key, len(self.call_ids)))
+        return tuple(out), w.after
 
     def _new_calls(self, before: int) -> None:
         """``calls`` extended by the call ids from ``before`` on."""
