@@ -568,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="profile JSON to write (default: print it)")
     c.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (median)")
     c.set_defaults(fn=_cmd_calibrate)
-    from .bench.harness import add_parser as add_bench
+    from .bench.args import add_parser as add_bench
 
     add_bench(sub)
     return ap

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
 from examples.models import mlp
-from soybean.bench.harness import (SOYBEAN_MODES, VARIANTS, BenchConfig, add_parser, auto_rounds, candidates, cmd_bench,
+from soybean.bench.harness import (SOYBEAN_MODES, VARIANTS, BenchConfig, add_parser, auto_rounds, candidates,
                                    format_table, run_bench, tp_layout, training_state_bytes)
 from soybean.plan import Plan
 
@@ -104,11 +106,23 @@ def test_variants_are_checked() -> None:
     assert BenchConfig(model="m:f", devices=2, variants=("ddp", "soybean")).dist_variants == ("ddp", "soybean")
 
 
-def test_add_parser_registers_bench() -> None:
+def test_add_parser_registers_bench(monkeypatch: pytest.MonkeyPatch) -> None:
     ap = argparse.ArgumentParser()
     add_parser(ap.add_subparsers(dest="cmd"))
     a = ap.parse_args(["bench", "examples.models:mlp", "--devices", "2", "--arg", "hidden=8", "--json"])
-    assert a.fn is cmd_bench and a.devices == 2 and a.arg == ["hidden=8"] and a.json and a.steps == 12 and a.rounds is None and a.warmup == 3
+    assert a.devices == 2 and a.arg == ["hidden=8"] and a.json and a.steps == 12 and a.rounds is None and a.warmup == 3
+    called = []
+    monkeypatch.setattr("soybean.bench.harness.cmd_bench", lambda args: called.append(args) or 0)
+    assert a.fn(a) == 0 and called == [a]  # the command runs the harness's cmd_bench
+
+
+def test_building_the_command_line_imports_no_runtime() -> None:
+    """Every ``soybean`` command builds the whole parser: ``bench``'s arguments must not import the harness, whose
+    runtime and codegen cost a ``soybean plan`` half a second it never uses."""
+    code = ("import sys; from soybean.cli import build_parser; build_parser(); print(sorted(m for m in "
+            "('soybean.bench.harness', 'soybean.codegen', 'soybean.runtime') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 @pytest.mark.dist

@@ -73,6 +73,7 @@ import torch.nn as nn
 from .. import models
 from ..options import PlanOptions
 from ..plan import Plan
+from .args import DESCRIPTION, LOSS_STYLES, add_arguments, add_parser
 from .report import format_table
 from .stats import fastest_verdict, spearman
 from .timing import (
@@ -92,9 +93,6 @@ from .variants import BY_NAME, DIST_VARIANTS, LOCAL_BATCH, REPLICATING, SERIAL, 
 __all__ = ["BenchConfig", "VARIANTS", "auto_rounds", "training_state_bytes", "run_bench", "format_table", "spearman",
            "candidates", "tp_layout", "add_parser", "cmd_bench", "main"]
 
-# Where the training step computes its loss: in the model (the target among the inputs), or outside it from the
-# model's output, ``loss = model.loss_fn(model(*inputs[:-1]), inputs[-1])``, as DDP-style loops do.
-LOSS_STYLES = ("inside", "outside")
 NOT_SELECTED = "not selected (--variants)"
 # ``--profile calibrate``: run ``soybean calibrate`` just before timing and plan with its profile
 # (a shared machine's speed drifts over minutes: a profile from earlier mispredicts by as much).
@@ -718,43 +716,6 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     }
 
 
-# ---- command line --------------------------------------------------------------------
-
-
-def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="pkg.module:fn or path/file.py:fn; fn(**args) returns (model, example_inputs)")
-    p.add_argument("--devices", type=int, required=True, help="number of local gloo processes N")
-    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="keyword for the model factory (repeatable)")
-    p.add_argument("--plan-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a PlanOptions field every soybean variant plans with, e.g. expert_imbalance=2 (repeatable)")
-    p.add_argument("--steps", type=int, default=12, help="timed steps; the median is reported")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
-    p.add_argument("--profile", default="cpu-gloo",
-                   help="soybean's machine profile: cpu-gloo, h100-nvlink, a JSON file, "
-                        "or 'calibrate' to measure one just before timing")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the spawned ranks are stopped")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="0: the variants take turns after every timed step; 1: one after the other; "
-                        "N: N turns of steps/N steps "
-                        "(default: 0, or 1 when all variants' training state together exceeds half of physical memory)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
-    p.add_argument("--loss", choices=[*LOSS_STYLES, "both"], default="inside",
-                   help="compute the loss in the model (inside), outside it from its output with the model's "
-                        "loss_fn as DDP-style loops do (outside), or run both loop styles one after the other")
-    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``bench`` subcommand to ``soybean``'s subparsers; its ``fn`` is :func:`cmd_bench`."""
-    p = subparsers.add_parser("bench", help="time a training step: serial, DDP, TP, FSDP2 and soybean's plans",
-                              description=__doc__.split("\n\n")[0])
-    _add_arguments(p)
-    p.set_defaults(fn=cmd_bench)
-    return p
-
-
 def cmd_bench(a: argparse.Namespace) -> int:
     """Run the benchmark the parsed arguments describe and print it; the exit code.
 
@@ -785,8 +746,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``scripts/bench.py``: parse ``argv``, run, print; bad input is one line on stderr and exit 2."""
-    ap = argparse.ArgumentParser(prog="bench", description=__doc__.split("\n\n")[0])
-    _add_arguments(ap)
+    ap = argparse.ArgumentParser(prog="bench", description=DESCRIPTION)
+    add_arguments(ap)
     a = ap.parse_args(argv)
     try:
         return cmd_bench(a)
