@@ -242,10 +242,11 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
 
     The first chain's first and last choices are solved first (plans to prune by), each also priced with fewer
     layers recomputed (``shift``).  Then a stretch ``[a, b]`` of a chain is bounded at once by
-    ``search.chain.stretch_bound`` (from the duals of its two ends under the budget; ``floor``, the plain table's
-    bound, bounds every choice), a single choice by its own dual, and the region with the lowest bound is taken
-    next: first its bound is tightened (``search.chain.tighten``: more multipliers) towards what would prune it; if
-    it still cannot be pruned, a single choice is solved exactly (``solve_table_on``) and a stretch is split at its
+    ``search.chain.stretch_bound`` (from the duals of its two ends under the budget, an end whose tied problem differs
+    in shape peeled off and bounded by its own dual: ``search.chain.pieces``; ``floor``, the plain table's bound,
+    bounds every choice), a single choice by its own dual, and the region with the lowest bound is taken next: first
+    its bound is tightened (``search.chain.tighten``: more multipliers) towards what would prune it; if it still
+    cannot be pruned, a single choice is solved exactly (``solve_table_on``) and a stretch is split at its
     middle choice, whose dual is checked to lie on the line of its ends' (``search.chain.affine``: a chain that
     fails loses its stretch bounds, and every stretch of it is searched again choice by choice).  The search ends
     when the lowest bound left is within ``gap`` of the best plan (or reaches the incumbent: another mesh's plan is
@@ -254,7 +255,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     incumbent."""
     import heapq
 
-    from ..search.chain import MULTIPLIERS, Dual, affine, stretch_bound, tighten
+    from ..search.chain import MULTIPLIERS, Dual, affine, pieces as stretch_pieces, pieces_bound, tighten
 
     objective, budget, gap = search.options.objective, search.memory_bytes, search.options.gap
     counts = chain_counts(cap, chains)  # each choice's k
@@ -309,12 +310,10 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
             duals[(c, i)] = chain_dual(g, counts[c][i], runs_of(units), lams, budget or 0.0, layers)
         return duals[(c, i)]
 
-    def ends(c: int, a: int, b: int) -> list[Dual]:
-        """The duals that bound region ``[a, b]`` of chain ``c`` (none: only ``floor`` does)."""
-        if a < b and c in broken:
-            return []
-        ds = [dual_of(c, a)] if a == b else [dual_of(c, a), dual_of(c, b)]
-        return [d for d in ds if d is not None]
+    def pieces(c: int, a: int, b: int) -> list[list[Dual]]:
+        """The duals that bound stretch ``[a, b]`` of chain ``c`` together (``search.chain.pieces``; none where the
+        chain is broken: only ``floor`` bounds it)."""
+        return [] if c in broken else stretch_pieces(a, b, lambda i: dual_of(c, i))
 
     def region_bound(c: int, a: int, b: int, target: float | None = None, known: float = -math.inf) -> float:
         """The bound of region ``[a, b]`` of chain ``c``, at least ``known`` (its parent stretch's) and ``floor``:
@@ -325,16 +324,13 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         if a == b:
             return max(base, duals[(c, a)].bound) if (c, a) in duals else base
         if target is not None and base < target:
-            base = free_of(c, a, target)  # before the stretch's two duals: it bounds the stretch if it prunes
+            base = max(base, free_of(c, a, target))  # before the stretch's duals: it bounds the stretch if it prunes
         if b - a + 1 <= SHORT or (target is not None and base >= target):
             return base
-        ds = ends(c, a, b)
-        if not ds:
+        parts = pieces(c, a, b)
+        if not parts:
             return base
-        got = stretch_bound(ds[0], ds[1])
-        if target is not None and got < target:
-            got = tighten(ds, target)
-        return max(base, got)
+        return max(base, pieces_bound(parts, target))
 
     def single_bound(c: int, i: int, target: float, known: float) -> tuple[float, bool]:
         """Choice ``i``'s bound before its solve, and whether its own dual was worked out or tightened for it:
@@ -477,8 +473,9 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
                 push(c, i, i, bound if c not in broken else -math.inf)
             continue
         m = (a + b) // 2
-        da, dm, db = dual_of(c, a), dual_of(c, m), dual_of(c, b)
-        if da is not None and dm is not None and db is not None and da.shape == db.shape and not affine(da, dm, db):
+        line = next((ds for ds in pieces(c, a, b) if len(ds) == 2), None)  # the bound assumed it: checked at m
+        dm = dual_of(c, m)
+        if line is not None and dm is not None and line[0].k < dm.k < line[1].k and not affine(line[0], dm, line[1]):
             broken.add(c)  # this chain's stretch bounds were not exact: search it choice by choice
             say(f"mesh {mesh}: recomputation chain {c} is not affine in its layers: searched choice by choice")
             for cc, aa, bb in [r for r in given_up if r[0] == c] + [(c, a, b)]:
