@@ -519,6 +519,12 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
     return main_cli(a.devices, a.out, a.reps)
 
 
+def _cmd_bench(a: argparse.Namespace) -> int:
+    from .bench.harness import cmd_bench  # here, not when the parser is built: it imports the runtime and codegen
+
+    return cmd_bench(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .options import add_plan_options
 
@@ -570,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_cmd_calibrate)
     from .bench.args import add_parser as add_bench
 
-    add_bench(sub)
+    add_bench(sub, _cmd_bench)
     return ap
 
 

@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from examples.models import mlp
-from soybean.bench.harness import (SOYBEAN_MODES, VARIANTS, BenchConfig, add_parser, auto_rounds, candidates,
+from soybean.bench.harness import (SOYBEAN_MODES, VARIANTS, BenchConfig, add_parser, auto_rounds, candidates, cmd_bench,
                                    format_table, run_bench, tp_layout, training_state_bytes)
+from soybean.cli import build_parser
 from soybean.plan import Plan
 
 pytestmark = pytest.mark.unit  # the two runs of the harness are marked dist
@@ -110,10 +111,13 @@ def test_add_parser_registers_bench(monkeypatch: pytest.MonkeyPatch) -> None:
     ap = argparse.ArgumentParser()
     add_parser(ap.add_subparsers(dest="cmd"))
     a = ap.parse_args(["bench", "examples.models:mlp", "--devices", "2", "--arg", "hidden=8", "--json"])
-    assert a.devices == 2 and a.arg == ["hidden=8"] and a.json and a.steps == 12 and a.rounds is None and a.warmup == 3
+    assert a.fn is cmd_bench and a.devices == 2 and a.arg == ["hidden=8"] and a.json and a.steps == 12
+    assert a.rounds is None and a.warmup == 3
+    # ``soybean bench`` runs the harness's cmd_bench, imported only when it runs
     called = []
     monkeypatch.setattr("soybean.bench.harness.cmd_bench", lambda args: called.append(args) or 0)
-    assert a.fn(a) == 0 and called == [a]  # the command runs the harness's cmd_bench
+    b = build_parser().parse_args(["bench", "examples.models:mlp", "--devices", "2"])
+    assert b.fn(b) == 0 and called == [b]
 
 
 def test_building_the_command_line_imports_no_runtime() -> None:

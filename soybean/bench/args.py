@@ -1,8 +1,10 @@
 """The ``soybean bench`` command line, apart from the harness: every ``soybean`` command builds its parser, and
-the harness imports the runtime and codegen (half a second of a ``soybean plan`` that never benchmarks)."""
+the harness imports the runtime and codegen (half a second of a ``soybean plan`` that never benchmarks).  It imports
+nothing of the harness: the harness and the command line each give ``add_parser`` the function to run."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from .variants import VARIANTS
@@ -13,20 +15,14 @@ DESCRIPTION = "Training-step benchmark: serial, DDP, tensor parallel, FSDP2 and 
 LOSS_STYLES = ("inside", "outside")
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``bench`` subcommand to ``soybean``'s subparsers; its ``fn`` is ``harness.cmd_bench``, imported when
-    the command runs."""
+def add_parser(subparsers: Any, run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand to ``soybean``'s subparsers, its ``fn`` ``run`` (``harness.cmd_bench``, or the
+    command line's function that imports it when the command runs)."""
     p = subparsers.add_parser("bench", help="time a training step: serial, DDP, TP, FSDP2 and soybean's plans",
                               description=DESCRIPTION)
     add_arguments(p)
-    p.set_defaults(fn=_cmd_bench)
+    p.set_defaults(fn=run)
     return p
-
-
-def _cmd_bench(a: argparse.Namespace) -> int:
-    from .harness import cmd_bench
-
-    return cmd_bench(a)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

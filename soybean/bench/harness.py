@@ -73,7 +73,8 @@ import torch.nn as nn
 from .. import models
 from ..options import PlanOptions
 from ..plan import Plan
-from .args import DESCRIPTION, LOSS_STYLES, add_arguments, add_parser
+from . import args
+from .args import DESCRIPTION, LOSS_STYLES, add_arguments
 from .report import format_table
 from .stats import fastest_verdict, spearman
 from .timing import (
@@ -714,6 +715,11 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "notes": notes,
         "machine": machine,
     }
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand to ``soybean``'s subparsers; its ``fn`` is :func:`cmd_bench`."""
+    return args.add_parser(subparsers, cmd_bench)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
