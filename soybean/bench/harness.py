@@ -73,8 +73,7 @@ import torch.nn as nn
 from .. import models
 from ..options import PlanOptions
 from ..plan import Plan
-from . import args
-from .args import DESCRIPTION, LOSS_STYLES, add_arguments
+from .args import DESCRIPTION, LOSS_STYLES, add_arguments, add_parser as bench_parser
 from .report import format_table
 from .stats import fastest_verdict, spearman
 from .timing import (
@@ -719,7 +718,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``soybean``'s subparsers; its ``fn`` is :func:`cmd_bench`."""
-    return args.add_parser(subparsers, cmd_bench)
+    return bench_parser(subparsers, cmd_bench)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
