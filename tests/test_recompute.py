@@ -153,7 +153,9 @@ def _budgets(cap: object, kw: dict) -> tuple[float, float]:
 def test_auto_is_the_best_recomputation_choice() -> None:
     """At 70% of what the best plan without a budget needs, ``auto`` recomputes some layers but not all (5 of 6:
     cheaper than a tiling that fits without recomputation, cheaper than recomputing all), and its plan is the
-    best of every recomputation choice solved on its own (the search is exact over its choices)."""
+    best of every recomputation choice solved on its own or better (the search is exact over its choices, and
+    the budget's plans mixed layer by layer, ``tying.mix_layers``, or shifted to another choice may lay layers out
+    unlike each other, which one choice's tied solve cannot), and never below the plan's own bound."""
     model, inputs = transformer(batch=4, seq=64, hidden=64, layers=6, heads=4)
     cap = capture(model, inputs)
     kw = dict(captured=cap, mesh=(2,), baselines=False)
@@ -169,7 +171,7 @@ def test_auto_is_the_best_recomputation_choice() -> None:
             except MemoryBudgetError:
                 continue
             best = min(best, r.step_time_s)
-    assert p.cost["step_time_s"] == pytest.approx(best, rel=1e-6)
+    assert p.solver["bound"] * (1 - 1e-9) <= p.cost["step_time_s"] <= best * (1 + 1e-6)
     all_layers = make_plan(None, (), memory_gb=budget / (1 - MEMORY_HEADROOM) / 2**30, recompute="layers", **kw)
     assert p.cost["step_time_s"] < all_layers.cost["step_time_s"]
 

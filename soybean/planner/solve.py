@@ -165,7 +165,8 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: Incumbent = None,
         problem = to_problem(g, objective, memory_bytes, overlap=ov, phase=phase, compute_credit=mu * BACKWARD_SHARE)
         r = evaluate(g, solve(problem, solver, search.options.time_limit_s, search.options.gap, runs, cutoff=cutoff,
                               enough=enough, hints=search.run.hints))
-        r.runs, r.recompute = runs, recompute
+        r.runs = list(r.solution.runs) if r.solution.runs is not None else runs  # a mix: its runs split at its cut
+        r.recompute = recompute
         return r
 
     # The budget binds the activations phase; a plan whose gradients phase breaks it is replaced by the best plan

@@ -17,9 +17,9 @@ from .columns import Hints
 from .diffusion import diffusion_bound
 from .dp import solve_dp
 from .frontier import TooLarge, solve_frontier
-from .ilp import OPTIMAL_GAP, TARGET_GAP, Pruned, SearchError, Solution, _infeasible, relative_gap, solve_ilp
+from .ilp import OPTIMAL_GAP, TARGET_GAP, Pruned, SearchError, Sides, Solution, _infeasible, relative_gap, solve_ilp
 from .problem import Problem, isolated, lower_bound, reduce
-from .tying import Run, tie
+from .tying import Run, mix_layers, tie
 
 
 def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: float = TARGET_GAP,
@@ -31,7 +31,9 @@ def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: floa
     relaxation (``budget``); a duality gap left is closed exactly by elimination over (time, memory) frontiers
     (``frontier``) where the graph is narrow enough, else narrowed by the joint ILP on problems of at most
     ``REFINE_MAX`` pair costs.
-    ``runs``: repeated layers solved tied (``tying``); the bound is then the tied problem's.
+    ``runs``: repeated layers solved tied (``tying``); the bound is then the tied problem's, and under a budget
+    the Lagrangian's (``ilp.Sides``), the plan the best of the tied one and its mixes layer by layer
+    (``_untied``).
     ``cutoff``: raise ``Pruned`` once a lower bound reaches it: the reduction's cheap bound before the
     solve, the ILP's LP relaxation, and under a budget also each Lagrangian bound (``budget.lagrangian``).
     ``enough`` (no budget): the bound the caller can use; a rounded LP plan whose value is below it skips branch
@@ -43,8 +45,10 @@ def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: floa
         s = solve(q, solver, time_limit_s, gap, cutoff=cutoff, enough=enough, hints=hints)
         choice = [s.choice[to[v]] for v in range(p.n)]
         obj = p.evaluate(choice)  # equal to s.objective: tying prices a plan exactly
-        return Solution(choice, obj, obj - (s.objective - s.bound), s.status, time.perf_counter() - t0, s.solver,
-                        s.free)
+        bound = obj - (s.objective - s.bound)
+        if s.sides is None:
+            return Solution(choice, obj, bound, s.status, time.perf_counter() - t0, s.solver, s.free)
+        return _untied(p, runs, to, Solution(choice, obj, bound, s.status, 0.0, s.solver, s.free, s.sides), t0)
     if solver == "brute":
         choice, obj = brute_force(p)
         return Solution(choice, obj, obj, "optimal", time.perf_counter() - t0, "brute")
@@ -53,6 +57,24 @@ def solve(p: Problem, solver: str = "ilp", time_limit_s: float = 60.0, gap: floa
     if p.budget is not None and p.memory is not None:
         return _solve_budget(p, solver, time_limit_s, gap, t0, cutoff, hints)
     return _solve_free(p, solver, time_limit_s, gap, t0, cutoff, enough, hints)
+
+
+def _untied(p: Problem, runs: Sequence[Run], to: list[int], s: Solution, t0: float) -> Solution:
+    """A tied budgeted solve's plan ``s`` (expanded to ``p``) as a plan of the untied problem ``p``: the bound the
+    Lagrangian's (``ilp.Sides``: the tied problem's own optimum bounds only plans laid out alike), and the plan
+    the cheapest of ``s``'s and the mixes layer by layer (``tying.mix_layers``) of the Lagrangian's plan beyond the
+    budget with its plan within it and with ``s``'s."""
+    assert s.sides is not None
+    beyond, within = ([x[to[v]] for v in range(p.n)] for x in (s.sides.beyond, s.sides.within))
+    best, runs_kept, solver = s.choice, None, s.solver
+    value = s.objective
+    for other in [within] + ([s.choice] if s.choice != within else []):
+        got = mix_layers(p, beyond, other, runs)
+        if got is not None and got[1] < value:
+            best, value, runs_kept, solver = got[0], got[1], tuple(got[2]), f"{s.solver}+mixed"
+    bound = min(s.bound, s.sides.bound, value)
+    status = "optimal" if relative_gap(value, bound) <= OPTIMAL_GAP else "feasible"
+    return Solution(best, value, bound, status, time.perf_counter() - t0, solver, s.free, s.sides, runs_kept)
 
 
 def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: float | None = None,
@@ -136,8 +158,9 @@ def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t
                           "give more time (--time-limit) or a larger budget (--memory-gb)")
     status = "optimal" if gap() <= OPTIMAL_GAP else "feasible"
     name = best.solver if dual.solves <= 1 or best.solver.endswith("lagrangian") else f"{best.solver}+lagrangian"
+    sides = Sides(*dual.sides, dual.bound) if dual.sides is not None else None
     return Solution(best.choice, best.objective, min(bound, best.objective), status, time.perf_counter() - t0, name,
-                    dual.free)
+                    dual.free, sides)
 
 
 __all__ = [

@@ -55,6 +55,10 @@ class Dual:
     solves: int
     multiplier: float = 0.0     # the multiplier of the best bound (``frontier`` prunes by its relaxed costs)
     free: float = -float("inf")  # the bound at multiplier 0: of the problem without its budget (``Solution.free``)
+    # The relaxed plans of the last two lines on either side of the dual's peak: one beyond the budget, one within
+    # (None until the search has both).  Plans between them, which no multiplier finds, are where the duality gap
+    # is: a stack of repeated layers makes them by mixing the two layer by layer (``tying.mix_layers``).
+    sides: tuple[list[int], list[int]] | None = None
 
 
 def relaxed(p: Problem, lam: float) -> Problem:
@@ -76,6 +80,8 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem, float | None], Solutio
     solves = 0
     best_lam = 0.0
     at_zero = -float("inf")  # the relaxed problem's bound at multiplier 0, once solved there
+    beyond: list[int] | None = None  # the plan of the last line beyond the budget (``lo_line``), and within it
+    within: list[int] | None = None
 
     def at(lam: float) -> tuple[Solution, bool]:
         nonlocal best, bound, solves, best_lam, at_zero
@@ -107,18 +113,22 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem, float | None], Solutio
         """``sol``'s line in the dual: ``L(lam) <= cost + lam * (mem - M)``."""
         return p.evaluate(sol.choice), p.memory_of(sol.choice)
 
+    def done() -> Dual:
+        sides = (beyond, within) if beyond is not None and within is not None else None
+        return Dual(best, bound, solves, best_lam, at_zero, sides)
+
     try:
         free, fits = at(0.0)
         if fits:
-            return Dual(best, bound, solves, best_lam, at_zero)
+            return done()
         # A first multiplier that makes memory matter: the unbudgeted cost spread over the budget.
         lo, hi = 0.0, max(abs(free.objective), 1e-30) / max(M, 1.0)
-        lo_line = line(free)
+        lo_line, beyond = line(free), free.choice
         while not (got := at(hi))[1]:
-            lo, hi, lo_line = hi, hi * 8.0, line(got[0])
+            lo, hi, lo_line, beyond = hi, hi * 8.0, line(got[0]), got[0].choice
             if solves > MAX_STEPS or time.perf_counter() > deadline:
-                return Dual(best, bound, solves, best_lam, at_zero)
-        hi_line = line(got[0])
+                return done()
+        hi_line, within = line(got[0]), got[0].choice
         for _ in range(MAX_STEPS):
             if gap() <= tol or time.perf_counter() > deadline or hi - lo <= 1e-12 * hi:
                 break
@@ -132,11 +142,11 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem, float | None], Solutio
             if c + lam * (m - M) >= peak - tol * abs(peak):
                 break  # no plan lies below the peak: it is max L, the best bound this relaxation gives
             if fits:
-                hi, hi_line = lam, (c, m)
+                hi, hi_line, within = lam, (c, m), sol.choice
             else:
-                lo, lo_line = lam, (c, m)
+                lo, lo_line, beyond = lam, (c, m), sol.choice
     except Pruned:
         raise
     except SearchError:  # a relaxed solve ran out of time: the fitting plan and the bound found so far stand
         pass
-    return Dual(best, bound, solves, best_lam, at_zero)
+    return done()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +34,22 @@ from . import columns
 from .formulation import formulate
 from .highs import solve_formulation
 from .problem import Problem
+
+if TYPE_CHECKING:
+    from .tying import Run
+
+
+@dataclass(frozen=True)
+class Sides:
+    """A budgeted solve's Lagrangian plans at its peak, one ``beyond`` the budget and one ``within`` it, and the
+    dual's best ``bound``.  Of a tied problem (``tying``), that bound holds for the untied one too, since each
+    relaxed problem is unbudgeted and ties exactly; the tied problem's own optimum (``frontier``, the joint ILP)
+    does not: under a budget, layers laid out alike are a real restriction, and the plans between the two sides
+    are the mixes of their layers (``tying.mix_layers``).  ``budget.lagrangian`` finds them."""
+
+    beyond: list[int]
+    within: list[int]
+    bound: float
 
 
 @dataclass
@@ -47,6 +64,12 @@ class Solution:
     # was relaxed (``budget.lagrangian``), ``bound`` itself where there was none; -inf: not known.  A planner bounds
     # other problems by it whose costs are at least these everywhere (``planner.recompute``: more recomputed).
     free: float = -math.inf
+    # A budgeted solve's Lagrangian plans on either side of its peak and its bound (``Sides``), for ``solve``
+    # to mix layer by layer where the problem was tied.  None: none (no budget, or it never bound).
+    sides: Sides | None = None
+    # The repeated layers the plan still lays out alike, where a mix cut a run of those it was solved with (the
+    # runs split at the cut, ``tying.mix_layers``); None: all of them.
+    runs: tuple[Run, ...] | None = None
 
 
 class SearchError(ValueError):

@@ -20,6 +20,11 @@ would pay off (a tiling that flips each layer, cheaper in pairs), or when a laye
 non-neighbour (a weight shared between layers, tied input/output embeddings) in ways whose cost
 differs per layer -- such layers are not isomorphic by ``find_repeats``' test, and are left untied.  The
 gap the solver reports is the tied problem's; ``plan(tie_layers=False)`` solves untied.
+
+Not so under a memory budget: it couples the layers, and one tied decision moves every layer's memory at once,
+so the tied optimum can lie well above plans that lay some layers out one way and the rest another (the
+Lagrangian's bound still holds: each relaxed problem is unbudgeted).  ``mix_layers`` makes those plans from two
+plans on either side of the budget; ``search.solve`` reports the Lagrangian's bound for a tied budgeted problem.
 """
 from __future__ import annotations
 
@@ -93,3 +98,61 @@ def tie(p: Problem, runs: list[Run]) -> tuple[Problem, list[int]]:
     for (u, v), C in p.edges.items():
         q.add_edge(to[u], to[v], C)
     return q, to
+
+
+# Relative slack of the budget test of a mix: its memory summed in another order than ``Problem.memory_of``'s.
+MIX_SLACK = 1e-12
+
+
+def mix_layers(p: Problem, beyond: Sequence[int], within: Sequence[int],
+               runs: Sequence[Run]) -> tuple[list[int], float, list[Run]] | None:
+    """The cheapest plan of ``p`` within its budget that mixes plans ``beyond`` (over the budget) and ``within``
+    layer by layer: a run's blocks ``0..k-1`` from one, the rest of that run from the other, every other variable
+    from the first (both orders, every run, every ``k``), as ``(choice, value, runs)``, the runs split at the cut
+    (each part still laid out alike); None when no mix fits, or the plans are equal.
+
+    Why it closes a duality gap: the Lagrangian's plans on either side of its peak ``lam*`` lie on one line
+    ``cost + lam* (mem - M) = D(lam*)``, the dual's best bound.  Cost and memory are sums over variables and edges,
+    so a mix moves both by one block's share per step of ``k`` (apart from the two edges at the cut), along that
+    line: the mix that just fits costs within about one block's share of ``D(lam*)``, where the tied problem's
+    plans may be a whole tied decision (times every layer) away.  Every mix is priced exactly, over arrays."""
+    assert p.memory is not None and p.budget is not None
+    a, b = np.asarray(beyond, dtype=np.int64), np.asarray(within, dtype=np.int64)
+    if np.array_equal(a, b):
+        return None
+    n = p.n
+    sides: list[np.ndarray] = []
+    parts: list[list[Run]] = []
+    for i, run in enumerate(runs):
+        others = [r for j, r in enumerate(runs) if j != i]
+        for k in range(1, len(run.blocks)):
+            tail = [v for blk in run.blocks[k:] for v in blk]
+            split = [Run(run.prefix, run.first, run.first + k * run.period - 1, run.blocks[:k], run.period),
+                     Run(run.prefix, run.first + k * run.period, run.last, run.blocks[k:], run.period)]
+            for first in (0, 1):
+                side = np.full(n, first, dtype=np.int8)
+                side[tail] = 1 - first
+                sides.append(side)
+                parts.append(others + [r for r in split if len(r.blocks) > 1])
+    if not sides:
+        return None
+    side = np.stack(sides).astype(np.int64)  # [mixes, variables]: 0 takes ``beyond``'s strategy, 1 ``within``'s
+    cols = np.arange(n)[None, :]
+    xs = (a, b)
+    unary = np.array([[float(p.unary[v][x[v]]) for v in range(n)] for x in xs])
+    memory = np.array([[float(p.memory[v][x[v]]) for v in range(n)] for x in xs])
+    cost = unary[side, cols].sum(axis=1)
+    mem = memory[side, cols].sum(axis=1)
+    if p.edges:
+        ends = np.array(list(p.edges), dtype=np.int64)
+        pair = np.array([[float(C[xs[s][u], xs[t][v]]) for (u, v), C in p.edges.items()]
+                         for s in (0, 1) for t in (0, 1)])  # [2 s + t, edge]
+        cost = cost + pair[2 * side[:, ends[:, 0]] + side[:, ends[:, 1]], np.arange(len(ends))[None, :]].sum(axis=1)
+    fits = np.flatnonzero(mem <= float(p.budget) * (1 + MIX_SLACK))
+    if len(fits) == 0:
+        return None
+    m = int(fits[np.argmin(cost[fits])])
+    choice = np.where(side[m] == 1, b, a).tolist()
+    if p.memory_of(choice) > float(p.budget):
+        return None  # within the slack only: not a plan of the budget as ``Problem`` prices it
+    return choice, p.evaluate(choice), parts[m]
