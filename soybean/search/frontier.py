@@ -208,9 +208,11 @@ class _Points:
     refs: np.ndarray | None = None
 
 
-def _join(a: _Points, b: _Points, sizes: list[int]) -> tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray]:
+def _join(a: _Points, b: _Points, sizes: list[int],
+          most: int = MAX_POINTS) -> tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray]:
     """The pairs of points of ``a`` and ``b`` that agree on their common variables (``sizes``: each variable's
-    strategy count): the joined scope, its assignments, and each pair's point of ``a`` and of ``b``."""
+    strategy count): the joined scope, its assignments, and each pair's point of ``a`` and of ``b`` (``TooLarge``
+    past ``most`` pairs)."""
     common = [v for v in a.scope if v in b.scope]
     radix = [sizes[v] for v in common]
     ka = _key(a.assign, [a.scope.index(v) for v in common], radix)
@@ -220,7 +222,7 @@ def _join(a: _Points, b: _Points, sizes: list[int]) -> tuple[tuple[int, ...], np
     lo = np.searchsorted(kb, ka, side="left")
     counts = np.searchsorted(kb, ka, side="right") - lo
     total = int(counts.sum())
-    if total > MAX_POINTS:
+    if total > most:
         raise TooLarge(f"a join of {total} points")
     ia = np.repeat(np.arange(len(ka)), counts)
     ib = order[np.repeat(lo - (np.cumsum(counts) - counts), counts) + np.arange(total)]
@@ -239,12 +241,12 @@ def _at(table: np.ndarray, scope: tuple[int, ...], of: tuple[int, ...], assign: 
 
 
 def solve_frontier(p: Problem, upper: float = float("inf"), multiplier: float = 0.0,
-                   deadline: float = float("inf")) -> list[int] | None:
+                   deadline: float = float("inf"), most: int = MAX_POINTS) -> list[int] | None:
     """The cheapest choice of ``p`` within its budget whose value is below ``upper``, exactly; None when no plan
     fits below ``upper`` (a plan of value ``upper`` already found is then optimal).  ``multiplier``: the budget's
     Lagrange multiplier the pruning prices memory at (any value is exact; the Lagrangian's best prunes most).
-    ``TooLarge`` when the elimination outgrows ``MAX_POINTS`` or ``MAX_TABLE`` or passes ``deadline``
-    (``time.perf_counter``)."""
+    ``TooLarge`` when the elimination outgrows ``most`` points in a join (``MAX_POINTS``) or ``MAX_TABLE`` or passes
+    ``deadline`` (``time.perf_counter``)."""
     assert p.memory is not None and p.budget is not None
     budget = float(p.budget) * (1 + SLACK)
     sizes = [len(u) for u in p.unary]
@@ -275,7 +277,7 @@ def solve_frontier(p: Problem, upper: float = float("inf"), multiplier: float = 
         cur = _Points(first.scope, first.assign, first.cost, first.mem)
         refs = np.arange(len(first.cost))[:, None]
         for i in ids[1:]:
-            scope, assign, ia, ib = _join(cur, pts[i], sizes)
+            scope, assign, ia, ib = _join(cur, pts[i], sizes, most)
             cur = _Points(scope, assign, cur.cost[ia] + pts[i].cost[ib], cur.mem[ia] + pts[i].mem[ib])
             refs = np.hstack([refs[ia], ib[:, None]])
             # Of the points of one assignment of the whole joined scope, one another beats stays beaten whatever

@@ -50,6 +50,7 @@ class Sides:
     beyond: list[int]
     within: list[int]
     bound: float
+    multiplier: float = 0.0  # the multiplier of ``bound`` (``frontier`` prunes by its relaxed costs)
 
 
 @dataclass

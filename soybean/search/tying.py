@@ -105,11 +105,11 @@ MIX_SLACK = 1e-12
 
 
 def mix_layers(p: Problem, beyond: Sequence[int], within: Sequence[int],
-               runs: Sequence[Run]) -> tuple[list[int], float, list[Run]] | None:
+               runs: Sequence[Run]) -> tuple[list[int], float] | None:
     """The cheapest plan of ``p`` within its budget that mixes plans ``beyond`` (over the budget) and ``within``
     layer by layer: a run's blocks ``0..k-1`` from one, the rest of that run from the other, every other variable
-    from the first (both orders, every run, every ``k``), as ``(choice, value, runs)``, the runs split at the cut
-    (each part still laid out alike); None when no mix fits, or the plans are equal.
+    from the first (both orders, every run, every ``k``), as ``(choice, value)``; None when no mix fits, or the
+    plans are equal.  ``alike`` says which layers it still lays out alike.
 
     Why it closes a duality gap: the Lagrangian's plans on either side of its peak ``lam*`` lie on one line
     ``cost + lam* (mem - M) = D(lam*)``, the dual's best bound.  Cost and memory are sums over variables and edges,
@@ -122,18 +122,13 @@ def mix_layers(p: Problem, beyond: Sequence[int], within: Sequence[int],
         return None
     n = p.n
     sides: list[np.ndarray] = []
-    parts: list[list[Run]] = []
-    for i, run in enumerate(runs):
-        others = [r for j, r in enumerate(runs) if j != i]
+    for run in runs:
         for k in range(1, len(run.blocks)):
             tail = [v for blk in run.blocks[k:] for v in blk]
-            split = [Run(run.prefix, run.first, run.first + k * run.period - 1, run.blocks[:k], run.period),
-                     Run(run.prefix, run.first + k * run.period, run.last, run.blocks[k:], run.period)]
             for first in (0, 1):
                 side = np.full(n, first, dtype=np.int8)
                 side[tail] = 1 - first
                 sides.append(side)
-                parts.append(others + [r for r in split if len(r.blocks) > 1])
     if not sides:
         return None
     side = np.stack(sides).astype(np.int64)  # [mixes, variables]: 0 takes ``beyond``'s strategy, 1 ``within``'s
@@ -155,4 +150,20 @@ def mix_layers(p: Problem, beyond: Sequence[int], within: Sequence[int],
     choice = np.where(side[m] == 1, b, a).tolist()
     if p.memory_of(choice) > float(p.budget):
         return None  # within the slack only: not a plan of the budget as ``Problem`` prices it
-    return choice, p.evaluate(choice), parts[m]
+    return choice, p.evaluate(choice)
+
+
+def alike(runs: Sequence[Run], choice: Sequence[int]) -> list[Run]:
+    """``runs`` split where ``choice`` lays a block out unlike the one before it: the stretches of at least two
+    blocks laid out alike, each a run (a plan that ties every run gives ``runs`` back)."""
+    out: list[Run] = []
+    for run in runs:
+        start = 0
+        for k in range(1, len(run.blocks) + 1):
+            if k < len(run.blocks) and [choice[v] for v in run.blocks[k]] == [choice[v] for v in run.blocks[k - 1]]:
+                continue
+            if k - start > 1:
+                out.append(Run(run.prefix, run.first + start * run.period, run.first + k * run.period - 1,
+                               run.blocks[start:k], run.period) if (start, k) != (0, len(run.blocks)) else run)
+            start = k
+    return out
