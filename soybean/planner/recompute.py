@@ -399,6 +399,13 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
             shift(c, i, r)
 
     def shift(c: int, i: int, r: Result) -> None:
+        """``shift_one`` of ``r``'s plan, and of its solve's tied plan where a mix replaced it (``Solution.tied``:
+        Mixtral-8x7B's tied plan of 16 layers recomputed shifts to 1,007.2 ms with 15, its mix to 1,008.4 ms)."""
+        shift_one(c, i, r)
+        if r.solution.tied is not None:
+            shift_one(c, i, evaluate(r.graph, replace(r.solution, choice=list(r.solution.tied), tied=None)))
+
+    def shift_one(c: int, i: int, r: Result) -> None:
         """A plan for free: ``r``'s tilings with fewer layers (on chain ``C``, attentions) recomputed, as many fewer
         as the memory it leaves under the budget pays for (each layer kept saves its rerun).  Every choice's table
         has the same variables and strategies (recomputation changes costs, not domains), so ``r``'s choice is a
@@ -444,16 +451,17 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
             k += 1  # the line was optimistic here: one more layer recomputed
 
     deadline = time.perf_counter() + search.options.time_limit_s
-    # A plan to prune by: the first chain's first choice (the least recomputed that can fit), shifted to the budget
-    # (``shift``); where it leaves no plan, its last too (all of its layers, the least memory: the most room for a
-    # fast tiling).  Otherwise the last is searched with the rest, bounded before it is solved: once the budget's
-    # plans are mixed layer by layer (``tying.mix_layers``) the first choice's plan lies near its own bound, and a
-    # last choice solved first cost Llama-3-70B on 8x4x2 (64 devices) its whole time limit for a plan 10% slower.
+    # Plans to prune by: the first chain's first choice (the least recomputed that can fit) and, where that choice
+    # recomputes something or leaves no plan, its last (all of its layers, the least memory: the most room for a
+    # fast tiling, shifted back to the budget by ``shift``: Mixtral-8x7B's best plan on 64 devices).  Where nothing
+    # recomputed fits, the last is searched with the rest, bounded before it is solved: the budget's plans mixed
+    # layer by layer (``tying.mix_layers``) put the first choice's plan near its own bound, and a last choice solved
+    # first cost Llama-3-70B on 8x4x2 (64 devices) its whole time limit for a plan 10% slower.
     start = floor if floor is not None else -math.inf
     ends = [0] if chains else []
     if chains:
         solve_choice(0, 0, start)
-        if best is None and len(chains[0]) > 1:
+        if (best is None or chains[0][0]) and len(chains[0]) > 1:
             solve_choice(0, len(chains[0]) - 1, start)
             ends.append(len(chains[0]) - 1)
     scale = best.step_time_s if best is not None else floor if floor is not None and math.isfinite(floor) else 0.0

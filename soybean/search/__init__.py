@@ -96,7 +96,7 @@ def _untied(p: Problem, runs: Sequence[Run], to: list[int], s: Solution, gap: fl
     status = "optimal" if relative_gap(value, bound) <= OPTIMAL_GAP else "feasible"
     kept = alike(runs, best)
     return Solution(best, value, bound, status, time.perf_counter() - t0, solver, s.free, s.sides,
-                    None if kept == list(runs) else tuple(kept))
+                    None if kept == list(runs) else tuple(kept), s.choice if best != s.choice else None)
 
 
 def _solve_free(p: Problem, solver: str, time_limit_s: float, gap: float, t0: float | None = None,

@@ -71,6 +71,9 @@ class Solution:
     # The repeated layers the plan still lays out alike, where a mix cut a run of those it was solved with (the
     # runs split at the cut, ``tying.mix_layers``); None: all of them.
     runs: tuple[Run, ...] | None = None
+    # The tied solve's own plan where a mix or the untied elimination replaced it: every layer alike, it may make a
+    # better plan of another problem than the one that replaced it (``planner.recompute``'s ``shift``).
+    tied: list[int] | None = None
 
 
 class SearchError(ValueError):
