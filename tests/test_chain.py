@@ -400,8 +400,8 @@ def test_a_choice_that_recomputes_is_bounded_by_its_dual_not_by_its_solve(settin
     """A solve under the budget holds each plan's memory summed less the least any plan's rerun frees
     (``rerun_credit``), a restriction of the modelled peak: a plan it leaves out can fit and be faster (here the
     plan of the first 3 layers recomputed, with layer 2 kept: 34.22 ms, where the solve of 2 layers recomputed
-    bounds every plan at 36.46 ms).  ``chain_search`` counts such a choice's own dual (a relaxation), so its bound
-    stays below that plan."""
+    bounds every plan at 36.46 ms).  ``chain_search`` counts such a choice's own dual (a relaxation), and so does
+    ``solve_fixed`` (one choice given), so their bounds stay below that plan."""
     import soybean.planner.recompute as rc
     from soybean.search import Solution
 
@@ -416,7 +416,9 @@ def test_a_choice_that_recomputes_is_bounded_by_its_dual_not_by_its_solve(settin
                                                       -math.inf, "feasible", 0.0, "shifted"))
     assert kept.memory <= budget
     assert solve_on(cap, mesh, s, recompute=two).solution.bound > kept.step_time_s * 1.01
+    fixed = rc.solve_fixed(cap, mesh, s, None, two)  # the choice given (``--recompute layers``): bounded so too
+    assert fixed.solution.bound <= kept.step_time_s * (1 + 1e-9) and fixed.solution.status == "feasible"
     monkeypatch.setattr(rc, "recompute_choices", lambda c: [[two]])
     got = solve_recompute(cap, mesh, s)
     assert got.recompute == two and got.memory <= budget
-    assert got.solution.bound <= kept.step_time_s
+    assert got.solution.bound <= kept.step_time_s * (1 + 1e-9)

@@ -34,6 +34,7 @@ from .solve import (
     evaluate,
     least_memory,
     now,
+    solve_on,
     solve_table_on,
 )
 
@@ -90,6 +91,26 @@ def chain_counts(cap: Captured, chains: Sequence[Sequence[frozenset[str]]]) -> l
         counted = layers if any(u in layers for u in chain[-1]) else att
         out.append([layers_in(units, counted) for units in chain])
     return out
+
+
+def solve_fixed(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent, units: frozenset[str]) -> Result:
+    """``solve_on`` of one recomputation choice (``--recompute layers`` or ``attention``).  Under a budget, where it
+    recomputes something, the solve's bound covers only the plans its memory restriction keeps (``chain_search``'s
+    ``exact``), so the plan's bound is the choice's own dual instead (``chain_dual``, a relaxation: every rerun
+    buffer taken back), tightened towards the plan, and never below the solve's bound without the budget."""
+    r = solve_on(cap, mesh, search, incumbent, units)
+    budget, objective = search.memory_bytes, search.options.objective
+    if budget is None or not units or objective != "time":
+        return r
+    from ..search.chain import MULTIPLIERS, tighten
+
+    t = r.step_time_s
+    runs = find_repeats(r.graph) if search.options.tie_layers and search.options.solver != "brute" else []
+    d = chain_dual(r.graph, len(units), runs, np.array(MULTIPLIERS) * t / budget, budget)
+    bound = min(r.solution.bound, max(tighten([d], t * (1 - search.options.gap)), r.solution.free))
+    status = r.solution.status if relative_gap(t, bound) <= search.options.gap else "feasible"
+    r.solution = replace(r.solution, bound=bound, status=status)
+    return r
 
 
 def solve_plain(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent = None) -> Result:
