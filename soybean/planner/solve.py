@@ -165,7 +165,7 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: Incumbent = None,
         problem = to_problem(g, objective, memory_bytes, overlap=ov, phase=phase, compute_credit=mu * BACKWARD_SHARE)
         r = evaluate(g, solve(problem, solver, search.options.time_limit_s, search.options.gap, runs, cutoff=cutoff,
                               enough=enough, hints=search.run.hints))
-        r.runs = list(r.solution.runs) if r.solution.runs is not None else runs  # a mix: its runs split at its cut
+        r.runs = list(r.solution.runs) if r.solution.runs is not None else runs  # a mix: the stretches laid out alike
         r.recompute = recompute
         return r
 
