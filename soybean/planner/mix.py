@@ -22,7 +22,7 @@ import numpy as np
 
 from ..graph import PlanGraph
 from ..search import Solution
-from ..search.tying import Run
+from ..search.tying import Run, cut_sides
 
 # Mixes priced exactly (``evaluate``) after the cheap sums ranked them: the sums are exact too, so the first that
 # fits the budget is the answer; the rest cover a memory budget the best mixes break.
@@ -55,23 +55,17 @@ def mixes(g: PlanGraph, a: Sequence[int], b: Sequence[int], runs: Sequence[Run],
                      for p in (0, 1) for q in (0, 1)])
     sync = np.array([[float(e.sync[xs[p][e.src], xs[q][e.dst]]) if e.sync is not None else 0.0 for e in g.edges]
                      for p in (0, 1) for q in (0, 1)])
-    sides: list[np.ndarray] = []
-    parts: list[list[Run]] = []
-    for i, run in enumerate(runs):
-        others = [r for j, r in enumerate(runs) if j != i]
-        for k in range(1, len(run.blocks)):
-            tail = [v for blk in run.blocks[k:] for v in blk]
-            split = [Run(run.prefix, run.first, run.first + k * run.period - 1, run.blocks[:k], run.period),
-                     Run(run.prefix, run.first + k * run.period, run.last, run.blocks[k:], run.period)]
-            kept = [r for r in split if len(r.blocks) > 1]
-            for first, second in ((0, 1), (1, 0)):  # the rest of the graph from ``first``'s plan
-                side = np.full(n, first, dtype=np.int64)
-                side[tail] = second
-                sides.append(side)
-                parts.append(others + kept)
-    if not sides:
+    side, cuts = cut_sides(n, runs)  # [mixes, vars]: the rest of the graph from the plan ``first``
+    if not cuts:
         return []
-    side = np.stack(sides)  # [mixes, vars]
+
+    def split(i: int, k: int) -> list[Run]:
+        """``runs`` with run ``i`` split at block ``k`` (each part of at least two blocks kept)."""
+        run = runs[i]
+        parts = [Run(run.prefix, run.first, run.first + k * run.period - 1, run.blocks[:k], run.period),
+                 Run(run.prefix, run.first + k * run.period, run.last, run.blocks[k:], run.period)]
+        return [r for j, r in enumerate(runs) if j != i] + [r for r in parts if len(r.blocks) > 1]
+
     cols = np.arange(n)[None, :]
     var_comp = comp[side, cols].sum(axis=1)
     var_op = op_comp[side, cols].sum(axis=1)
@@ -85,7 +79,7 @@ def mixes(g: PlanGraph, a: Sequence[int], b: Sequence[int], runs: Sequence[Run],
     for m in order.tolist():
         if not math.isfinite(float(t[m])):
             break
-        out.append((float(t[m]), np.where(side[m] == 1, cb, ca).tolist(), parts[m]))
+        out.append((float(t[m]), np.where(side[m] == 1, cb, ca).tolist(), split(*cuts[m][:2])))
     return out
 
 

@@ -100,6 +100,24 @@ def tie(p: Problem, runs: list[Run]) -> tuple[Problem, list[int]]:
     return q, to
 
 
+def cut_sides(n: int, runs: Sequence[Run]) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """Every mix of two plans of ``n`` variables cut inside one run of ``runs``: per mix, which plan each variable
+    takes (``[mixes, n]``, 0 or 1): blocks ``k..`` of run ``i`` from one, everything else from the other, for every
+    run, every ``k >= 1`` and both orders; and each mix's ``(i, k, first)``, ``first`` the plan everything but the
+    tail takes.  (``mix_layers`` and the capped overlap's ``planner.mix.mixes`` price them.)"""
+    sides: list[np.ndarray] = []
+    cuts: list[tuple[int, int, int]] = []
+    for i, run in enumerate(runs):
+        for k in range(1, len(run.blocks)):
+            tail = [v for blk in run.blocks[k:] for v in blk]
+            for first in (0, 1):
+                side = np.full(n, first, dtype=np.int64)
+                side[tail] = 1 - first
+                sides.append(side)
+                cuts.append((i, k, first))
+    return (np.stack(sides) if sides else np.zeros((0, n), dtype=np.int64)), cuts
+
+
 # Relative slack of the budget test of a mix: its memory summed in another order than ``Problem.memory_of``'s.
 MIX_SLACK = 1e-12
 
@@ -121,17 +139,9 @@ def mix_layers(p: Problem, beyond: Sequence[int], within: Sequence[int],
     if np.array_equal(a, b):
         return None
     n = p.n
-    sides: list[np.ndarray] = []
-    for run in runs:
-        for k in range(1, len(run.blocks)):
-            tail = [v for blk in run.blocks[k:] for v in blk]
-            for first in (0, 1):
-                side = np.full(n, first, dtype=np.int8)
-                side[tail] = 1 - first
-                sides.append(side)
-    if not sides:
+    side, _ = cut_sides(n, runs)  # [mixes, variables]: 0 takes ``beyond``'s strategy, 1 ``within``'s
+    if len(side) == 0:
         return None
-    side = np.stack(sides).astype(np.int64)  # [mixes, variables]: 0 takes ``beyond``'s strategy, 1 ``within``'s
     cols = np.arange(n)[None, :]
     xs = (a, b)
     unary = np.array([[float(p.unary[v][x[v]]) for v in range(n)] for x in xs])
