@@ -105,8 +105,7 @@ def solve_fixed(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent,
     from ..search.chain import MULTIPLIERS, tighten
 
     t = r.step_time_s
-    runs = find_repeats(r.graph) if search.options.tie_layers and search.options.solver != "brute" else []
-    d = chain_dual(r.graph, len(units), runs, np.array(MULTIPLIERS) * t / budget, budget)
+    d = chain_dual(r.graph, len(units), search.repeats(r.graph), np.array(MULTIPLIERS) * t / budget, budget)
     bound = min(r.solution.bound, max(tighten([d], t * (1 - search.options.gap)), r.solution.free))
     status = r.solution.status if relative_gap(t, bound) <= search.options.gap else "feasible"
     r.solution = replace(r.solution, bound=bound, status=status)
@@ -280,7 +279,6 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
 
     objective, budget, gap = search.options.objective, search.memory_bytes, search.options.gap
     counts = chain_counts(cap, chains)  # each choice's k
-    ties = search.options.tie_layers and search.options.solver != "brute"
     duals: dict[tuple[int, int], Dual] = {}
     repeats: dict[frozenset[str], list[Run]] = {}  # each choice's repeated layers (``runs_of``)
     broken: set[int] = set()  # chains whose tied problems were found not affine in k
@@ -318,7 +316,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     def runs_of(units: frozenset[str]) -> list[Run]:
         """The repeated layers of a choice's table, found once for its dual and its solve."""
         if units not in repeats:
-            repeats[units] = find_repeats(table(units)) if ties else []
+            repeats[units] = search.repeats(table(units))
         return repeats[units]
 
     def dual_of(c: int, i: int) -> Dual | None:

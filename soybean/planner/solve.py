@@ -112,6 +112,11 @@ class Search:
             placed[mesh] = self.profile.on_mesh(mesh, self.options.gpus_per_node)
         return placed[mesh]
 
+    def repeats(self, g: PlanGraph) -> list[Run]:
+        """The repeated layers of ``g`` this run's solves tie (``planner.repeats``): none with ``tie_layers`` off or
+        the brute-force solver, which solves untied."""
+        return find_repeats(g) if self.options.tie_layers and self.options.solver != "brute" else []
+
     def table(self, cap: Captured, mesh: Mesh, recompute: frozenset[str] = frozenset(),
               work: SharedWork | None = None) -> PlanGraph:
         """The candidate table of ``cap`` on ``mesh`` that ``solve_on`` solves (``work``: ``graph.SharedWork`` of
@@ -157,7 +162,7 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: Incumbent = None,
     if memory_bytes is not None and least > memory_bytes:
         raise MemoryBudgetError(least, g.mesh)
     if runs is None:
-        runs = find_repeats(g) if search.options.tie_layers and solver != "brute" else []
+        runs = search.repeats(g)
 
     def solved(mu: float = 0.0, phase: str = "activations", cutoff: float | None = None,
                enough: float | None = None) -> Result:
