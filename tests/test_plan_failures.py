@@ -150,14 +150,14 @@ def test_a_mesh_whose_solve_finds_no_plan_is_skipped(monkeypatch: pytest.MonkeyP
     with torch.device("meta"):
         m, inp = mlp(batch=8, hidden=8, layers=1)
     cap = capture(m, inp)
-    real = planner.solve_fixed
+    real = planner.solve_on
 
     def flaky(cap, mesh, *a, **k):
         if mesh.ndim == 2:
             raise SearchError("the ILP solver found no plan within 1 s: give more time (--time-limit)")
         return real(cap, mesh, *a, **k)
 
-    monkeypatch.setattr(planner, "solve_fixed", flaky)
+    monkeypatch.setattr(planner, "solve_on", flaky)
     p = plan(None, (), 4, objective="comm", baselines=False, captured=cap)
     assert p.mesh == [4] and [mm["mesh"] for mm in p.meshes] == [[4]]
     with pytest.raises(SearchError, match="no plan within 1 s"):

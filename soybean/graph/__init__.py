@@ -44,7 +44,7 @@ from .build import (
     value_name,
     value_source,
 )
-from .phases import freed_after, phase_memory, phase_peaks, rerun_freed
+from .phases import budget_memory, freed_after, least_peak, phase_memory, phase_peaks, rerun_freed
 from .pinning import PINNED, pinned_use, use_tiling
 from .types import Edge, PlanGraph, Var, VarKind
 from .units import attention_units, layer_of, node_layer, node_module, recomputable_layers, unit_of
@@ -54,5 +54,6 @@ __all__ = ["OUTPUT", "PINNED", "NoStrategyLeft", "SharedWork", "Edge", "PlanGrap
            "backend_only", "build",
            "edge_profile", "fallback_ops", "gc_paused", "freed_after", "layer_of", "node_layer", "node_module",
            "op_key",
-           "phase_memory", "phase_peaks", "pinned_use", "read_profile", "recomputable_layers", "rerun_freed",
+           "phase_memory", "phase_peaks", "budget_memory", "least_peak", "pinned_use", "read_profile",
+           "recomputable_layers", "rerun_freed",
            "returned_sum", "unit_of", "use_tiling", "value_name", "value_source", "written_inputs"]

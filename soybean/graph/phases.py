@@ -132,6 +132,28 @@ def phase_memory(v: Var, phase: str) -> np.ndarray:
     return v.memory
 
 
+def budget_memory(v: Var) -> np.ndarray:
+    """A variable's bytes per strategy as the budget's solves hold them: the activations phase less its rerun
+    buffer.  A plan's activations peak is ``sum - max(0, min(A, K))`` (``rerun_freed``) >= ``sum - A``, the sum of
+    these, so a budget on them is a relaxation: every plan that fits the peak fits it, and a solve's bound under it
+    bounds every plan that fits (its plan is checked against the peak: ``K < A`` can break it)."""
+    return phase_memory(v, "activations") - v.rerun_buffer if v.rerun_buffer is not None else \
+        phase_memory(v, "activations")
+
+
+def least_peak(g: PlanGraph) -> float:
+    """A lower bound of every plan's activations peak ``sum - max(0, min(A, K))``: the larger of the least sum
+    less its buffers (``budget_memory``) and the least sum less the most ``K`` (``freed_after``: the ops after
+    the last recomputed unit at their most, less the gradients at their least) any plan frees."""
+    act = [phase_memory(v, "activations") for v in g.vars]
+    least = sum(float(budget_memory(v).min()) for v in g.vars)
+    if not g.rerun_after:
+        return least
+    most = sum(float(_kept(v).max()) for v in g.vars[g.rerun_after:] if v.kind == "op") \
+        - sum(float(gp.min()) for i in g.rerun_grads if (gp := g.vars[i].grad_phase) is not None)
+    return max(least, sum(float(a.min()) for a in act) - max(0.0, most))
+
+
 def phase_peaks(g: PlanGraph, choice: list[int]) -> tuple[float, float]:
     """A plan's modelled peak in each phase (``phase_memory``): at the end of forward or while a unit reruns
     (less ``rerun_freed``), and after backward.  The step's peak is the larger."""

@@ -38,7 +38,7 @@ from ..tiling import Replicate
 from . import route_cache
 from .baselines import price as price_baselines
 from .mesh_pool import FEW_PER_WORKER, default_jobs, each_mesh
-from .recompute import budget_hints, recompute_units, solve_fixed, solve_plain, solve_recompute
+from .recompute import budget_hints, recompute_units, solve_plain, solve_recompute
 from .records import context_parallel_records, layer_rows, memory_breakdown, moe_records, reshard_records
 from .solve import (
     Incumbent,
@@ -49,6 +49,7 @@ from .solve import (
     SearchStopped,
     now,
     peaked,
+    solve_on,
     solve_table,
 )
 
@@ -200,7 +201,7 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
     def searched(m: Mesh, incumbent: Incumbent, tell: Callable[[str], None]) -> Result:
         tell(f"mesh {m}: build and solve")
         if recompute != "auto":
-            return solve_fixed(cap, m, search, incumbent, rec)
+            return solve_on(cap, m, search, incumbent, rec)
         floors = found.floors
         if m in floors and (cut := now(incumbent)) is not None and floors[m] >= cut:
             raise Pruned(floors[m], cut)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..graph import PlanGraph, phase_memory
+from ..graph import PlanGraph, budget_memory, phase_memory
 from ..options import OBJECTIVES
 from ..search import Problem, Run
 from ..search.chain import Dual, dual
@@ -33,8 +33,11 @@ def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
     compute, the cap ``planner.evaluate`` applies; ``compute_credit`` ``c`` also takes ``c`` times each op's
     compute (its ``compute_s`` less its communication inside) off its cost: with ``overlap = (1 - mu) o`` and
     ``c = mu b`` this is the Lagrangian member ``mu`` of the capped objective (``planner.capped_overlap``).
-    ``phase``: the memory the budget constrains (``graph.phase_memory``): the activations phase's, whose
-    plan the caller checks against the gradients phase, or ``sum``, both at once.
+    ``phase``: the memory the budget constrains: ``activations``, the activations phase less the rerun buffers
+    (``graph.budget_memory``), a relaxation of the modelled peak whose plan the caller checks against the peak and
+    the gradients phase; ``credited``, the activations phase less the ``rerun_credit`` every plan's rerun frees, a
+    restriction of it (its plans' activations fit; the gradients phase is checked); or ``sum``, both phases at once
+    less that credit, a restriction of both: every plan of it fits.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}: use comm or time")
@@ -43,9 +46,12 @@ def to_problem(g: PlanGraph, objective: str, memory_budget: float | None = None,
         for u, v in zip(unary, g.vars):
             if v.kind == "op":
                 u -= compute_credit * (u - (v.op_comm[:, 1] if v.op_comm is not None else 0.0))
-    memory = [phase_memory(v, phase) for v in g.vars] if memory_budget else None
-    # A plan's peak is its variables' memory less ``g.rerun_credit``: the budget on the sum grows by it.
-    budget = memory_budget + g.rerun_credit if memory_budget else None
+    memory, budget = None, None
+    if memory_budget and phase == "activations":  # a relaxation of the peak: each variable less its rerun buffer
+        memory, budget = [budget_memory(v) for v in g.vars], memory_budget
+    elif memory_budget:  # a restriction: a plan's peak is at most its variables' memory less ``g.rerun_credit``
+        memory = [phase_memory(v, "activations" if phase == "credited" else phase) for v in g.vars]
+        budget = memory_budget + g.rerun_credit
     p = Problem(unary, {}, memory, budget, [v.name for v in g.vars], layer_blocks(g))
     # Under ``comm`` the seconds only break ties: priced without overlap, a replicated weight's
     # gradient all-reduce and a split weight's gather/reduce-scatter stay tied on time as on bytes.
@@ -71,11 +77,9 @@ def chain_dual(g: PlanGraph, k: int, runs: Sequence[Run], lams: np.ndarray, budg
                cache: dict | None = None) -> Dual:
     """Choice ``k``'s ``search.chain.Dual`` on its table ``g``, tied by ``runs``, under ``budget`` bytes: ``T``
     member 0 of the capped overlap (``to_problem``'s default), ``M`` the activations phase less the rerun buffers
-    (``phase_memory`` less ``Var.rerun_buffer``: never above a plan's modelled peak, since the rerun credit never
-    exceeds the buffers it takes back)."""
+    (``graph.budget_memory``: never above a plan's modelled peak), as the budget's solves hold it."""
     p = to_problem(g, "time")
-    p.memory = [phase_memory(v, "activations") - (v.rerun_buffer if v.rerun_buffer is not None else 0.0)
-                for v in g.vars]
+    p.memory = [budget_memory(v) for v in g.vars]
     return dual(p, k, runs, lams, budget, [v.rerun_buffer is not None for v in g.vars], cache)
 
 

@@ -31,10 +31,10 @@ from .solve import (
     Result,
     Search,
     SearchStopped,
+    enough_memory,
     evaluate,
     least_memory,
     now,
-    solve_on,
     solve_table_on,
 )
 
@@ -93,25 +93,6 @@ def chain_counts(cap: Captured, chains: Sequence[Sequence[frozenset[str]]]) -> l
     return out
 
 
-def solve_fixed(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent, units: frozenset[str]) -> Result:
-    """``solve_on`` of one recomputation choice (``--recompute layers`` or ``attention``).  Under a budget, where it
-    recomputes something, the solve's bound covers only the plans its memory restriction keeps (``chain_search``'s
-    ``exact``), so the plan's bound is the choice's own dual instead (``chain_dual``, a relaxation: every rerun
-    buffer taken back), tightened towards the plan, and never below the solve's bound without the budget."""
-    r = solve_on(cap, mesh, search, incumbent, units)
-    budget, objective = search.memory_bytes, search.options.objective
-    if budget is None or not units or objective != "time":
-        return r
-    from ..search.chain import MULTIPLIERS, tighten
-
-    t = r.step_time_s
-    d = chain_dual(r.graph, len(units), search.repeats(r.graph), np.array(MULTIPLIERS) * t / budget, budget)
-    bound = min(r.solution.bound, max(tighten([d], t * (1 - search.options.gap)), r.solution.free))
-    status = r.solution.status if relative_gap(t, bound) <= search.options.gap else "feasible"
-    r.solution = replace(r.solution, bound=bound, status=status)
-    return r
-
-
 def solve_plain(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumbent = None) -> Result:
     """The fastest plan on ``mesh`` with nothing recomputed and no memory budget (``Pruned`` when its bound reaches
     ``incumbent``).  Recomputation only adds time (``solve_recompute``), so its ``solution.bound`` bounds every
@@ -149,7 +130,8 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumb
     ``k``.  ``free``: the choice of the plain table's fastest plan, when the caller solved it (``floor``'s plan):
     where it fits the budget with every layer recomputed, ``budget_bound`` is known not to prune and is skipped."""
     objective, budget = search.options.objective, search.memory_bytes
-    least: dict[frozenset[str], float] = {}
+    least: dict[frozenset[str], float] = {}  # each choice's least memory (``least_memory``: a lower bound)
+    enough: dict[frozenset[str], float] = {}  # and the memory its error names (``enough_memory``)
     recent: dict[frozenset[str], PlanGraph] = {}  # the last tables built, for the solve that follows a probe
     work = SharedWork()  # the layers two choices treat alike are built once
 
@@ -160,7 +142,7 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumb
             if len(recent) >= RECENT_TABLES:
                 recent.pop(next(iter(recent)))
             recent[units] = search.table(cap, mesh, units, work)
-            least[units] = least_memory(recent[units])
+            least[units], enough[units] = least_memory(recent[units]), enough_memory(recent[units])
         return recent[units]
 
     def fits(units: frozenset[str]) -> bool:
@@ -204,12 +186,12 @@ def solve_recompute(cap: Captured, mesh: Mesh, search: Search, incumbent: Incumb
         if any(chain[-1] <= u for u in misfit):
             continue
         if not fits(chain[-1]):
-            misfits.append(MemoryBudgetError(least[chain[-1]], mesh))
+            misfits.append(MemoryBudgetError(enough[chain[-1]], mesh))
             misfit.append(chain[-1])
             continue
         lo = 0 if budget is None else first_fitting(ks, *probes(chain), budget)
         if lo > 0:
-            misfits.append(MemoryBudgetError(least[chain[lo - 1]], mesh))
+            misfits.append(MemoryBudgetError(enough[chain[lo - 1]], mesh))
             misfit.append(chain[0])  # least memory only shrinks along a chain: its first cannot fit either
         starts.append(chain[lo:])
     return chain_search(cap, mesh, search, starts, table, incumbent, say, floor, misfits)
@@ -367,26 +349,6 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     def push(c: int, a: int, b: int, known: float = -math.inf) -> None:
         heapq.heappush(heap, (region_bound(c, a, b, known=known), c, a, b))
 
-    def exact(units: frozenset[str]) -> bool:
-        """Whether a solve's bound under the budget bounds every plan of choice ``units``.  Not where it recomputes
-        something: the solve's budget holds each plan's memory summed less ``rerun_credit``, the least any plan's
-        rerun frees (``to_problem``), a restriction of the modelled peak (less what the plan's own rerun frees,
-        ``graph.rerun_freed``), so a plan it leaves out may fit and be faster (one shifted from another choice,
-        ``shift``: a 10-layer transformer's plan of 34.22 ms that fits, where the solve of its choice bounded every
-        plan at 36.46 ms)."""
-        return budget is None or not units
-
-    def own(c: int, i: int, target: float | None) -> float:
-        """A bound of every plan of choice ``i`` that fits the modelled peak: its own dual (``chain_dual``, the memory
-        less every rerun buffer, a relaxation), tightened towards ``target``."""
-        nonlocal scale
-        if scale <= 0.0 and target is not None and math.isfinite(target):
-            scale = target  # the multipliers' scale, before the first plan sets it (``dual_of``)
-        d = dual_of(c, i)
-        if d is None:
-            return -math.inf
-        return d.bound if target is None or d.bound >= target else max(d.bound, tighten([d], target))
-
     def solve_choice(c: int, i: int, bound: float) -> None:
         nonlocal best, lowest, pruned
         solved.add((c, i))
@@ -400,16 +362,18 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
             r = solve_table_on(table(units), within, limit, units, runs=runs_of(units))
         except MemoryBudgetError as e:
             failed.append(e)
+            if budget is not None and least_memory(table(units)) <= budget:
+                lowest = min(lowest, bound)  # no plan found, yet some may fit: its bound stands
             return
         except Pruned as e:
-            lowest = min(lowest, max(bound, e.bound if exact(units) else own(c, i, limit)))
+            lowest = min(lowest, max(bound, e.bound))
             pruned = pruned or e
             frees[units] = max(frees.get(units, -math.inf), e.free)
             return
         except SearchError:  # no plan found in time: this choice's bound stands
             lowest = min(lowest, bound)
             return
-        lowest = min(lowest, max(bound, r.solution.bound if exact(units) else own(c, i, r.value(objective))))
+        lowest = min(lowest, max(bound, r.solution.bound))
         frees[units] = max(frees.get(units, -math.inf), r.solution.free)
         say(f"mesh {mesh}: recompute {len(units)} units: {r.value(objective):.4g} ({objective})")
         if best is None or r.value(objective) < best.value(objective):
@@ -667,14 +631,14 @@ def budget_hints(cap: Captured, model: torch.nn.Module | None, example_inputs: A
     """The options under which some plan on ``meshes`` fits ``search.memory_bytes`` where the given ones fit
     none: ``--recompute auto`` (when recomputation was not already free to choose; every layer recomputed is
     the least memory it reaches), ``--precision bf16-mixed`` (an fp32 model captured again under it, with
-    recomputation as given or free), each checked by the least modelled memory of the tables (``least_memory``),
-    never guessed.  Run only on the way to the error."""
+    recomputation as given or free), each checked by the memory the tables' errors name (``enough_memory``, which
+    some plan fits), never guessed.  Run only on the way to the error."""
     budget = search.memory_bytes
     if budget is None:
         return []
 
     def fits(c: Captured, units: frozenset[str]) -> bool:
-        return any(least_memory(search.table(c, m, units)) <= budget for m in meshes)
+        return any(enough_memory(search.table(c, m, units)) <= budget for m in meshes)
 
     hints: list[str] = []
     full = recompute_units(cap, "layers")

@@ -1,7 +1,7 @@
 """Solving one mesh's table: the search's settings (``Search``) and what a run learns as it goes (``PlannerRun``),
 a solve under the memory budget with the gradient sync's overlap capped by backward compute (``capped_overlap``),
 the modelled cost of a solution (``evaluate``), and the least memory any plan of a table reaches
-(``least_memory``, ``MemoryBudgetError``)."""
+(``least_memory``, ``enough_memory``, ``MemoryBudgetError``)."""
 from __future__ import annotations
 
 import math
@@ -17,12 +17,13 @@ from ..graph import (
     PlanGraph,
     SharedWork,
     build,
+    least_peak,
     phase_memory,
     phase_peaks,
 )
 from ..mesh import Mesh
 from ..options import PlanOptions
-from ..search import Hints, Pruned, Run, SearchError, Solution, relative_gap, solve
+from ..search import Hints, Infeasible, Pruned, Run, SearchError, Solution, relative_gap, solve
 from ..tiling import R
 from .baselines import batch_split, model_parallel_domains
 from .mix import EXACT_TRIES, mixed, mixes
@@ -158,9 +159,8 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: Incumbent = None,
     when it holds for member 0's plan (``capped_overlap``), that plan is returned as it is, its bound still a lower
     bound of every plan of ``g``.  ``runs``: ``g``'s repeated layers when the caller found them already."""
     objective, solver, memory_bytes = search.options.objective, search.options.solver, search.memory_bytes
-    least = least_memory(g)
-    if memory_bytes is not None and least > memory_bytes:
-        raise MemoryBudgetError(least, g.mesh)
+    if memory_bytes is not None and least_memory(g) > memory_bytes:
+        raise MemoryBudgetError(enough_memory(g), g.mesh)
     if runs is None:
         runs = search.repeats(g)
 
@@ -174,30 +174,37 @@ def solve_table_on(g: PlanGraph, search: Search, incumbent: Incumbent = None,
         r.recompute = recompute
         return r
 
-    # The budget binds the activations phase; a plan whose gradients phase breaks it is replaced by the best plan
-    # with both phases summed (an upper bound of the larger).  Only the activations phase's solves bound the step:
-    # the sum is a stricter budget than the peak's (a plan may fit the peak and not the sum), so its solves' bounds
-    # and cutoffs hold for its plans only, and the result keeps the activations phase's bound (measured: a
-    # 10-layer transformer, every layer recomputed, reported "optimal" at 70.4 ms under the sum where a plan of
-    # 55.2 ms fits).
+    # The budget binds the activations phase.  Its solve holds each variable's memory less its rerun buffer, a
+    # relaxation of the peak (``to_problem``): its bound bounds every plan that fits, and its plan, when it fits
+    # the peak and the gradients phase, is the best that does.  A plan that breaks the peak (its rerun frees less
+    # than its buffers, ``graph.rerun_freed``) is replaced by the best of the activations phase less only the
+    # credit every plan's rerun frees, and one whose gradients phase breaks the budget by the best with both phases
+    # summed: restrictions, whose solves' bounds and cutoffs hold for their plans only, so the result keeps the
+    # relaxation's bound (measured: a 10-layer transformer, every layer recomputed, reported "optimal" at 70.4 ms
+    # under the sum where a plan of 55.2 ms fits).
     r = solved(cutoff=now(incumbent))
     if memory_bytes is None or r.memory <= memory_bytes:
         if objective != "time" or (settle is not None and settle(r)):
             return r
         return peaked(search, capped_overlap(r, lambda mu, cut, need: solved(mu, "activations", cut, need),
                                               search.options.gap, incumbent, _hint(search), memory_bytes))
-    relaxed = r.solution.bound  # below every plan that fits: the activations phase alone is a relaxation
-    try:  # a sum solve's bound that reaches the incumbent says only that no plan of the sum's can beat it
-        r = solved(phase="sum", cutoff=now(incumbent))
-    except Pruned as e:
-        raise SearchError(f"mesh {g.mesh}: no plan within the budget in both phases at once beats {e.cutoff:.4g}; "
-                          f"the step's bound is {relaxed:.4g}") from None
+    relaxed = r.solution.bound  # below every plan that fits
+    for phase in ("credited", "sum") if phase_peaks(g, r.solution.choice)[0] > memory_bytes else ("sum",):
+        try:  # a restriction's bound that reaches the incumbent says only that none of its plans can beat it
+            r = solved(phase=phase, cutoff=now(incumbent))
+        except Pruned as e:
+            raise SearchError(f"mesh {g.mesh}: no plan within the budget's restriction ({phase}) beats "
+                              f"{e.cutoff:.4g}; the step's bound is {relaxed:.4g}") from None
+        except Infeasible:  # the restriction holds no plan: no plan found, though not every plan is ruled out
+            raise MemoryBudgetError(enough_memory(g), g.mesh) from None
+        if r.memory <= memory_bytes:
+            break
     if objective == "time" and not (settle is not None and settle(r)):
         try:
-            r = peaked(search, capped_overlap(r, lambda mu, cut, need: solved(mu, "sum", cut, need),
+            r = peaked(search, capped_overlap(r, lambda mu, cut, need: solved(mu, phase, cut, need),
                                                search.options.gap, incumbent, _hint(search), memory_bytes))
         except Pruned:
-            pass  # the sum's members cannot beat the incumbent: its first plan stands, with the bound below
+            pass  # the restriction's members cannot beat the incumbent: its first plan stands, with the bound below
     t = r.solution.objective if objective != "time" else r.step_time_s
     bound = min(relaxed, r.solution.bound, t)
     status = r.solution.status if relative_gap(t, bound) <= search.options.gap else "feasible"
@@ -279,7 +286,8 @@ def capped_overlap(first: Result, solved: Callable[[float, float | None, float],
                 raise Pruned(max(bound, e.bound), cut if cut is not None else e.bound, e.free) from None
             if r.solution.bound > bound:
                 bound, peak = r.solution.bound, mu
-            best = min(best, r, key=lambda x: x.step_time_s)
+            if budget is None or r.memory <= budget:  # a member's budget is a relaxation of the peak
+                best = min(best, r, key=lambda x: x.step_time_s)
             key = tuple(r.solution.choice)
             if key in seen and hi is not None:
                 break  # found again where two lines cross: the envelope of the plans found is the dual at its peak
@@ -328,10 +336,17 @@ def _mixed_best(best: Result, found: Sequence[Result], line: Callable[[Result], 
 
 
 def least_memory(g: PlanGraph) -> float:
-    """The smallest per-device memory any plan of ``g`` reaches: memory is a sum of one term per
-    variable (less the constant ``rerun_credit``) in each phase (``graph.phase_memory``), so each variable's
-    cheapest strategy together is the exact minimum of each phase, and the larger of the two a lower bound of the
-    step's (exact when one strategy per variable is cheapest in both)."""
+    """A lower bound of every plan's per-device memory: the larger of its two phases' (``graph.phase_memory``),
+    each a sum of one term per variable, bounded by each variable's least term (the activations phase by
+    ``graph.least_peak``, whose plans' reruns may free more than the ``rerun_credit`` all of them free).  No plan
+    of ``g`` fits a budget below it."""
+    return max(least_peak(g), float(sum(phase_memory(v, "gradients").min() for v in g.vars)))
+
+
+def enough_memory(g: PlanGraph) -> float:
+    """The memory a ``MemoryBudgetError`` names for ``g``: each phase's least, the activations' less only the
+    ``rerun_credit`` every plan's rerun frees (``least_memory`` where nothing reruns); a plan fits it where one
+    strategy of each variable is cheapest in both phases."""
     act = float(sum(phase_memory(v, "activations").min() for v in g.vars)) - g.rerun_credit
     return max(act, float(sum(phase_memory(v, "gradients").min() for v in g.vars)))
 

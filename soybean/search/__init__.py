@@ -17,7 +17,18 @@ from .columns import Hints
 from .diffusion import diffusion_bound
 from .dp import solve_dp
 from .frontier import TooLarge, solve_frontier
-from .ilp import OPTIMAL_GAP, TARGET_GAP, Pruned, SearchError, Sides, Solution, _infeasible, relative_gap, solve_ilp
+from .ilp import (
+    OPTIMAL_GAP,
+    TARGET_GAP,
+    Infeasible,
+    Pruned,
+    SearchError,
+    Sides,
+    Solution,
+    _infeasible,
+    relative_gap,
+    solve_ilp,
+)
 from .problem import Problem, isolated, lower_bound, reduce
 from .tying import Run, alike, mix_layers, tie
 
@@ -187,5 +198,5 @@ def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t
 
 __all__ = [
     "Problem", "SearchError", "Solution", "solve", "solve_ilp", "solve_dp", "brute_force", "reduce",
-    "TARGET_GAP", "relative_gap", "Run", "tie", "Pruned", "lower_bound", "Hints",
+    "TARGET_GAP", "relative_gap", "Run", "tie", "Pruned", "Infeasible", "lower_bound", "Hints",
 ]

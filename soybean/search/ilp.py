@@ -80,11 +80,15 @@ class SearchError(ValueError):
     """No plan: the constraints cannot be met, or the solver found none; the message names the fix."""
 
 
+class Infeasible(SearchError):
+    """No plan satisfies the problem's memory budget: proven, not a solve that ran out of time."""
+
+
 def _infeasible(p: Problem, time_limit_s: float) -> SearchError:
     """The error for a solve HiGHS calls infeasible: the budget when there is one; else (every plan is allowed)
     the solver gave up, which it reports so on problems too large for its time."""
     if p.budget is not None:
-        return SearchError("no plan satisfies the memory budget: raise it")
+        return Infeasible("no plan satisfies the memory budget: raise it")
     return SearchError(f"the ILP solver gave up within {time_limit_s:g} s on a problem of {p.n} variables with no "
                        "memory constraint: give more time (--time-limit) or use --solver dp")
 
