@@ -130,6 +130,26 @@ def test_the_search_finds_a_fitting_plan_priced_exactly_with_a_true_bound(settin
     assert full.solution.bound <= short.step_time_s * (1 + 1e-9)
 
 
+def test_a_search_stopped_by_its_time_limit_raises_the_bounds_it_left(setting: tuple,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A search stopped right after its first solves leaves regions bounded by their duals at the first multipliers
+    only; ``settle`` raises them towards the plan (stretch ends tightened, singles by their own duals) for a share
+    of the time limit: a higher bound than without it, still below the best plan of every choice."""
+    import soybean.planner.recompute as rc
+
+    cap, mesh, search, budget, chains = setting
+    s = Search(search.profile, PlanOptions(time_limit_s=1e-6), budget)
+    got = {}
+    for share in (0.0, 1e7):  # none; all the time the regions need
+        monkeypatch.setattr(rc, "SETTLE_SHARE", share)
+        got[share] = solve_recompute(cap, mesh, s)
+    loose, settled = got[0.0], got[1e7]
+    assert settled.step_time_s == pytest.approx(loose.step_time_s, rel=1e-12)
+    assert settled.solution.bound > loose.solution.bound * (1 + 1e-6)
+    best = min(t for chain in chains for t in _plans(cap, mesh, search, chain, 0, len(chain) - 1).values())
+    assert settled.solution.bound <= best * (1 + 1e-9) and settled.solution.bound <= settled.step_time_s
+
+
 def _same_plan_true_bounds(other: Result, default: Result, budget: float) -> None:
     """Two searches of one mesh that differ in what they bound: the same step time, the default's plan fits, and
     each one's bound is below both plans."""
