@@ -23,7 +23,6 @@ from .ilp import (
     Infeasible,
     Pruned,
     SearchError,
-    Sides,
     Solution,
     _infeasible,
     relative_gap,
@@ -191,9 +190,8 @@ def _solve_budget(p: Problem, solver: str, time_limit_s: float, target: float, t
                           "give more time (--time-limit) or a larger budget (--memory-gb)")
     status = "optimal" if gap() <= OPTIMAL_GAP else "feasible"
     name = best.solver if dual.solves <= 1 or best.solver.endswith("lagrangian") else f"{best.solver}+lagrangian"
-    sides = Sides(*dual.sides, dual.bound, dual.multiplier) if dual.sides is not None else None
     return Solution(best.choice, best.objective, min(bound, best.objective), status, time.perf_counter() - t0, name,
-                    dual.free, sides)
+                    dual.free, dual.sides)
 
 
 __all__ = [

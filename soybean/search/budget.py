@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .ilp import Pruned, SearchError, Solution
+from .ilp import Pruned, SearchError, Sides, Solution
 from .problem import Problem
 
 # Multiplier steps at most.
@@ -55,10 +55,11 @@ class Dual:
     solves: int
     multiplier: float = 0.0     # the multiplier of the best bound (``frontier`` prunes by its relaxed costs)
     free: float = -float("inf")  # the bound at multiplier 0: of the problem without its budget (``Solution.free``)
-    # The relaxed plans of the last two lines on either side of the dual's peak: one beyond the budget, one within
-    # (None until the search has both).  Plans between them, which no multiplier finds, are where the duality gap
-    # is: a stack of repeated layers makes them by mixing the two layer by layer (``tying.mix_layers``).
-    sides: tuple[list[int], list[int]] | None = None
+    # The relaxed plans of the last two lines on either side of the dual's peak, one beyond the budget and one
+    # within, with the bound (None until the search has both).  Plans between them, which no multiplier finds, are
+    # where the duality gap is: a stack of repeated layers makes them by mixing the two layer by layer
+    # (``tying.mix_layers``).
+    sides: Sides | None = None
 
 
 def relaxed(p: Problem, lam: float) -> Problem:
@@ -114,7 +115,7 @@ def lagrangian(p: Problem, solve_free: Callable[[Problem, float | None], Solutio
         return p.evaluate(sol.choice), p.memory_of(sol.choice)
 
     def done() -> Dual:
-        sides = (beyond, within) if beyond is not None and within is not None else None
+        sides = Sides(beyond, within, bound, best_lam) if beyond is not None and within is not None else None
         return Dual(best, bound, solves, best_lam, at_zero, sides)
 
     try:
