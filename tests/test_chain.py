@@ -150,6 +150,31 @@ def test_a_search_stopped_by_its_time_limit_raises_the_bounds_it_left(setting: t
     assert settled.solution.bound <= best * (1 + 1e-9) and settled.solution.bound <= settled.step_time_s
 
 
+def test_a_choice_whose_solve_finds_nothing_in_time_is_bounded_by_its_own_dual(setting: tuple,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A choice whose solve runs out of time without a plan (here the last one, solved up front) leaves no bound of
+    its own; the search bounds it by its own dual at the end, not by the plain table's floor it was solved under:
+    the search's bound stays above that floor and below the best plan of every choice."""
+    import soybean.planner.recompute as rc
+    from soybean.search import SearchError
+
+    cap, mesh, search, budget, chains = setting
+    last, solve = chains[0][-1], rc.solve_table_on
+
+    def slow(*a: object, **k: object) -> Result:
+        if (a[3] if len(a) > 3 else k.get("recompute")) == last:
+            raise SearchError("the ILP solver found no plan within 1 s: give more time (--time-limit)")
+        return solve(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rc, "solve_table_on", slow)
+    s = Search(search.profile, PlanOptions(time_limit_s=60.0), budget)
+    floor = solve_on(cap, mesh, Search(search.profile)).solution.bound  # the plain table's, without the budget
+    got = solve_recompute(cap, mesh, s)
+    assert got.solution.bound > floor * (1 + 1e-6)
+    best = min(t for chain in chains for t in _plans(cap, mesh, search, chain, 0, len(chain) - 1).values())
+    assert got.solution.bound <= best * (1 + 1e-9)
+
+
 def _same_plan_true_bounds(other: Result, default: Result, budget: float) -> None:
     """Two searches of one mesh that differ in what they bound: the same step time, the default's plan fits, and
     each one's bound is below both plans."""

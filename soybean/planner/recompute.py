@@ -345,13 +345,17 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         return max(got, d.bound if d.bound >= target else tighten([d], target)), True
 
     heap: list[tuple[float, int, int, int]] = []
+    counted: set[tuple[int, int]] = set()  # choices whose solve's bound is counted in ``lowest``
+    unbounded: list[tuple[float, int, int, int]] = []  # choices whose solve found no plan and no bound of its own
 
     def settle(left: list[tuple[float, int, int, int]], target: float) -> float:
-        """The least bound of the regions ``left`` when the time limit stops the search, each raised towards
-        ``target`` by the duals it was pushed without (a stretch's ends tightened, a short stretch's or a single's
-        choices each by its own), lowest first, for at most ``SETTLE_SHARE`` of the time limit more: a region is
-        pushed with the bound its duals give at the first multipliers, often the plain table's floor (Llama-3-70B on
-        8x8x8, 512 devices: regions left at 4.634 s beside a plan of 6.32 s whose choice's own dual is 6.31 s)."""
+        """The least bound of the regions ``left`` when the time limit stops the search (and of the choices whose
+        solve found neither a plan nor a bound, at its end), each raised towards ``target`` by the duals it was
+        pushed without (a stretch's ends tightened, a short stretch's or a single's choices each by its own), lowest
+        first, for at most ``SETTLE_SHARE`` of the time limit more: a region is pushed with the bound its duals give
+        at the first multipliers, and a choice solved up front has only the plain table's floor (Llama-3-70B on
+        8x8x8, 512 devices: its every-layer choice's solve ran out of time, and the run's bound was that floor,
+        4.634 s, beside a plan of 6.32 s whose choice's own dual is 6.31 s)."""
         until = time.perf_counter() + SETTLE_SHARE * search.options.time_limit_s
         got = math.inf
         for bound, c, a, b in sorted(left):
@@ -360,7 +364,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
                     bound = region_bound(c, a, b, target, bound)
                 else:  # a choice solved already counts its solve's bound in ``lowest``
                     bound = min((max(bound, free_of(c, i, target), own(c, i, target)) for i in range(a, b + 1)
-                                 if (c, i) not in solved), default=math.inf)
+                                 if (c, i) not in counted), default=math.inf)
             got = min(got, bound)
         return got
 
@@ -387,16 +391,20 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         except MemoryBudgetError as e:
             failed.append(e)
             if budget is not None and least_memory(table(units)) <= budget:
-                lowest = min(lowest, bound)  # no plan found, yet some may fit: its bound stands
+                unbounded.append((bound, c, i, i))  # no plan found, yet some may fit: bounded at the end
+            else:
+                counted.add((c, i))
             return
         except Pruned as e:
+            counted.add((c, i))
             lowest = min(lowest, max(bound, e.bound))
             pruned = pruned or e
             frees[units] = max(frees.get(units, -math.inf), e.free)
             return
-        except SearchError:  # no plan found in time: this choice's bound stands
-            lowest = min(lowest, bound)
+        except SearchError:  # no plan found in time: bounded at the end, by its own dual
+            unbounded.append((bound, c, i, i))
             return
+        counted.add((c, i))
         lowest = min(lowest, max(bound, r.solution.bound))
         frees[units] = max(frees.get(units, -math.inf), r.solution.free)
         say(f"mesh {mesh}: recompute {len(units)} units: {r.value(objective):.4g} ({objective})")
@@ -528,6 +536,10 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
             continue
         push(c, a, m, bound)
         push(c, m, b, bound)
+    if unbounded:  # each by its own dual, towards what would prove the plan (or prune the mesh)
+        other, mine = cut_of(incumbent, objective), best.value(objective) if best is not None else None
+        aim = min(x for x in (other, mine * (1 - gap) if mine is not None else None, math.inf) if x is not None)
+        lowest = min(lowest, settle(unbounded, aim))
     if best is None:
         if pruned is not None and not stopped and lowest >= pruned.cutoff:  # every region reached the incumbent
             raise Pruned(lowest if lowest < math.inf else pruned.bound, pruned.cutoff)
