@@ -145,13 +145,12 @@ def least_peak(g: PlanGraph) -> float:
     """A lower bound of every plan's activations peak ``sum - max(0, min(A, K))``: the larger of the least sum
     less its buffers (``budget_memory``) and the least sum less the most ``K`` (``freed_after``: the ops after
     the last recomputed unit at their most, less the gradients at their least) any plan frees."""
-    act = [phase_memory(v, "activations") for v in g.vars]
     least = sum(float(budget_memory(v).min()) for v in g.vars)
     if not g.rerun_after:
         return least
     most = sum(float(_kept(v).max()) for v in g.vars[g.rerun_after:] if v.kind == "op") \
         - sum(float(gp.min()) for i in g.rerun_grads if (gp := g.vars[i].grad_phase) is not None)
-    return max(least, sum(float(a.min()) for a in act) - max(0.0, most))
+    return max(least, sum(float(phase_memory(v, "activations").min()) for v in g.vars) - max(0.0, most))
 
 
 def phase_peaks(g: PlanGraph, choice: list[int]) -> tuple[float, float]:

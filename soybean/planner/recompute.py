@@ -340,9 +340,9 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         got = region_bound(c, i, i, known=known)
         if got < target:  # its bound without the budget first: it prunes every choice that reruns more as well
             got = max(got, free_of(c, i, target))
-        if got >= target or tally[1] > SINGLE_ODDS * tally[0] or (d := dual_of(c, i)) is None:
+        if got >= target or tally[1] > SINGLE_ODDS * tally[0] or dual_of(c, i) is None:
             return got, False
-        return max(got, d.bound if d.bound >= target else tighten([d], target)), True
+        return max(got, own(c, i, target)), True
 
     heap: list[tuple[float, int, int, int]] = []
     counted: set[tuple[int, int]] = set()  # choices whose solve's bound is counted in ``lowest``
@@ -373,6 +373,11 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         if (d := dual_of(c, i)) is None:
             return -math.inf
         return d.bound if d.bound >= target else max(d.bound, tighten([d], target))
+
+    def aim() -> float:
+        """What prunes a region now: the incumbent, or a bound within ``gap`` of this mesh's best plan."""
+        other, mine = cut_of(incumbent, objective), best.value(objective) if best is not None else None
+        return min(x for x in (other, mine * (1 - gap) if mine is not None else None, math.inf) if x is not None)
 
     def push(c: int, a: int, b: int, known: float = -math.inf) -> None:
         heapq.heappush(heap, (region_bound(c, a, b, known=known), c, a, b))
@@ -492,8 +497,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         bound, c, a, b = heapq.heappop(heap)
         other = cut_of(incumbent, objective)
         mine = best.value(objective) if best is not None else None
-        # what prunes this region: the incumbent, or a bound within ``gap`` of this mesh's best plan
-        target = min(x for x in (other, mine * (1 - gap) if mine is not None else None, math.inf) if x is not None)
+        target = aim()
         consulted = False  # a single choice's own dual worked out for it
         if target < math.inf and a == b and (c, a) not in solved:
             bound, consulted = single_bound(c, a, target, bound)
@@ -537,9 +541,7 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
         push(c, a, m, bound)
         push(c, m, b, bound)
     if unbounded:  # each by its own dual, towards what would prove the plan (or prune the mesh)
-        other, mine = cut_of(incumbent, objective), best.value(objective) if best is not None else None
-        aim = min(x for x in (other, mine * (1 - gap) if mine is not None else None, math.inf) if x is not None)
-        lowest = min(lowest, settle(unbounded, aim))
+        lowest = min(lowest, settle(unbounded, aim()))
     if best is None:
         if pruned is not None and not stopped and lowest >= pruned.cutoff:  # every region reached the incumbent
             raise Pruned(lowest if lowest < math.inf else pruned.bound, pruned.cutoff)
