@@ -65,7 +65,12 @@ class PlanOptions:
     none); ``microbatches``: per step with stages, None is the number of stages; ``schedule``: the pipeline
     schedule (``SCHEDULES``); ``virtual_stages``: stages per rank group, None is ``DEFAULT_VIRTUAL_STAGES`` under
     an interleaved schedule (``MULTI_STAGE``) and 1 under the others (``virtual``); ``placement``: ``"none"`` or
-    ``"auto"`` (branches on their own device groups where faster; None reads as ``"none"``)."""
+    ``"auto"`` (branches on their own device groups where faster; None reads as ``"none"``).
+
+    ``inflight`` (API only: the pipeline planner sets it for each stage it plans): the microbatches whose
+    activations a device holds at once, 1F1B's first stage holding as many as there are stages; every op's
+    kept activations are priced that many times (``graph.build``), so the memory budget and the recomputation
+    search see the stage's true peak."""
 
     devices: int | None = None
     mesh: tuple[int, ...] | None = None
@@ -92,6 +97,7 @@ class PlanOptions:
     virtual_stages: int | None = None
     placement: str = "none"
     outputs: str = "lazy"
+    inflight: int = 1
 
     def __post_init__(self) -> None:
         mesh = self.mesh
@@ -131,6 +137,9 @@ class PlanOptions:
             raise ValueError(f"--jobs must be >= 1, got {self.jobs}")
         if self.memory_gb is not None and self.memory_gb <= 0:
             raise ValueError(f"--memory-gb must be positive GiB, got {self.memory_gb:g}")
+        if self.inflight < 1:
+            raise ValueError(f"inflight is the microbatches whose activations are held at once: at least 1, got "
+                             f"{self.inflight}")
         self._check_kind()
 
     def _check_kind(self) -> None:

@@ -194,6 +194,9 @@ class Plan:
     # how split non-scalar outputs were priced (``options.OUTPUTS``): ``lazy``, left split along dim 0 where cheaper
     # (the tilings under ``nodes["output"]``), or ``full``, gathered whole (a plan saved before the option)
     outputs: str = "full"
+    # microbatches whose activations a device holds at once (``PlanOptions.inflight``: a pipeline stage's plan),
+    # each op's kept bytes priced that many times in ``memory``; no ``inflight`` key in the JSON for 1
+    inflight: int = 1
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -261,6 +264,8 @@ class Plan:
         for key in ("moe", "context_parallel"):
             if not d[key]:
                 del d[key]
+        if d["inflight"] == 1:
+            del d["inflight"]
         return d
 
     def to_json(self) -> str:

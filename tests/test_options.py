@@ -29,7 +29,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_every_field_has_one_flag_and_the_cli_reads_it_back() -> None:
-    assert {f for f, _, _ in FLAGS} == FIELDS - {"mode", "local_batch"}  # API-only: the CLI plans the optimum
+    assert {f for f, _, _ in FLAGS} == FIELDS - {"mode", "local_batch", "inflight"}  # API-only
     parser = cli.build_parser()
     for cmd in (["plan", "m:f", "--devices", "8"], ["explain", "m:f", "--devices", "8"],
                 ["draw", "m:f", "--devices", "8", "--out", "x.svg"]):

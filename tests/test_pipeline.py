@@ -8,6 +8,7 @@ import contextlib
 import copy
 import json
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -213,22 +214,40 @@ def test_the_command_line_plans_stages(capsys: pytest.CaptureFixture) -> None:
     assert "use microbatches in [1, 2, 4, 8]" in capsys.readouterr().err
 
 
-def test_a_forced_pipeline_over_the_budget_with_its_microbatches_in_flight_warns() -> None:
-    """1F1B's first stage holds 2 microbatches' activations: a budget that fits one but not two is a warning naming
-    the stage."""
+def test_each_stage_is_planned_with_its_microbatches_in_flight() -> None:
+    """1F1B's first stage of two holds 2 microbatches' activations, its last 1: each stage is planned with them
+    (``PlanOptions.inflight``), its kept activations priced twice (the peak one microbatch's activations above the
+    same layout's with one).  A budget that the first stage's fastest plan fits with one microbatch but not two is
+    met by recomputing both its blocks (its memory with both in flight within the budget, no warning); a budget no
+    plan fits with two but one does plans it with one and warns, naming the stage."""
     from soybean.api import micro_inputs
     from soybean.cost.memory import MEMORY_HEADROOM
     from soybean.options import PlanOptions
-    from soybean.parts.pipeline_plan import plan_pipeline
+    from soybean.parts.pipeline_plan import plan_pipeline, stage_plan
+    from soybean.parts.stages import even_bounds, layers, split
 
     model, inputs = transformer(batch=8, seq=16, hidden=32, layers=4, heads=2)
     cap = capture(model, micro_inputs(inputs, {}, 2)[0])
     _, plans, top = plan_pipeline(cap, 2, 2, 2, "1f1b", PlanOptions(devices=2))
-    first = (top.pipeline or {})["stages"][0]
-    assert first["memory_bytes"] == pytest.approx(plans[0].memory["peak"] + plans[0].memory["activations"])
-    gb = plans[0].memory["peak"] * 1.01 / 2**30 / (1 - MEMORY_HEADROOM)
+    assert [p.inflight for p in plans] == [2, 1]
+    assert [s["memory_bytes"] for s in (top.pipeline or {})["stages"]] == [p.memory["peak"] for p in plans]
+    one = stage_plan(split(cap, even_bounds(len(layers(cap)), 2))[0].cap, 1, PlanOptions(devices=1), 1)
+    assert one.inflight == 1 and one.recompute == plans[0].recompute == []
+    assert plans[0].memory["activations"] == pytest.approx(2 * one.memory["activations"])
+    assert plans[0].memory["peak"] == pytest.approx(one.memory["peak"] + one.memory["activations"])
+
+    def gb(nbytes: float) -> float:
+        return nbytes / 2**30 / (1 - MEMORY_HEADROOM)
+
+    budget = one.memory["peak"]  # fits one microbatch's activations, not two
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, fitted, top = plan_pipeline(cap, 2, 2, 2, "1f1b", PlanOptions(devices=2, memory_gb=gb(budget)))
+    assert fitted[0].inflight == 2 and fitted[0].recompute == ["blocks.0", "blocks.1"]
+    assert (top.pipeline or {})["stages"][0]["memory_bytes"] <= budget
     with pytest.warns(UserWarning, match=r"pipeline stages \[0\] need up to"):
-        plan_pipeline(cap, 2, 2, 2, "1f1b", PlanOptions(devices=2, memory_gb=gb))
+        _, tight, _ = plan_pipeline(cap, 2, 2, 2, "1f1b", PlanOptions(devices=2, memory_gb=gb(0.9 * budget)))
+    assert tight[0].inflight == 1  # no plan fits two microbatches: planned with one
 
 
 def test_explain_and_draw_show_each_stage(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -666,6 +685,47 @@ def test_diff_compares_the_stages() -> None:
     assert diff(a, whole)[-1] == "pipeline: 2 stages -> none"
 
 
+def _inflight_model() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    model, inputs = transformer(batch=8, seq=16, hidden=32, layers=4, heads=2)
+    return model.double(), tuple(x.double() for x in inputs)
+
+
+def _inflight(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor], str, float]:
+    """Two 1F1B stages of 2 microbatches under a budget the first stage's fastest plan fits with one microbatch's
+    activations but not with the two it holds (``test_each_stage_is_planned_with_its_microbatches_in_flight``)."""
+    import soybean
+    from soybean.api import micro_inputs
+    from soybean.cost.memory import MEMORY_HEADROOM
+    from soybean.options import PlanOptions
+    from soybean.parts.pipeline_plan import stage_plan
+    from soybean.parts.stages import even_bounds, layers, split
+
+    torch.set_num_threads(1)
+    model, inputs = _inflight_model()
+    cap = capture(model, micro_inputs(inputs, {}, 2)[0])
+    first = split(cap, even_bounds(len(layers(cap)), 2))[0].cap
+    budget = stage_plan(first, 1, PlanOptions(devices=1), 1).memory["peak"]
+    pm = soybean.parallelize(model, inputs, devices=world, pipeline=2, microbatches=2, schedule="1f1b",
+                             memory_gb=budget / 2**30 / (1 - MEMORY_HEADROOM))
+    return _steps(pm, 3, *inputs, loss_fn=lambda out: out), _own(pm, model), pm.plan.to_json(), budget
+
+
+def _a_stage_recomputing_for_its_microbatches_in_flight_trains_as_serial(got: list) -> None:
+    """The first stage reruns both its blocks to hold two microbatches within the budget, and the pipeline trains
+    as serial."""
+    model, inputs = _inflight_model()
+    ref = serial_losses(model, 3, *inputs)
+    params: dict[str, torch.Tensor] = {}
+    for losses, p, _, _ in got:
+        assert losses == pytest.approx(ref, rel=1e-10)
+        params.update(p)
+    for k, v in model.named_parameters():
+        torch.testing.assert_close(params[k], v.detach(), rtol=1e-10, atol=1e-12)
+    first = json.loads(got[0][2])["pipeline"]["stages"][0]
+    assert first["plan"]["recompute"] == ["blocks.0", "blocks.1"] and first["plan"]["inflight"] == 2
+    assert first["memory_bytes"] <= got[0][3]
+
+
 # ---- on gloo processes: one spawn per world size runs every case in turn (their start-up was most of each run) ----
 
 AUTO_GB = 0.015  # tight for float64 here (test_the_command_line_searches_stages_with_auto: roomy, and fp32 tight)
@@ -676,7 +736,7 @@ def _two_process_cases(rank: int, world: int, path: str) -> dict[str, object]:
     directory."""
     return {"1f1b": _pipelined(rank, world, "1f1b", 4, False, 3), "outside": _mlp_pipelined(rank, world, 3),
             "tied": _tied(rank, world, 3, f"{path}/tied"), "checkpoints": _checkpoints(rank, world, f"{path}/ckpt"),
-            "auto": _auto(rank, world, AUTO_GB)}
+            "auto": _auto(rank, world, AUTO_GB), "inflight": _inflight(rank, world)}
 
 
 @pytest.mark.dist
@@ -687,12 +747,13 @@ def test_pipelines_on_two_processes_train_as_serial(tmp_path: Path) -> None:
     (weights and AdamW's moments) saved by 2 stages load into a plan without stages, whose next step equals the
     pipeline's, and one saved without stages loads into 2 stages of other microbatches and schedule (checked on
     the ranks); ``pipeline="auto"`` under a tight budget chooses stages, faster than no stages, and trains as
-    serial."""
+    serial; a stage recomputing to hold its microbatches in flight within the budget trains as serial."""
     got = spawn(_two_process_cases, 2, str(tmp_path), timeout_s=600)
     _two_stages_on_two_processes_train_as_serial([r["1f1b"] for r in got], "1f1b", 4, False)
     _a_loss_outside_the_model_with_its_target_trains_as_serial([r["outside"] for r in got])
     _tied_embeddings_across_stages_under_zero_bubble_train_as_serial([r["tied"] for r in got])
     _auto_chooses_stages_only_where_they_are_faster_and_trains_as_serial([r["auto"] for r in got], staged=True)
+    _a_stage_recomputing_for_its_microbatches_in_flight_trains_as_serial([r["inflight"] for r in got])
 
 
 FOUR = [("tiled", "1f1b", "mp"), ("interleaved", "interleaved-1f1b", "dp"), ("interleaved", "zero-bubble", "mp")]

@@ -37,7 +37,7 @@ from ..rules.base import OpSpec, Strategy, TensorSpec, expand, make_opspec, node
 from ..rules.datadep import data_dependent
 from ..rules.views import RESHAPES, may_copy
 from ..tiling import Partial, R, Replicate, Shard, is_valid
-from .phases import backward_transient, rerun_credit
+from .phases import backward_transient, hold_inflight, rerun_credit
 from .pinning import PINNED, pinned_use, use_tiling
 from .types import Edge, PlanGraph, Var
 from .units import _module_path, _Rerun
@@ -294,6 +294,7 @@ def build(
     pricing: PricingCache | None = None,
     work: SharedWork | None = None,
     priced: bool = True,
+    inflight: int = 1,
 ) -> PlanGraph:
     """Variables and edges of ``cap`` on ``mesh``.
 
@@ -323,7 +324,9 @@ def build(
     ``pricing``: the planner run's ``cost.pricing.PricingCache``, shared by every table it builds (a fresh one
     when none is given).  ``work``: ``SharedWork`` of earlier builds with the same mesh, profile and settings
     (only ``recompute`` may differ).  ``priced=False``: the edges' byte and second tables are left zero
-    (``PlanGraph.priced``; for a lowering, which reads routes only).
+    (``PlanGraph.priced``; for a lowering, which reads routes only).  ``inflight``: the microbatches whose
+    activations are held at once (a pipeline stage's): each op's kept bytes priced that many times
+    (``phases.hold_inflight``).
     """
     if fixed is not None:  # what runs (a plan's record is not read), named as this capture names its nodes
         fixed = (fixed.program if isinstance(fixed, Plan) else fixed).aligned(cap.keys)
@@ -333,7 +336,7 @@ def build(
                         pin_params, local_outputs, lazy_outputs, divide_work, fixed, tuple(gather_axes),
                         dict(gather_of or {}),
                         context_parallel, context_parallel_method, share,
-                        frozenset(fixed.recompute if fixed is not None else recompute), work).run()
+                        frozenset(fixed.recompute if fixed is not None else recompute), work).run(inflight)
 
 
 class NoStrategyLeft(ValueError):
@@ -384,13 +387,14 @@ class _Builder:
         # A fixed graph has one strategy per variable: nothing to share.
         self.memo = _Memo(work) if fixed is None and share else None
 
-    def run(self) -> PlanGraph:
+    def run(self, inflight: int = 1) -> PlanGraph:
         for node in self.cap.graph.nodes:
             if node.op in ("placeholder", "call_function", "output"):
                 getattr(self, node.op)(node)
         g = self.g
         g.fallback_ops = sorted(self.fallback)
         g.data_dependent = data_dependent(self.cap.graph)
+        hold_inflight(g, inflight)  # before the transient and the reruns' buffers, which are one microbatch's
         backward_transient(g)
         self.rerun.working_set(g)
         g.rerun_credit = rerun_credit(g)

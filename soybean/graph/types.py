@@ -124,6 +124,9 @@ class PlanGraph:
     # the sum of its variables' memory minus this constant; ``rerun_freed`` is what one plan's sum over-counts.
     rerun_credit: float = 0.0
     rerun_after: int = 0  # the first variable after the last recomputed op (its ops are freed when units rerun)
+    # Microbatches whose activations are held at once (``PlanOptions.inflight``): each op's kept bytes count that
+    # many times in its ``memory`` (``phases.hold_inflight``); a unit's rerun and the loss's backward, one.
+    inflight: int = 1
     # Trainable parameters read at or after ``rerun_after``: their gradients exist when the last unit reruns.
     rerun_grads: list[int] = field(default_factory=list)
     # The planner run's pricing state (``cost.pricing``): the tables this graph was priced from, shared with the

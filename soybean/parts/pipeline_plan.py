@@ -43,8 +43,6 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
     cut into ``stages * v`` stages, stage ``i`` on group ``i % stages`` (the interleaved schedule).  ``bounds``:
     the cut (``search_pipeline``'s); default even in layers.  ``options``: each stage's planner's
     (``PlanOptions.one_program``).  ``facts``: ``part.value_facts(cap)``, when the caller has them."""
-    from ..planner.core import plan
-
     # the schedule and its virtual stages checked (and defaulted) where every front end checks them, before planning
     virtual_stages = PlanOptions(schedule=schedule, virtual_stages=virtual_stages).virtual
     if stages < 2 or world % stages:
@@ -55,9 +53,8 @@ def plan_pipeline(cap: Captured, world: int, stages: int, microbatches: int, sch
     bounds = list(bounds) if bounds is not None else even_bounds(len(names), total)
     cut = split(cap, bounds)
     per = world // stages
-    # A stage hands its outputs on whole (``run.pipelined``): priced as such, never left split for a lazy read.
-    plans = [plan(None, (), per, options=options.merged(outputs="full"), baselines=False, captured=st.cap)
-             for st in cut]
+    plans = [stage_plan(st.cap, per, options, inflight(schedule, k, stages, microbatches))
+             for k, st in enumerate(cut)]
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
     facts = facts if facts is not None else value_facts(cap)
     per_mb = [microbatch_s(p) + sends_s(facts, st, per, profile) for p, st in zip(plans, cut)]
@@ -198,10 +195,32 @@ def layer_signatures(cap: Captured) -> list[str]:
     return [hashlib.sha1("\n".join(sigs[k]).encode()).hexdigest() for k in layers(cap)]
 
 
+def stage_plan(cap: Captured, per: int, options: PlanOptions, held: int, fallback: bool = True) -> Plan:
+    """A stage's plan on ``per`` devices holding the activations of ``held`` microbatches at once
+    (``PlanOptions.inflight``: the budget and the recomputation search see them all).  Where no plan fits with
+    them (``MemoryBudgetError``), with ``fallback`` its plan with one microbatch's: a forced pipeline still runs,
+    and ``plan_pipeline`` warns that it breaks the budget.  A stage hands its outputs on whole (``run.pipelined``):
+    priced as such, never left split for a lazy read."""
+    from ..planner.core import plan
+    from ..planner.solve import MemoryBudgetError
+
+    def planned(n: int) -> Plan:
+        return plan(None, (), per, options=options.merged(outputs="full", inflight=n), baselines=False, captured=cap)
+
+    if held == 1 or options.memory_gb is None or not fallback:
+        return planned(held)
+    try:
+        return planned(held)
+    except MemoryBudgetError:
+        return planned(1)
+
+
 def stage_memory(p: Plan, held: int) -> float:
-    """A stage's peak bytes per device holding the activations of ``held`` microbatches at once (its own plan's
-    peak counts one)."""
-    return p.memory.get("peak", 0.0) + (held - 1) * p.memory.get("activations", 0.0)
+    """A stage's peak bytes per device holding the activations of ``held`` microbatches at once: its plan's peak
+    where it was planned with them (``stage_plan``), else that peak with the other ``held - inflight`` microbatches'
+    activations added."""
+    per_mb = p.memory.get("activations", 0.0) / p.inflight
+    return p.memory.get("peak", 0.0) + (held - p.inflight) * per_mb
 
 
 def inflight(schedule: str, stage: int, groups: int, microbatches: int) -> int:
@@ -213,11 +232,11 @@ def inflight(schedule: str, stage: int, groups: int, microbatches: int) -> int:
 class StageCosts:
     """Each stage's time per microbatch on its devices, at one microbatch size (``cap``): a range of layers is
     planned once per signature (its ops and shapes, whether it holds what comes before the first layer or after
-    the last), submesh size and microbatches in flight; infinite when its memory with them breaks ``budget``."""
+    the last), submesh size and microbatches in flight, planned with those in flight (``stage_plan``); infinite
+    where no plan fits the budget with them."""
 
-    def __init__(self, cap: Captured, options: PlanOptions, profile: Profile, budget: float | None,
-                 microbatches: int) -> None:
-        self.cap, self.options, self.profile, self.budget, self.m = cap, options, profile, budget, microbatches
+    def __init__(self, cap: Captured, options: PlanOptions, profile: Profile, microbatches: int) -> None:
+        self.cap, self.options, self.profile, self.m = cap, options, profile, microbatches
         self.names, self.sigs = layers(cap), layer_signatures(cap)
         self.facts = value_facts(cap)  # once per microbatch size: every stage's sends read them
         # seconds per microbatch (sends included), memory, gradient sync, sends
@@ -231,7 +250,7 @@ class StageCosts:
 
     def of(self, a: int, b: int, stages: int, k: int = 0) -> float:
         """Layers ``a .. b`` as stage ``k`` of ``stages`` on ``world / stages`` devices (``per``)."""
-        from ..planner.core import SearchError, plan
+        from ..planner.core import SearchError
         from ..planner.solve import MemoryBudgetError
 
         per = self.options.world // stages
@@ -241,15 +260,13 @@ class StageCosts:
             parts = [r for r in ((0, a - 1), (a, b), (b + 1, len(self.names) - 1)) if r[0] <= r[1]]
             st = split(self.cap, parts)[parts.index((a, b))]
             self.plans += 1
-            try:
-                p = plan(None, (), per, options=self.options.merged(outputs="full"), baselines=False, captured=st.cap)
+            try:  # planned with its microbatches in flight: a plan found fits with them
+                p = stage_plan(st.cap, per, self.options, held, fallback=False)
             except (MemoryBudgetError, SearchError):  # no plan of this stage fits (or none was found): never chosen
                 self.memo[key] = (math.inf, math.inf, 0.0, 0.0)
                 return math.inf
             sends = sends_s(self.facts, st, per, self.profile)
-            mem = stage_memory(p, held)
-            fits = self.budget is None or mem <= self.budget
-            self.memo[key] = (microbatch_s(p) + sends if fits else math.inf, mem, sync_s(p), sends)
+            self.memo[key] = (microbatch_s(p) + sends, stage_memory(p, held), sync_s(p), sends)
         return self.memo[key][0]
 
     def bound(self, groups: int, schedule: str, v: int) -> float:
@@ -295,16 +312,16 @@ def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: in
     (``best_cut`` over ``stage_lengths``), the step ``(M + S - 1)`` times the slowest stage; with 2 virtual stages per
     rank group (``2 S`` stages, the even cut: ``even_bounds``) under zero bubble, whose bubble is the least of the
     interleaved schedules for the same stages (``bubble_fraction``), ``M`` times the slowest group over ``1 -
-    bubble``; each plus the gradient synchronisation once (``pipeline_step``) and the tied weights' sums. A stage
-    whose memory with its microbatches in flight (``inflight``, counted as the first stage's: the most) breaks the
-    budget costs infinity.
+    bubble``; each plus the gradient synchronisation once (``pipeline_step``) and the tied weights' sums. Each stage is
+    planned with its microbatches in flight (``inflight``, counted as the first stage's: the most), so its
+    recomputation and layout are chosen to fit them (``stage_plan``); a stage no plan of which fits them costs
+    infinity.
 
     Candidates go in the order of their lower bounds (``StageCosts.bound``, one middle stage planned each); one whose
     bound is no less than the best step so far (or ``incumbent``) is pruned unsearched. Every candidate is in the
     list: its modelled step (``step_time_s``), or its bound and ``pruned`` (``Plan.pipeline["searched"]`` keeps
     it); only the fastest is planned whole (``plan_pipeline``). ``stages``: only that stage count."""
     profile = options.profile if isinstance(options.profile, Profile) else load_profile(options.profile)
-    budget = budget_bytes(options.memory_gb)  # the planner's own: ``--memory-gb`` less its headroom
     best: tuple[float, StageCosts, int, int, str, int, list[tuple[int, int]]] | None = None
     searched: list[dict[str, Any]] = []
     candidates: list[tuple[float, int, int, str, int, StageCosts]] = []
@@ -312,7 +329,7 @@ def search_pipeline(capture_at: Callable[[int], Captured], batch: int, world: in
         degrees = [s for s in range(2, world + 1) if world % s == 0 and s <= m <= 4 * s and stages in (None, s)]
         if not degrees:
             continue
-        costs = StageCosts(capture_at(m), options, profile, budget, m)
+        costs = StageCosts(capture_at(m), options, profile, m)
         n = len(costs.names)
         for s in [d for d in degrees if d <= n]:
             for schedule, v in [("1f1b", 1)] + ([("zero-bubble", 2)] if 2 * s <= n else []):

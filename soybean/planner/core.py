@@ -400,6 +400,7 @@ def to_plan(cap: Captured, r: Result, opts: PlanOptions, profile: str, baselines
         keys=[[n, k] for n, k in cap.keys.items() if n in nodes], moe=moe_records(g, sol),
         context_parallel=context_parallel_records(g, sol), collectives=opts.collectives,
         local_batch=opts.local_batch, gpus_per_node=opts.gpus_per_node, outputs=opts.outputs,
+        inflight=opts.inflight,
     )
 
 

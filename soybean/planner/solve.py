@@ -129,7 +129,7 @@ class Search:
                          local_outputs=o.local_batch, lazy_outputs=o.outputs == "lazy",
                          divide_work=True if o.mode in ("dp", "mp") else None,
                          recompute=recompute, pricing=self.run.pricing, work=work, context_parallel=o.context_parallel,
-                         context_parallel_method=o.context_parallel_method)
+                         context_parallel_method=o.context_parallel_method, inflight=o.inflight)
         except NoStrategyLeft as e:  # an option rules this mesh out
             raise SearchError(str(e)) from e
 

@@ -143,7 +143,8 @@ class Explanation:
 
 def plan_table(cap: Captured, plan: Plan, profile: Profile | None = None) -> PlanGraph:
     """The full candidate table of ``cap`` on the plan's mesh, built as ``planner.plan`` builds it in mode
-    ``auto`` (the plan's objective, recomputed units, input contract and collective algorithms; ``profile``:
+    ``auto`` (the plan's objective, recomputed units, microbatches in flight, input contract and collective
+    algorithms; ``profile``:
     default the plan's)."""
     mesh = Mesh(tuple(plan.mesh))
     prof = with_collectives(profile if profile is not None else _load(plan.profile), plan.collectives)
@@ -151,7 +152,7 @@ def plan_table(cap: Captured, plan: Plan, profile: Profile | None = None) -> Pla
         prof = replace(prof, expert_imbalance=float(plan.moe[0].get("imbalance", 1.0)))
     return build(cap, mesh, prof.on_mesh(mesh, plan.gpus_per_node), objective=plan.objective,
                  domains=batch_split(cap, mesh) if plan.local_batch else None, local_outputs=plan.local_batch,
-                 lazy_outputs=plan.outputs == "lazy", recompute=frozenset(plan.recompute))
+                 lazy_outputs=plan.outputs == "lazy", recompute=frozenset(plan.recompute), inflight=plan.inflight)
 
 
 def _load(name: str) -> Profile:
