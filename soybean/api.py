@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import pickle
 import warnings
@@ -533,21 +534,42 @@ def auto_plan(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptio
     ``solver["pipelines_searched"]``, a pipelined one in ``pipeline["searched"]`` with the other's step
     (``pipeline["without_stages_s"]``).  ``baselines``: the plan returned records every baseline, the one-mesh
     layouts (``soybean.planner.baselines``) and torchtitan's 3-D ones (``pipeline_baselines``).  ``placement``: the plan
-    without stages may place branches on device groups (``placed_or_plain``)."""
+    without stages may place branches on device groups (``placed_or_plain``).
+
+    Which goes first: without a memory budget the plan without stages, whose step prunes the pipelines searched
+    (stages rarely pay where memory does not bind); under a budget the pipelines, whose best step prunes the plan
+    without stages (``planner.plan``'s ``cutoff``: each mesh's search stops at a bound that reaches it, where a
+    mesh that needs recomputation searched to its end took minutes: Llama-3-70B on 64 devices).  A plan without
+    stages pruned so is recorded by its bound (``pipeline["without_stages_bound_s"]``), its step left None.  Either
+    order returns the faster of the two."""
     from .parts import pipeline_baselines
     from .parts.pipeline_plan import search_pipeline
-    from .planner.core import SearchError
+    from .planner.core import Outclassed, SearchError
     from .planner.solve import MemoryBudgetError
 
     plain: Plan | None = None
+    unfit: Exception | None = None
+    outclassed: Outclassed | None = None
     base: dict[str, dict[str, Any]] = {}
-    try:
-        whole = capture(model, args, kwargs, precision=precision)
-        plain = (placed_or_plain(whole, world, opts, say, baselines) if placement and world > 1 else
-                 make_plan(None, (), world, options=opts, baselines=baselines, captured=whole))
-        base.update(plain.baselines)
-    except (MemoryBudgetError, SearchError) as e:  # no stages fit: only stages may
-        unfit: Exception = e
+    whole: Captured | None = None
+
+    def without_stages(cutoff: float | None = None) -> None:
+        nonlocal plain, unfit, outclassed, whole
+        try:
+            if whole is None:
+                whole = capture(model, args, kwargs, precision=precision)
+            plain = (placed_or_plain(whole, world, opts, say, baselines) if placement and world > 1 else
+                     make_plan(None, (), world, options=opts, baselines=baselines, captured=whole, cutoff=cutoff))
+            base.update(plain.baselines)
+        except Outclassed as e:  # no mesh without stages can beat ``cutoff``
+            outclassed = e
+            base.update(e.baselines)
+        except (MemoryBudgetError, SearchError) as e:  # no stages fit: only stages may
+            unfit = e
+
+    pipelines_first = opts.memory_gb is not None and not placement
+    if not pipelines_first:
+        without_stages()
     _, _, batch = micro_inputs(args, kwargs, 1)
 
     @functools.cache
@@ -560,6 +582,8 @@ def auto_plan(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptio
     # a plan runs with).
     fewest = next((m for m in range(2, batch + 1) if batch % m == 0), None)
     if fewest is not None and (why := microbatch_difference(model, args, kwargs, fewest)) is not None:
+        if pipelines_first:
+            without_stages()
         if plain is None:  # no plan without stages fits either: stages with one microbatch may
             try:
                 microbatch_check(why, type(model).__name__, fewest)
@@ -574,12 +598,17 @@ def auto_plan(model: torch.nn.Module, args: tuple, kwargs: dict, opts: PlanOptio
         base.update(pipeline_baselines.price(capture_at, batch, world, opts, say))
     piped, searched = search_pipeline(capture_at, batch, world, opts, say,
                                       incumbent=plain.cost["step_time_s"] if plain is not None else None)
+    if pipelines_first:
+        without_stages(piped.cost["step_time_s"] if piped is not None else None)
     # The plan returned records the search and every baseline: a new Plan, the planned ones left as they were made.
     if plain is not None and (piped is None or piped.cost["step_time_s"] >= plain.cost["step_time_s"]):
         return replace(plain, solver={**plain.solver, "pipelines_searched": searched}, baselines=base)
     if piped is None:
+        assert unfit is not None
         raise unfit
     assert piped.pipeline is not None
     return replace(piped, pipeline={**piped.pipeline,
-                                    "without_stages_s": plain.cost["step_time_s"] if plain is not None else None},
+                                    "without_stages_s": plain.cost["step_time_s"] if plain is not None else None,
+                                    **({"without_stages_bound_s": outclassed.bound}
+                                       if outclassed is not None and math.isfinite(outclassed.bound) else {})},
                    baselines=base)

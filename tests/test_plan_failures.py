@@ -221,3 +221,21 @@ def test_a_plan_over_the_devices_memory_without_a_budget_is_said(capsys: pytest.
     assert "is over cpu-gloo's 12 GiB: give --memory-gb 12 to plan within it" in err
     assert main(args + ["--memory-gb", "10000"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_cutoff_prunes_every_mesh_that_cannot_beat_it() -> None:
+    """``plan(..., cutoff=)`` prunes as another mesh's plan would: above the best plan's step the same plan comes
+    back; below it every mesh is pruned (its bound at least the cutoff: proven) and ``Outclassed`` carries the
+    baselines, priced all the same."""
+    from soybean.planner.core import Outclassed
+
+    model, inputs = mlp(batch=16, hidden=64, layers=4)
+    cap = capture(model, inputs)
+    kw = dict(captured=cap, profile="h100-nvlink")
+    best = plan(None, (), 4, baselines=False, **kw)
+    again = plan(None, (), 4, baselines=False, cutoff=2 * best.cost["step_time_s"], **kw)
+    assert again.cost["step_time_s"] == best.cost["step_time_s"] and again.mesh == best.mesh
+    cut = 0.5 * best.cost["step_time_s"]
+    with pytest.raises(Outclassed) as e:
+        plan(None, (), 4, baselines=True, cutoff=cut, **kw)
+    assert e.value.bound >= cut and {"data_parallel", "fsdp"} <= set(e.value.baselines)

@@ -68,6 +68,7 @@ def plan(
     progress: Callable[[str], None] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     cache_routes: bool = False,
+    cutoff: float | None = None,
     **option_fields: Any,
 ) -> Plan:
     """The best plan for ``model`` on ``devices`` (or on ``mesh``).
@@ -106,16 +107,19 @@ def plan(
     gap, the baselines).
     ``cache_routes``: start from the route walks earlier runs stored on disk, and store this run's
     (``route_cache``; the command line's default, off with ``--no-cache``).
+    ``cutoff``: a step time already reached another way (``api.auto_plan``: a pipelined plan's) that every mesh's
+    search prunes by, as by a plan of another mesh; when no mesh finds a plan under it, ``Outclassed`` says so
+    with the least bound, and the baselines (a run in which no mesh fits any plan raises ``MemoryBudgetError``).
     """
     with gc_paused():  # one cyclic collection at the end, not one per table built (seconds each at scale)
         return _plan(model, example_inputs, devices, options, baselines, captured, progress, example_kwargs,
-                     option_fields, cache_routes)
+                     option_fields, cache_routes, cutoff)
 
 
 def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Tensor, devices: int | None,
           options: PlanOptions | None, baselines: bool, captured: Captured | None,
           progress: Callable[[str], None] | None, example_kwargs: dict[str, Any] | None,
-          option_fields: dict[str, Any], cache_routes: bool = False) -> Plan:
+          option_fields: dict[str, Any], cache_routes: bool = False, cutoff: float | None = None) -> Plan:
     say = progress or (lambda line: None)
     opts = merge_options(options, devices=devices, **option_fields)  # every option checked there
     if plan_kind(opts) != "plain":  # a front end's choice (``options.plan_kind``): planned here, it would be dropped
@@ -169,7 +173,8 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
         low, high = [m for m in ms if m.ndim < 3], [m for m in ms if m.ndim >= 3]
         stages = [low, high] if staged and low and len(high) > FEW_PER_WORKER * jobs else [list(ms)]
         for stage in stages:
-            incumbent = min((r.step_time_s for r in found.results), default=None) if objective == "time" else None
+            incumbent = min((r.step_time_s for r in found.results), default=cutoff) if objective == "time" else None
+            incumbent = min(incumbent, cutoff) if incumbent is not None and cutoff is not None else incumbent
             for m, outcome in each_mesh(by_promise(stage, found.estimate) if staged else stage, solve_mesh, _light,
                                         lambda r: r.step_time_s if objective == "time" else None, jobs, say,
                                         (SearchError, _Floor), incumbent,
@@ -208,6 +213,12 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
         return solve_recompute(cap, m, search, incumbent, tell, floors.get(m), found.frees.get(m) or None)
 
     each(meshes, searched, staged=not found.floors)
+    if not found.results and cutoff is not None and (found.pruned or found.failed):
+        if baselines and found.baselines is None:
+            found.got_baselines(price_base(say))
+        unbounded = len(found.failed) > len(found.stopped)  # a search that found neither a plan nor a bound
+        low = min([r["bound"] for r in found.pruned] + list(found.stopped) + ([-math.inf] if unbounded else []))
+        raise Outclassed(low, cutoff, found.baselines or {})
     if not found.results:
         if found.misfits and not found.failed:
             least = min(found.misfits, key=lambda e: e.least)
@@ -304,6 +315,18 @@ class _Outcomes:
                     r.graph = PlanGraph(r.graph.mesh, r.graph.profile, pricing=run.pricing)
             say(f"mesh {m}: {outcome.value(objective):.4g} ({objective}), "
                 f"gap {relative_gap(sol.objective, sol.bound):.2%}")
+
+
+class Outclassed(Pruned):
+    """No mesh found a plan under ``plan``'s ``cutoff``: each was pruned by it, fits no plan, or found none in its
+    time.  ``bound``: the least bound of what was searched (``-inf`` where a search found neither a plan nor a
+    bound; at least ``cutoff`` where every mesh was pruned or fits none: proven); ``baselines``: the run's records
+    of them, priced all the same."""
+
+    def __init__(self, bound: float, cutoff: float, baselines: dict[str, dict[str, Any]]) -> None:
+        super().__init__(bound, cutoff)
+        self.baselines = baselines
+        self.args = (f"no mesh found a plan under the cutoff {cutoff:.6g} (least bound {bound:.6g})",)
 
 
 def run_bound(results: Sequence[Result], stopped: Sequence[float], objective: str) -> float:

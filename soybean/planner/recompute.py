@@ -545,6 +545,9 @@ def chain_search(cap: Captured, mesh: Mesh, search: Search, chains: Sequence[Seq
     if best is None:
         if pruned is not None and not stopped and lowest >= pruned.cutoff:  # every region reached the incumbent
             raise Pruned(lowest if lowest < math.inf else pruned.bound, pruned.cutoff)
+        cut = cut_of(incumbent, objective)
+        if cut is not None and not stopped and cut <= lowest < math.inf:  # ... by bounds no region raised it with
+            raise Pruned(lowest, cut)
         if stopped:  # choices that could fit were left unsearched: not a misfit, and their bound must be counted
             raise SearchStopped(mesh, lowest)
         if failed:

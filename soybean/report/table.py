@@ -173,6 +173,8 @@ def pipeline_table(plan: Plan) -> str:
                      f"({_bytes(t['bytes'])}) summed across them once per step")
     if pipe.get("without_stages_s") is not None:
         lines.append(f"without stages: {pipe['without_stages_s'] * 1e3:.4g} ms")
+    elif pipe.get("without_stages_bound_s") is not None:  # pruned by the pipeline's step (``api.auto_plan``)
+        lines.append(f"without stages: at least {pipe['without_stages_bound_s'] * 1e3:.4g} ms (bound: not planned)")
     lines += [_total(k, v) for k, v in plan.baselines.items()]
     return "\n".join(lines) + "\n"
 
