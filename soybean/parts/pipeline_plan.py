@@ -14,6 +14,7 @@ stage's submesh chosen by its own planner run.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -243,28 +244,30 @@ class StageCosts:
         self.memo: dict[tuple, tuple[float, float, float, float]] = {}
         self.plans = 0  # stage plans made
 
-    def _key(self, a: int, b: int, stages: int, held: int) -> tuple:
+    def _key(self, a: int, b: int, stages: int, held: int, budgeted: bool = True) -> tuple:
         n = len(self.names)
-        return a == 0, b == n - 1, tuple(self.sigs[a:b + 1]), self.options.world // stages, held
+        return a == 0, b == n - 1, tuple(self.sigs[a:b + 1]), self.options.world // stages, held, budgeted
 
     def of(self, a: int, b: int, stages: int, k: int = 0) -> float:
         """Layers ``a .. b`` as stage ``k`` of ``stages`` on ``world / stages`` devices (``per``), with stage ``k``'s
         microbatches in flight."""
         return self.holding(a, b, stages, inflight("1f1b", k, stages, self.m))
 
-    def holding(self, a: int, b: int, stages: int, held: int) -> float:
-        """Layers ``a .. b`` as a stage of ``stages`` holding ``held`` microbatches in flight."""
+    def holding(self, a: int, b: int, stages: int, held: int, budgeted: bool = True) -> float:
+        """Layers ``a .. b`` as a stage of ``stages`` holding ``held`` microbatches in flight (``budgeted`` False:
+        planned without the memory budget, nothing recomputed)."""
         from ..planner.core import SearchError
         from ..planner.solve import MemoryBudgetError
 
         per = self.options.world // stages
-        key = self._key(a, b, stages, held)
+        key = self._key(a, b, stages, held, budgeted)
         if key not in self.memo:
             parts = [r for r in ((0, a - 1), (a, b), (b + 1, len(self.names) - 1)) if r[0] <= r[1]]
             st = split(self.cap, parts)[parts.index((a, b))]
             self.plans += 1
+            opts = self.options if budgeted else dataclasses.replace(self.options, memory_gb=None)
             try:  # planned with its microbatches in flight: a plan found fits with them
-                p = stage_plan(st.cap, per, self.options, held, fallback=False)
+                p = stage_plan(st.cap, per, opts, held, fallback=False)
             except (MemoryBudgetError, SearchError):  # no plan of this stage fits (or none was found): never chosen
                 self.memo[key] = (math.inf, math.inf, 0.0, 0.0)
                 return math.inf
@@ -278,17 +281,18 @@ class StageCosts:
         virtual stages), and a stage of ``L`` layers costs at least what a middle stage of ``L`` layers costs without
         its sends (a stage holding the embedding or the head does more; one of more layers, more: costs grow with
         the ops); with every stage at that, the step (``pipeline_step``, syncs left out) bounds it.  One middle stage
-        planned, holding one microbatch: more in flight only take plans away (each holds more memory), so its time
-        bounds the stage's with any, and it is the cheapest to plan (Llama-3-70B's 20 layers on 16 devices: 5 s with
-        one, 126 s with the 4 of 1F1B's first stage); 0 when the layers leave no middle stage."""
+        planned without the memory budget: the budget and the microbatches in flight only take plans away, so its
+        time bounds the stage's under any, and it is the cheapest to plan, with no recomputation search
+        (Llama-3-70B's 40 layers on 32 devices: 108 s under the budget with one microbatch, 146 s with two); 0 when
+        the layers leave no middle stage."""
         n = len(self.names)
         length = math.ceil(n / groups) if v == 1 else n // (groups * v)
         if length < 1 or length + 2 > n:
             return 0.0
-        t = self.holding(1, length, groups, 1)
+        t = self.holding(1, length, groups, 1, budgeted=False)
         if not math.isfinite(t):
             return math.inf
-        least = t - self.memo[self._key(1, length, groups, 1)][3]
+        least = t - self.memo[self._key(1, length, groups, 1, False)][3]
         return pipeline_step([least] * v, [0.0] * v, 1, self.m, bubble_fraction(schedule, groups, self.m, v))
 
     def step(self, cut: Sequence[tuple[int, int]], groups: int, schedule: str, v: int) -> float:
