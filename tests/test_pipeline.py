@@ -250,6 +250,23 @@ def test_each_stage_is_planned_with_its_microbatches_in_flight() -> None:
     assert tight[0].inflight == 1  # no plan fits two microbatches: planned with one
 
 
+def test_the_stage_table_says_what_the_plan_without_stages_reached() -> None:
+    """``pipeline_table``'s last line: the plan without stages' step where it was planned, its bound where a
+    pipeline's step pruned it (``api.auto_plan`` under a budget), nothing where neither is known."""
+    from soybean.options import PlanOptions
+    from soybean.parts.pipeline_plan import plan_pipeline
+    from soybean.report.table import pipeline_table
+
+    model, inputs = transformer(batch=4, seq=6, hidden=12, layers=3, heads=2)
+    top = plan_pipeline(capture(model, tuple(x[:2] for x in inputs)), 2, 2, 2, "1f1b", PlanOptions(devices=2))[2]
+    assert top.pipeline is not None
+    assert "without stages" not in pipeline_table(top)
+    top.pipeline.update(without_stages_s=None, without_stages_bound_s=0.0123)
+    assert "without stages: at least 12.3 ms (bound: not planned)" in pipeline_table(top)
+    top.pipeline.update(without_stages_s=0.0456)
+    assert "without stages: 45.6 ms\n" in pipeline_table(top)
+
+
 def test_explain_and_draw_show_each_stage(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """``explain`` and ``draw`` of a pipelined plan (saved, or planned with ``--pipeline``): each stage's row of
     the table (units, ranks, mesh, time per microbatch, memory) and the schedule's bubble, then its own plan
