@@ -27,6 +27,9 @@ from soybean.search.problem import Problem
 pytestmark = pytest.mark.unit
 
 LAYERS = 10  # runs of recomputed and of kept layers of two or more around the last recomputed: k = 4..7
+# The whole planner's time limit where a test plans this setting: its mesh 4 searches to the limit (the Lagrangian
+# leaves a gap it cannot close), and finds its best plan within 5 s on this 2-core box (3 s: a slower plan).
+LIMIT = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -354,7 +357,8 @@ def test_a_search_out_of_time_without_a_plan_is_stopped_with_its_bound(setting: 
     assert e.value.bound <= 1.0 and e.value.mesh == mesh
     monkeypatch.setattr(rc, "solve_table_on", real)
 
-    plan = core.plan(None, devices=4, captured=cap, memory_gb=budget / 2**30, baselines=False, jobs=1)
+    plan = core.plan(None, devices=4, captured=cap, memory_gb=budget / 2**30, baselines=False, jobs=1,
+                     time_limit_s=LIMIT)
     assert plan.solver["bound"] > plan.cost["step_time_s"] * 0.5
     searched = core.solve_recompute
 
@@ -364,7 +368,8 @@ def test_a_search_out_of_time_without_a_plan_is_stopped_with_its_bound(setting: 
         return searched(c, m, *a, **k)
 
     monkeypatch.setattr(core, "solve_recompute", one_stops)
-    stopped = core.plan(None, devices=4, captured=cap, memory_gb=budget / 2**30, baselines=False, jobs=1)
+    stopped = core.plan(None, devices=4, captured=cap, memory_gb=budget / 2**30, baselines=False, jobs=1,
+                     time_limit_s=LIMIT)
     assert stopped.cost["step_time_s"] == pytest.approx(plan.cost["step_time_s"], rel=1e-12)
     assert stopped.solver["bound"] == pytest.approx(plan.cost["step_time_s"] * 0.5, rel=1e-12)
     assert stopped.solver["status"] == "feasible" and stopped.solver["gap"] == pytest.approx(0.5, rel=1e-6)
@@ -379,7 +384,8 @@ def test_a_searched_mesh_bound_below_the_best_plan_counts_in_the_run(setting: tu
     import soybean.planner.core as core
 
     cap, _, search, budget, _ = setting
-    plan = core.plan(None, devices=4, captured=cap, memory_gb=budget / 2**30, baselines=False, jobs=1)
+    plan = core.plan(None, devices=4, captured=cap, memory_gb=budget / 2**30, baselines=False, jobs=1,
+                     time_limit_s=LIMIT)
     step, won = plan.cost["step_time_s"], tuple(plan.mesh)
     searched, lowered = core.solve_recompute, []
 
@@ -393,7 +399,8 @@ def test_a_searched_mesh_bound_below_the_best_plan_counts_in_the_run(setting: tu
         return r
 
     monkeypatch.setattr(core, "solve_recompute", slower_but_lower)
-    counted = core.plan(None, devices=4, captured=cap, memory_gb=budget / 2**30, baselines=False, jobs=1)
+    counted = core.plan(None, devices=4, captured=cap, memory_gb=budget / 2**30, baselines=False, jobs=1,
+                     time_limit_s=LIMIT)
     assert lowered and tuple(counted.mesh) == won
     assert counted.cost["step_time_s"] == pytest.approx(step, rel=1e-12)
     assert counted.solver["bound"] == pytest.approx(0.5 * step, rel=1e-12)
