@@ -208,11 +208,11 @@ def stage_plan(cap: Captured, per: int, options: PlanOptions, held: int, fallbac
     def planned(n: int) -> Plan:
         return plan(None, (), per, options=options.merged(outputs="full", inflight=n), baselines=False, captured=cap)
 
-    if held == 1 or options.memory_gb is None or not fallback:
-        return planned(held)
     try:
         return planned(held)
     except MemoryBudgetError:
+        if held == 1 or not fallback:
+            raise
         return planned(1)
 
 

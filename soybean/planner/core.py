@@ -173,8 +173,8 @@ def _plan(model: torch.nn.Module | None, example_inputs: tuple | dict | torch.Te
         low, high = [m for m in ms if m.ndim < 3], [m for m in ms if m.ndim >= 3]
         stages = [low, high] if staged and low and len(high) > FEW_PER_WORKER * jobs else [list(ms)]
         for stage in stages:
-            incumbent = min((r.step_time_s for r in found.results), default=cutoff) if objective == "time" else None
-            incumbent = min(incumbent, cutoff) if incumbent is not None and cutoff is not None else incumbent
+            known = [r.step_time_s for r in found.results] + ([cutoff] if cutoff is not None else [])
+            incumbent = min(known, default=None) if objective == "time" else None
             for m, outcome in each_mesh(by_promise(stage, found.estimate) if staged else stage, solve_mesh, _light,
                                         lambda r: r.step_time_s if objective == "time" else None, jobs, say,
                                         (SearchError, _Floor), incumbent,

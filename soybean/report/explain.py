@@ -144,8 +144,7 @@ class Explanation:
 def plan_table(cap: Captured, plan: Plan, profile: Profile | None = None) -> PlanGraph:
     """The full candidate table of ``cap`` on the plan's mesh, built as ``planner.plan`` builds it in mode
     ``auto`` (the plan's objective, recomputed units, microbatches in flight, input contract and collective
-    algorithms; ``profile``:
-    default the plan's)."""
+    algorithms; ``profile``: default the plan's)."""
     mesh = Mesh(tuple(plan.mesh))
     prof = with_collectives(profile if profile is not None else _load(plan.profile), plan.collectives)
     if plan.moe:  # routed experts priced at the plan's routing imbalance
